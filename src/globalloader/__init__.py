@@ -1,0 +1,1 @@
+"""globalloader: a fast, resumable data loader that shares loading across training jobs."""

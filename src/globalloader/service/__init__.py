@@ -1,0 +1,1 @@
+"""globalloader.service."""
