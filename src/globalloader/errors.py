@@ -41,3 +41,7 @@ class MissingExtraError(GlobalLoaderError, ImportError):
 
 class ServerGone(GlobalLoaderError):
     """The global loader server stopped answering."""
+
+
+class TransformError(GlobalLoaderError):
+    """A map function raised on a sample; the message names the map, the sample index and key."""

@@ -1,0 +1,57 @@
+"""`Dataset.cache`: keep the output of the deterministic part of a chain, keyed by sample index.
+
+In memory, each process keeps its own dict (right for `mode="thread"` or `workers=0`). On disk,
+every worker and every later run share one folder named by the chain's fingerprint, so a changed
+source or transform never reads stale entries. Entries are written atomically (temp + rename),
+so a crash leaves no half-written sample.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+MISSING = object()
+
+
+class CacheOp:
+    """A cache point in a chain: `get(index)` / `put(index, value)`."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = None if path is None else Path(path)
+        self._folder: Path | None = None
+        self._memory: dict[int, Any] = {}
+
+    def bind(self, fingerprint: str) -> None:
+        """Name the disk folder after the fingerprint of everything before the cache point."""
+        if self.path is not None:
+            self._folder = self.path / fingerprint
+
+    def get(self, index: int) -> Any:
+        if self._folder is None:
+            return self._memory.get(index, MISSING)
+        try:
+            with open(self._folder / f"{index}.pkl", "rb") as f:
+                return pickle.load(f)
+        except FileNotFoundError:
+            return MISSING
+
+    def put(self, index: int, value: Any) -> None:
+        if self._folder is None:
+            self._memory[index] = value
+            return
+        self._folder.mkdir(parents=True, exist_ok=True)
+        tmp = self._folder / f".{index}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, self._folder / f"{index}.pkl")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers start with an empty memory cache rather than a pickled copy of the parent's.
+        return {**self.__dict__, "_memory": {}}
+
+    def describe(self) -> tuple:
+        return ("cache",)
+

@@ -1,0 +1,89 @@
+"""Index-space operators: select, shuffle and shard map output positions to source indices.
+
+Each operator knows its output length from its input length and maps an array of its output
+positions to input positions for an epoch, so a whole chain turns a block of positions into
+source indices with a few vectorized NumPy calls and no per-epoch buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from globalloader.errors import ArgumentError, SampleIndexError
+from globalloader.sampling.permutation import Permutation
+from globalloader.sampling.sharding import check_shard_args, shard_length, shard_positions
+
+
+@dataclass(frozen=True, eq=False)
+class Select:
+    """Keep `indices` (positions of the input, in this order): a job's own index set."""
+
+    indices: np.ndarray
+
+    @classmethod
+    def of(cls, indices: object) -> "Select":
+        try:
+            arr = np.array(indices, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise ArgumentError(f"select: indices must be integers, got {type(indices).__name__}") from exc
+        arr.setflags(write=False)
+        return cls(arr)
+
+    def length(self, n: int) -> int:
+        bad = (self.indices < 0) | (self.indices >= n)
+        if bad.any():
+            raise SampleIndexError(
+                f"select: index {int(self.indices[bad][0])} is out of range for a dataset of {n} samples"
+            )
+        return len(self.indices)
+
+    def parents(self, positions: np.ndarray, n: int, epoch: int) -> np.ndarray:
+        return self.indices[positions]
+
+    def describe(self) -> tuple:
+        return ("select", self.indices)
+
+
+@lru_cache(maxsize=8)
+def _permutation(n: int, seed: int, epoch: int) -> Permutation:
+    return Permutation(n, seed, epoch)
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """A global permutation of the input, new for every epoch, reproducible from the seed."""
+
+    seed: int
+
+    def length(self, n: int) -> int:
+        return n
+
+    def parents(self, positions: np.ndarray, n: int, epoch: int) -> np.ndarray:
+        return _permutation(n, self.seed, epoch)[positions]
+
+    def describe(self) -> tuple:
+        return ("shuffle", self.seed)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's strided share of the input; see `globalloader.sampling.sharding`."""
+
+    rank: int
+    world_size: int
+    uneven: str
+
+    def __post_init__(self) -> None:
+        check_shard_args(self.rank, self.world_size, self.uneven)
+
+    def length(self, n: int) -> int:
+        return shard_length(n, self.rank, self.world_size, self.uneven)
+
+    def parents(self, positions: np.ndarray, n: int, epoch: int) -> np.ndarray:
+        return shard_positions(positions, n, self.rank, self.world_size)
+
+    def describe(self) -> tuple:
+        return ("shard", self.rank, self.world_size, self.uneven)

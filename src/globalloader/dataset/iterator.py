@@ -1,0 +1,87 @@
+"""Sequential in-process iteration of one epoch of a chain, with an exact, resumable position.
+
+The position is (task, offset): the next task to run and, for unbatched chains, how many of its
+samples were already yielded. It is what `state_dict()` returns and all a resume needs, because a
+task's output is a pure function of (chain, epoch, task); the Loader uses the same position.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from globalloader.dataset.plan import Plan
+from globalloader.errors import StateError
+
+
+def make_state(plan: Plan, epoch: int, task: int, offset: int) -> dict[str, Any]:
+    return {"fingerprint": plan.fingerprint, "epoch": epoch, "task": task, "offset": offset}
+
+
+def check_state(plan: Plan, state: dict[str, Any]) -> tuple[int, int, int]:
+    """(epoch, task, offset) from a state dict, refusing one taken from a different chain."""
+    try:
+        fingerprint, epoch, task, offset = (state[k] for k in ("fingerprint", "epoch", "task", "offset"))
+    except (KeyError, TypeError) as exc:
+        raise StateError(f"not a globalloader state dict (missing {exc}): {state!r:.200}") from exc
+    if fingerprint != plan.fingerprint:
+        raise StateError(
+            "state dict was taken from a different chain (source, operators or functions changed): "
+            f"fingerprint {fingerprint} != {plan.fingerprint}"
+        )
+    return int(epoch), int(task), int(offset)
+
+
+class DatasetIterator:
+    """Iterates one epoch of `plan` in the calling thread; `state_dict()` at any point."""
+
+    def __init__(self, plan: Plan, epoch: int = 0, task: int = 0, offset: int = 0) -> None:
+        self.plan, self.epoch = plan, epoch
+        self._start(task, offset)
+
+    def _start(self, task: int, offset: int) -> None:
+        self._next_task = task
+        self._current, self._taken = task, 0  # task whose output is pending, items taken from it
+        self._pending: deque[Any] = deque()
+        self._reader = self.plan.stream_reader(self.epoch, task) if self.plan.is_stream else None
+        if offset and self._fill():
+            for _ in range(offset):
+                self._pending.popleft()
+            self._taken = offset
+
+    def __iter__(self) -> "DatasetIterator":
+        return self
+
+    def _fill(self) -> bool:
+        """Run the next task into `_pending`; False at the end of the epoch."""
+        plan = self.plan
+        if self._reader is not None:
+            items = self._reader.take(plan.task_size)
+            if not items or (plan.batch is not None and plan.batch.drop_last and len(items) < plan.task_size):
+                return False
+        else:
+            if self._next_task >= plan.num_tasks():
+                return False
+            items = plan.task_indices(self.epoch, self._next_task)
+        output = plan.run_task(self.epoch, self._next_task, items).output
+        self._pending.extend([output] if plan.batch is not None else output)
+        self._current, self._taken = self._next_task, 0
+        self._next_task += 1
+        return True
+
+    def __next__(self) -> Any:
+        while not self._pending:
+            if not self._fill():
+                raise StopIteration
+        self._taken += 1
+        return self._pending.popleft()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after the items yielded so far."""
+        if self._pending:
+            return make_state(self.plan, self.epoch, self._current, self._taken)
+        return make_state(self.plan, self.epoch, self._next_task, 0)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, task, offset = check_state(self.plan, state)
+        self._start(task, offset)

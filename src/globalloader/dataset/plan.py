@@ -1,0 +1,223 @@
+"""A chain compiled for execution: which source indices a task covers and how to build it.
+
+The unit of work is a task: one batch (or, for an unbatched chain, a chunk of `CHUNK` samples).
+Task `t` of an epoch always covers the same positions and every random map is seeded by
+(seed, epoch, index), so a task's output is a pure function of (chain, epoch, t): the same for any
+number of workers, in threads or processes, and after a resume. Everything that runs a chain
+(the sequential iterator, the Loader's workers, the global loader's clients) calls `run_task`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from globalloader.dataset.batch import BatchOp
+from globalloader.dataset.cache import MISSING, CacheOp
+from globalloader.dataset.fingerprint import digest
+from globalloader.dataset.index_ops import Select, Shard, Shuffle
+from globalloader.dataset.map import MapOp
+from globalloader.dataset.stream import BufferShuffle, StreamReader, StreamShard, StreamSource
+from globalloader.errors import ArgumentError, GlobalLoaderError, TransformError
+
+CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
+
+IndexOp = Select | Shuffle | Shard
+Timer = dict[str, list[float]]  # stage name -> [items, busy seconds]
+
+
+@dataclass
+class TaskResult:
+    """What a task produced: a batch (None if every sample was skipped) or a list of samples."""
+
+    output: Any
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (index, "key: error")
+
+
+def _record_key(record: Any, index: int) -> str:
+    key = record.get("__key__") if isinstance(record, dict) else None
+    return f"index {index} (key {key!r})" if key is not None else f"index {index}"
+
+
+class Plan:
+    """The compiled form of a `Dataset`'s operator list; validates operator order once."""
+
+    def __init__(self, source: Any, ops: Sequence[Any]) -> None:
+        self.source = source
+        self.is_stream = isinstance(source, StreamSource)
+        self.index_ops: list[Any] = []
+        self.maps: list[MapOp] = []  # per-sample maps, in order
+        self.cache: CacheOp | None = None
+        self.cache_at = 0  # maps before the cache point
+        self.batch: BatchOp | None = None
+        self.batch_maps: list[MapOp] = []
+        self.seed = 0
+        for op in ops:
+            self._add(op)
+        self.lengths = self._lengths()
+        self.fingerprint = digest(
+            getattr(source, "fingerprint", type(source).__qualname__),
+            [op.describe() for op in self.index_ops],
+            [(m.fingerprint, m.shared) for m in self.maps],
+            None if self.batch is None else (self.batch.size, self.batch.drop_last),
+            [m.fingerprint for m in self.batch_maps],
+        )
+        if self.cache is not None:
+            self.cache.bind(
+                digest(getattr(source, "fingerprint", ""), [m.fingerprint for m in self.maps[: self.cache_at]])
+            )
+
+    def _add(self, op: Any) -> None:
+        if isinstance(op, (Select, Shuffle, Shard, BufferShuffle, StreamShard)):
+            if self.batch is not None:
+                raise ArgumentError(f"{op.describe()[0]} must come before batch() in the chain")
+            streaming_op = isinstance(op, (BufferShuffle, StreamShard))
+            if streaming_op != self.is_stream:
+                kind = "a stream" if self.is_stream else "a random-access source"
+                raise ArgumentError(f"{op.describe()[0]} does not apply to {kind}")
+            if isinstance(op, (Shuffle, BufferShuffle)):
+                self.seed = op.seed
+            self.index_ops.append(op)
+        elif isinstance(op, MapOp):
+            if self.batch is not None:
+                self.batch_maps.append(op)
+                return
+            if op.shared and any(m.random for m in self.maps):
+                raise ArgumentError(f"map {op.name!r}: shared=True maps must come before any random map")
+            self.maps.append(op)
+        elif isinstance(op, CacheOp):
+            if self.cache is not None or self.batch is not None or self.is_stream:
+                raise ArgumentError("cache() may appear once, before batch(), on a random-access source")
+            if any(m.random for m in self.maps):
+                raise ArgumentError("cache() must come before any random map (its output must be deterministic)")
+            self.cache, self.cache_at = op, len(self.maps)
+        elif isinstance(op, BatchOp):
+            if self.batch is not None:
+                raise ArgumentError("batch() may appear only once in a chain")
+            self.batch = op
+        else:  # pragma: no cover - Dataset only appends the operators above
+            raise ArgumentError(f"unknown operator {op!r}")
+
+    def _lengths(self) -> list[int | None]:
+        """Length after each index operator; lengths[0] is the source's."""
+        if self.is_stream:
+            lengths: list[int | None] = [self.source.length()]
+        else:
+            lengths = [len(self.source)]
+        for op in self.index_ops:
+            lengths.append(op.length(lengths[-1]))
+        return lengths
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def samples(self) -> int | None:
+        """Samples per epoch after the index operators (None for a stream of unknown length)."""
+        return self.lengths[-1]
+
+    @property
+    def task_size(self) -> int:
+        return self.batch.size if self.batch is not None else CHUNK
+
+    def num_tasks(self) -> int | None:
+        n = self.samples
+        if n is None:
+            return None
+        return self.batch.count(n) if self.batch is not None else -(-n // CHUNK)
+
+    def items_per_epoch(self) -> int | None:
+        """What one epoch yields: batches for a batched chain, else samples."""
+        return self.num_tasks() if self.batch is not None else self.samples
+
+    # -- what a task covers -------------------------------------------------------------------
+    def task_indices(self, epoch: int, task: int) -> np.ndarray:
+        """Source indices of task `task` (random-access chains)."""
+        n = self.samples
+        start = task * self.task_size
+        positions = np.arange(start, min(start + self.task_size, n), dtype=np.int64)
+        for op, parent_len in zip(reversed(self.index_ops), reversed(self.lengths[:-1])):
+            positions = op.parents(positions, parent_len, epoch)
+        return positions
+
+    def stream_reader(self, epoch: int, skip_tasks: int = 0) -> StreamReader:
+        """Records of an epoch of a stream chain, positioned after `skip_tasks` tasks."""
+        return StreamReader(self.source, tuple(self.index_ops), epoch, skip_tasks * self.task_size)
+
+    # -- running a task ----------------------------------------------------------------------
+    def run_task(
+        self,
+        epoch: int,
+        task: int,
+        items: np.ndarray | list[Any],
+        skip_errors: bool = False,
+        timer: Timer | None = None,
+    ) -> TaskResult:
+        """Build task `task` from source indices (random access) or records (streams)."""
+        timer = {} if timer is None else timer
+        result = TaskResult(None)
+        samples = []
+        first = task * self.task_size
+        for offset, item in enumerate(items):
+            index = first + offset if self.is_stream else int(item)
+            try:
+                samples.append(self._sample(epoch, index, item if self.is_stream else MISSING, timer))
+            except Exception as exc:
+                if not skip_errors:
+                    raise
+                result.skipped.append((index, f"{type(exc).__name__}: {exc}"))
+        if self.batch is None:
+            result.output = samples
+            return result
+        if samples:
+            t0 = time.perf_counter()
+            batch = self.batch.collate(samples)
+            _tick(timer, "collate", t0)
+            for k, op in enumerate(self.batch_maps, start=len(self.maps)):
+                batch = self._apply(op, batch, epoch, task, k, timer, batch_level=True)
+            result.output = batch
+        return result
+
+    def _sample(self, epoch: int, index: int, record: Any, timer: Timer) -> Any:
+        start = 0
+        if record is MISSING:
+            if self.cache is not None:
+                t0 = time.perf_counter()
+                record = self.cache.get(index)
+                if record is not MISSING:
+                    _tick(timer, "cache hit", t0)
+                    start = self.cache_at
+            if record is MISSING:
+                t0 = time.perf_counter()
+                record = self.source[index]
+                _tick(timer, "read", t0)
+        for k in range(start, len(self.maps)):
+            if k == self.cache_at and self.cache is not None and start == 0:
+                self.cache.put(index, record)
+            record = self._apply(self.maps[k], record, epoch, index, k, timer)
+        if self.cache is not None and start == 0 and self.cache_at == len(self.maps):
+            self.cache.put(index, record)
+        return record
+
+    def _apply(
+        self, op: MapOp, value: Any, epoch: int, index: int, k: int, timer: Timer, batch_level: bool = False
+    ) -> Any:
+        t0 = time.perf_counter()
+        try:
+            value = op.apply(value, self.seed, epoch, index, k)
+        except GlobalLoaderError:
+            raise
+        except Exception as exc:
+            what = f"batch {index}" if batch_level else f"sample {_record_key(value, index)}"
+            raise TransformError(f"map {op.name!r} failed on {what}: {type(exc).__name__}: {exc}") from exc
+        _tick(timer, op.name, t0)
+        return value
+
+
+def _tick(timer: Timer, stage: str, t0: float) -> None:
+    entry = timer.get(stage)
+    if entry is None:
+        timer[stage] = entry = [0, 0.0]
+    entry[0] += 1
+    entry[1] += time.perf_counter() - t0

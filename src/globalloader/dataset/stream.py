@@ -1,0 +1,159 @@
+"""Streaming sources (no random access): buffer shuffle and strided sharding over an iterator.
+
+A stream is re-iterated from its start every epoch. Resuming is exact by replay: the state is
+the number of records already taken, and a restored reader re-reads and re-shuffles that many
+records (without running any map) before it continues. The buffer shuffle is seeded from
+(seed, epoch), so the replay reproduces the same order.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from globalloader.dataset.fingerprint import digest
+from globalloader.errors import ArgumentError
+from globalloader.sampling.sharding import check_shard_args, shard_length
+
+
+class StreamSource:
+    """A re-iterable record stream: an iterable, a callable returning an iterator, or a source
+    with `iter_records()` (TarShards, Parquet read sequentially)."""
+
+    def __init__(self, iterable: Any) -> None:
+        if not callable(iterable) and not hasattr(iterable, "iter_records"):
+            if not hasattr(iterable, "__iter__"):
+                raise ArgumentError(f"stream: expected an iterable, got {type(iterable).__name__}")
+            if iter(iterable) is iterable:
+                raise ArgumentError(
+                    "stream: got a one-shot iterator; pass something that can be iterated again "
+                    "every epoch (a list, a source, or a function returning an iterator)"
+                )
+        self.iterable = iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        it = self.iterable
+        if hasattr(it, "iter_records"):
+            return iter(it.iter_records())
+        if callable(it) and not hasattr(it, "__iter__"):
+            return iter(it())
+        return iter(it)
+
+    def length(self) -> int | None:
+        try:
+            return len(self.iterable)
+        except TypeError:
+            return None
+
+    @property
+    def fingerprint(self) -> str:
+        fp = getattr(self.iterable, "fingerprint", None)
+        if isinstance(fp, str):
+            return fp
+        if callable(self.iterable) and inspect.isfunction(self.iterable):
+            from globalloader.dataset.fingerprint import fn_fingerprint
+
+            return fn_fingerprint(self.iterable)
+        return digest(type(self.iterable).__qualname__, id(self.iterable))
+
+
+@dataclass(frozen=True)
+class BufferShuffle:
+    """Shuffle within a sliding buffer of `buffer_size` records (the best a stream can do)."""
+
+    buffer_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.buffer_size, int) or self.buffer_size < 1:
+            raise ArgumentError(f"shuffle: buffer_size must be an int >= 1, got {self.buffer_size!r}")
+
+    def apply(self, records: Iterator[Any], epoch: int, length: int | None) -> Iterator[Any]:
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFFFFFFFFFF, epoch, 0xB0F])
+        buffer: list[Any] = []
+        for record in records:
+            if len(buffer) < self.buffer_size:
+                buffer.append(record)
+                continue
+            j = int(rng.integers(self.buffer_size))
+            yield buffer[j]
+            buffer[j] = record
+        for j in rng.permutation(len(buffer)):
+            yield buffer[j]
+
+    def length(self, n: int | None) -> int | None:
+        return n
+
+    def describe(self) -> tuple:
+        return ("buffer_shuffle", self.buffer_size, self.seed)
+
+
+@dataclass(frozen=True)
+class StreamShard:
+    """Every `world_size`-th record from `rank`; "pad"/"drop" need the stream's length."""
+
+    rank: int
+    world_size: int
+    uneven: str
+
+    def __post_init__(self) -> None:
+        check_shard_args(self.rank, self.world_size, self.uneven)
+
+    def length(self, n: int | None) -> int | None:
+        if n is None:
+            if self.uneven != "none":
+                raise ArgumentError(
+                    f"shard(uneven={self.uneven!r}) on a stream needs the stream's length; the "
+                    "source has no len(): pass uneven='none' or a source with a length"
+                )
+            return None
+        return shard_length(n, self.rank, self.world_size, self.uneven)
+
+    def apply(self, records: Iterator[Any], epoch: int, length: int | None) -> Iterator[Any]:
+        target = self.length(length)
+        head: list[Any] = []  # the first world_size records: what a "pad" tail wraps onto
+        taken = 0
+        for ordinal, record in enumerate(records):
+            if ordinal < self.world_size:
+                head.append(record)
+            if ordinal % self.world_size == self.rank:
+                if target is not None and taken >= target:
+                    return
+                taken += 1
+                yield record
+        if target is not None and taken < target and head:
+            yield head[(self.rank + taken * self.world_size) % len(head)]
+
+    def describe(self) -> tuple:
+        return ("stream_shard", self.rank, self.world_size, self.uneven)
+
+
+class StreamReader:
+    """Records of one epoch after the stream operators, counting what was taken (the state)."""
+
+    def __init__(self, source: StreamSource, ops: tuple, epoch: int, skip: int = 0) -> None:
+        length = source.length()
+        records: Iterator[Any] = iter(source)
+        for op in ops:
+            records = op.apply(records, epoch, length)
+            length = op.length(length)
+        self._records = records
+        self.taken = 0
+        for _ in range(skip):
+            if self.take(1) == []:
+                break
+
+    def take(self, count: int) -> list[Any]:
+        """Up to `count` next records; fewer (maybe none) at the end of the epoch."""
+        out = []
+        for record in self._records:
+            out.append(record)
+            if len(out) == count:
+                break
+        self.taken += len(out)
+        return out
+
+

@@ -1,0 +1,255 @@
+"""`Loader`: runs a Dataset chain in parallel workers with prefetch and exact mid-epoch resume.
+
+Work is split into tasks (one batch each; chunks of samples for unbatched chains) assigned to
+workers round-robin and yielded in task order. A task's output depends only on (chain, epoch,
+task), so order and content are the same for any number of workers and either mode, and the
+position (epoch, task, offset) is all a resume needs: whatever was prefetched is recomputed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import deque
+from typing import Any
+
+from globalloader.dataset.chain import Dataset
+from globalloader.dataset.iterator import check_state, make_state
+from globalloader.errors import ArgumentError
+from globalloader.execution.stats import LoaderStats
+from globalloader.execution.workers import InlinePool, ProcessPool, Task, ThreadPool
+
+MODES = ("process", "thread")
+ON_ERROR = ("raise", "skip")
+
+
+class Loader:
+    """Iterate `dataset` with `workers` processes (or threads), `prefetch` tasks in flight.
+
+    Args:
+        dataset: a `gl.Dataset` chain (usually ending in `.batch(n)`).
+        workers: worker processes/threads; 0 runs everything in the iterating thread.
+        mode: "process" (shared-memory transport) or "thread" (for GIL-releasing work).
+        prefetch: tasks in flight across all workers (default 2 per worker).
+        on_error: "raise" stops at the first bad sample; "skip" drops it, counts it in `stats()`
+            and warns at the end of the epoch.
+        timeout: seconds a worker may spend on one task before the Loader gives up on it.
+        start_method: "fork" (fast start) or "spawn"/"forkserver" (chain sent with cloudpickle).
+
+    Not thread-safe: iterate a Loader from one thread. Workers start at the first iteration and
+    persist across epochs until `close()` (or the end of a `with` block).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        workers: int = 0,
+        mode: str = "process",
+        prefetch: int | None = None,
+        on_error: str = "raise",
+        timeout: float = 300.0,
+        start_method: str = "fork",
+    ) -> None:
+        if not isinstance(dataset, Dataset):
+            raise ArgumentError(f"Loader: dataset must be a globalloader.Dataset, got {type(dataset).__name__}")
+        if not isinstance(workers, int) or workers < 0:
+            raise ArgumentError(f"Loader: workers must be an int >= 0, got {workers!r}")
+        if mode not in MODES:
+            raise ArgumentError(f"Loader: mode must be one of {MODES}, got {mode!r}")
+        if on_error not in ON_ERROR:
+            raise ArgumentError(f"Loader: on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
+            raise ArgumentError(f"Loader: prefetch must be an int >= 1, got {prefetch!r}")
+        self.dataset, self.plan = dataset, dataset.plan
+        self.workers, self.mode, self.on_error = workers, mode, on_error
+        self.prefetch = prefetch or max(2, 2 * workers)
+        self._timeout, self._start_method = timeout, start_method
+        self._pool: Any = None
+        self._run: _Run | None = None
+        self._position = (0, 0, 0)  # (epoch, task, offset) where the next iteration starts
+        self._stats = LoaderStats()
+
+    # -- epochs and positions ----------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` at the next iteration (keeps a loaded mid-epoch position of that epoch)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ArgumentError(f"set_epoch: epoch must be an int >= 0, got {epoch!r}")
+        if epoch != self._position[0]:
+            self._position = (epoch, 0, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: loading it into a new Loader yields exactly the remaining items."""
+        epoch, task, offset = self._run.position() if self._run is not None else self._position
+        return make_state(self.plan, epoch, task, offset)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._abandon_run()
+        self._position = check_state(self.plan, state)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    # -- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> "_Run":
+        self._abandon_run()
+        if self._pool is None:
+            self._pool = self._start_pool()
+        self._run = _Run(self, *self._position)
+        return self._run
+
+    def _start_pool(self) -> Any:
+        skip = self.on_error == "skip"
+        if self.workers == 0:
+            return InlinePool(self.plan, skip)
+        if self.mode == "thread":
+            return ThreadPool(self.plan, skip, self.workers)
+        return ProcessPool(self.plan, skip, self.workers, self._start_method, self._timeout)
+
+    def _abandon_run(self) -> None:
+        """Stop the current run (if any), keeping its position; drain what is in flight."""
+        run, self._run = self._run, None
+        if run is not None:
+            self._position = run.position()
+            run.drain()
+
+    def _finished(self, run: "_Run") -> None:
+        self._position = (run.epoch + 1, 0, 0)
+        self._run = None
+
+    def _broken(self) -> None:
+        """A worker failed: the pool cannot be trusted; the next iteration starts a new one."""
+        if self._run is not None:
+            self._position = self._run.position()
+            self._run = None
+        self._close_pool()
+
+    # -- reporting and shutdown --------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per stage: items, busy seconds; workers' idle time; the consumer's wait; skipped samples."""
+        return self._stats.report()
+
+    def _close_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        """Stop the workers and free shared memory (batches still referenced stay valid)."""
+        if self._run is not None:
+            self._position = self._run.position()
+            self._run = None
+        self._close_pool()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_pool", None) is not None and os is not None:
+            try:
+                self._close_pool()
+            except Exception:
+                pass
+
+
+class _Run:
+    """One pass over (the rest of) an epoch; the Loader's iterator."""
+
+    def __init__(self, loader: Loader, epoch: int, task: int, offset: int) -> None:
+        self.loader, self.plan, self.epoch = loader, loader.plan, epoch
+        self._pool, self._width = loader._pool, max(1, loader.workers)
+        self._next_submit = self._next_result = task
+        self._current, self._taken = task, 0
+        self._pending: deque[Any] = deque()
+        self._exhausted = False
+        self._skip_first = offset
+        self._skipped: list[tuple[int, str]] = []
+        self._reader = self.plan.stream_reader(epoch, task) if self.plan.is_stream else None
+        self._total = None if self.plan.is_stream else self.plan.num_tasks()
+        self._last_yield: float | None = None
+
+    def __iter__(self) -> "_Run":
+        return self
+
+    def position(self) -> tuple[int, int, int]:
+        if self._pending:
+            return (self.epoch, self._current, self._taken)
+        if self._skip_first:  # loaded mid-task, nothing yielded yet
+            return (self.epoch, self._current, self._skip_first)
+        return (self.epoch, self._next_result, 0)
+
+    def _submit(self) -> None:
+        plan = self.plan
+        while not self._exhausted and self._next_submit - self._next_result < self.loader.prefetch:
+            t = self._next_submit
+            if self._reader is not None:
+                items = self._reader.take(plan.task_size)
+                short = plan.batch is not None and plan.batch.drop_last and len(items) < plan.task_size
+                if not items or short:
+                    self._exhausted = True
+                    return
+            elif t >= self._total:
+                self._exhausted = True
+                return
+            else:
+                items = plan.task_indices(self.epoch, t)
+            self._pool.submit(t % self._width, Task(self.epoch, t, items))
+            self._next_submit += 1
+
+    def __next__(self) -> Any:
+        stats = self.loader._stats
+        now = time.perf_counter()
+        if self._last_yield is not None:
+            stats.consumer_busy(now - self._last_yield)
+        while not self._pending:
+            self._submit()
+            if self._next_result == self._next_submit:
+                self._end_epoch()
+            t = self._next_result
+            try:
+                res = self._pool.result(t % self._width)
+            except BaseException:
+                self.loader._broken()
+                raise
+            self._next_result += 1
+            self._current, self._taken = t, 0
+            stats.add_task(res.timer, res.idle, len(res.skipped))
+            self._skipped.extend(res.skipped)
+            if res.output is not None:
+                self._pending.extend([res.output] if self.plan.batch is not None else res.output)
+            if self._skip_first:
+                for _ in range(min(self._skip_first, len(self._pending))):
+                    self._pending.popleft()
+                self._taken, self._skip_first = self._skip_first, 0
+            self._submit()
+        self._taken += 1
+        item = self._pending.popleft()
+        self._last_yield = time.perf_counter()
+        stats.consumer_wait(self._last_yield - now)
+        return item
+
+    def _end_epoch(self) -> None:
+        if self._skipped:
+            first = ", ".join(f"index {i}: {msg}" for i, msg in self._skipped[:3])
+            warnings.warn(
+                f"globalloader: skipped {len(self._skipped)} bad sample(s) in epoch {self.epoch} "
+                f"(on_error='skip'); first: {first}",
+                stacklevel=3,
+            )
+            self._skipped = []
+        if self.loader._run is self:
+            self.loader._finished(self)
+        raise StopIteration
+
+    def drain(self) -> None:
+        """Collect (and drop) results still in flight so the workers' pipes are clean."""
+        try:
+            while self._next_result < self._next_submit:
+                self._pool.result(self._next_result % self._width)
+                self._next_result += 1
+        except BaseException:
+            self.loader._close_pool()
+        self._pending.clear()

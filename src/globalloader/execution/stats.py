@@ -1,0 +1,49 @@
+"""What a Loader spends its time on, per stage, so a user can see where the stall is.
+
+Workers time every stage of every task (read, each map, collate, transport) and send the totals
+with each result; the consumer adds how long `next()` waited and how long the training step
+between two `next()` calls took. If the consumer waits, loading is the bottleneck; if workers sit
+idle, the training step is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LoaderStats:
+    def __init__(self) -> None:
+        self._stages: dict[str, list[float]] = {}
+        self._tasks = 0
+        self._worker_idle = 0.0
+        self._consumer = {"items": 0, "wait_s": 0.0, "busy_s": 0.0}
+        self._skipped = 0
+
+    def add_task(self, timer: dict[str, list[float]], idle: float, skipped: int) -> None:
+        for stage, (items, busy) in timer.items():
+            entry = self._stages.setdefault(stage, [0, 0.0])
+            entry[0] += items
+            entry[1] += busy
+        self._tasks += 1
+        self._worker_idle += idle
+        self._skipped += skipped
+
+    def consumer_wait(self, seconds: float) -> None:
+        self._consumer["items"] += 1
+        self._consumer["wait_s"] += seconds
+
+    def consumer_busy(self, seconds: float) -> None:
+        self._consumer["busy_s"] += seconds
+
+    def report(self) -> dict[str, Any]:
+        stages = {name: {"items": int(n), "busy_s": round(busy, 6)} for name, (n, busy) in self._stages.items()}
+        return {
+            "stages": stages,
+            "workers": {
+                "tasks": self._tasks,
+                "busy_s": round(sum(s["busy_s"] for s in stages.values()), 6),
+                "wait_s": round(self._worker_idle, 6),
+            },
+            "consumer": {k: round(v, 6) if isinstance(v, float) else v for k, v in self._consumer.items()},
+            "skipped": self._skipped,
+        }
