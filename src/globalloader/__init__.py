@@ -1,1 +1,31 @@
-"""globalloader: a fast, resumable data loader that shares loading across training jobs."""
+"""globalloader: a fast, resumable data loader that shares loading across training jobs.
+
+    import globalloader as gl
+    ds = gl.Dataset(gl.ImageFolder("train")).shuffle(seed=0).map(decode).batch(256)
+    with gl.Loader(ds, workers=8) as loader:
+        for batch in loader: ...
+"""
+
+from globalloader import errors
+from globalloader.dataset import Dataset, collate
+from globalloader.execution import Loader
+
+try:  # the sources package is re-exported at top level
+    from globalloader import sources
+    from globalloader.sources import ImageFolder, Parquet, TarShards, TarWriter, from_sequence
+except ImportError:  # pragma: no cover - only while sources are being written
+    pass
+
+__all__ = [
+    "Dataset",
+    "ImageFolder",
+    "Loader",
+    "Parquet",
+    "TarShards",
+    "TarWriter",
+    "collate",
+    "errors",
+    "from_sequence",
+    "sources",
+]
+assert __all__ == sorted(__all__)

@@ -58,17 +58,21 @@ class Plan:
         for op in ops:
             self._add(op)
         self.lengths = self._lengths()
+        source_fp = getattr(source, "fingerprint", None)
         self.fingerprint = digest(
-            getattr(source, "fingerprint", type(source).__qualname__),
+            source_fp or (type(source).__qualname__, self.lengths[0]),
             [op.describe() for op in self.index_ops],
             [(m.fingerprint, m.shared) for m in self.maps],
             None if self.batch is None else (self.batch.size, self.batch.drop_last),
             [m.fingerprint for m in self.batch_maps],
         )
         if self.cache is not None:
-            self.cache.bind(
-                digest(getattr(source, "fingerprint", ""), [m.fingerprint for m in self.maps[: self.cache_at]])
-            )
+            if self.cache.path is not None and not isinstance(source_fp, str):
+                raise ArgumentError(
+                    f"cache(path) needs a source with a .fingerprint to key its files; "
+                    f"{type(source).__name__} has none (wrap it: gl.from_sequence(...))"
+                )
+            self.cache.bind(digest(source_fp, [m.fingerprint for m in self.maps[: self.cache_at]]))
 
     def _add(self, op: Any) -> None:
         if isinstance(op, (Select, Shuffle, Shard, BufferShuffle, StreamShard)):

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from globalloader.dataset.fingerprint import digest
+from globalloader.dataset.fingerprint import digest, fn_fingerprint
 from globalloader.errors import ArgumentError
 from globalloader.sampling.sharding import check_shard_args, shard_length
 
@@ -53,11 +53,9 @@ class StreamSource:
         fp = getattr(self.iterable, "fingerprint", None)
         if isinstance(fp, str):
             return fp
-        if callable(self.iterable) and inspect.isfunction(self.iterable):
-            from globalloader.dataset.fingerprint import fn_fingerprint
-
+        if inspect.isfunction(self.iterable):
             return fn_fingerprint(self.iterable)
-        return digest(type(self.iterable).__qualname__, id(self.iterable))
+        return digest(type(self.iterable).__qualname__, self.length())
 
 
 @dataclass(frozen=True)

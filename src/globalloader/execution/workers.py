@@ -175,7 +175,7 @@ class ProcessPool:
         self._reader = BatchReader()
         self._prefix = f"gl-{os.getpid()}-{id(self) & 0xFFFFFF:x}-"
         self._freed = [deque() for _ in range(workers)]
-        self._current: list[Task | None] = [None] * workers
+        self._queued: list[deque[Task]] = [deque() for _ in range(workers)]  # sent, no result yet
         payload: Any = plan
         if start_method != "fork":
             import cloudpickle  # lambdas and local functions must reach a fresh interpreter
@@ -199,7 +199,7 @@ class ProcessPool:
         freed, dq = [], self._freed[worker]
         while dq:
             freed.append(dq.popleft())
-        self._current[worker] = task
+        self._queued[worker].append(task)
         try:
             self._conns[worker].send((task, freed))
         except (BrokenPipeError, OSError):
@@ -213,15 +213,16 @@ class ProcessPool:
             if not conn.poll() and not proc.is_alive():
                 self._raise_dead(worker)
             if time.monotonic() > deadline:
-                task = self._current[worker]
                 raise WorkerError(
                     f"worker {worker} (pid {proc.pid}) sent nothing for {self._timeout:.0f} s "
-                    f"while running task {task.number if task else '?'}: raise Loader(timeout=) for slow chains"
+                    f"while running task {self._queued[worker][0].number}: raise Loader(timeout=) "
+                    "for slow chains"
                 )
         try:
             out = conn.recv()
         except (EOFError, OSError):
             self._raise_dead(worker)
+        self._queued[worker].popleft()
         if not isinstance(out, Result):
             _raise_remote(*out)
         if out.output is not None:
@@ -230,7 +231,8 @@ class ProcessPool:
         return out
 
     def _raise_dead(self, worker: int) -> None:
-        proc, task = self._procs[worker], self._current[worker]
+        proc, queued = self._procs[worker], self._queued[worker]
+        task = queued[0] if queued else None
         proc.join(timeout=1.0)
         where = f" while running task {task.number} of epoch {task.epoch}" if task else ""
         raise WorkerError(f"worker {worker} (pid {proc.pid}) {_exit_reason(proc.exitcode)}{where}")
