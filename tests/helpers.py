@@ -8,7 +8,9 @@ import numpy as np
 
 
 def same(a: Any, b: Any) -> bool:
-    """Deep equality for batches: dicts, sequences, NumPy arrays (dtype and shape included)."""
+    """Deep equality for batches: dicts, sequences, NumPy arrays and tensors (dtype and shape too)."""
+    if type(a).__module__ == "torch" and type(b).__module__ == "torch":
+        a, b = a.numpy(), b.numpy()
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
             isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
