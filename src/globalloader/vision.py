@@ -1,0 +1,576 @@
+"""Image decoding and augmentation on Pillow and NumPy, for loaders that cannot use torchvision.
+
+Speed comes from doing as little pixel work as possible: crop and resize happen in one Pillow call
+(`Image.resize(size, box=...)`), JPEGs are decoded at a reduced scale in the DCT when the output is
+at least twice smaller ("draft"), an image becomes a NumPy array once, and `normalize` runs two
+in-place float32 ufunc passes over long rows.
+
+Functions take and return the same kind of image they are given (Pillow image or uint8 HWC array).
+Random functions draw from a caller's `numpy.random.Generator`, so the dataset chain decides the
+seeding and results are reproducible. Arrays made here may be read-only views: a decoded sample can
+be shared between jobs, so transforms never write into their input.
+
+The record-level classes (`Decode`, `RandomResizedCropFlipNormalize`, `RandomCropFlipNormalize`) are
+frozen dataclasses: they pickle to worker processes and their repr identifies the transform, which
+lets the service recognise the same deterministic prefix across jobs.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import operator
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from globalloader import _extras
+from globalloader.errors import ArgumentError, CorruptSampleError
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "Decode",
+    "RandomCropFlipNormalize",
+    "RandomResizedCropFlipNormalize",
+    "center_crop",
+    "decode_image",
+    "hflip",
+    "normalize",
+    "random_crop",
+    "random_resized_crop",
+    "random_resized_crop_box",
+    "resize_shorter",
+    "to_array",
+]
+
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+_ENCODED = (bytes, bytearray, memoryview)
+
+
+def _pil() -> Any:
+    return _extras.require("PIL.Image", "vision")
+
+
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    # What Pillow raises for bad bytes: unidentified or truncated files (OSError), malformed
+    # headers (SyntaxError, ValueError, struct.error, EOFError, IndexError) and oversized images.
+    return (
+        OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error,
+        _pil().DecompressionBombError,
+    )
+
+
+# ---------------------------------------------------------------------------------------- decoding
+
+def _open(data: Any, name: str) -> PILImage.Image:
+    """Parse only the header, so the size is known before paying for the decode."""
+    if not isinstance(data, _ENCODED + (np.ndarray,)):
+        raise ArgumentError(
+            f"{name}: expected encoded image bytes, got {type(data).__name__}"
+        )
+    if isinstance(data, np.ndarray):
+        data = memoryview(np.ascontiguousarray(data))
+    pil = _pil()
+    try:
+        return pil.open(io.BytesIO(data))
+    except pil.UnidentifiedImageError as exc:
+        head = bytes(memoryview(data)[:8])
+        raise CorruptSampleError(
+            f"cannot decode image {name}: not a known image format (starts with {head!r})"
+        ) from exc
+    except _decode_errors() as exc:
+        raise CorruptSampleError(f"cannot decode image {name}: {exc}") from exc
+
+
+def _finish(
+    img: PILImage.Image, name: str, mode: str | None, min_size: tuple[int, int] | None
+) -> tuple[PILImage.Image, float]:
+    """Decode pixels, at 1/2, 1/4 or 1/8 scale if `min_size` (w, h) still fits; give the scale."""
+    scale = 1.0
+    try:
+        if min_size is not None:
+            full_width = img.size[0]
+            drafted = img.draft(mode, min_size)  # None unless the format scales in the decoder
+            if drafted is not None:
+                scale = full_width / drafted[1][2]
+        img.load()
+        if mode is not None and img.mode != mode:
+            img = img.convert(mode)
+    except _decode_errors() as exc:
+        raise CorruptSampleError(f"cannot decode image {name}: {exc}") from exc
+    return img, scale
+
+
+def decode_image(
+    data: bytes | bytearray | memoryview | np.ndarray,
+    name: str = "<bytes>",
+    mode: str | None = "RGB",
+    *,
+    min_size: tuple[int, int] | None = None,
+) -> PILImage.Image:
+    """Decode encoded image bytes to a Pillow image in `mode` (None keeps the file's mode).
+
+    `min_size` (width, height) lets a JPEG decode at 1/2, 1/4 or 1/8 scale while staying at least
+    that large: several times cheaper than a full decode when the image is then shrunk anyway.
+    Raises CorruptSampleError naming `name` for corrupt or truncated bytes.
+    """
+    img, _ = _finish(_open(data, name), name, mode, min_size)
+    return img
+
+
+def to_array(img: PILImage.Image) -> np.ndarray:
+    """A uint8 HWC array (HxWx1 for one-channel images); read-only, as Pillow exports it."""
+    if isinstance(img, np.ndarray):
+        array = img
+    else:
+        array = np.asarray(img)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.dtype != np.uint8 or array.ndim != 3:
+        raise ArgumentError(
+            f"to_array: expected an 8-bit image, got dtype {array.dtype} and shape {array.shape}; "
+            "convert it to 'RGB' or 'L' first"
+        )
+    return array
+
+
+# ----------------------------------------------------------------------------------- geometry
+
+def _hw(size: int | Sequence[int], name: str = "size") -> tuple[int, int]:
+    """An int or (height, width) pair as a checked (height, width) tuple."""
+    try:
+        if isinstance(size, Sequence):
+            if len(size) != 2:
+                raise TypeError
+            height, width = operator.index(size[0]), operator.index(size[1])
+        else:
+            height = width = operator.index(size)
+    except TypeError:
+        raise ArgumentError(
+            f"{name} must be an int or a (height, width) pair, got {size!r}"
+        ) from None
+    if height <= 0 or width <= 0:
+        raise ArgumentError(f"{name} must be positive, got {size!r}")
+    return height, width
+
+
+def _image_hw(img: Any) -> tuple[int, int]:
+    if isinstance(img, np.ndarray):
+        if img.ndim != 3:
+            raise ArgumentError(f"expected an HWC array, got shape {img.shape}")
+        return img.shape[0], img.shape[1]
+    if not isinstance(img, _pil().Image):
+        raise ArgumentError(
+            f"expected a Pillow image or a uint8 HWC array, got {type(img).__name__}"
+        )
+    return img.size[1], img.size[0]
+
+
+def _check_fits(img_hw: tuple[int, int], crop_hw: tuple[int, int], what: str) -> None:
+    if crop_hw[0] > img_hw[0] or crop_hw[1] > img_hw[1]:
+        raise ArgumentError(
+            f"{what}: crop {crop_hw[0]}x{crop_hw[1]} (HxW) is larger than the image "
+            f"{img_hw[0]}x{img_hw[1]}; resize the image first"
+        )
+
+
+def _crop(img: Any, top: int, left: int, height: int, width: int) -> Any:
+    if isinstance(img, np.ndarray):
+        return img[top:top + height, left:left + width]  # a view: no copy
+    return img.crop((left, top, left + width, top + height))
+
+
+def _shorter_to(width: int, height: int, size: int) -> tuple[int, int]:
+    """(w, h) with the shorter side `size` and the aspect kept (long side truncated)."""
+    if width <= height:
+        return size, max(1, int(size * height / width))
+    return max(1, int(size * width / height)), size
+
+
+def _resample(resample: int | None) -> int:
+    return _pil().Resampling.BILINEAR if resample is None else resample
+
+
+def resize_shorter(img: Any, size: int, resample: int | None = None) -> Any:
+    """Resize so the shorter side is `size` (the ImageNet "resize 256" step); bilinear by default.
+
+    Returns the input unchanged when it already has that size.
+    """
+    (size, _) = _hw(size)
+    height, width = _image_hw(img)
+    target = _shorter_to(width, height, size)
+    if target == (width, height):
+        return img
+    if isinstance(img, np.ndarray):
+        return to_array(_array_to_pil(img).resize(target, _resample(resample)))
+    return img.resize(target, _resample(resample))
+
+
+def center_crop(img: Any, size: int | Sequence[int]) -> Any:
+    """The central (height, width) region, rounded like torchvision; an array crop is a view."""
+    crop_hw = _hw(size)
+    img_hw = _image_hw(img)
+    _check_fits(img_hw, crop_hw, "center_crop")
+    top = int(round((img_hw[0] - crop_hw[0]) / 2.0))
+    left = int(round((img_hw[1] - crop_hw[1]) / 2.0))
+    return _crop(img, top, left, *crop_hw)
+
+
+def random_crop(img: Any, size: int | Sequence[int], rng: np.random.Generator) -> Any:
+    """A uniformly placed (height, width) region; draws top then left from `rng`."""
+    crop_hw = _hw(size)
+    img_hw = _image_hw(img)
+    _check_fits(img_hw, crop_hw, "random_crop")
+    top = int(rng.integers(0, img_hw[0] - crop_hw[0] + 1))
+    left = int(rng.integers(0, img_hw[1] - crop_hw[1] + 1))
+    return _crop(img, top, left, *crop_hw)
+
+
+def random_resized_crop_box(
+    width: int,
+    height: int,
+    rng: np.random.Generator,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> tuple[int, int, int, int]:
+    """(left, top, w, h) of an Inception-style crop, with torchvision's sampling rules.
+
+    Up to 10 tries of an area fraction uniform in `scale` and a log-uniform aspect ratio in
+    `ratio`; if none fits, the largest centred crop whose aspect lies within `ratio`.
+    Separate from the resize so a JPEG can be decoded at reduced scale for the chosen box.
+    """
+    if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
+        raise ArgumentError(
+            f"random_resized_crop: need 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], "
+            f"got scale={scale!r}, ratio={ratio!r}"
+        )
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return left, top, w, h
+    aspect = width / height
+    if aspect < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif aspect > ratio[1]:
+        w, h = int(round(height * ratio[1])), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def random_resized_crop(
+    img: Any,
+    size: int | Sequence[int],
+    rng: np.random.Generator,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    resample: int | None = None,
+) -> Any:
+    """Crop a random area and aspect (see `random_resized_crop_box`) and resize it to `size`.
+
+    One Pillow resize with `box=` does both, so no intermediate crop is made.
+    """
+    out_h, out_w = _hw(size)
+    img_h, img_w = _image_hw(img)
+    left, top, w, h = random_resized_crop_box(img_w, img_h, rng, scale, ratio)
+    as_array = isinstance(img, np.ndarray)
+    pil_img = _array_to_pil(img) if as_array else img
+    out = pil_img.resize((out_w, out_h), _resample(resample), box=(left, top, left + w, top + h))
+    return to_array(out) if as_array else out
+
+
+def hflip(img: Any, rng: np.random.Generator, p: float = 0.5) -> Any:
+    """Mirror left-right with probability `p`; always draws one `rng.random()`.
+
+    An array comes back as a view with a negative stride (no copy); `normalize` handles it.
+    """
+    flip = rng.random() < p
+    if not flip:
+        return img
+    if isinstance(img, np.ndarray):
+        return img[:, ::-1]
+    return img.transpose(_pil().Transpose.FLIP_LEFT_RIGHT)
+
+
+def _array_to_pil(array: np.ndarray) -> PILImage.Image:
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    return _pil().fromarray(np.ascontiguousarray(array))
+
+
+# ---------------------------------------------------------------------------------- normalize
+
+@lru_cache(maxsize=16)
+def _affine(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (scale, offset) per channel with x*scale + offset == (x/255 - mean) / std."""
+    mean64, std64 = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+    if np.any(std64 <= 0):
+        raise ArgumentError(f"normalize: std must be positive, got {std!r}")
+    scale = (1.0 / (255.0 * std64)).astype(np.float32)
+    offset = (-mean64 / std64).astype(np.float32)
+    scale.flags.writeable = offset.flags.writeable = False
+    return scale, offset
+
+
+@lru_cache(maxsize=64)
+def _affine_rows(
+    mean: tuple[float, ...], std: tuple[float, ...], width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, offset) tiled along one image row, so an HWC image is a 2-D (H, W*C) problem."""
+    scale, offset = _affine(mean, std)
+    rows = np.tile(scale, width), np.tile(offset, width)
+    rows[0].flags.writeable = rows[1].flags.writeable = False
+    return rows
+
+
+def normalize(
+    array: np.ndarray,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    chw: bool = False,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """float32 `(array / 255 - mean) / std` from a uint8 HWC array, HWC or (chw=True) CHW.
+
+    One multiply and one in-place add with precomputed float32 scale and offset, no float64
+    temporaries. The loops run along whole rows (an HWC image viewed as H x W*C with tiled
+    constants) because NumPy is several times slower when its inner loop is 3 channels long.
+    `out` (float32, output shape) lets the caller write straight into a batch buffer.
+    """
+    if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 3:
+        raise ArgumentError(
+            "normalize: expected a uint8 HWC array, got "
+            + (f"dtype {array.dtype}, shape {array.shape}" if isinstance(array, np.ndarray)
+               else type(array).__name__)
+        )
+    height, width, channels = array.shape
+    mean_t, std_t = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+    if len(mean_t) != channels or len(std_t) != channels:
+        raise ArgumentError(
+            f"normalize: {channels} channels but mean has {len(mean_t)} and std {len(std_t)} values"
+        )
+    shape = (channels, height, width) if chw else (height, width, channels)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif out.dtype != np.float32 or out.shape != shape:
+        raise ArgumentError(
+            f"normalize: out must be float32 of shape {shape}, got {out.dtype} {out.shape}"
+        )
+    scale, offset = _affine(mean_t, std_t)
+    if chw:
+        np.multiply(array.transpose(2, 0, 1), scale[:, None, None], out=out)
+        out += offset[:, None, None]
+    elif array.strides[2] == 1 and array.strides[1] == channels and out.flags.c_contiguous:
+        scale_row, offset_row = _affine_rows(mean_t, std_t, width)
+        rows_out = out.reshape(height, width * channels)
+        np.multiply(array.reshape(height, width * channels), scale_row, out=rows_out)
+        rows_out += offset_row
+    else:  # flipped or otherwise strided: one long loop per channel
+        for c in range(channels):
+            plane = out[:, :, c]
+            np.multiply(array[:, :, c], scale[c], out=plane)
+            plane += offset[c]
+    return out
+
+
+# ---------------------------------------------------------------------- record-level transforms
+
+def _sample_name(record: Mapping[str, Any]) -> str:
+    key = record.get("__key__")
+    name = f"sample {key!r}" if key is not None else "sample without __key__"
+    url = record.get("__url__")
+    return f"{name} in {url}" if url else name
+
+
+def _field(record: Mapping[str, Any], field: str) -> Any:
+    try:
+        return record[field]
+    except KeyError:
+        raise CorruptSampleError(
+            f"{_sample_name(record)} has no field {field!r} (fields: {sorted(map(str, record))})"
+        ) from None
+
+
+def _is_encoded(value: Any) -> bool:
+    return isinstance(value, _ENCODED) or (isinstance(value, np.ndarray) and value.ndim == 1)
+
+
+def _as_pil(value: Any, name: str, mode: str | None) -> PILImage.Image:
+    """An already decoded field (Pillow image or uint8 array) as a Pillow image in `mode`."""
+    if isinstance(value, np.ndarray):
+        img = _array_to_pil(value)
+    elif isinstance(value, _pil().Image):
+        img = value
+    else:
+        raise ArgumentError(
+            f"{name}: expected encoded bytes, a Pillow image or a uint8 array, "
+            f"got {type(value).__name__}"
+        )
+    return img.convert(mode) if mode is not None and img.mode != mode else img
+
+
+def _tuple2(value: Sequence[float], name: str) -> tuple[float, float]:
+    if len(value) != 2:
+        raise ArgumentError(f"{name} must be a (low, high) pair, got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+@dataclass(frozen=True)
+class Decode:
+    """Record -> record with `field` decoded to a uint8 HWC array, optionally resized.
+
+    Deterministic (the shareable prefix, e.g. `Decode(resize=256)`): the same bytes always give
+    the same array, so the service decodes each sample once for every job. `resize` sets the
+    shorter side; with `draft` a large JPEG is decoded at reduced scale first. Corrupt bytes
+    raise CorruptSampleError naming the record's `__key__` (and `__url__`).
+    """
+
+    field: str = "image"
+    resize: int | None = None
+    mode: str | None = "RGB"
+    draft: bool = True
+
+    def __post_init__(self) -> None:
+        if self.resize is not None and (
+            not isinstance(self.resize, int) or isinstance(self.resize, bool) or self.resize <= 0
+        ):
+            raise ArgumentError(
+                f"Decode: resize must be a positive int (the shorter side), got {self.resize!r}"
+            )
+
+    def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        value = _field(record, self.field)
+        name = _sample_name(record)
+        if not _is_encoded(value):  # already decoded: arrays are taken to be in `mode`
+            image = value if isinstance(value, np.ndarray) else _as_pil(value, name, self.mode)
+            if self.resize is not None:
+                image = resize_shorter(image, self.resize)
+            return {**record, self.field: to_array(image)}
+        img = _open(value, name)
+        if self.resize is None:
+            img, _ = _finish(img, name, self.mode, None)
+            return {**record, self.field: to_array(img)}
+        width, height = img.size
+        target = _shorter_to(width, height, self.resize)
+        drafting = self.draft and target[0] < width
+        img, scale = _finish(img, name, self.mode, target if drafting else None)
+        if img.size != target:
+            box = (0.0, 0.0, width / scale, height / scale)
+            img = img.resize(target, _resample(None), box=box)
+        return {**record, self.field: to_array(img)}
+
+
+@dataclass(frozen=True)
+class RandomResizedCropFlipNormalize:
+    """The ImageNet training transform: random resized crop, horizontal flip, normalize.
+
+    `field` may hold encoded bytes, a Pillow image or a uint8 array; it becomes a float32 array,
+    (size, size, 3) or, with `chw`, (3, size, size). From bytes, the crop box is drawn from the
+    header's size before decoding, so a JPEG is decoded only as finely as the crop needs
+    (`draft`). Draws, in order: the crop (see `random_resized_crop_box`), then the flip.
+    """
+
+    field: str = "image"
+    size: int | tuple[int, int] = 224
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip_p: float = 0.5
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    chw: bool = False
+    mode: str | None = "RGB"
+    draft: bool = True
+
+    def __post_init__(self) -> None:
+        _hw(self.size)
+        if not isinstance(self.size, int):
+            object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
+        scale, ratio = _tuple2(self.scale, "scale"), _tuple2(self.ratio, "ratio")
+        if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
+            raise ArgumentError(f"need 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], "
+                                f"got scale={self.scale!r}, ratio={self.ratio!r}")
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "ratio", ratio)
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        _affine(self.mean, self.std)
+
+    def __call__(self, record: Mapping[str, Any], *, rng: np.random.Generator) -> dict[str, Any]:
+        value = _field(record, self.field)
+        name = _sample_name(record)
+        out_h, out_w = _hw(self.size)
+        if _is_encoded(value):
+            img = _open(value, name)
+            width, height = img.size
+            left, top, w, h = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
+            # Request a decode no smaller than the crop needs: ceil(full * out / crop) per side.
+            min_size = (-(-width * out_w // w), -(-height * out_h // h)) if self.draft else None
+            img, s = _finish(img, name, self.mode, min_size)
+            box = (left / s, top / s, (left + w) / s, (top + h) / s)
+        else:
+            img = _as_pil(value, name, self.mode)
+            width, height = img.size
+            left, top, w, h = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
+            box = (left, top, left + w, top + h)
+        img = img.resize((out_w, out_h), _resample(None), box=box)
+        img = hflip(img, rng, self.flip_p)  # in Pillow: cheap, and the array stays contiguous
+        return {**record, self.field: normalize(to_array(img), self.mean, self.std, self.chw)}
+
+
+@dataclass(frozen=True)
+class RandomCropFlipNormalize:
+    """Random crop, horizontal flip and normalize of an already decoded and resized uint8 array.
+
+    The per-job half of a shared pipeline: after a shared `Decode(resize=256)`, each job crops its
+    own `size` region (a view), flips and normalizes in one pass to float32 (HWC, or CHW with
+    `chw`). Draws, in order: crop top, crop left, flip.
+    """
+
+    field: str = "image"
+    size: int | tuple[int, int] = 224
+    flip_p: float = 0.5
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    chw: bool = False
+
+    def __post_init__(self) -> None:
+        _hw(self.size)
+        if not isinstance(self.size, int):
+            object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        _affine(self.mean, self.std)
+
+    def __call__(self, record: Mapping[str, Any], *, rng: np.random.Generator) -> dict[str, Any]:
+        value = _field(record, self.field)
+        if _is_encoded(value):
+            raise ArgumentError(
+                f"{_sample_name(record)}: field {self.field!r} holds encoded bytes; "
+                f"map Decode(field={self.field!r}, resize=...) before RandomCropFlipNormalize"
+            )
+        array = value if isinstance(value, np.ndarray) else to_array(value)
+        crop_hw = _hw(self.size)
+        if array.ndim != 3 or crop_hw[0] > array.shape[0] or crop_hw[1] > array.shape[1]:
+            raise ArgumentError(
+                f"{_sample_name(record)}: image of shape {array.shape} cannot be cropped to "
+                f"{crop_hw[0]}x{crop_hw[1]}; resize it first (Decode(resize=...))"
+            )
+        array = hflip(random_crop(array, crop_hw, rng), rng, self.flip_p)
+        return {**record, self.field: normalize(array, self.mean, self.std, self.chw)}

@@ -1,0 +1,359 @@
+"""Tests for globalloader.vision: decoding, crops, flips, normalize and the record transforms."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import pickle
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from globalloader import vision
+from globalloader.errors import ArgumentError, CorruptSampleError
+from globalloader.vision import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Decode,
+    RandomCropFlipNormalize,
+    RandomResizedCropFlipNormalize,
+)
+
+
+def coordinate_image(height: int = 200, width: int = 240) -> np.ndarray:
+    """Pixel (y, x) holds (y, x, (y + x) % 256): a crop tells where it came from."""
+    y, x = np.mgrid[0:height, 0:width]
+    return np.stack([y, x, (y + x) % 256], axis=2).astype(np.uint8)
+
+
+def smooth_image(height: int, width: int) -> np.ndarray:
+    """A smooth gradient, which JPEG keeps accurately (within a few levels)."""
+    y, x = np.mgrid[0:height, 0:width]
+    return np.stack(
+        [255 * y / height, 255 * x / width, 128 + 60 * np.sin(x / 50.0) * np.cos(y / 70.0)], axis=2
+    ).astype(np.uint8)
+
+
+def encode(array: np.ndarray, fmt: str = "JPEG", **options: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def reference_normalize(array: np.ndarray, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> np.ndarray:
+    return (array.astype(np.float64) / 255.0 - np.asarray(mean)) / np.asarray(std)
+
+
+# ------------------------------------------------------------------------------------ decoding
+
+def test_decode_jpeg_bytes_gives_the_encoded_picture():
+    original = smooth_image(120, 160)
+    img = vision.decode_image(encode(original, quality=95), "a.jpg")
+    assert img.size == (160, 120) and img.mode == "RGB"
+    assert np.abs(vision.to_array(img).astype(int) - original).mean() < 2.0
+
+
+def test_decode_converts_mode_and_keeps_png_exact():
+    gray = coordinate_image()[:, :, 0]
+    data = encode(gray, "PNG")
+    rgb = vision.to_array(vision.decode_image(data, "g.png"))
+    assert rgb.shape == (200, 240, 3)
+    assert np.array_equal(rgb[:, :, 1], gray)
+    kept = vision.to_array(vision.decode_image(data, "g.png", mode=None))
+    assert kept.shape == (200, 240, 1) and np.array_equal(kept[:, :, 0], gray)
+
+
+@pytest.mark.parametrize("data", [b"", b"not an image at all", b"\xff\xd8\xff\xe0garbage"])
+def test_decode_garbage_names_the_sample(data):
+    with pytest.raises(CorruptSampleError, match="cat/0042.jpg"):
+        vision.decode_image(data, "cat/0042.jpg")
+
+
+def test_decode_truncated_jpeg_names_key_and_url():
+    data = encode(smooth_image(200, 300), quality=90)
+    record = {"__key__": "n0153/img_7", "__url__": "shard-000003.tar",
+              "image": data[: len(data) // 2]}
+    with pytest.raises(CorruptSampleError, match=r"n0153/img_7.*shard-000003\.tar"):
+        Decode(resize=64)(record)
+    with pytest.raises(CorruptSampleError, match="n0153/img_7"):
+        RandomResizedCropFlipNormalize(size=32)(record, rng=np.random.default_rng(0))
+
+
+def test_missing_field_is_reported_with_the_key():
+    with pytest.raises(CorruptSampleError, match=r"'k1'.*'image'.*\['__key__', 'jpg'\]"):
+        Decode()({"__key__": "k1", "jpg": b"..."})
+
+
+def test_decode_record_shapes_and_no_mutation():
+    data = encode(smooth_image(375, 500), quality=90)
+    record = {"__key__": "k", "image": data, "label": 3}
+    out = Decode(resize=256)(record)
+    assert record["image"] is data  # the input record is left alone
+    assert out["label"] == 3 and out["image"].dtype == np.uint8
+    assert out["image"].shape == (256, 341, 3)
+    portrait = Decode(resize=100)({"__key__": "p", "image": encode(smooth_image(300, 200))})
+    assert portrait["image"].shape == (150, 100, 3)
+    full = Decode()(record)["image"]
+    assert full.shape == (375, 500, 3)
+
+
+def test_decode_accepts_decoded_fields():
+    array = coordinate_image()
+    out = Decode(resize=100)({"__key__": "k", "image": array})["image"]
+    assert out.shape == (100, 120, 3)
+    same = Decode()({"__key__": "k", "image": Image.fromarray(array)})["image"]
+    assert np.array_equal(same, array)
+
+
+def test_draft_decode_matches_full_decode():
+    # 1600x1200 -> shorter side 256 lets the JPEG decoder work at 1/4 scale.
+    data = encode(smooth_image(1200, 1600), quality=95)
+    fast = Decode(resize=256)({"__key__": "k", "image": data})["image"]
+    slow = Decode(resize=256, draft=False)({"__key__": "k", "image": data})["image"]
+    assert fast.shape == slow.shape == (256, 341, 3)
+    assert np.abs(fast.astype(int) - slow).mean() < 2.0
+
+
+# ------------------------------------------------------------------------------- geometry
+
+def test_resize_shorter_sizes_and_types():
+    img = Image.fromarray(coordinate_image(200, 240))
+    assert vision.resize_shorter(img, 100).size == (120, 100)
+    assert vision.resize_shorter(coordinate_image(240, 200), 50).shape == (60, 50, 3)
+    assert vision.resize_shorter(img, 200) is img
+
+
+def test_center_crop_position_matches_torchvision_rounding():
+    array = coordinate_image(11, 12)
+    crop = vision.center_crop(array, (4, 5))
+    assert crop.shape == (4, 5, 3)
+    # Rounded, not floored: top = round(7 / 2) = 4, left = round(7 / 2) = 4
+    assert (crop[0, 0, 0], crop[0, 0, 1]) == (4, 4)
+    pil_crop = vision.center_crop(Image.fromarray(array), (4, 5))
+    assert np.array_equal(vision.to_array(pil_crop), crop)
+
+
+@pytest.mark.parametrize("as_pil", [False, True])
+def test_random_crop_lies_inside_and_is_uniformish(as_pil):
+    array = coordinate_image(200, 240)
+    img = Image.fromarray(array) if as_pil else array
+    rng = np.random.default_rng(1)
+    tops, lefts = [], []
+    for _ in range(200):
+        crop = vision.to_array(vision.random_crop(img, (50, 60), rng))
+        assert crop.shape == (50, 60, 3) and crop.dtype == np.uint8
+        top, left = int(crop[0, 0, 0]), int(crop[0, 0, 1])
+        assert 0 <= top <= 150 and 0 <= left <= 180
+        assert np.array_equal(crop, array[top:top + 50, left:left + 60])
+        tops.append(top)
+        lefts.append(left)
+    # Every position is possible: the extremes' neighbourhoods are reached.
+    assert min(tops) < 15 and max(tops) > 135 and min(lefts) < 18 and max(lefts) > 162
+
+
+def test_crop_larger_than_image_is_an_argument_error():
+    with pytest.raises(ArgumentError, match="larger than the image"):
+        vision.random_crop(coordinate_image(20, 20), 21, np.random.default_rng(0))
+    with pytest.raises(ArgumentError, match="size"):
+        vision.center_crop(coordinate_image(20, 20), (0, 5))
+
+
+def test_random_resized_crop_box_respects_scale_and_ratio():
+    rng = np.random.default_rng(2)
+    width, height = 500, 375
+    for _ in range(500):
+        left, top, w, h = vision.random_resized_crop_box(width, height, rng)
+        assert 0 <= left and left + w <= width and 0 <= top and top + h <= height
+        # Rounding w and h moves area and aspect a little past the sampled ranges.
+        assert 0.08 * 0.95 <= w * h / (width * height) <= 1.0
+        assert 3 / 4 * 0.97 <= w / h <= 4 / 3 * 1.03
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "expected"),
+    [(400, 100, (133, 0, 133, 100)),   # too wide: widest 4:3 box, centred
+     (100, 400, (0, 133, 100, 133)),   # too tall: full width, h = w / (3/4), centred
+     (300, 280, (0, 0, 300, 280))],    # within range: the whole image
+)
+def test_random_resized_crop_box_falls_back_to_centre(width, height, expected):
+    # scale > 1 never fits, so all 10 tries fail.
+    box = vision.random_resized_crop_box(width, height, np.random.default_rng(0), scale=(1.5, 2.0))
+    assert box == expected
+
+
+def test_random_resized_crop_resizes_exactly_the_sampled_box():
+    array = coordinate_image(200, 240)
+    for seed in range(20):
+        left, top, w, h = vision.random_resized_crop_box(240, 200, np.random.default_rng(seed))
+        out = vision.random_resized_crop(array, 32, np.random.default_rng(seed))
+        assert out.shape == (32, 32, 3) and out.dtype == np.uint8
+        rows, cols = out[:, :, 0].astype(int), out[:, :, 1].astype(int)
+        assert top - 1 <= rows.min() and rows.max() <= top + h
+        assert left - 1 <= cols.min() and cols.max() <= left + w
+        assert np.all(np.diff(rows[:, 0]) >= 0) and np.all(np.diff(cols[0]) >= 0)
+        pil_img = Image.fromarray(array)
+        pil_out = vision.random_resized_crop(pil_img, 32, np.random.default_rng(seed))
+        assert np.array_equal(vision.to_array(pil_out), out)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_hflip_follows_the_rng_decision(p):
+    array = coordinate_image(20, 30)
+    for seed in range(30):
+        decision = np.random.default_rng(seed).random() < p
+        out = vision.hflip(array, np.random.default_rng(seed), p)
+        assert np.array_equal(out, array[:, ::-1] if decision else array)
+        pil_out = vision.hflip(Image.fromarray(array), np.random.default_rng(seed), p)
+        assert np.array_equal(vision.to_array(pil_out), out)
+
+
+def test_to_array_layouts():
+    assert vision.to_array(Image.new("RGB", (7, 5))).shape == (5, 7, 3)
+    assert vision.to_array(Image.new("L", (7, 5))).shape == (5, 7, 1)
+    with pytest.raises(ArgumentError, match="8-bit"):
+        vision.to_array(Image.new("F", (7, 5)))
+
+
+# ----------------------------------------------------------------------------------- normalize
+
+@pytest.mark.parametrize("layout", ["contiguous", "crop_view", "flipped"])
+@pytest.mark.parametrize("chw", [False, True])
+def test_normalize_matches_float64_reference(layout, chw):
+    base = np.random.default_rng(3).integers(0, 256, (60, 70, 3), dtype=np.uint8)
+    array = {"contiguous": base, "crop_view": base[5:50, 7:61], "flipped": base[:, ::-1]}[layout]
+    out = vision.normalize(array, chw=chw)
+    expected = reference_normalize(array)
+    if chw:
+        expected = expected.transpose(2, 0, 1)
+    assert out.dtype == np.float32 and out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6)
+
+
+def test_normalize_custom_stats_and_out_buffer():
+    array = np.random.default_rng(4).integers(0, 256, (9, 11, 1), dtype=np.uint8)
+    batch = np.zeros((2, 9, 11, 1), np.float32)
+    result = vision.normalize(array, mean=[0.5], std=[0.25], out=batch[1])
+    assert result is batch[1] or np.shares_memory(result, batch)
+    np.testing.assert_allclose(batch[1], reference_normalize(array, [0.5], [0.25]), atol=2e-6)
+    assert not batch[0].any()
+
+
+def test_normalize_rejects_wrong_input():
+    with pytest.raises(ArgumentError, match="uint8"):
+        vision.normalize(np.zeros((4, 4, 3), np.float32))
+    with pytest.raises(ArgumentError, match="3 channels"):
+        vision.normalize(np.zeros((4, 4, 3), np.uint8), mean=[0.5], std=[0.5])
+    with pytest.raises(ArgumentError, match="out"):
+        vision.normalize(np.zeros((4, 4, 3), np.uint8), out=np.zeros((4, 4, 3), np.float64))
+
+
+# ----------------------------------------------------------------------- record transforms
+
+def test_random_crop_flip_normalize_matches_its_parts():
+    array = coordinate_image(256, 250)
+    transform = RandomCropFlipNormalize(size=(100, 120))
+    for seed in range(10):
+        record = {"__key__": "k", "image": array, "label": 1}
+        out = transform(record, rng=np.random.default_rng(seed))
+        rng = np.random.default_rng(seed)
+        top, left = rng.integers(0, 157), rng.integers(0, 131)
+        crop = array[top:top + 100, left:left + 120]
+        if rng.random() < 0.5:
+            crop = crop[:, ::-1]
+        assert out["label"] == 1
+        np.testing.assert_allclose(out["image"], reference_normalize(crop), atol=2e-6)
+
+
+def test_random_crop_flip_normalize_refuses_bytes_and_small_images():
+    with pytest.raises(ArgumentError, match="Decode"):
+        RandomCropFlipNormalize()(
+            {"__key__": "k", "image": b"\xff\xd8"}, rng=np.random.default_rng(0)
+        )
+    with pytest.raises(ArgumentError, match="'small'"):
+        RandomCropFlipNormalize(size=224)(
+            {"__key__": "small", "image": coordinate_image(100, 300)}, rng=np.random.default_rng(0)
+        )
+
+
+@pytest.mark.parametrize("kind", ["bytes", "pil", "array"])
+def test_random_resized_crop_flip_normalize_inputs(kind):
+    array = smooth_image(375, 500)
+    value = {"bytes": encode(array, quality=95), "pil": Image.fromarray(array),
+             "array": array}[kind]
+    transform = RandomResizedCropFlipNormalize(size=64, chw=True)
+    out = transform({"__key__": "k", "image": value}, rng=np.random.default_rng(5))["image"]
+    assert out.shape == (3, 64, 64) and out.dtype == np.float32
+    # Same seed, same output; pixel values within the normalized uint8 range.
+    again = transform({"__key__": "k", "image": value}, rng=np.random.default_rng(5))["image"]
+    assert np.array_equal(out, again)
+    low, high = reference_normalize(np.array([[[0, 0, 0]], [[255, 255, 255]]], np.uint8))
+    hwc = out.transpose(1, 2, 0)
+    assert np.all(hwc >= low - 1e-5) and np.all(hwc <= high + 1e-5)
+
+
+def test_random_resized_crop_flip_normalize_is_seed_driven():
+    data = encode(smooth_image(375, 500), quality=90)
+    transform = RandomResizedCropFlipNormalize(size=48)
+    outputs = [transform({"__key__": "k", "image": data}, rng=np.random.default_rng(s))["image"]
+               for s in range(6)]
+    assert all(o.shape == (48, 48, 3) for o in outputs)
+    assert len({o.tobytes() for o in outputs}) == 6
+
+
+def test_draft_crop_matches_full_decode():
+    # Large image, small output: most crops are decoded at 1/2 to 1/8 scale with draft.
+    data = encode(smooth_image(1200, 1600), quality=95)
+    fast = RandomResizedCropFlipNormalize(size=64)
+    slow = RandomResizedCropFlipNormalize(size=64, draft=False)
+    for seed in range(8):
+        a = fast({"__key__": "k", "image": data}, rng=np.random.default_rng(seed))["image"]
+        b = slow({"__key__": "k", "image": data}, rng=np.random.default_rng(seed))["image"]
+        # 0.05 in normalized units is about 3 grey levels.
+        assert np.abs(a - b).mean() < 0.05
+
+
+def test_transform_arguments_are_checked():
+    with pytest.raises(ArgumentError, match="resize"):
+        Decode(resize=0)
+    with pytest.raises(ArgumentError, match="scale"):
+        RandomResizedCropFlipNormalize(scale=(0.9, 0.1))
+    with pytest.raises(ArgumentError, match="std"):
+        RandomCropFlipNormalize(std=(0.2, 0.0, 0.2))
+
+
+# ------------------------------------------------------------------------------------ pickling
+
+TRANSFORMS = [
+    Decode(resize=64),
+    RandomResizedCropFlipNormalize(size=(40, 48), scale=(0.3, 1.0), chw=True),
+    RandomCropFlipNormalize(size=32, flip_p=0.7, mean=[0.5, 0.5, 0.5], std=[0.2, 0.2, 0.2]),
+]
+
+
+def _apply(transform, record, seed):
+    if isinstance(transform, Decode):
+        return transform(record)["image"]
+    return transform(record, rng=np.random.default_rng(seed))["image"]
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=lambda t: type(t).__name__)
+def test_transforms_pickle_and_keep_behaviour(transform):
+    clone = pickle.loads(pickle.dumps(transform))
+    assert clone == transform and repr(clone) == repr(transform) and hash(clone) == hash(transform)
+    record = {"__key__": "k", "image": coordinate_image(100, 120) if isinstance(
+        transform, RandomCropFlipNormalize) else encode(smooth_image(100, 120))}
+    assert np.array_equal(_apply(clone, record, 7), _apply(transform, record, 7))
+
+
+def test_transforms_run_in_a_worker_process():
+    data = encode(smooth_image(120, 150))
+    record = {"__key__": "k", "image": data}
+    decoded = {"__key__": "k", "image": Decode(resize=64)(record)["image"]}
+    inputs = [record, record, decoded]
+    expected = [_apply(t, r, 3) for t, r in zip(TRANSFORMS, inputs)]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_apply, TRANSFORMS, inputs, [3, 3, 3]))
+    for got, want in zip(results, expected):
+        assert np.array_equal(got, want)
