@@ -157,16 +157,19 @@ class Plan:
         items: np.ndarray | list[Any],
         skip_errors: bool = False,
         timer: Timer | None = None,
+        first_map: int = 0,
     ) -> TaskResult:
-        """Build task `task` from source indices (random access) or records (streams)."""
+        """Build task `task` from source indices, or from (index, record) pairs whose records
+        already went through the first `first_map` maps (stream records: `first_map=0`; records
+        served by the global loader: the shared prefix)."""
         timer = {} if timer is None else timer
         result = TaskResult(None)
         samples = []
-        first = task * self.task_size
-        for offset, item in enumerate(items):
-            index = first + offset if self.is_stream else int(item)
+        pairs = self.is_stream or first_map > 0
+        for item in items:
+            index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
             try:
-                samples.append(self._sample(epoch, index, item if self.is_stream else MISSING, timer))
+                samples.append(self._sample(epoch, index, record, timer, first_map))
             except Exception as exc:
                 if not skip_errors:
                     raise
@@ -183,8 +186,12 @@ class Plan:
             result.output = batch
         return result
 
-    def _sample(self, epoch: int, index: int, record: Any, timer: Timer) -> Any:
-        start = 0
+    def stream_pairs(self, task: int, records: list[Any]) -> list[tuple[int, Any]]:
+        """Stream records of task `task` numbered by their position in the epoch (the rng index)."""
+        first = task * self.task_size
+        return [(first + k, record) for k, record in enumerate(records)]
+
+    def _sample(self, epoch: int, index: int, record: Any, timer: Timer, start: int = 0) -> Any:
         if record is MISSING:
             if self.cache is not None:
                 t0 = time.perf_counter()
@@ -196,11 +203,12 @@ class Plan:
                 t0 = time.perf_counter()
                 record = self.source[index]
                 _tick(timer, "read", t0)
+        computed = start == 0
         for k in range(start, len(self.maps)):
-            if k == self.cache_at and self.cache is not None and start == 0:
+            if k == self.cache_at and self.cache is not None and computed:
                 self.cache.put(index, record)
             record = self._apply(self.maps[k], record, epoch, index, k, timer)
-        if self.cache is not None and start == 0 and self.cache_at == len(self.maps):
+        if self.cache is not None and computed and self.cache_at == len(self.maps):
             self.cache.put(index, record)
         return record
 

@@ -186,11 +186,12 @@ class _Run:
         while not self._exhausted and self._next_submit - self._next_result < self.loader.prefetch:
             t = self._next_submit
             if self._reader is not None:
-                items = self._reader.take(plan.task_size)
-                short = plan.batch is not None and plan.batch.drop_last and len(items) < plan.task_size
-                if not items or short:
+                records = self._reader.take(plan.task_size)
+                short = plan.batch is not None and plan.batch.drop_last and len(records) < plan.task_size
+                if not records or short:
                     self._exhausted = True
                     return
+                items = plan.stream_pairs(t, records)
             elif t >= self._total:
                 self._exhausted = True
                 return

@@ -12,6 +12,7 @@ whose parent died exits by itself.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
@@ -120,9 +121,25 @@ class ThreadPool:
             t.join(timeout=5)
 
 
+def _tune_allocator() -> None:
+    """Keep freed image buffers in the heap instead of returning them to the OS after each sample.
+
+    glibc serves blocks above its mmap threshold (128 KiB at first) with fresh mappings, so every
+    decoded image costs page faults and zeroing: ~0.7 ms of a ~1.6 ms decode + to-array here.
+    Raising the thresholds lets workers reuse the same pages sample after sample.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: the default allocator is fine, only slower
+
+
 def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, parent: int) -> None:
     """A worker process: run tasks from `conn`, write outputs to shared memory, send messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    _tune_allocator()
     if isinstance(plan, bytes):
         plan = pickle.loads(plan)
     writer = BatchWriter(prefix)
