@@ -1,0 +1,61 @@
+"""What every source is: a random-access sequence of dict records with a content fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+from globalloader.errors import ArgumentError, SampleIndexError
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A random-access sequence of records.
+
+    `len(src)` is the number of records and `src[i]` returns record `i` as a dict (with a
+    `"__key__"` entry) for `0 <= i < len(src)`; negative indices are refused, because in a loader
+    they are always a bug. `fingerprint` is a stable string identifying the content (paths,
+    sizes, mtimes or ETags), used as the key for caches and for sharing across jobs.
+
+    Sources are pickled to worker processes: they open file handles lazily, never pickle them,
+    and reopen them in a process other than the one that opened them.
+    """
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+def check_index(index: Any, length: int, source: object) -> int:
+    """Return `index` as an int in [0, length), or raise the error that names it.
+
+    Call it only off the fast path (`type(i) is not int or not 0 <= i < n`): it is the slow,
+    explanatory half of the bounds check.
+    """
+    if isinstance(index, bool):
+        raise ArgumentError(f"index must be an int, got bool ({index}) for {source!r}")
+    try:
+        value = operator.index(index)
+    except TypeError:
+        raise ArgumentError(
+            f"index must be an int, got {type(index).__name__} for {source!r}") from None
+    if value < 0:
+        raise SampleIndexError(
+            f"index {value} is negative; {source!r} has length {length} and takes 0..{length - 1}")
+    if value >= length:
+        raise SampleIndexError(f"index {value} is out of range for {source!r} of length {length}")
+    return value
+
+
+def fingerprint_of(kind: str, parts: Iterable[str]) -> str:
+    """A short stable fingerprint: the source kind plus a hash of its identifying lines."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode("utf-8", "surrogateescape"))
+        digest.update(b"\n")
+    return f"{kind}:{digest.hexdigest()[:32]}"

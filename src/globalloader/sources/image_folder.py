@@ -1,0 +1,124 @@
+"""ImageFolder: `root/class_name/file.jpg` trees as labelled records of encoded image bytes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from globalloader.errors import ArgumentError, SourceError
+from globalloader.sources.base import check_index, fingerprint_of
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".tif", ".tiff", ".webp")
+
+
+class ImageFolder:
+    """Images under `root/<class>/...`, one record per file, labelled by sorted class order.
+
+    Every sub-folder of `root` is a class (`classes`, sorted, so labels match torchvision's
+    ImageFolder); files are found recursively inside each class and sorted by path; matching
+    is case-insensitive on `extensions`. Hidden files and folders (leading dot) are skipped.
+    A record is `{"__key__": "class/stem", "image": bytes, "label": int}`: the bytes are the
+    encoded file, decoding is a later `map` so it can run in workers and be cached.
+
+    Errors: a missing root, or a root with no image, raises SourceError naming the folder; a
+    file deleted after listing raises SourceError naming the file when it is read.
+    `fingerprint` hashes every path, size and mtime; it is computed on first use (one stat per
+    file) and then kept. Holds no open files, so it pickles and forks freely.
+    """
+
+    def __init__(self, root: str | os.PathLike[str],
+                 extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> None:
+        if not isinstance(root, (str, os.PathLike)):
+            raise ArgumentError(f"root must be a str or path, got {type(root).__name__}")
+        if isinstance(extensions, str) or not all(isinstance(e, str) for e in extensions):
+            raise ArgumentError(f"extensions must be a tuple of str, got {extensions!r}")
+        self.root = os.fspath(root)
+        self.extensions = tuple(e.lower() if e.startswith(".") else "." + e.lower()
+                                for e in extensions)
+        if not os.path.isdir(self.root):
+            raise SourceError(f"image folder not found: {self.root}")
+        self.classes: list[str] = sorted(
+            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
+        paths: list[str] = []
+        labels: list[int] = []
+        for label, name in enumerate(self.classes):
+            found = sorted(self._walk(name))
+            paths.extend(found)
+            labels.extend([label] * len(found))
+        if not paths:
+            raise SourceError(f"no images with extensions {self.extensions} under {self.root}/"
+                              "<class>/ (expected the root/class_name/file layout)")
+        self._paths = paths  # relative to root, with '/' separators
+        self._labels = np.asarray(labels, np.int64)
+        self._fingerprint: str | None = None
+
+    def _walk(self, class_name: str) -> list[str]:
+        found = []
+        stack = [class_name]
+        while stack:
+            rel = stack.pop()
+            with os.scandir(os.path.join(self.root, rel)) as entries:
+                for entry in entries:
+                    if entry.name.startswith("."):
+                        continue
+                    child = f"{rel}/{entry.name}"
+                    if entry.is_dir():
+                        stack.append(child)
+                    elif entry.name.lower().endswith(self.extensions):
+                        found.append(child)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index.__class__ is not int or not 0 <= index < len(self._paths):
+            index = check_index(index, len(self._paths), self)
+        rel = self._paths[index]
+        path = os.path.join(self.root, rel)
+        try:
+            data = _read_whole(path)
+        except OSError as exc:
+            raise SourceError(f"cannot read image {path}: {exc.strerror}") from None
+        return {"__key__": rel.rsplit(".", 1)[0], "image": data,
+                "label": int(self._labels[index])}
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Label of every record, in index order (for class-balanced samplers)."""
+        return self._labels
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            lines = []
+            for rel in self._paths:
+                try:
+                    st = os.stat(os.path.join(self.root, rel))
+                except OSError:
+                    raise SourceError(f"image file vanished: {os.path.join(self.root, rel)}"
+                                      ) from None
+                lines.append(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}")
+            self._fingerprint = fingerprint_of("ImageFolder", [os.path.abspath(self.root), *lines])
+        return self._fingerprint
+
+    def __repr__(self) -> str:
+        return f"ImageFolder({self.root!r}, {len(self._paths)} images, {len(self.classes)} classes)"
+
+
+def _read_whole(path: str) -> bytes:
+    """Read a file with raw os calls: about 3 us less per file than `open().read()`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size)
+        if len(data) == size:
+            return data
+        parts = [data]  # a file larger than one read allows, or changing under us
+        while chunk := os.read(fd, 1 << 24):
+            parts.append(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)

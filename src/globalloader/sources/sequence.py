@@ -1,0 +1,62 @@
+"""from_sequence: any in-memory Python sequence as a source, for tests and small data."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+from globalloader.errors import ArgumentError
+from globalloader.sources.base import check_index
+
+
+class SequenceSource:
+    """Records from a Python sequence: dict items as they are, others as `{"__key__", "value"}`.
+
+    Items are returned without copying, so a map that mutates a dict record mutates the
+    sequence. `fingerprint` is a SHA-256 of the pickled sequence, computed on first use and kept
+    (so later mutation of the sequence is not seen); if the items cannot be pickled it falls
+    back to the object's id, which identifies it only within this process's lifetime.
+    """
+
+    def __init__(self, seq: Sequence[Any]) -> None:
+        # Duck-typed, so NumPy arrays and custom containers pass; text and mappings are
+        # refused because indexing them by position is almost always a mistake.
+        if isinstance(seq, (str, bytes, dict)) or not (
+                hasattr(seq, "__len__") and hasattr(seq, "__getitem__")):
+            raise ArgumentError(f"seq must be a sequence (list, tuple, array...), "
+                                f"got {type(seq).__name__}")
+        self.seq = seq
+        self._len = len(seq)
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index.__class__ is not int or not 0 <= index < self._len:
+            index = check_index(index, self._len, self)
+        item = self.seq[index]
+        if isinstance(item, dict):
+            return item
+        return {"__key__": str(index), "value": item}
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            try:
+                blob = pickle.dumps(self.seq, protocol=5)
+            except Exception:  # noqa: BLE001 - any unpicklable item: fall back to identity
+                self._fingerprint = f"sequence-id:{id(self.seq):x}"
+            else:
+                self._fingerprint = f"sequence:{hashlib.sha256(blob).hexdigest()[:32]}"
+        return self._fingerprint
+
+    def __repr__(self) -> str:
+        return f"from_sequence({type(self.seq).__name__} of {self._len})"
+
+
+def from_sequence(seq: Sequence[Any]) -> SequenceSource:
+    """Wrap `seq` (list, tuple, NumPy array, any object with len and [i]) as a source."""
+    return SequenceSource(seq)

@@ -1,0 +1,262 @@
+"""TarShards: WebDataset-style tar shards with random access through a cached member index."""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import os
+import pathlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
+
+import numpy as np
+from tqdm import tqdm
+
+from globalloader import _paths
+from globalloader.errors import ArgumentError, SourceError
+from globalloader.sources import _files, _tar_index
+from globalloader.sources._tar_format import split_key, walk
+from globalloader.sources.base import check_index, fingerprint_of
+
+_STREAM_BUFFER = 1024 * 1024
+
+
+class TarShards:
+    """Records from tar shards in the WebDataset layout, addressable by global index.
+
+    Members are grouped into samples as `webdataset` groups them: the key is the member path up
+    to the first dot of its basename, the field name is the rest, lower-cased; consecutive
+    members with the same key form one sample; `__x__` metadata members and names without an
+    extension are skipped. A record is `{"__key__", "__url__", <ext>: bytes, ...}`, the same
+    dict `webdataset.WebDataset(url)` yields without decoding.
+
+    `urls`: a str with brace patterns (`shard-{000000..000127}.tar`, `{a,b}`) or globs, or a list
+    of them; local paths or any fsspec URL. Each shard is indexed once by a header scan; the
+    index is cached under `index_dir` (default: the globalloader cache folder) keyed by the
+    shard's location, size and mtime/ETag, and reused by later constructions (`scanned` counts
+    the shards this instance had to scan). The index is built on the first `len()` or `[i]`
+    (or `build_index()`), so `iter_records()` alone never needs it. Reads are ranged:
+    `os.pread` on descriptors kept open per process for local shards, `cat_file(path, start,
+    end)` for remote ones.
+
+    Errors: a missing shard raises SourceError at construction; a truncated or corrupt tar
+    (named with the byte offset) raises SourceError when indexed or streamed; an index outside
+    [0, len) raises SampleIndexError.
+    Thread-safe for reads; safe to pickle to, or fork into, worker processes. The index lives in
+    memory (about 16 bytes per sample plus 24 per member) and travels with a pickled source.
+    """
+
+    def __init__(self, urls: Any, *, index_dir: str | os.PathLike[str] | None = None,
+                 threads: int = 8, max_open: int = 256) -> None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ArgumentError(f"threads must be a positive int, got {threads!r}")
+        if not isinstance(max_open, int) or max_open < 0:
+            raise ArgumentError(f"max_open must be an int >= 0, got {max_open!r}")
+        if index_dir is not None and not isinstance(index_dir, (str, os.PathLike)):
+            raise ArgumentError(f"index_dir must be a str, a path or None, got {index_dir!r}")
+        self.shards: list[str] = _files.expand_urls(urls, "urls")
+        self._index_dir = index_dir
+        self._threads = min(threads, len(self.shards))
+        self._reader = _files.RangeReader(max_open)
+        self._remote = [bool(_files.scheme_of(url)) for url in self.shards]
+        with ThreadPoolExecutor(self._threads) as pool:
+            self._stats = list(pool.map(_files.stat, self.shards))
+        self.fingerprint: str = fingerprint_of(
+            "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats)))
+        self.scanned = 0  # shards whose index had to be built by a scan (not read from cache)
+        self._len = 0
+        self._indexed = False
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def build_index(self) -> None:
+        """Load or build every shard's index (done on first `len()` or `[i]`; idempotent)."""
+        with self._lock:
+            if self._indexed:
+                return
+            folder: pathlib.Path | None
+            try:
+                folder = (pathlib.Path(self._index_dir) if self._index_dir is not None
+                          else _paths.cache_dir("tar-index"))
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError:  # a read-only cache costs a scan per construction, not a failure
+                folder = None
+            indexes = []
+            with ThreadPoolExecutor(self._threads) as pool, \
+                    tqdm(total=len(self.shards), desc="indexing tar shards", unit="shard",
+                         delay=2.0, disable=None, leave=False) as bar:
+                jobs = pool.map(lambda i: self._index_one(i, folder), range(len(self.shards)))
+                for index, scanned in jobs:
+                    indexes.append(index)
+                    self.scanned += scanned
+                    bar.update()
+            self._combine(indexes)
+            self._indexed = True
+
+    def _index_one(self, i: int, folder: pathlib.Path | None
+                   ) -> tuple[_tar_index.ShardIndex, bool]:
+        url, st = self.shards[i], self._stats[i]
+        path = _tar_index.index_path(folder, url, st) if folder is not None else None
+        index = _tar_index.load(path) if path is not None else None
+        if index is not None:
+            return index, False
+        index = _tar_index.scan(lambda start, n: self._reader.read(url, start, n),
+                                url, st.size, self._remote[i])
+        if path is not None:
+            _tar_index.save(path, index)
+        return index, True
+
+    def _combine(self, indexes: list[_tar_index.ShardIndex]) -> None:
+        """Join the shard indexes into global arrays, so a lookup is two slices and a bisect."""
+        exts: dict[str, int] = {}
+        member_starts, key_starts, members = [], [], []
+        n_members = n_keys = 0
+        self._shard_start = [0]
+        for index in indexes:
+            remap = np.array([exts.setdefault(e, len(exts)) for e in index.exts] or [0], np.int64)
+            shard_members = index.members.copy()
+            shard_members[:, 2] = remap[shard_members[:, 2]]
+            members.append(shard_members)
+            member_starts.append(index.member_start[:-1] + n_members)
+            key_starts.append(index.key_start[:-1] + n_keys)
+            n_members += len(index.members)
+            n_keys += len(index.keys)
+            self._shard_start.append(self._shard_start[-1] + len(index))
+        # Row i holds sample i's first member and key position; row i + 1 ends them.
+        self._starts = np.stack([np.concatenate([*member_starts, [n_members]]),
+                                 np.concatenate([*key_starts, [n_keys]])], axis=1).astype(np.int64)
+        self._members = np.concatenate(members) if members else np.zeros((0, 3), np.int64)
+        self._keys = b"".join(index.keys for index in indexes)
+        self._exts = list(exts)
+        self._len = self._shard_start[-1]
+
+    def __len__(self) -> int:
+        if not self._indexed:
+            self.build_index()
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index.__class__ is not int or not 0 <= index < self._len:
+            if not self._indexed:
+                self.build_index()
+            index = check_index(index, self._len, self)
+        shard = bisect.bisect_right(self._shard_start, index) - 1
+        url = self.shards[shard]
+        (m0, k0), (m1, k1) = self._starts[index : index + 2].tolist()
+        record: dict[str, Any] = {"__key__": self._keys[k0:k1].decode("utf-8", "surrogateescape"),
+                                  "__url__": url}
+        exts = self._exts
+        members = self._members[m0:m1].tolist()
+        if not self._remote[shard]:
+            read = self._reader.read_local
+            for offset, size, ext in members:
+                data = read(url, offset, size)
+                if len(data) != size:
+                    raise _changed(url, offset)
+                record[exts[ext]] = data
+            return record
+        # Remote: one request for the whole sample (its members are adjacent), then slices.
+        start = members[0][0] if members else 0
+        end = max((o + s for o, s, _ in members), default=start)
+        blob = self._reader.read_remote(url, start, end - start)
+        if len(blob) != end - start:
+            raise _changed(url, start)
+        for offset, size, ext in members:
+            record[exts[ext]] = blob[offset - start : offset - start + size]
+        return record
+
+    def iter_records(self, shards: Any = None) -> Iterator[dict[str, Any]]:
+        """Yield the records of all shards (or of the shard indices in `shards`) in file order.
+
+        Streams each shard sequentially without using the index, so it also reads gzip-compressed
+        tars. Samples never span shards. A plain generator: to resume, restart at a shard.
+        """
+        chosen = range(len(self.shards)) if shards is None else shards
+        for i in chosen:
+            if not isinstance(i, int) or not 0 <= i < len(self.shards):
+                raise ArgumentError(f"shards must hold indices in 0..{len(self.shards) - 1}, "
+                                    f"got {i!r}")
+            yield from _stream_shard(self.shards[i])
+
+    def close(self) -> None:
+        """Close this process's open shard files (later reads reopen them)."""
+        self._reader.close()
+
+    def __repr__(self) -> str:
+        size = f"{self._len} samples" if self._indexed else "not indexed yet"
+        return f"TarShards({len(self.shards)} shards, {size})"
+
+
+def _changed(url: str, offset: int) -> SourceError:
+    return SourceError(f"{url} is shorter than its index says at offset {offset}: the file "
+                       "changed after it was indexed; construct the source again")
+
+
+def _stream_shard(url: str) -> Iterator[dict[str, Any]]:
+    with _files.open_file(url, "rb") as raw:
+        stream: IO[bytes] = raw
+        if raw.read(2) == b"\x1f\x8b":
+            raw.seek(0)
+            stream = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
+        else:
+            raw.seek(0)
+        reader = _ForwardReader(stream, url)
+        sample: dict[str, Any] | None = None
+        for member in walk(reader.read_at, url, None):
+            split = split_key(member.name)
+            if split is None:
+                continue
+            key, ext = split
+            if sample is None or key != sample["__key__"]:
+                if sample is not None:
+                    yield sample
+                sample = {"__key__": key, "__url__": url}
+            elif ext in sample:
+                raise SourceError(f"duplicate member {member.name!r} in {url} at offset "
+                                  f"{member.offset}: sample {key!r} already has a .{ext} field")
+            data = reader.read_at(member.offset, member.size)
+            if len(data) != member.size:
+                raise SourceError(f"truncated tar {url}: member {member.name!r} at offset "
+                                  f"{member.offset - 512} needs {member.size} bytes, "
+                                  f"got {len(data)}")
+            sample[ext] = data
+        if sample is not None:
+            yield sample
+
+
+class _ForwardReader:
+    """`read_at` over a sequential stream: moves forward by seeking or by reading and dropping."""
+
+    def __init__(self, stream: IO[bytes], url: str) -> None:
+        self._stream, self._url, self._pos = stream, url, 0
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        if offset != self._pos:
+            self._skip(offset)
+        parts, got = [], 0
+        while got < length:
+            chunk = self._stream.read(length - got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        self._pos += got
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _skip(self, offset: int) -> None:
+        while self._pos < offset:
+            chunk = self._stream.read(min(offset - self._pos, _STREAM_BUFFER))
+            if not chunk:
+                raise SourceError(f"truncated tar {self._url}: the file ends at byte "
+                                  f"{self._pos}, before offset {offset}")
+            self._pos += len(chunk)

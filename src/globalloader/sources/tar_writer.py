@@ -1,0 +1,164 @@
+"""TarWriter: write samples as WebDataset tar shards, rolling to a new shard by count or size."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from types import TracebackType
+from typing import IO, Any
+
+import numpy as np
+
+from globalloader.errors import ArgumentError
+from globalloader.sources import _files
+
+
+class TarWriter:
+    """Write samples into tar shards that `webdataset` and `TarShards` read back.
+
+    `pattern` is a plain path (one shard) or contains a printf field (`out-%06d.tar`), filled
+    with 0, 1, 2, ... as shards roll over at `maxcount` samples or `maxsize` bytes (a sample is
+    never split; a shard holds at least one). Local paths or fsspec URLs.
+
+    `write(sample)` takes a dict with a str `"__key__"` (no dot in its last path component,
+    since the first dot starts the extension) and one entry per field; other `__x__` entries
+    are ignored. Field values: bytes as-is, str as UTF-8, int/float as decimal text (bools as
+    1/0), NumPy arrays as `.npy` bytes, dict/list as JSON. Field names must be lower-case
+    because readers lower-case them. Members get mode 0o444, owner 0 and mtime 0, so the same
+    samples always give the same bytes (stable fingerprints and caches).
+
+    Shards are created on the first sample written to them (no sample, no file). A file that
+    cannot be created raises SourceError naming it. Not thread-safe. `paths` lists the shards
+    written so far.
+    """
+
+    def __init__(self, pattern: str | os.PathLike[str], maxcount: int | None = None,
+                 maxsize: int | None = None) -> None:
+        if not isinstance(pattern, (str, os.PathLike)):
+            raise ArgumentError(f"pattern must be a str or path, got {type(pattern).__name__}")
+        self.pattern = os.fspath(pattern)
+        for name, value in (("maxcount", maxcount), ("maxsize", maxsize)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ArgumentError(f"{name} must be a positive int or None, got {value!r}")
+        self._numbered = _has_printf_field(self.pattern)
+        if (maxcount or maxsize) and not self._numbered:
+            raise ArgumentError(f"pattern {self.pattern!r} has no printf field such as %06d, so "
+                                "it cannot roll over at maxcount/maxsize")
+        self.maxcount, self.maxsize = maxcount, maxsize
+        self.paths: list[str] = []
+        self._file: IO[bytes] | None = None
+        self._tar: tarfile.TarFile | None = None
+        self._count = self._size = 0
+        self._last_key: str | None = None
+        self._closed = False
+
+    def write(self, sample: dict[str, Any]) -> None:
+        """Append one sample; rolls to the next shard first if this one is full."""
+        if self._closed:
+            raise ArgumentError(f"write() on a closed TarWriter({self.pattern!r})")
+        if not isinstance(sample, dict):
+            raise ArgumentError(f"sample must be a dict, got {type(sample).__name__}")
+        key = sample.get("__key__")
+        if not isinstance(key, str) or not key:
+            raise ArgumentError(f"sample needs a non-empty str '__key__', got {key!r}")
+        if "." in key.rsplit("/", 1)[-1] or key.startswith("__"):
+            raise ArgumentError(f"sample key {key!r}: no dot allowed in its last path part, and "
+                                "no leading '__' (readers would split or skip it)")
+        members = [(name, _encode(key, name, value)) for name, value in sample.items()
+                   if not name.startswith("__")]
+        if not members:
+            raise ArgumentError(f"sample {key!r} has no fields besides '__' entries")
+        nbytes = sum(512 + -(-len(data) // 512) * 512 for _, data in members)
+        if self._tar is None or self._full(nbytes):
+            self._next_shard()
+        elif key == self._last_key:
+            raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would "
+                                "merge the two samples")
+        for name, data in members:
+            info = tarfile.TarInfo(f"{key}.{name}")
+            info.size, info.mode, info.mtime = len(data), 0o444, 0
+            info.uname = info.gname = ""
+            self._tar.addfile(info, io.BytesIO(data))  # type: ignore[union-attr]
+        self._count += 1
+        self._size += nbytes
+        self._last_key = key
+
+    def _full(self, nbytes: int) -> bool:
+        if self.maxcount is not None and self._count >= self.maxcount:
+            return True
+        return self.maxsize is not None and self._count > 0 and self._size + nbytes > self.maxsize
+
+    def _next_shard(self) -> None:
+        self._finish_shard()
+        path = self.pattern % len(self.paths) if self._numbered else self.pattern
+        if not self._numbered and self.paths:
+            raise ArgumentError(f"pattern {self.pattern!r} names one shard only")
+        self._file = _files.open_file(path, "wb")
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)
+        self.paths.append(path)
+        self._count = self._size = 0
+        self._last_key = None
+
+    def _finish_shard(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+            self._file.close()  # type: ignore[union-attr]
+            self._tar = self._file = None
+
+    def close(self) -> None:
+        """Finish the current shard. Closing twice is harmless."""
+        if not self._closed:
+            self._finish_shard()
+            self._closed = True
+
+    def __enter__(self) -> TarWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TarWriter({self.pattern!r}, {len(self.paths)} shards written)"
+
+
+def _has_printf_field(pattern: str) -> bool:
+    try:
+        return pattern % 0 != pattern
+    except TypeError:
+        return False
+    except ValueError as exc:
+        raise ArgumentError(f"pattern {pattern!r} is not a valid printf pattern: {exc}") from None
+
+
+def _encode(key: str, name: str, value: Any) -> bytes:
+    if not name or name != name.lower() or "/" in name:
+        raise ArgumentError(f"sample {key!r}: field name {name!r} must be non-empty lower-case "
+                            "without '/'")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise ArgumentError(f"sample {key!r}: field {name!r} is an object array; "
+                                ".npy without pickle cannot hold it")
+        buffer = io.BytesIO()
+        np.save(buffer, value, allow_pickle=False)
+        return buffer.getvalue()
+    if isinstance(value, (bool, np.bool_)):
+        return str(int(value)).encode()
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return repr(value.item() if isinstance(value, np.generic) else value).encode()
+    if isinstance(value, (dict, list)):
+        try:
+            return json.dumps(value).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise ArgumentError(f"sample {key!r}: field {name!r} is not JSON-serializable: "
+                                f"{exc}") from None
+    raise ArgumentError(f"sample {key!r}: field {name!r} has unsupported type "
+                        f"{type(value).__name__} (use bytes, str, int, float, ndarray, dict, list)")
+

@@ -1,0 +1,143 @@
+"""Parquet source: rows as records across files and row groups, local and fsspec."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import operator
+import os
+import pathlib
+import pickle
+
+import cloudpickle
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from globalloader.errors import ArgumentError, SampleIndexError, SourceError
+from globalloader.sources import Parquet, Source
+
+
+def _table(n: int, start: int = 0) -> pa.Table:
+    ids = list(range(start, start + n))
+    return pa.table({
+        "id": ids,
+        "name": [f"row {i}" for i in ids],
+        "blob": [bytes([i % 256]) * 3 for i in ids],
+        "score": [None if i % 7 == 0 else i / 4 for i in ids],
+        "vec": [list(range(i % 4)) for i in ids],
+        "flag": [i % 2 == 0 for i in ids],
+    })
+
+
+@pytest.fixture
+def files(tmp_path: pathlib.Path) -> list[str]:
+    paths = [str(tmp_path / "part-0.parquet"), str(tmp_path / "part-1.parquet")]
+    pq.write_table(_table(50), paths[0], row_group_size=16)  # groups of 16, 16, 16, 2
+    pq.write_table(_table(20, start=50), paths[1])
+    return paths
+
+
+def _check_row(record: dict, i: int, files: list[str]) -> None:
+    file, row = (files[0], i) if i < 50 else (files[1], i - 50)
+    assert record["__key__"] == f"{file}:{row}"
+    assert record["id"] == i and type(record["id"]) is int
+    assert record["name"] == f"row {i}" and record["blob"] == bytes([i]) * 3
+    assert record["score"] == (None if i % 7 == 0 else i / 4)
+    assert isinstance(record["vec"], np.ndarray) and record["vec"].tolist() == list(range(i % 4))
+    assert record["flag"] is (i % 2 == 0)
+
+
+def test_every_row_in_order(files: list[str]) -> None:
+    src = Parquet(files)
+    assert isinstance(src, Source) and len(src) == 70
+    for i in range(70):
+        _check_row(src[i], i, files)
+
+
+def test_random_order_and_cache_bound(files: list[str]) -> None:
+    src = Parquet(files, cached_row_groups=2)
+    for i in np.random.default_rng(0).permutation(70).tolist():
+        _check_row(src[i], i, files)
+        assert len(src._groups) <= 2
+
+
+def test_columns_glob_and_braces(files: list[str], tmp_path: pathlib.Path) -> None:
+    by_glob = Parquet(str(tmp_path / "*.parquet"), columns=["name", "id"])
+    assert by_glob.files == files
+    assert by_glob[55] == {"__key__": f"{files[1]}:5", "name": "row 55", "id": 55}
+    by_brace = Parquet(str(tmp_path / "part-{0,1}.parquet"))
+    assert by_brace.files == files and len(by_brace) == 70
+
+
+def test_iter_records_and_read_table(files: list[str]) -> None:
+    src = Parquet(files, columns=["id"])
+    assert [r["id"] for r in src.iter_records()] == list(range(70))
+    assert [r["__key__"] for r in src.iter_records()] == [src[i]["__key__"] for i in range(70)]
+    assert src.read_table(1).column("id").to_pylist() == list(range(50, 70))
+    assert src.read_table(files[0]).num_rows == 50
+    with pytest.raises(ArgumentError, match="file must be"):
+        src.read_table(2)
+
+
+def test_fingerprint_tracks_content_and_columns(files: list[str]) -> None:
+    first = Parquet(files)
+    assert Parquet(files).fingerprint == first.fingerprint
+    assert Parquet(files, columns=["id"]).fingerprint != first.fingerprint
+    pq.write_table(_table(21, start=50), files[1])
+    assert Parquet(files).fingerprint != first.fingerprint
+
+
+def test_fsspec_memory_url(tmp_path: pathlib.Path) -> None:
+    import fsspec
+
+    url = f"memory://{tmp_path.name}/data.parquet"
+    with fsspec.open(url, "wb") as f:
+        pq.write_table(_table(30), f, row_group_size=8)
+    src = Parquet(url)
+    assert len(src) == 30 and src[29]["name"] == "row 29" and src[29]["__key__"] == f"{url}:29"
+
+
+def test_pickle_fork_and_spawn(files: list[str]) -> None:
+    src = Parquet(files)
+    expected = [src[i] for i in (0, 20, 69)]
+    clone = pickle.loads(pickle.dumps(src))
+    assert [clone[i]["id"] for i in (0, 20, 69)] == [0, 20, 69]
+    assert cloudpickle.loads(cloudpickle.dumps(src))[20]["name"] == "row 20"
+    reader, writer = multiprocessing.Pipe(duplex=False)
+
+    def child() -> None:
+        inherited = bool(getattr(src._local, "handles", None))
+        writer.send((inherited, [src[i]["name"] for i in (0, 20, 69)]))
+
+    assert src._local.handles  # the parent has open files
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    assert reader.recv() == (False, [r["name"] for r in expected])
+    proc.join(30)
+    assert proc.exitcode == 0
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        assert pool.submit(operator.getitem, src, 69).result()["name"] == "row 69"
+
+
+def test_errors_name_file_column_and_index(files: list[str], tmp_path: pathlib.Path) -> None:
+    missing = str(tmp_path / "missing.parquet")
+    with pytest.raises(SourceError, match=f"file not found: {missing}"):
+        Parquet([files[0], missing])
+    not_parquet = tmp_path / "fake.parquet"
+    not_parquet.write_bytes(os.urandom(100))
+    with pytest.raises(SourceError, match=f"cannot read Parquet file {not_parquet}"):
+        Parquet(str(not_parquet))
+    with pytest.raises(SourceError, match=r"has no column\(s\) \['nope'\]"):
+        Parquet(files, columns=["id", "nope"])
+    with pytest.raises(ArgumentError, match="columns"):
+        Parquet(files, columns="id")  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="paths"):
+        Parquet(7)
+    src = Parquet(files)
+    with pytest.raises(SampleIndexError, match="index 70 .*length 70"):
+        src[70]
+    with pytest.raises(SampleIndexError, match="index -1"):
+        src[-1]

@@ -1,0 +1,61 @@
+"""from_sequence: in-memory sequences as sources."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+from globalloader.errors import ArgumentError, SampleIndexError
+from globalloader.sources import Source, from_sequence
+
+
+def test_dicts_as_is_and_other_items_wrapped() -> None:
+    record = {"__key__": "a", "x": 1}
+    src = from_sequence([record, 5, "text"])
+    assert isinstance(src, Source) and len(src) == 3
+    assert src[0] is record
+    assert src[1] == {"__key__": "1", "value": 5}
+    assert src[2] == {"__key__": "2", "value": "text"}
+
+
+def test_numpy_array_and_range() -> None:
+    assert from_sequence(np.arange(4) * 2)[3] == {"__key__": "3", "value": 6}
+    assert len(from_sequence(range(10))) == 10
+
+
+def test_fingerprint_hashes_content() -> None:
+    assert from_sequence([1, 2, 3]).fingerprint == from_sequence([1, 2, 3]).fingerprint
+    assert from_sequence([1, 2, 3]).fingerprint != from_sequence([1, 2, 4]).fingerprint
+    assert from_sequence([1, 2, 3]).fingerprint.startswith("sequence:")
+
+
+def test_unpicklable_items_fall_back_to_identity() -> None:
+    items = [threading.Lock()]
+    src = from_sequence(items)
+    assert src.fingerprint == f"sequence-id:{id(items):x}"
+    assert from_sequence(items).fingerprint == src.fingerprint
+
+
+def test_pickles() -> None:
+    src = from_sequence([{"__key__": "k", "v": np.ones(3)}])
+    clone = pickle.loads(pickle.dumps(src))
+    assert clone.fingerprint == src.fingerprint and clone[0]["__key__"] == "k"
+
+
+@pytest.mark.parametrize("bad", [5, "abc", b"abc", {"a": 1}, None])
+def test_rejects_non_sequences(bad: object) -> None:
+    with pytest.raises(ArgumentError, match="seq must be a sequence"):
+        from_sequence(bad)  # type: ignore[arg-type]
+
+
+def test_index_errors() -> None:
+    src = from_sequence([1, 2])
+    with pytest.raises(SampleIndexError, match="index 2 is out of range .* length 2"):
+        src[2]
+    with pytest.raises(SampleIndexError, match="index -1 is negative"):
+        src[-1]
+    with pytest.raises(ArgumentError, match="got float"):
+        src[0.0]  # type: ignore[index]
