@@ -17,7 +17,7 @@ def test_env_var_wins(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_xdg_then_home(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("GLOBALLOADER_CACHE_DIR")
+    monkeypatch.delenv("GLOBALLOADER_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "globalloader"
     monkeypatch.delenv("XDG_CACHE_HOME")

@@ -1,4 +1,4 @@
-"""Shared fixtures for the sources tests: an isolated cache folder and small shard builders."""
+"""Shared fixtures for the sources tests: small shard builders."""
 
 from __future__ import annotations
 
@@ -8,14 +8,6 @@ from collections.abc import Callable
 import pytest
 
 from globalloader.sources import TarWriter
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
-    """Every test gets its own cache folder, so index reuse is never carried between tests."""
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("GLOBALLOADER_CACHE_DIR", str(folder))
-    return folder
 
 
 @pytest.fixture

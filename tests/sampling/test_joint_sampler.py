@@ -1,0 +1,639 @@
+"""Tests for globalloader.sampling.joint.JointSampler.
+
+Contract (SAMPLER.md): per epoch every index of a job exactly once; each job's order uniform and
+its epochs independent whatever the other jobs do; exact resume. The statistical tests run fixed
+seeds at alpha = 0.001 and each kind of test is shown to reject a biased control sampler.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import pickle
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from scipy import stats
+
+from globalloader.errors import ArgumentError, SampleIndexError, StateError
+from globalloader.sampling import JointSampler
+
+ALPHA = 0.001
+
+
+# -- a buffer pool and the statistics -------------------------------------------------------
+
+
+class _Pool:
+    """A buffer pool of `capacity` samples in front of a sampler.
+
+    "lru": a hit refreshes the sample. "wanted": LRU, but samples no job still wants go first.
+    """
+
+    def __init__(self, sampler: object, capacity: int, policy: str = "lru") -> None:
+        self.sampler = sampler
+        self.capacity = capacity
+        self.policy = policy
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def serve(self, index: int) -> None:
+        if index in self.order:
+            self.order.move_to_end(index)
+        else:
+            if len(self.order) >= self.capacity:
+                old, _ = self.order.popitem(last=False)
+                self.sampler.evicted(old)
+            self.order[index] = None
+            self.sampler.loaded(index)
+        if self.policy == "wanted" and not self.sampler.wanted(index):
+            self.order.move_to_end(index, last=False)
+
+
+def _take(sampler: object, pool: _Pool, job: str) -> int:
+    """One request of `job`, starting its next epoch when the current one is over."""
+    try:
+        index = sampler.next(job)
+    except StopIteration:
+        sampler.new_epoch(job)
+        index = sampler.next(job)
+    pool.serve(index)
+    return index
+
+
+def _orders_pvalue(orders: np.ndarray) -> float:
+    """Chi-square p-value of the counts of all n! orders (n = 4: 24 cells, 23 df)."""
+    size = orders.shape[1]
+    code = {perm: k for k, perm in enumerate(itertools.permutations(range(size)))}
+    counts = np.bincount([code[tuple(row)] for row in orders.tolist()], minlength=len(code))
+    return float(stats.chisquare(counts).pvalue)
+
+
+def _positions_pvalue(orders: np.ndarray) -> float:
+    """Item x position test: Pearson statistic times (n-1)/n, chi-square with (n-1)^2 df.
+
+    The table is a sum of permutation matrices (fixed margins), which inflates the raw
+    statistic by n/(n-1); without the correction a uniform sampler fails far too often.
+    """
+    epochs, size = orders.shape
+    table = np.zeros((size, size))
+    for position in range(size):
+        table[:, position] = np.bincount(orders[:, position], minlength=size)
+    expected = epochs / size
+    statistic = ((table - expected) ** 2 / expected).sum() * (size - 1) / size
+    return float(stats.chi2.sf(statistic, (size - 1) ** 2))
+
+
+def _cross_epoch_pvalue(orders: np.ndarray) -> float:
+    """(last of epoch 2m, first of epoch 2m+1) must be uniform over all n*n pairs.
+
+    Only disjoint pairs of epochs are used, so the pairs are independent under the null.
+    """
+    size = orders.shape[1]
+    last, first = orders[0::2, -1], orders[1::2, 0]
+    count = min(len(last), len(first))
+    counts = np.bincount(last[:count] * size + first[:count], minlength=size * size)
+    return float(stats.chisquare(counts).pvalue)
+
+
+# -- scenarios: job "k" owns range(size); the others vary ---------------------------------
+
+Factory = Callable[[int], object]
+
+
+def _alone(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    sampler = make(seed)
+    sampler.add_job("k", range(size))
+    pool = _Pool(sampler, size)
+    return np.array([[_take(sampler, pool, "k") for _ in range(size)] for _ in range(epochs)])
+
+
+def _run(
+    make: Factory,
+    size: int,
+    epochs: int,
+    seed: int,
+    others: dict[str, range | list[int]],
+    speeds: dict[str, int],
+    capacity: int,
+    policy: str = "lru",
+) -> np.ndarray:
+    """Job k and faster/slower others sharing one pool; the others make speeds[name] requests
+    before each of k's requests and roll over their epochs independently."""
+    sampler = make(seed)
+    for name, indices in others.items():
+        sampler.add_job(name, indices)
+    sampler.add_job("k", range(size))
+    pool = _Pool(sampler, capacity, policy)
+    orders = np.empty((epochs, size), dtype=np.int64)
+    for epoch in range(epochs):
+        for position in range(size):
+            for name, speed in speeds.items():
+                for _ in range(speed):
+                    _take(sampler, pool, name)
+            orders[epoch, position] = _take(sampler, pool, "k")
+    return orders
+
+
+def _follow_identical(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    return _run(make, size, epochs, seed, {"f": range(size)}, {"f": 2}, max(2, size // 2))
+
+
+def _follow_overlap(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    # Regions of k: {0} alone, {1} with g, {2} with f and g, {3..} with f.
+    others = {"f": range(2, size + 3), "g": [1, 2, size + 5]}
+    return _run(make, size, epochs, seed, others, {"f": 3, "g": 1}, 3)
+
+
+def _small_window(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    others = {"f": range(1, size + 2), "g": range(size)}
+    return _run(make, size, epochs, seed, others, {"f": 2, "g": 1}, 1)
+
+
+def _wanted_pool(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    others = {"f": range(2, size + 3), "g": range(size)}
+    return _run(make, size, epochs, seed, others, {"f": 2, "g": 1}, 2, policy="wanted")
+
+
+def _join_leave(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    """Per epoch of k: j (the lower half of k's set) joins, loads it, leaves; then h (the odd
+    indices and more) joins mid-epoch, loads one, leaves. Their loads stay resident, so a
+    sampler that merged k's cells when they leave would serve those first."""
+    sampler = make(seed)
+    sampler.add_job("k", range(size))
+    pool = _Pool(sampler, size)
+    half = list(range(size // 2))
+    odd = [*range(1, size, 2), size, size + 1]
+    orders = np.empty((epochs, size), dtype=np.int64)
+    for epoch in range(epochs):
+        if epoch:
+            sampler.new_epoch("k")
+        sampler.add_job("j", half)
+        for _ in half:
+            _take(sampler, pool, "j")
+        sampler.remove_job("j")
+        orders[epoch, 0] = _take(sampler, pool, "k")
+        sampler.add_job("h", odd)
+        _take(sampler, pool, "h")
+        orders[epoch, 1] = _take(sampler, pool, "k")
+        sampler.remove_job("h")
+        for position in range(2, size):
+            orders[epoch, position] = _take(sampler, pool, "k")
+    return orders
+
+
+def _restore_mid_epoch(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    """k follows a faster job and is saved and restored (through JSON) mid-epoch, every epoch."""
+    sampler = make(seed)
+    sampler.add_job("f", range(size))
+    sampler.add_job("k", range(size))
+    pool = _Pool(sampler, 2)
+    orders = np.empty((epochs, size), dtype=np.int64)
+    for epoch in range(epochs):
+        for position in range(size):
+            if position == size // 2:
+                state = json.loads(json.dumps(sampler.job_state("k")))
+                sampler.restore_job("k", range(size), state)
+            _take(sampler, pool, "f")
+            _take(sampler, pool, "f")
+            orders[epoch, position] = _take(sampler, pool, "k")
+    return orders
+
+
+SCENARIOS = {
+    "alone": _alone,
+    "follow_identical": _follow_identical,
+    "follow_overlap": _follow_overlap,
+    "small_window": _small_window,
+    "wanted_pool": _wanted_pool,
+    "join_leave": _join_leave,
+    "restore_mid_epoch": _restore_mid_epoch,
+}
+# 100k epochs where an epoch is cheap; the scenarios that add and remove jobs every epoch are
+# slower, and 30k epochs (1,250 per order) still detect a few percent of bias.
+EPOCHS = {"join_leave": 30_000, "restore_mid_epoch": 30_000}
+SEEDS = {name: 1000 + k for k, name in enumerate(SCENARIOS)}
+
+
+@functools.cache
+def _orders_of_four(scenario: str) -> np.ndarray:
+    return SCENARIOS[scenario](JointSampler, 4, EPOCHS.get(scenario, 100_000), SEEDS[scenario])
+
+
+def _every_epoch_a_permutation(orders: np.ndarray) -> None:
+    size = orders.shape[1]
+    assert (np.sort(orders, axis=1) == np.arange(size)).all()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_all_24_orders_are_uniform(scenario: str) -> None:
+    orders = _orders_of_four(scenario)
+    _every_epoch_a_permutation(orders)
+    assert _orders_pvalue(orders) > ALPHA
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_consecutive_epochs_are_independent(scenario: str) -> None:
+    assert _cross_epoch_pvalue(_orders_of_four(scenario)) > ALPHA
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_positions_are_uniform(scenario: str) -> None:
+    orders = SCENARIOS[scenario](JointSampler, 7, 10_000, SEEDS[scenario] + 1)
+    _every_epoch_a_permutation(orders)
+    assert _positions_pvalue(orders) > ALPHA
+
+
+def test_the_followers_actually_share() -> None:
+    """The scenarios above are not vacuous: k serves most requests from others' loads."""
+    sampler = JointSampler(0)
+    sampler.add_job("f", range(100))
+    sampler.add_job("k", range(100))
+    pool = _Pool(sampler, 20)
+    for _ in range(300):
+        _take(sampler, pool, "f")
+        _take(sampler, pool, "f")
+        _take(sampler, pool, "k")
+    assert sampler.stats()["k"]["followed"] > 0.8 * 300
+
+
+# -- controls: biased samplers the same tests must reject ----------------------------------
+
+
+class _NaiveFollow:
+    """Follows the oldest resident sample it has not seen, ignoring regions. With
+    `since_epoch=False` it also follows samples loaded before its epoch began."""
+
+    def __init__(self, seed: int, since_epoch: bool = True) -> None:
+        self._rng = random.Random(seed)
+        self._since_epoch = since_epoch
+        self._sets: dict[str, set[int]] = {}
+        self._seen: dict[str, set[int]] = {}
+        self._start: dict[str, int] = {}
+        self._resident: OrderedDict[int, int] = OrderedDict()
+        self._seq = 0
+
+    def add_job(self, job: str, indices: range | list[int]) -> None:
+        self._sets[job] = set(indices)
+        self.new_epoch(job)
+
+    def remove_job(self, job: str) -> None:
+        del self._sets[job]
+
+    def new_epoch(self, job: str) -> None:
+        self._seen[job] = set()
+        self._start[job] = self._seq
+
+    def loaded(self, index: int) -> None:
+        if index not in self._resident:
+            self._seq += 1
+            self._resident[index] = self._seq
+
+    def evicted(self, index: int) -> None:
+        self._resident.pop(index, None)
+
+    def next(self, job: str) -> int:
+        wanted, seen = self._sets[job], self._seen[job]
+        if len(seen) == len(wanted):
+            raise StopIteration
+        for index, seq in self._resident.items():
+            recent = seq > self._start[job] or not self._since_epoch
+            if index in wanted and index not in seen and recent:
+                break
+        else:
+            index = self._rng.choice(sorted(wanted - seen))
+        seen.add(index)
+        return index
+
+
+def test_control_without_regions_is_rejected() -> None:
+    """Following across regions serves the shared part first: the orders test must see it."""
+    orders = _follow_overlap(_NaiveFollow, 4, 20_000, 7)
+    _every_epoch_a_permutation(orders)
+    assert _orders_pvalue(orders) < ALPHA
+    assert _positions_pvalue(_follow_overlap(_NaiveFollow, 7, 10_000, 8)) < ALPHA
+
+
+def test_control_following_old_loads_is_rejected() -> None:
+    """Following samples loaded before the epoch began ties consecutive epochs together."""
+    make = functools.partial(_NaiveFollow, since_epoch=False)
+    orders = _follow_identical(make, 4, 20_000, 9)
+    _every_epoch_a_permutation(orders)
+    assert _cross_epoch_pvalue(orders) < ALPHA
+
+
+# -- exact-once under random schedules (hypothesis) ---------------------------------------
+
+
+class _Schedules(RuleBasedStateMachine):
+    """Random joins, leaves, requests, delayed load reports, evictions, epochs and restores;
+    every epoch of every job must be its set, each index exactly once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampler = JointSampler(seed=3)
+        self.sets: dict[str, set[int]] = {}
+        self.taken: dict[str, list[int]] = {}
+        self.resident: OrderedDict[int, None] = OrderedDict()
+        self.pending: list[int] = []
+
+    @rule(
+        job=st.sampled_from("abcd"),
+        indices=st.sets(st.integers(0, 24), max_size=12),
+        epoch=st.integers(0, 3),
+    )
+    def add(self, job: str, indices: set[int], epoch: int) -> None:
+        if job in self.sets:
+            with pytest.raises(ArgumentError):
+                self.sampler.add_job(job, sorted(indices))
+            return
+        self.sampler.add_job(job, np.array(sorted(indices), dtype=np.int64), epoch=epoch)
+        self.sets[job], self.taken[job] = indices, []
+
+    @precondition(lambda self: self.sets)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        job = data.draw(st.sampled_from(sorted(self.sets)))
+        self.sampler.remove_job(job)
+        del self.sets[job], self.taken[job]
+
+    @precondition(lambda self: self.sets)
+    @rule(data=st.data(), report=st.sampled_from(["now", "later", "never"]), count=st.integers(1, 6))
+    def request(self, data: st.DataObject, report: str, count: int) -> None:
+        job = data.draw(st.sampled_from(sorted(self.sets)))
+        for _ in range(count):
+            try:
+                index = self.sampler.next(job)
+            except StopIteration:
+                assert sorted(self.taken[job]) == sorted(self.sets[job])
+                with pytest.raises(StopIteration):
+                    self.sampler.next(job)
+                return
+            assert index in self.sets[job]
+            assert index not in self.taken[job]
+            self.taken[job].append(index)
+            if report == "now":
+                self._load(index)
+            elif report == "later":
+                self.pending.append(index)
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    def finish_loads(self) -> None:
+        for index in self.pending:
+            self._load(index)
+        self.pending.clear()
+
+    @precondition(lambda self: self.resident)
+    @rule()
+    def evict_oldest(self) -> None:
+        old, _ = self.resident.popitem(last=False)
+        self.sampler.evicted(old)
+
+    @precondition(lambda self: self.sets)
+    @rule(data=st.data())
+    def new_epoch(self, data: st.DataObject) -> None:
+        job = data.draw(st.sampled_from(sorted(self.sets)))
+        self.sampler.new_epoch(job)
+        self.taken[job] = []
+
+    @precondition(lambda self: self.sets)
+    @rule(data=st.data(), fresh_sampler=st.booleans())
+    def save_and_restore(self, data: st.DataObject, fresh_sampler: bool) -> None:
+        job = data.draw(st.sampled_from(sorted(self.sets)))
+        state = json.loads(json.dumps(self.sampler.job_state(job)))
+        if fresh_sampler:
+            # Resume in a new sampler, as after a restart: the others re-register as they are.
+            others = {name: self.sampler.job_state(name) for name in self.sets if name != job}
+            self.sampler = JointSampler(seed=4)
+            self.resident.clear()
+            self.pending.clear()
+            for name, other in others.items():
+                self.sampler.restore_job(name, sorted(self.sets[name]), other)
+        self.sampler.restore_job(job, sorted(self.sets[job]), state)
+
+    @invariant()
+    def remaining_matches(self) -> None:
+        for job, indices in self.sets.items():
+            assert self.sampler.remaining(job) == len(indices) - len(self.taken[job])
+
+    def _load(self, index: int) -> None:
+        if index not in self.resident:
+            self.resident[index] = None
+            self.sampler.loaded(index)
+            if len(self.resident) > 5:
+                old, _ = self.resident.popitem(last=False)
+                self.sampler.evicted(old)
+
+
+TestSchedules = _Schedules.TestCase
+TestSchedules.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# -- resume --------------------------------------------------------------------------------
+
+
+def _drain(sampler: JointSampler, job: str, pool: _Pool | None = None) -> list[int]:
+    out = []
+    while True:
+        try:
+            index = sampler.next(job)
+        except StopIteration:
+            return out
+        if pool is not None:
+            pool.serve(index)
+        out.append(index)
+
+
+def test_restored_job_finishes_exactly_what_it_had_not_seen() -> None:
+    sampler = JointSampler(seed=5)
+    sampler.add_job("f", range(0, 300))
+    sampler.add_job("k", range(100, 400))
+    pool = _Pool(sampler, 30)
+    seen = []
+    for _ in range(120):
+        _take(sampler, pool, "f")
+        seen.append(_take(sampler, pool, "k"))
+    assert sampler.stats()["k"]["followed"] > 0
+    state = pickle.loads(pickle.dumps(sampler.job_state("k")))
+    for target in (sampler, JointSampler(seed=6)):
+        target.restore_job("k", np.arange(100, 400), state)
+        rest = _drain(target, "k")
+        assert len(rest) == 300 - 120
+        assert sorted(seen + rest) == list(range(100, 400))
+
+
+def test_lone_job_resumes_bit_exactly_and_keeps_its_later_epochs() -> None:
+    sampler = JointSampler(seed=8)
+    sampler.add_job("k", range(50), seed=123, epoch=2)
+    first = [sampler.next("k") for _ in range(20)]
+    state = sampler.job_state("k")
+    rest = _drain(sampler, "k")
+    sampler.new_epoch("k")
+    following = _drain(sampler, "k")
+
+    other = JointSampler(seed=99)
+    other.restore_job("k", list(reversed(range(50))), state)
+    assert _drain(other, "k") == rest
+    other.new_epoch("k")
+    assert _drain(other, "k") == following
+    assert sorted(first + rest) == list(range(50))
+
+
+def test_lone_job_gets_a_plain_shuffle_fixed_by_its_seed() -> None:
+    a, b = JointSampler(seed=1), JointSampler(seed=2)
+    a.add_job("x", range(200), seed=7)
+    b.add_job("y", range(200), seed=7)
+    pool = _Pool(a, 50)
+    order_a = _drain(a, "x", pool)  # residency reports change nothing for a lone job
+    assert order_a == _drain(b, "y")
+    assert sorted(order_a) != order_a
+    assert a.stats()["x"] == {"epoch": 0, "requests": 200, "followed": 0, "fresh": 200}
+    a.new_epoch("x")
+    assert _drain(a, "x") != order_a
+    c = JointSampler(seed=1)
+    c.add_job("x", range(200))
+    d = JointSampler(seed=1)
+    d.add_job("z", range(200))
+    assert _drain(c, "x") != _drain(d, "z")  # default seeds differ per job name
+
+
+def test_state_is_plain_data() -> None:
+    sampler = JointSampler()
+    sampler.add_job("k", range(10))
+    sampler.next("k")
+    state = sampler.job_state("k")
+    assert json.loads(json.dumps(state)) == state
+    assert all(isinstance(v, (int, str)) for v in state.values())
+
+
+def test_restore_rejects_a_state_of_another_set() -> None:
+    sampler = JointSampler()
+    sampler.add_job("k", range(10))
+    state = sampler.job_state("k")
+    with pytest.raises(StateError, match="'k'.*another index set"):
+        sampler.restore_job("k", range(11), state)
+    with pytest.raises(StateError, match="another index set"):
+        sampler.restore_job("k", range(1, 11), state)
+    with pytest.raises(StateError, match="malformed"):
+        sampler.restore_job("k", range(10), {**state, "consumed": "not base64!"})
+    with pytest.raises(StateError):
+        sampler.restore_job("k", range(10), {"version": 99})
+    assert sampler.remaining("k") == 10  # a failed restore leaves the job as it was
+
+
+# -- the rest of the API -------------------------------------------------------------------
+
+
+def test_lock_step_identical_jobs_load_each_sample_once() -> None:
+    sampler = JointSampler(seed=2)
+    for name in "abcd":
+        sampler.add_job(name, range(500))
+    pool = _Pool(sampler, 8)
+    loads = 0
+    for _ in range(500):
+        for name in "abcd":
+            index = sampler.next(name)
+            loads += index not in pool.order
+            pool.serve(index)
+    assert loads == 500
+    assert sum(s["followed"] for s in sampler.stats().values()) == 3 * 500
+
+
+def test_only_samples_loaded_in_this_epoch_are_followed() -> None:
+    sampler = JointSampler(seed=3)
+    sampler.add_job("a", range(10))
+    sampler.add_job("b", range(10))
+    for _ in range(10):
+        sampler.loaded(sampler.next("a"))
+    sampler.new_epoch("b")  # every sample is resident, but loaded before b's new epoch
+    _drain(sampler, "b")
+    assert sampler.stats()["b"]["followed"] == 0
+
+
+def test_evicted_samples_are_not_followed() -> None:
+    sampler = JointSampler(seed=4)
+    sampler.add_job("a", range(10))
+    sampler.add_job("b", range(10))
+    index = sampler.next("a")
+    sampler.loaded(index)
+    sampler.evicted(index)
+    sampler.next("b")
+    assert sampler.stats()["b"]["followed"] == 0
+    index = sampler.next("a")
+    sampler.loaded(index)
+    assert sampler.next("b") == index
+
+
+def test_wanted_tells_whether_a_job_may_still_take_a_sample() -> None:
+    sampler = JointSampler()
+    sampler.add_job("a", range(5))
+    sampler.add_job("b", range(3, 8))
+    assert sampler.wanted(4) and sampler.wanted(7) and not sampler.wanted(8)
+    assert not sampler.wanted(10**6)
+    taken = _drain(sampler, "a")
+    assert not sampler.wanted(0)
+    assert sampler.wanted(4)  # b has not taken it
+    sampler.remove_job("b")
+    assert not any(sampler.wanted(i) for i in taken)
+
+
+def test_stalled_job_keeps_its_follow_log_bounded() -> None:
+    """A job that stops asking while others load a lot must not accumulate their loads."""
+    sampler = JointSampler()
+    sampler.add_job("fast", range(20_000))
+    sampler.add_job("stalled", range(20_000))
+    pool = _Pool(sampler, 100)
+    for _ in range(60_000):
+        _take(sampler, pool, "fast")
+    cells = sampler._jobs["stalled"].cells
+    assert sum(len(cell.log) for cell in cells) <= 2 * 100 + 4096 + 1
+    assert len(_drain(sampler, "stalled", pool)) == 20_000
+
+
+def test_empty_set_and_unknown_jobs() -> None:
+    sampler = JointSampler()
+    sampler.add_job("empty", [])
+    with pytest.raises(StopIteration):
+        sampler.next("empty")
+    with pytest.raises(ArgumentError, match="'nope'.*add_job"):
+        sampler.next("nope")
+    with pytest.raises(ArgumentError, match="'nope'"):
+        sampler.remove_job("nope")
+    sampler.loaded(5)  # no job wants it: ignored
+    sampler.evicted(5)
+
+
+@pytest.mark.parametrize(
+    ("indices", "error", "match"),
+    [
+        ([1, 2, 2], ArgumentError, "2 appears twice"),
+        ([0, -3], SampleIndexError, "-3"),
+        ([0.5, 1.0], ArgumentError, "float"),
+        ([[0, 1]], ArgumentError, "1-D"),
+        ([True, False], ArgumentError, "bool"),
+    ],
+)
+def test_bad_index_sets_are_refused(indices: list, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        JointSampler().add_job("k", indices)
+
+
+def test_bad_seeds_and_epochs_are_refused() -> None:
+    with pytest.raises(ArgumentError, match="seed"):
+        JointSampler(seed=-1)
+    sampler = JointSampler()
+    with pytest.raises(ArgumentError, match="epoch"):
+        sampler.add_job("k", range(3), epoch=-1)
+    sampler.add_job("k", range(3))
+    with pytest.raises(ArgumentError, match="epoch"):
+        sampler.new_epoch("k", epoch=1.5)
