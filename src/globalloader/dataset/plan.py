@@ -17,6 +17,7 @@ import numpy as np
 
 from globalloader.dataset.batch import BatchOp
 from globalloader.dataset.cache import MISSING, CacheOp
+from globalloader.dataset.collate import collate as default_collate
 from globalloader.dataset.fingerprint import digest
 from globalloader.dataset.index_ops import Select, Shard, Shuffle
 from globalloader.dataset.map import MapOp
@@ -138,12 +139,24 @@ class Plan:
     # -- what a task covers -------------------------------------------------------------------
     def task_indices(self, epoch: int, task: int) -> np.ndarray:
         """Source indices of task `task` (random-access chains)."""
-        n = self.samples
         start = task * self.task_size
-        positions = np.arange(start, min(start + self.task_size, n), dtype=np.int64)
+        return self.indices(epoch, start, min(start + self.task_size, self.samples))
+
+    def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Source indices at epoch positions [start, stop) (random-access chains)."""
+        positions = np.arange(start, self.samples if stop is None else stop, dtype=np.int64)
         for op, parent_len in zip(reversed(self.index_ops), reversed(self.lengths[:-1])):
             positions = op.parents(positions, parent_len, epoch)
         return positions
+
+    @property
+    def split(self) -> int:
+        """How many leading maps are shared (deterministic, shareable across jobs)."""
+        return max((k + 1 for k, m in enumerate(self.maps) if m.shared), default=0)
+
+    def prefix_sample(self, index: int, timer: Timer | None = None) -> Any:
+        """A sample after the shared maps only: what the global loader's server computes."""
+        return self._sample(0, index, MISSING, {} if timer is None else timer, stop=self.split)
 
     def stream_reader(self, epoch: int, skip_tasks: int = 0) -> StreamReader:
         """Records of an epoch of a stream chain, positioned after `skip_tasks` tasks."""
@@ -158,10 +171,12 @@ class Plan:
         skip_errors: bool = False,
         timer: Timer | None = None,
         first_map: int = 0,
+        deferred: bool = False,
     ) -> TaskResult:
         """Build task `task` from source indices, or from (index, record) pairs whose records
         already went through the first `first_map` maps (stream records: `first_map=0`; records
-        served by the global loader: the shared prefix)."""
+        served by the global loader: the shared prefix). `deferred`: leave the default
+        collate's stacks for the shared-memory transport to fill."""
         timer = {} if timer is None else timer
         result = TaskResult(None)
         samples = []
@@ -169,7 +184,8 @@ class Plan:
         for item in items:
             index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
             try:
-                samples.append(self._sample(epoch, index, record, timer, first_map))
+                start = 0 if record is MISSING else first_map
+                samples.append(self._sample(epoch, index, record, timer, start))
             except Exception as exc:
                 if not skip_errors:
                     raise
@@ -179,7 +195,10 @@ class Plan:
             return result
         if samples:
             t0 = time.perf_counter()
-            batch = self.batch.collate(samples)
+            if deferred and self.batch.collate is default_collate and not self.batch_maps:
+                batch = default_collate(samples, deferred=True)
+            else:
+                batch = self.batch.collate(samples)
             _tick(timer, "collate", t0)
             for k, op in enumerate(self.batch_maps, start=len(self.maps)):
                 batch = self._apply(op, batch, epoch, task, k, timer, batch_level=True)
@@ -191,7 +210,7 @@ class Plan:
         first = task * self.task_size
         return [(first + k, record) for k, record in enumerate(records)]
 
-    def _sample(self, epoch: int, index: int, record: Any, timer: Timer, start: int = 0) -> Any:
+    def _sample(self, epoch: int, index: int, record: Any, timer: Timer, start: int = 0, stop: int | None = None) -> Any:
         if record is MISSING:
             if self.cache is not None:
                 t0 = time.perf_counter()
@@ -204,11 +223,11 @@ class Plan:
                 record = self.source[index]
                 _tick(timer, "read", t0)
         computed = start == 0
-        for k in range(start, len(self.maps)):
+        for k in range(start, len(self.maps) if stop is None else stop):
             if k == self.cache_at and self.cache is not None and computed:
                 self.cache.put(index, record)
             record = self._apply(self.maps[k], record, epoch, index, k, timer)
-        if self.cache is not None and computed and self.cache_at == len(self.maps):
+        if self.cache is not None and computed and self.cache_at == len(self.maps) and stop is None:
             self.cache.put(index, record)
         return record
 

@@ -4,6 +4,9 @@ Work is split into tasks (one batch each; chunks of samples for unbatched chains
 workers round-robin and yielded in task order. A task's output depends only on (chain, epoch,
 task), so order and content are the same for any number of workers and either mode, and the
 position (epoch, task, offset) is all a resume needs: whatever was prefetched is recomputed.
+
+A position may instead name the samples already consumed this epoch (what a shared-mode run
+records, see `execution.shared`); a local run then yields the epoch's order without them.
 """
 
 from __future__ import annotations
@@ -14,14 +17,19 @@ import warnings
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.iterator import check_state, make_state
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, ServerGone
+from globalloader.execution.shared import SharedRun, SharedSession, remaining_indices
 from globalloader.execution.stats import LoaderStats
 from globalloader.execution.workers import InlinePool, ProcessPool, Task, ThreadPool
 
 MODES = ("process", "thread")
 ON_ERROR = ("raise", "skip")
+SHARE = (False, True, "auto")
+Position = tuple[int, int, int, "list[int] | None"]  # epoch, task, offset, consumed
 
 
 class Loader:
@@ -36,6 +44,12 @@ class Loader:
             and warns at the end of the epoch.
         timeout: seconds a worker may spend on one task before the Loader gives up on it.
         start_method: "fork" (fast start) or "spawn"/"forkserver" (chain sent with cloudpickle).
+        share: True feeds this job from the machine's global loader server (started if none
+            runs), sharing every read and shared map with the other jobs; "auto" does the same
+            but falls back to loading alone (with one warning) if the server goes away.
+        server: the server's socket path (default: the user's runtime folder).
+        server_memory: the pool size for a server this Loader starts, e.g. "4G".
+        name: how this job appears in `globalloader status`.
 
     Not thread-safe: iterate a Loader from one thread. Workers start at the first iteration and
     persist across epochs until `close()` (or the end of a `with` block).
@@ -50,6 +64,10 @@ class Loader:
         on_error: str = "raise",
         timeout: float = 300.0,
         start_method: str = "fork",
+        share: bool | str = False,
+        server: str | None = None,
+        server_memory: str | int | None = None,
+        name: str | None = None,
     ) -> None:
         if not isinstance(dataset, Dataset):
             raise ArgumentError(f"Loader: dataset must be a globalloader.Dataset, got {type(dataset).__name__}")
@@ -61,13 +79,17 @@ class Loader:
             raise ArgumentError(f"Loader: on_error must be one of {ON_ERROR}, got {on_error!r}")
         if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
             raise ArgumentError(f"Loader: prefetch must be an int >= 1, got {prefetch!r}")
+        if share not in SHARE:
+            raise ArgumentError(f"Loader: share must be one of {SHARE}, got {share!r}")
         self.dataset, self.plan = dataset, dataset.plan
+        self.share, self.server, self.server_memory, self.name = share, server, server_memory, name
+        self._session: SharedSession | None = None
         self.workers, self.mode, self.on_error = workers, mode, on_error
         self.prefetch = prefetch or max(2, 2 * workers)
         self._timeout, self._start_method = timeout, start_method
         self._pool: Any = None
-        self._run: _Run | None = None
-        self._position = (0, 0, 0)  # (epoch, task, offset) where the next iteration starts
+        self._run: _Run | SharedRun | None = None
+        self._position: Position = (0, 0, 0, None)  # where the next iteration starts
         self._stats = LoaderStats()
 
     # -- epochs and positions ----------------------------------------------------------------
@@ -76,26 +98,54 @@ class Loader:
         if not isinstance(epoch, int) or epoch < 0:
             raise ArgumentError(f"set_epoch: epoch must be an int >= 0, got {epoch!r}")
         if epoch != self._position[0]:
-            self._position = (epoch, 0, 0)
+            self._position = (epoch, 0, 0, None)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader is: loading it into a new Loader yields exactly the remaining items."""
-        epoch, task, offset = self._run.position() if self._run is not None else self._position
-        return make_state(self.plan, epoch, task, offset)
+        """Where this loader is: loading it into a new Loader yields exactly the remaining items
+        (in shared mode: exactly the samples not yet consumed this epoch)."""
+        epoch, task, offset, consumed = self._run.position() if self._run is not None else self._position
+        state = make_state(self.plan, epoch, task, offset)
+        if consumed is not None:
+            state["consumed"] = [int(i) for i in consumed]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._abandon_run()
-        self._position = check_state(self.plan, state)
+        epoch, task, offset = check_state(self.plan, state)
+        self._position = (epoch, task, offset, state.get("consumed"))
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     # -- iteration ---------------------------------------------------------------------------
-    def __iter__(self) -> "_Run":
+    def __iter__(self) -> "_Run | SharedRun":
         self._abandon_run()
         if self._pool is None:
             self._pool = self._start_pool()
-        self._run = _Run(self, *self._position)
+        epoch, task, offset, consumed = self._position
+        if self.share:
+            if consumed is None:  # a local position: the samples it had consumed
+                consumed = self.plan.indices(epoch, 0, task * self.plan.task_size + offset).tolist()
+            try:
+                if self._session is None:
+                    self._session = SharedSession(self)
+                self._run = SharedRun(self, epoch, consumed)
+            except ServerGone as exc:
+                self._run = self.fall_back(exc, epoch, consumed)
+        else:
+            self._run = _Run(self, epoch, task, offset, consumed)
+        return self._run
+
+    def fall_back(self, exc: ServerGone, epoch: int, consumed: list[int]) -> "_Run":
+        """The server went away: raise, or with share="auto" go on alone from the same position."""
+        if self.share != "auto":
+            raise exc
+        warnings.warn(f"globalloader: {exc}; loading on our own from here (share='auto')", stacklevel=3)
+        self.share = False
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        self._run = _Run(self, epoch, 0, 0, consumed)
         return self._run
 
     def _start_pool(self) -> Any:
@@ -113,8 +163,8 @@ class Loader:
             self._position = run.position()
             run.drain()
 
-    def _finished(self, run: "_Run") -> None:
-        self._position = (run.epoch + 1, 0, 0)
+    def _finished(self, run: "_Run | SharedRun") -> None:
+        self._position = (run.epoch + 1, 0, 0, None)
         self._run = None
 
     def _broken(self) -> None:
@@ -136,10 +186,11 @@ class Loader:
 
     def close(self) -> None:
         """Stop the workers and free shared memory (batches still referenced stay valid)."""
-        if self._run is not None:
-            self._position = self._run.position()
-            self._run = None
+        self._abandon_run()
         self._close_pool()
+        if self._session is not None:
+            self._session.close()
+            self._session = None
 
     def __enter__(self) -> "Loader":
         return self
@@ -158,7 +209,7 @@ class Loader:
 class _Run:
     """One pass over (the rest of) an epoch; the Loader's iterator."""
 
-    def __init__(self, loader: Loader, epoch: int, task: int, offset: int) -> None:
+    def __init__(self, loader: Loader, epoch: int, task: int, offset: int, consumed: list[int] | None = None) -> None:
         self.loader, self.plan, self.epoch = loader, loader.plan, epoch
         self._pool, self._width = loader._pool, max(1, loader.workers)
         self._next_submit = self._next_result = task
@@ -168,18 +219,38 @@ class _Run:
         self._skip_first = offset
         self._skipped: list[tuple[int, str]] = []
         self._reader = self.plan.stream_reader(epoch, task) if self.plan.is_stream else None
-        self._total = None if self.plan.is_stream else self.plan.num_tasks()
+        # A position given as consumed samples: run the epoch's order without them.
+        self._consumed = consumed
+        self._order = None if consumed is None else remaining_indices(self.plan.indices(epoch), consumed)
+        self._total = None if self.plan.is_stream else self._count_tasks()
         self._last_yield: float | None = None
+
+    def _count_tasks(self) -> int:
+        if self._order is None:
+            return self.plan.num_tasks()
+        n, batch = len(self._order), self.plan.batch
+        return batch.count(n) if batch is not None else -(-n // self.plan.task_size)
+
+    def _indices(self, t: int) -> np.ndarray:
+        if self._order is None:
+            return self.plan.task_indices(self.epoch, t)
+        size = self.plan.task_size
+        return self._order[t * size : (t + 1) * size]
 
     def __iter__(self) -> "_Run":
         return self
 
-    def position(self) -> tuple[int, int, int]:
+    def position(self) -> Position:
         if self._pending:
-            return (self.epoch, self._current, self._taken)
-        if self._skip_first:  # loaded mid-task, nothing yielded yet
-            return (self.epoch, self._current, self._skip_first)
-        return (self.epoch, self._next_result, 0)
+            task, offset = self._current, self._taken
+        elif self._skip_first:  # loaded mid-task, nothing yielded yet
+            task, offset = self._current, self._skip_first
+        else:
+            task, offset = self._next_result, 0
+        if self._order is None:
+            return (self.epoch, task, offset, None)
+        done = self._order[: task * self.plan.task_size + offset].tolist()
+        return (self.epoch, 0, 0, list(self._consumed) + done)
 
     def _submit(self) -> None:
         plan = self.plan
@@ -196,7 +267,7 @@ class _Run:
                 self._exhausted = True
                 return
             else:
-                items = plan.task_indices(self.epoch, t)
+                items = self._indices(t)
             self._pool.submit(t % self._width, Task(self.epoch, t, items))
             self._next_submit += 1
 

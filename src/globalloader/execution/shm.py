@@ -36,6 +36,7 @@ from typing import Any
 import _posixshmem
 import numpy as np
 
+from globalloader.dataset.collate import Stacked
 from globalloader.errors import ArgumentError, WorkerError
 
 _ALIGN = 64  # cache-line alignment of every array in a segment
@@ -106,17 +107,14 @@ class BatchWriter:
         """
         if self._closed:
             raise WorkerError(f"BatchWriter {self.prefix!r} is closed; cannot write a batch")
-        placed: list[tuple[int, np.ndarray]] = []  # (offset, array) in walk order
-        tree = _encode(batch, placed)
-        segment = self._take(_end(placed)) if placed else None
+        tree, placed, nbytes = encode_tree(batch)
+        segment = self._take(nbytes) if placed else None
         retired = tuple(self._retired)
         self._retired.clear()
         if segment is None:
             return (None, tree, retired)
         try:
-            for offset, array in placed:
-                target = np.ndarray(array.shape, array.dtype, buffer=segment.mapping, offset=offset)
-                np.copyto(target, array)
+            copy_arrays(segment.mapping, 0, placed)
         except BaseException:
             self._add_free(segment)  # nothing was sent: the segment is still ours
             raise
@@ -208,7 +206,6 @@ class BatchReader:
 
     def __init__(self) -> None:
         self._mappings: dict[str, mmap.mmap] = {}
-        self._dtypes: dict[Any, np.dtype] = {}
 
     @property
     def mapped_count(self) -> int:
@@ -238,7 +235,7 @@ class BatchReader:
         base = np.frombuffer(mapping, np.uint8)
         finalizer = weakref.finalize(base, on_release, name)
         finalizer.atexit = False  # the consumer's pipes are gone by then
-        return self._decode(tree, base)
+        return decode_tree(tree, base)
 
     def discard(self, msg: BatchMessage) -> str | None:
         """Skip a message without reading it; return its segment name for the writer to free.
@@ -278,28 +275,50 @@ class BatchReader:
         self._mappings[name] = mapping
         return mapping
 
-    def _decode(self, node: tuple, base: np.ndarray) -> Any:
-        tag = node[0]
-        if tag == _LEAF:
-            return node[1]
-        if tag == _NODE:
-            _, kind, keys, items = node
-            values = [self._decode(item, base) for item in items]
-            if kind == 0:
-                return dict(zip(keys, values))
-            if kind == 1:
-                return values
-            if kind == 2:
-                return tuple(values)
-            return kind(*values)  # a named tuple class
-        _, offset, dtype, shape = node
-        descr = self._dtypes.get(dtype)
-        if descr is None:
-            descr = self._dtypes[dtype] = np.dtype(dtype)
-        view = np.ndarray(shape, descr, buffer=base, offset=offset)
-        if tag == _TENSOR:
-            return _torch().from_numpy(view)
-        return view
+
+def encode_tree(obj: Any) -> tuple[tuple, list[tuple[int, np.ndarray]], int]:
+    """(encoded tree, arrays with their offsets, bytes needed) for a batch or a sample."""
+    placed: list[tuple[int, np.ndarray]] = []  # (offset, array) in walk order
+    tree = _encode(obj, placed)
+    return tree, placed, _end(placed)
+
+
+def copy_arrays(buffer: Any, base: int, placed: list[tuple[int, np.ndarray]]) -> None:
+    """Copy the arrays of `encode_tree` into `buffer` at `base` + their offsets."""
+    for offset, array in placed:
+        target = np.ndarray(array.shape, array.dtype, buffer=buffer, offset=base + offset)
+        if type(array) is Stacked:
+            array.stack_into(target)
+        else:
+            np.copyto(target, array)
+
+
+_DTYPES: dict[Any, np.dtype] = {}
+
+
+def decode_tree(node: tuple, base: np.ndarray) -> Any:
+    """Rebuild what `encode_tree` encoded, arrays as views of `base` (a uint8 array)."""
+    tag = node[0]
+    if tag == _LEAF:
+        return node[1]
+    if tag == _NODE:
+        _, kind, keys, items = node
+        values = [decode_tree(item, base) for item in items]
+        if kind == 0:
+            return dict(zip(keys, values))
+        if kind == 1:
+            return values
+        if kind == 2:
+            return tuple(values)
+        return kind(*values)  # a named tuple class
+    _, offset, dtype, shape = node
+    descr = _DTYPES.get(dtype)
+    if descr is None:
+        descr = _DTYPES[dtype] = np.dtype(dtype)
+    view = np.ndarray(shape, descr, buffer=base, offset=offset)
+    if tag == _TENSOR:
+        return _torch().from_numpy(view)
+    return view
 
 
 def remove_leftovers(prefix: str) -> int:
@@ -348,7 +367,7 @@ _SCALARS = frozenset({str, int, float, bool, bytes, type(None)})  # leaves, chec
 def _as_array(obj: Any) -> tuple[int, np.ndarray] | None:
     """(_ARRAY or _TENSOR, the array to copy) for `obj`, or None to keep it inline."""
     kind = type(obj)
-    if kind is np.ndarray or kind is np.memmap:
+    if kind is np.ndarray or kind is np.memmap or kind is Stacked:
         tag, array = _ARRAY, obj
     else:
         torch = sys.modules.get("torch")  # a tensor implies torch is imported already

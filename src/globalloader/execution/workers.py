@@ -25,6 +25,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
+from globalloader.dataset.cache import MISSING
 from globalloader.dataset.plan import Plan, Timer
 from globalloader.errors import WorkerError
 from globalloader.execution.shm import BatchReader, BatchWriter, remove_leftovers
@@ -33,7 +34,9 @@ from globalloader.execution.shm import BatchReader, BatchWriter, remove_leftover
 class Task(NamedTuple):
     epoch: int
     number: int
-    items: Any  # source indices (ndarray) or stream records (list)
+    items: Any  # source indices (ndarray), or (index, record) pairs (see Plan.run_task)
+    first_map: int = 0  # maps the records in `items` already went through
+    arena: str | None = None  # items are (index, offset, layout) tickets into this arena
 
 
 class Result(NamedTuple):
@@ -56,8 +59,14 @@ def _raise_remote(exc: BaseException, tb: str) -> None:
     raise exc
 
 
-def _run(plan: Plan, task: Task, skip_errors: bool, timer: Timer) -> Any:
-    return plan.run_task(task.epoch, task.number, task.items, skip_errors, timer)
+def _run(plan: Plan, task: Task, skip_errors: bool, timer: Timer, deferred: bool = False) -> Any:
+    items = task.items
+    if task.arena is not None:  # global loader tickets: read the shared prefix's output in place
+        from globalloader.service.arena import attach
+
+        memory = attach(task.arena)  # items without an offset are computed here from scratch
+        items = [(i, MISSING if offset is None else memory.read(offset, layout)) for i, offset, layout in items]
+    return plan.run_task(task.epoch, task.number, items, skip_errors, timer, task.first_map, deferred)
 
 
 class InlinePool:
@@ -156,7 +165,7 @@ def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, p
             writer.free(freed)
             idle, timer = time.perf_counter() - t0, {}
             try:
-                res = _run(plan, task, skip_errors, timer)
+                res = _run(plan, task, skip_errors, timer, deferred=True)
                 t1 = time.perf_counter()
                 payload = None if res.output is None else writer.write(res.output)
                 timer["transport"] = [1, time.perf_counter() - t1]

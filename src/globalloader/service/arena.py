@@ -1,0 +1,93 @@
+"""The shared-memory arena behind the buffer pool, as every process maps it.
+
+The server creates one POSIX shared-memory segment of the pool's size; its decode workers write
+samples into it and clients' workers read them in place, as NumPy views (zero copy). Offsets and
+layouts come from the server's `BufferPool`; the layout format is the transport's (see
+`globalloader.execution.shm`), so a sample is described exactly like a batch.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import _posixshmem
+import numpy as np
+
+from globalloader.errors import ServerGone
+from globalloader.execution.shm import copy_arrays, decode_tree, encode_tree
+
+_attached: dict[str, "Arena"] = {}
+
+
+class Arena:
+    def __init__(self, name: str, mapping: mmap.mmap, owner: bool) -> None:
+        self.name, self.mapping, self._owner = name, mapping, owner
+        self._bytes = np.frombuffer(mapping, np.uint8)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.mapping)
+
+    def write(self, offset: int, placed: list[tuple[int, np.ndarray]]) -> None:
+        """Copy a sample's arrays (from `encode`) to `offset`."""
+        copy_arrays(self.mapping, offset, placed)
+
+    def read(self, offset: int, layout: tuple[int, Any]) -> Any:
+        """The sample at `offset` as views into the arena (valid while its reference is held)."""
+        nbytes, tree = layout
+        return decode_tree(tree, self._bytes[offset : offset + nbytes])
+
+    def close(self) -> None:
+        _attached.pop(self.name, None)
+        self._bytes = None  # type: ignore[assignment]
+        try:
+            self.mapping.close()
+        except BufferError:
+            pass  # views alive: the mapping goes when they do
+        if self._owner:
+            unlink(self.name)
+
+
+def encode(sample: Any) -> tuple[tuple[int, Any], list[tuple[int, np.ndarray]]]:
+    """(layout, arrays to copy) of a sample; layout[0] is the bytes it needs."""
+    tree, placed, nbytes = encode_tree(sample)
+    return (nbytes, tree), placed
+
+
+def create(capacity: int) -> Arena:
+    """A new arena for this server process (`gl-pool-<pid>`), memory reserved up front."""
+    name = f"gl-pool-{os.getpid()}"
+    unlink(name)
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, capacity)
+        mapping = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return Arena(name, mapping, owner=True)
+
+
+def attach(name: str) -> Arena:
+    """The arena `name`, mapped once per process."""
+    arena = _attached.get(name)
+    if arena is None:
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+        except FileNotFoundError as exc:
+            raise ServerGone(f"the global loader's memory pool {name!r} is gone (server stopped)") from exc
+        try:
+            mapping = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        arena = _attached[name] = Arena(name, mapping, owner=False)
+    return arena
+
+
+def unlink(name: str) -> bool:
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        return False
+    return True

@@ -1,0 +1,183 @@
+"""The buffer pool: one shared-memory arena of decoded samples, reference counted, with an LRU tier.
+
+A sample is written into the arena once (by a server worker) and read in place by every job that
+takes it. Each job holding a sample holds a reference; when the last one is released the sample
+moves to the second tier, an LRU of unreferenced samples that stay readable (a later request is
+a hit) until their space is needed. A referenced or still-loading sample is never evicted, and
+the arena never grows past its capacity: a reservation that cannot fit yet waits (returns None)
+until releases make room.
+
+This object is the server's bookkeeping and runs in the server's main thread only; the bytes are
+written and read by other processes through `globalloader.service.arena`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+from globalloader.errors import ArgumentError, GlobalLoaderError
+
+_ALIGN = 64
+
+
+class SampleTooLarge(GlobalLoaderError):
+    """A decoded sample is larger than the whole pool."""
+
+
+@dataclass
+class Entry:
+    offset: int
+    nbytes: int
+    layout: Any = None  # set when the bytes are written (ready)
+    holders: Counter = field(default_factory=Counter)  # job -> references
+
+    @property
+    def ready(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def refs(self) -> int:
+        return sum(self.holders.values())
+
+
+class BufferPool:
+    """Allocation, references and eviction for an arena of `capacity` bytes."""
+
+    def __init__(self, capacity: int, on_evict: Callable[[Hashable], None] | None = None) -> None:
+        if not isinstance(capacity, int) or capacity < _ALIGN:
+            raise ArgumentError(f"BufferPool: capacity must be an int >= {_ALIGN} bytes, got {capacity!r}")
+        self.capacity = capacity
+        self._on_evict = on_evict or (lambda key: None)
+        self._entries: dict[Hashable, Entry] = {}
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()  # ready, unreferenced; oldest first
+        self._starts = [0]  # free blocks, sorted by offset
+        self._sizes = {0: capacity}
+        self.used = 0
+        self.counters = Counter()  # hits, misses, evictions, loads
+
+    # -- lookups -----------------------------------------------------------------------------
+    def get(self, key: Hashable) -> Entry | None:
+        return self._entries.get(key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    # -- loading -----------------------------------------------------------------------------
+    def reserve(self, key: Hashable, nbytes: int) -> int | None:
+        """Space for `key`'s bytes: the offset, or None if it cannot fit until something is
+        released. Evicts least-recently-used unreferenced samples as needed."""
+        if key in self._entries:
+            raise ArgumentError(f"BufferPool: {key!r} is already in the pool")
+        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        if size > self.capacity:
+            raise SampleTooLarge(
+                f"sample {key!r} needs {nbytes} bytes but the pool holds only {self.capacity}: "
+                "start the server with a larger --memory"
+            )
+        offset = self._fit(size)
+        while offset is None and self._lru:
+            self._evict(next(iter(self._lru)))
+            offset = self._fit(size)
+        if offset is None:
+            return None
+        self._entries[key] = Entry(offset, size)
+        self.used += size
+        self.counters["loads"] += 1
+        return offset
+
+    def commit(self, key: Hashable, layout: Any) -> Entry:
+        """The bytes of `key` are written: it becomes readable (unreferenced, so in the LRU tier)."""
+        entry = self._entries[key]
+        entry.layout = layout
+        self._lru[key] = None
+        return entry
+
+    def abort(self, key: Hashable) -> None:
+        """Loading `key` failed: give its space back."""
+        entry = self._entries.pop(key)
+        self._free(entry)
+
+    # -- references --------------------------------------------------------------------------
+    def acquire(self, key: Hashable, holder: Hashable) -> Entry:
+        """`holder` takes a reference to a ready sample (a hit when it came from the LRU tier)."""
+        entry = self._entries[key]
+        if not entry.ready:
+            raise ArgumentError(f"BufferPool: {key!r} is still loading")
+        if self._lru.pop(key, 0) is None:
+            self.counters["hits"] += 1
+        entry.holders[holder] += 1
+        return entry
+
+    def release(self, key: Hashable, holder: Hashable) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.holders[holder] <= 0:
+            raise ArgumentError(f"BufferPool: {holder!r} holds no reference to {key!r}")
+        entry.holders[holder] -= 1
+        if entry.holders[holder] == 0:
+            del entry.holders[holder]
+        if not entry.holders:
+            self._lru[key] = None
+
+    def release_holder(self, holder: Hashable) -> int:
+        """Drop every reference `holder` has (a job that left or died); returns how many."""
+        dropped = 0
+        for key, entry in self._entries.items():
+            count = entry.holders.pop(holder, 0)
+            if count:
+                dropped += count
+                if not entry.holders and entry.ready:
+                    self._lru[key] = None
+        return dropped
+
+    # -- reporting ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        referenced = sum(1 for e in self._entries.values() if e.holders)
+        return {
+            "capacity": self.capacity,
+            "used": self.used,
+            "samples": len(self._entries),
+            "referenced": referenced,
+            "cached": len(self._lru),
+            "loading": sum(1 for e in self._entries.values() if not e.ready),
+            **self.counters,
+        }
+
+    # -- free-list allocator -----------------------------------------------------------------
+    def _fit(self, size: int) -> int | None:
+        """First fit: the lowest free block that holds `size` bytes."""
+        for i, start in enumerate(self._starts):
+            block = self._sizes[start]
+            if block >= size:
+                del self._starts[i]
+                del self._sizes[start]
+                if block > size:
+                    self._insert(start + size, block - size)
+                return start
+        return None
+
+    def _evict(self, key: Hashable) -> None:
+        del self._lru[key]
+        entry = self._entries.pop(key)
+        self._free(entry)
+        self.counters["evictions"] += 1
+        self._on_evict(key)
+
+    def _free(self, entry: Entry) -> None:
+        self.used -= entry.nbytes
+        self._insert(entry.offset, entry.nbytes)
+
+    def _insert(self, start: int, size: int) -> None:
+        """Add a free block, merging it with free neighbours."""
+        i = bisect.bisect_left(self._starts, start)
+        if i < len(self._starts) and start + size == self._starts[i]:
+            size += self._sizes.pop(self._starts.pop(i))
+        if i > 0:
+            prev = self._starts[i - 1]
+            if prev + self._sizes[prev] == start:
+                self._sizes[prev] += size
+                return
+        self._starts.insert(i, start)
+        self._sizes[start] = size
