@@ -173,6 +173,7 @@ class DecoderPool:
     def close(self) -> None:
         for worker in self._workers:
             try:
+                worker.conn.send(None)  # not just close: forked siblings hold copies of our ends
                 worker.conn.close()
             except OSError:
                 pass
