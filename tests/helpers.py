@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from globalloader.service.launcher import is_running
 
 
 def same(a: Any, b: Any) -> bool:
@@ -42,3 +49,37 @@ def check_resume(make: Callable[[], Any], at: int) -> list[Any]:
         if hasattr(o, "close"):
             o.close()
     return full
+
+
+# -- the global loader service --------------------------------------------------------
+
+JOB = Path(__file__).parent / "service" / "job.py"
+
+
+def pool_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("gl-pool-")}
+
+
+class Server:
+    def __init__(self, socket: Path, memory: str = "32M", workers: int = 2) -> None:
+        self.socket = socket
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "globalloader.cli", "serve", "--socket", str(socket),
+             "--memory", memory, "--workers", str(workers)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + 20
+        while not is_running(socket):
+            assert self.proc.poll() is None, f"server exited: {self.proc.stdout.read()}"
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            subprocess.run([sys.executable, "-m", "globalloader.cli", "stop", "--socket", str(self.socket)], check=True)
+            self.proc.wait(timeout=20)
+
+    def job(self, out: Path, *args: str) -> subprocess.Popen:
+        """Start tests/service/job.py against this server."""
+        return subprocess.Popen([sys.executable, str(JOB), str(self.socket), str(out), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,4 +1,4 @@
-"""`globalloader` command line: `globalloader demo` (more commands come with the service)."""
+"""`globalloader` command line: serve | stop | status | demo."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--images", type=int, default=1000, help="synthetic images to make (once)")
     demo.add_argument("--workers", type=int, default=2)
     demo.add_argument("--batch-size", type=int, default=64)
+    serve = sub.add_parser("serve", help="run the global loader server in the foreground")
+    serve.add_argument("--memory", default="2G", help="buffer pool size, e.g. 512M, 4G")
+    serve.add_argument("--workers", type=int, default=None, help="decode workers (default: one per core)")
+    serve.add_argument("--socket", default=None, help="socket path (default: the user's runtime folder)")
+    stop = sub.add_parser("stop", help="stop the global loader server cleanly")
+    stop.add_argument("--socket", default=None)
+    status = sub.add_parser("status", help="live table of the server's jobs, pool and savings")
+    status.add_argument("--socket", default=None)
+    status.add_argument("--once", action="store_true", help="print one table and exit")
     return parser
 
 
@@ -25,6 +34,21 @@ def main(argv: list[str] | None = None) -> int:
             from globalloader import demo
 
             demo.main(images=args.images, workers=args.workers, batch_size=args.batch_size)
+        elif args.command == "serve":
+            from globalloader.service import server
+
+            forwarded = ["--memory", args.memory] + (["--socket", args.socket] if args.socket else [])
+            return server.main(forwarded + (["--workers", str(args.workers)] if args.workers else []))
+        else:
+            from pathlib import Path
+
+            from globalloader.service import launcher, protocol, status
+
+            path = Path(args.socket) if args.socket else protocol.default_socket()
+            if args.command == "stop":
+                print("stopped" if launcher.stop(path) else f"no server runs at {path}")
+            else:
+                status.watch(path, once=args.once)
     except GlobalLoaderError as exc:
         cause = f" (cause: {exc.__cause__})" if exc.__cause__ else ""
         print(f"globalloader: {exc}{cause}", file=sys.stderr)

@@ -320,6 +320,34 @@ def test_control_without_regions_is_rejected() -> None:
     assert _positions_pvalue(_follow_overlap(_NaiveFollow, 7, 10_000, 8)) < ALPHA
 
 
+class _LoadedRule(JointSampler):
+    """SAMPLER.md taken literally: a sample becomes followable when it is *loaded* (a miss),
+    not when it is drawn. Uses JointSampler's internals to change only that."""
+
+    def _publish(self, index: int) -> None:
+        pass
+
+    def loaded(self, index: int) -> None:
+        if index not in self._live:
+            JointSampler._publish(self, index)
+
+
+class _SeededWhenShared(JointSampler):
+    """Draws every epoch from the job's seed, even while sharing: re-registered jobs replay."""
+
+    def _alone(self, j: object, regions: np.ndarray) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("control", [_LoadedRule, _SeededWhenShared])
+def test_controls_that_let_one_epoch_steer_the_next_are_rejected(control: type) -> None:
+    """In the join/leave scenario the leftover residency (for "loaded since the epoch began")
+    or the replayed orders of the joining job tie k's consecutive epochs together."""
+    orders = _join_leave(control, 4, 30_000, SEEDS["join_leave"])
+    _every_epoch_a_permutation(orders)
+    assert _cross_epoch_pvalue(orders) < ALPHA
+
+
 def test_control_following_old_loads_is_rejected() -> None:
     """Following samples loaded before the epoch began ties consecutive epochs together."""
     make = functools.partial(_NaiveFollow, since_epoch=False)
@@ -549,15 +577,45 @@ def test_lock_step_identical_jobs_load_each_sample_once() -> None:
     assert sum(s["followed"] for s in sampler.stats().values()) == 3 * 500
 
 
-def test_only_samples_loaded_in_this_epoch_are_followed() -> None:
+def test_only_draws_made_in_this_epoch_are_followed() -> None:
     sampler = JointSampler(seed=3)
     sampler.add_job("a", range(10))
     sampler.add_job("b", range(10))
     for _ in range(10):
         sampler.loaded(sampler.next("a"))
-    sampler.new_epoch("b")  # every sample is resident, but loaded before b's new epoch
+    sampler.new_epoch("b")  # every sample is in memory, but a drew it before b's new epoch
     _drain(sampler, "b")
     assert sampler.stats()["b"]["followed"] == 0
+
+
+def test_fresh_draws_are_followable_whether_they_hit_or_load() -> None:
+    """Followability must not depend on what happened to be resident: no loaded() calls at
+    all, and every draw of the leader is still followed."""
+    sampler = JointSampler(seed=3)
+    sampler.add_job("a", range(50))
+    sampler.add_job("b", range(50))
+    for _ in range(50):
+        assert sampler.next("b") == sampler.next("a")
+    assert sampler.stats()["b"]["followed"] == 50
+
+
+def test_orders_drawn_while_sharing_are_never_replayed() -> None:
+    """A job re-registered with the same seed and epoch replays its plain shuffle when alone,
+    but not when another job could follow it (that job would see one order twice)."""
+    sampler = JointSampler(seed=4)
+    orders = []
+    for _ in range(2):
+        sampler.add_job("j", range(30), seed=5)
+        orders.append(_drain(sampler, "j"))
+        sampler.remove_job("j")
+    assert orders[0] == orders[1]
+    sampler.add_job("k", range(30))
+    shared = []
+    for _ in range(2):
+        sampler.add_job("j", range(30), seed=5)
+        shared.append(_drain(sampler, "j"))
+        sampler.remove_job("j")
+    assert shared[0] != shared[1]
 
 
 def test_evicted_samples_are_not_followed() -> None:
@@ -567,11 +625,14 @@ def test_evicted_samples_are_not_followed() -> None:
     index = sampler.next("a")
     sampler.loaded(index)
     sampler.evicted(index)
-    sampler.next("b")
+    taken_by_b = sampler.next("b")
     assert sampler.stats()["b"]["followed"] == 0
     index = sampler.next("a")
+    while index == taken_by_b:
+        index = sampler.next("a")
     sampler.loaded(index)
     assert sampler.next("b") == index
+    assert sampler.stats()["b"]["followed"] == 1
 
 
 def test_wanted_tells_whether_a_job_may_still_take_a_sample() -> None:

@@ -15,6 +15,8 @@ on loading by itself from the same position.
 from __future__ import annotations
 
 import os
+import sys
+import sysconfig
 import warnings
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
@@ -43,6 +45,8 @@ class SharedSession:
             raise ArgumentError("share=True needs a random-access source; a stream cannot be shared")
         prefix = Dataset(plan.source, tuple(plan.maps[: plan.split])).plan
         self.prefix_fp = prefix.fingerprint
+        for op in prefix.maps:
+            _by_value_if_local(cloudpickle, op.fn)
         self.client = Client(loader.server or default_socket(), memory=loader.server_memory)
         self._hello = {
             "name": loader.name or f"{os.path.basename(os.sys.argv[0] or 'python')}[{os.getpid()}]",
@@ -64,6 +68,16 @@ class SharedSession:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _by_value_if_local(cloudpickle: Any, fn: Any) -> None:
+    """Ship the user's own modules' code with the chain: the server may not import them (a
+    script's folder, a test module), while installed packages it imports like we do."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or type(fn).__module__)
+    path = getattr(module, "__file__", None) or ""
+    installed = any(part in path for part in ("site-packages", "dist-packages", sysconfig.get_paths()["stdlib"]))
+    if module is not None and path and not installed and not module.__name__.startswith("globalloader"):
+        cloudpickle.register_pickle_by_value(module)
 
 
 def remaining_indices(all_indices: np.ndarray, consumed: list[int]) -> np.ndarray:
@@ -104,11 +118,14 @@ class SharedRun:
         self._pending: deque[Any] = deque()
         self._pending_indices: deque[list[int]] = deque()
         self._skipped: list[tuple[int, str]] = []
+        self._fallback: Any = None  # the local run that took over when the server went away
 
     def __iter__(self) -> "SharedRun":
         return self
 
     def position(self) -> tuple[int, int, int, list[int]]:
+        if self._fallback is not None:
+            return self._fallback.position()
         return (self.epoch, 0, 0, list(self.consumed))
 
     # -- tickets from the server -------------------------------------------------------------
@@ -170,11 +187,14 @@ class SharedRun:
             self._in_flight.append(([i for i, _, _ in items], [i for i, o, _ in items if o is not None]))
 
     def __next__(self) -> Any:
+        if self._fallback is not None:
+            return next(self._fallback)
         try:
             return self._next()
         except ServerGone as exc:
             self.drain()
-            return next(self.loader.fall_back(exc, self.epoch, self.consumed))
+            self._fallback = self.loader.fall_back(exc, self.epoch, self.consumed)
+            return next(self._fallback)
 
     def _next(self) -> Any:
         while not self._pending:

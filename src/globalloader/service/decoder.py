@@ -47,11 +47,16 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
 
     while (msg := receive()) is not None:
         if msg[0] == "prefix":
-            prefixes[msg[1]] = pickle.loads(msg[2])
+            try:
+                prefixes[msg[1]] = pickle.loads(msg[2])
+            except Exception as exc:  # every load of this chain then fails with the reason
+                prefixes[msg[1]] = f"the server cannot unpickle this job's shared prefix: {type(exc).__name__}: {exc}"
             continue
         _, fp, index = msg
         t0 = time.perf_counter()
         try:
+            if isinstance(prefixes[fp], str):
+                raise RuntimeError(prefixes[fp])
             sample = prefixes[fp].prefix_sample(index)
             layout, placed = arena.encode(sample)
             conn.send(("reserve", fp, index, layout[0]))

@@ -1,0 +1,326 @@
+"""ShufflingDataset: one trainer's view of a global per-epoch shuffle on a Ray cluster."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import ray
+import ray.exceptions as rex
+
+from globalloader.errors import ArgumentError, StateError, WorkerError
+from globalloader.ray.layout import default_num_reducers, make_layout
+from globalloader.ray.prefetch import OutputPrefetcher
+from globalloader.ray.queue import BatchQueue, ShuffleSpec
+from globalloader.ray.reader import count_rows
+from globalloader.sources import _files
+
+NAMESPACE = "globalloader"  # queues are found by name from any driver or actor in the cluster
+_ATTACH_POLL_S = 0.2
+_TAKE_POLL_S = 5.0
+
+
+class ShufflingDataset:
+    """Globally shuffled batches for one data-parallel trainer, a new order every epoch.
+
+    Every rank constructs one with the same arguments and its own `rank`. Rank 0 plans the
+    shuffle and starts a named Ray actor (the batch queue) that the other ranks find by name;
+    per epoch, map tasks read `files` (Parquet, or WebDataset tar shards by their `.tar`
+    suffix; local paths or fsspec URLs) and scatter rows to `num_reducers` reducers by a seeded
+    random assignment, reducers permute and cut batches, and each trainer fetches its batches
+    from the object store, `prefetch` reducer outputs ahead. Shuffles of later epochs run while
+    trainers train, at most `max_concurrent_epochs` epochs alive at once (memory).
+
+        for epoch in range(num_epochs):
+            ds.set_epoch(epoch)          # optional: iterating again moves to the next epoch
+            for batch in ds: ...         # {column: np.ndarray}, rows along axis 0
+
+    Batches: dicts of NumPy arrays (see `reader` for column types), read-only views of Ray's
+    shared memory (copy one to modify it). Row policy: with drop_last=False every row appears
+    exactly once per epoch across all trainers; all batches hold `batch_size` rows except each
+    trainer's last, which share the leftover rows (rarely batch_size + 1, never 0). With
+    drop_last=True every batch is full and the leftover rows (a random set) are dropped.
+    Every trainer gets `len(ds)` batches every epoch, so DDP never hangs on a missing batch.
+    The order depends only on the files, `seed`, `num_trainers`, `batch_size`, `num_reducers`
+    and `drop_last`: the same arguments give the same batches on any cluster.
+
+    Each epoch is read once per rank. The batch queue lives in rank 0's process: rank 0 must
+    not exit before the others finish. Errors: an unreadable file raises SourceError naming
+    it (at construction if its footer is bad, else when the epoch reaching it is read); a rank
+    that waits more than `timeout` seconds (a peer died or stalled, the shuffle is starved of
+    CPUs, rank 0 never started) raises WorkerError saying which ranks hold it up. `name`
+    identifies the shuffle in the cluster (default: derived from the arguments); give one if
+    two jobs with identical arguments run at once.
+    """
+
+    def __init__(self, files: Any, num_epochs: int, num_trainers: int, batch_size: int,
+                 rank: int, num_reducers: int | None = None, max_concurrent_epochs: int = 2,
+                 seed: int = 0, drop_last: bool = False, *, columns: Sequence[str] | None = None,
+                 prefetch: int = 2, timeout: float | None = 600.0,
+                 name: str | None = None) -> None:
+        urls = _files.expand_urls(files, "files")
+        for arg, value in (("num_epochs", num_epochs), ("num_trainers", num_trainers),
+                           ("batch_size", batch_size), ("max_concurrent_epochs",
+                                                        max_concurrent_epochs),
+                           ("prefetch", prefetch)):
+            _check_int(arg, value, 1)
+        _check_int("rank", rank, 0)
+        _check_int("seed", seed, 0)
+        if rank >= num_trainers:
+            raise ArgumentError(f"rank must be in 0..{num_trainers - 1}, got {rank}")
+        if num_reducers is None:
+            num_reducers = default_num_reducers(len(urls), num_trainers)
+        _check_int("num_reducers", num_reducers, num_trainers)
+        if columns is not None and (isinstance(columns, str) or not columns
+                                    or not all(isinstance(c, str) for c in columns)):
+            raise ArgumentError(f"columns must be a non-empty list of str or None, "
+                                f"got {columns!r}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ArgumentError(f"timeout must be a positive number of seconds or None, "
+                                f"got {timeout!r}")
+        self.spec = ShuffleSpec(tuple(urls), tuple(columns) if columns is not None else None,
+                                num_epochs, num_trainers, batch_size, num_reducers,
+                                max_concurrent_epochs, seed, bool(drop_last))
+        self.rank = rank
+        self.name = name or "globalloader-shuffle-" + hashlib.sha1(
+            self.spec.key.encode()).hexdigest()[:16]
+        self._prefetch = prefetch
+        self._timeout = timeout
+        if not ray.is_initialized():
+            ray.init()
+        self._node = ray.get_runtime_context().get_node_id()
+        self._queue, info = self._create() if rank == 0 else self._attach()
+        self._batch_sizes: np.ndarray = np.asarray(info["batch_sizes"])
+        self._runs: np.ndarray = np.asarray(info["reducer_batches"])
+        self.total_rows: int = info["rows"]
+        self._epoch: int | None = None  # set by set_epoch / load_state_dict for the next iter
+        self._next_epoch = 0
+        self._skip = 0  # batches of the next epoch already consumed (after load_state_dict)
+        self._active: _EpochIterator | None = None
+        self.epoch_stats: dict[int, dict[str, float]] = {}
+
+    def _create(self) -> tuple[Any, dict[str, Any]]:
+        """Rank 0: count rows, check the plan, and start the queue (replacing a finished one)."""
+        with ThreadPoolExecutor(min(16, len(self.spec.files))) as pool:
+            rows = list(pool.map(count_rows, self.spec.files))
+        make_layout(np.array(rows), self.spec.num_trainers, self.spec.batch_size,
+                    self.spec.num_reducers, self.spec.drop_last)  # ArgumentError here, not remote
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                handle = BatchQueue.options(name=self.name, namespace=NAMESPACE).remote(
+                    self.spec, rows)
+                break
+            except ValueError:  # the name is taken
+                if not self._replace_finished() and time.monotonic() > deadline:
+                    raise ArgumentError(
+                        f"a shuffle named {self.name!r} is already running in this Ray "
+                        "cluster: close() it, or pass a distinct name=") from None
+                time.sleep(_ATTACH_POLL_S)
+        info = ray.get(handle.attach.remote(0, self.spec.key, self._node))
+        return handle, info
+
+    def _replace_finished(self) -> bool:
+        """Kill a same-named queue whose job has finished; True if there is none any more."""
+        try:
+            old = ray.get_actor(self.name, namespace=NAMESPACE)
+            if not ray.get(old.finished.remote(), timeout=10):
+                return False
+            ray.kill(old)
+        except (ValueError, rex.RayActorError, rex.GetTimeoutError):
+            pass
+        return True
+
+    def _attach(self) -> tuple[Any, dict[str, Any]]:
+        """Other ranks: find rank 0's queue by name and check it runs the same shuffle."""
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        why = "rank 0 has not created it"
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                handle = ray.get_actor(self.name, namespace=NAMESPACE)
+                info = ray.get(handle.attach.remote(self.rank, self.spec.key, self._node))
+            except (ValueError, rex.RayActorError):
+                time.sleep(_ATTACH_POLL_S)
+                continue
+            if "error" not in info:
+                return handle, info
+            if info["error"] == "mismatch":
+                raise ArgumentError(
+                    f"rank {self.rank}'s arguments differ from rank 0's for shuffle "
+                    f"{self.name!r}: {self.spec.key} vs {info['spec']}")
+            why = (f"rank {self.rank} is already attached to it (two trainers with one rank, or "
+                   "an earlier job with the same arguments still holds the name)")
+            time.sleep(_ATTACH_POLL_S)
+        raise WorkerError(f"rank {self.rank} could not join shuffle {self.name!r} within "
+                          f"{self._timeout:.0f} s: {why}")
+
+    def __len__(self) -> int:
+        """Batches every trainer gets per epoch."""
+        return int(self._batch_sizes.shape[0])
+
+    @property
+    def num_epochs(self) -> int:
+        return self.spec.num_epochs
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next iteration reads (epochs go forward only)."""
+        _check_int("epoch", epoch, 0)
+        if epoch >= self.spec.num_epochs:
+            raise ArgumentError(f"epoch must be in 0..{self.spec.num_epochs - 1}, got {epoch}")
+        if epoch != self._epoch:
+            self._skip = 0
+        self._epoch = epoch
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        epoch = self._epoch if self._epoch is not None else self._next_epoch
+        if epoch >= self.spec.num_epochs:
+            raise StateError(f"all {self.spec.num_epochs} epochs of shuffle {self.name!r} "
+                             "were read")
+        if self._active is not None:
+            self._active.close()
+        started = time.perf_counter()
+        self._take(epoch)
+        self._active = _EpochIterator(self, epoch, self._skip, started)
+        self._epoch, self._skip, self._next_epoch = None, 0, epoch + 1
+        return self._active
+
+    def _take(self, epoch: int) -> None:
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        while True:
+            wait = _TAKE_POLL_S if deadline is None else max(
+                0.0, min(_TAKE_POLL_S, deadline - time.monotonic()))
+            try:
+                status, payload = ray.get(self._queue.take.remote(self.rank, epoch, wait))
+            except rex.RayActorError as exc:
+                raise WorkerError(f"the batch queue of shuffle {self.name!r} is gone; it lives "
+                                  f"in rank 0's process (did rank 0 stop?): "
+                                  f"{type(exc).__name__}") from None
+            if status == "ok":
+                return
+            if status == "error":
+                raise StateError(payload)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WorkerError(
+                    f"rank {self.rank} waited {self._timeout:.0f} s for epoch {epoch} of "
+                    f"shuffle {self.name!r}: {payload} (a trainer may have died or stalled; "
+                    f"at most {self.spec.max_concurrent_epochs} epochs are shuffled ahead)")
+
+    def _done(self, epoch: int) -> None:
+        self._queue.done.remote(self.rank, epoch)  # fire and forget: only frees memory sooner
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is: the epoch and how many of its batches were consumed."""
+        if self._active is not None and not self._active.finished:
+            return {"shuffle": self.spec.key, "epoch": self._active.epoch,
+                    "batches": self._active.position}
+        epoch = self._epoch if self._epoch is not None else self._next_epoch
+        return {"shuffle": self.spec.key, "epoch": epoch, "batches": self._skip}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`: the next iteration reads its epoch from its batch on.
+
+        The epoch's shuffle is recomputed (same seed, same batches); batches before the
+        position are skipped, whole reducer outputs without being fetched.
+        """
+        if not isinstance(state, dict) or set(state) != {"shuffle", "epoch", "batches"}:
+            raise StateError(f"not a ShufflingDataset state: {state!r}")
+        if state["shuffle"] != self.spec.key:
+            raise StateError(f"the state belongs to another shuffle: {state['shuffle']}")
+        if not 0 <= state["batches"] <= len(self):
+            raise StateError(f"state batches {state['batches']} is outside 0..{len(self)}")
+        if state["epoch"] < self.spec.num_epochs:
+            self.set_epoch(state["epoch"])
+        else:
+            self._epoch = None
+        self._next_epoch = state["epoch"]
+        self._skip = state["batches"]
+
+    def close(self) -> None:
+        """Stop prefetching; on rank 0 also stop the batch queue (the others can no longer read)."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        if self.rank == 0 and self._queue is not None:
+            ray.kill(self._queue)
+            self._queue = None
+
+    def __enter__(self) -> ShufflingDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ShufflingDataset({self.name!r}, rank {self.rank}/{self.spec.num_trainers}, "
+                f"{len(self.spec.files)} files, {self.total_rows} rows, {len(self)} batches of "
+                f"{self.spec.batch_size} per epoch)")
+
+
+class _EpochIterator:
+    """One rank's batches of one epoch: slices of reducer outputs fetched in order."""
+
+    def __init__(self, owner: ShufflingDataset, epoch: int, skip: int, started: float) -> None:
+        self._owner = owner
+        self.epoch = epoch
+        self.position = skip  # batches consumed so far
+        self.finished = False
+        self._sizes = owner._batch_sizes
+        self._row_start = np.concatenate([[0], np.cumsum(self._sizes)])
+        runs = owner._runs
+        first = int(np.searchsorted(runs[:, 1], skip, side="right")) if len(runs) else 0
+        self._runs = runs[first:]
+        self._next_run = 0
+        self._run_stop = skip  # the current output covers batches up to here
+        self._current: dict[str, np.ndarray] = {}
+        self._base = 0  # row of the epoch where the current output starts
+        self._started = started
+        queue, rank = owner._queue, owner.rank
+        self._fetcher = OutputPrefetcher(
+            len(runs) - first,
+            lambda i, wait: ray.get(queue.output.remote(rank, epoch, first + i, wait)),
+            owner._prefetch, owner._timeout,
+            lambda i: f"rank {rank}'s output {first + i} of epoch {epoch}")
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.position >= len(self._sizes):
+            self._finish()
+            raise StopIteration
+        if self.position >= self._run_stop:
+            self._current = self._fetcher.next()
+            start, self._run_stop = (int(x) for x in self._runs[self._next_run])
+            self._base = int(self._row_start[start])
+            self._next_run += 1
+        a = int(self._row_start[self.position]) - self._base
+        b = a + int(self._sizes[self.position])
+        batch = {name: column[a:b] for name, column in self._current.items()}
+        if self.epoch not in self._owner.epoch_stats:
+            self._owner.epoch_stats[self.epoch] = {
+                "first_batch_s": time.perf_counter() - self._started}
+        self.position += 1
+        return batch
+
+    def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            stats = self._owner.epoch_stats.setdefault(self.epoch, {})
+            stats["wait_s"] = self._fetcher.wait_s
+            stats["epoch_s"] = time.perf_counter() - self._started
+            self._fetcher.close()
+            self._current = {}
+            self._owner._done(self.epoch)
+
+    def close(self) -> None:
+        self._fetcher.close()
+        self._current = {}
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ArgumentError(f"{name} must be an int >= {low}, got {value!r}")

@@ -1,0 +1,156 @@
+"""BatchQueue: the per-shuffle Ray actor that launches epochs and hands trainers their outputs.
+
+One named actor per shuffle job, created by rank 0 (so it lives exactly as long as rank 0's
+process) and found by name by the other ranks. It never touches row data: its scheduler
+submits each epoch's map/reduce tasks, and trainers ask it for the object refs of their
+reducer outputs, then fetch the data straight from the object store.
+
+Pipelining and throttling: an epoch is *live* from its launch until every rank has moved past
+it (asked for a later epoch or finished it). When a rank asks for epoch e, epochs are launched
+in order from e on while fewer than `max_concurrent_epochs` are live, so shuffling of the next
+epochs runs while trainers train on this one, and memory holds at most that many epochs.
+`ShuffleScheduler` decides the order in which the launched epochs' tasks run.
+
+An async actor: a rank waiting for an epoch (held back by a slower rank) does not block the
+calls that would release it. Waits are bounded by the caller's `wait_s`; the caller decides
+when waiting has lasted too long (a dead trainer) and raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from globalloader.ray.layout import ShuffleLayout, make_layout
+from globalloader.ray.schedule import ShuffleScheduler
+
+
+@dataclass(frozen=True)
+class ShuffleSpec:
+    """Everything every rank must agree on; `key` is compared when a rank attaches."""
+
+    files: tuple[str, ...]
+    columns: tuple[str, ...] | None
+    num_epochs: int
+    num_trainers: int
+    batch_size: int
+    num_reducers: int
+    max_concurrent_epochs: int
+    seed: int
+    drop_last: bool
+
+    @property
+    def key(self) -> str:
+        return repr(self)
+
+
+@ray.remote(num_cpus=0)
+class BatchQueue:
+    """Launches each epoch's shuffle and queues each rank's reducer outputs (see module doc)."""
+
+    def __init__(self, spec: ShuffleSpec, file_rows: list[int]) -> None:
+        self._spec = spec
+        self._layout: ShuffleLayout = make_layout(
+            np.array(file_rows, np.int64), spec.num_trainers, spec.batch_size,
+            spec.num_reducers, spec.drop_last)
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        self._scheduler = ShuffleScheduler(spec.files, spec.columns, self._layout, spec.seed,
+                                           limit=max(2, cpus + 1))
+        self._nodes = self._scheduler.nodes
+        self._pos: dict[int, int] = {}  # rank -> lowest epoch it may still ask for
+        self._taken: set[tuple[int, int]] = set()  # (rank, epoch) pairs already read
+        self._live: set[int] = set()  # launched, not yet released epochs
+        self._next_launch: int | None = None
+        self._changed = asyncio.Condition()
+
+    def attach(self, rank: int, key: str, node_id: str) -> dict[str, Any]:
+        """Register a rank; returns what it needs to cut batches, or why it cannot attach."""
+        if key != self._spec.key:
+            return {"error": "mismatch", "spec": self._spec.key}
+        if rank in self._nodes:
+            return {"error": "attached"}
+        self._nodes[rank] = node_id
+        return {"batch_sizes": self._layout.batch_sizes[rank],
+                "reducer_batches": self._layout.reducer_batches[self._layout.rank_reducers(rank)],
+                "rows": int(self._layout.file_rows.sum()), "dropped": self._layout.dropped}
+
+    def finished(self) -> bool:
+        """True once every rank has moved past the last epoch (the queue can go)."""
+        return (len(self._pos) == self._spec.num_trainers
+                and min(self._pos.values()) >= self._spec.num_epochs)
+
+    async def take(self, rank: int, epoch: int, wait_s: float) -> tuple[str, Any]:
+        """Rank `rank` moves to `epoch`: ("ok", None) once it is launched, else after `wait_s`
+        ("wait", why it is held back); ("error", message) if it can never come."""
+        if epoch < self._pos.get(rank, 0) or (rank, epoch) in self._taken:
+            return "error", (f"rank {rank} already read epoch {epoch} or moved past it (each "
+                             "epoch is shuffled once and read once per rank)")
+        self._pos[rank] = epoch
+        await self._advance()
+        try:
+            await asyncio.wait_for(self._wait_launched(epoch), wait_s)
+        except asyncio.TimeoutError:
+            return "wait", self._holdup()
+        if epoch not in self._live:
+            return "error", (f"epoch {epoch} was skipped: the other ranks moved past it before "
+                             f"rank {rank} asked for it")
+        self._taken.add((rank, epoch))
+        return "ok", None
+
+    async def output(self, rank: int, epoch: int, index: int, wait_s: float) -> tuple[str, Any]:
+        """The ref of rank `rank`'s `index`-th output of `epoch`: ("ok", ref) once its reducer
+        is submitted, ("wait", why) after `wait_s`, ("error", message) if it is gone."""
+        reducer = int(self._layout.rank_reducers(rank)[index])
+        try:
+            ref = await asyncio.wait_for(self._scheduler.output(epoch, reducer), wait_s)
+        except asyncio.TimeoutError:
+            return "wait", f"its reducer has not started ({self._scheduler.describe()})"
+        if ref is None:
+            return "error", f"epoch {epoch} was released before rank {rank} read it"
+        return "ok", ref
+
+    async def done(self, rank: int, epoch: int) -> None:
+        """Rank `rank` finished iterating `epoch`: it may release that epoch's memory."""
+        self._pos[rank] = max(self._pos.get(rank, 0), epoch + 1)
+        await self._advance()
+
+    async def _wait_launched(self, epoch: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: self._next_launch is not None and self._next_launch > epoch)
+
+    async def _advance(self) -> None:
+        """Release epochs every rank has left, then launch while under the live limit."""
+        spec = self._spec
+        everyone = len(self._pos) == spec.num_trainers
+        low = min(self._pos.values()) if everyone else 0
+        for epoch in [e for e in self._live if everyone and e < low]:
+            self._live.discard(epoch)
+            self._scheduler.release(epoch)  # drops the refs of outputs no rank took
+        if self._next_launch is None:
+            self._next_launch = min(self._pos.values())
+        if everyone:
+            self._next_launch = max(self._next_launch, low)
+        while (self._next_launch < spec.num_epochs
+               and len(self._live) < spec.max_concurrent_epochs):
+            self._live.add(self._next_launch)
+            self._scheduler.launch(self._next_launch)
+            self._next_launch += 1
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _holdup(self) -> str:
+        """Which ranks keep the oldest live epoch alive (so no further epoch can launch)."""
+        oldest = min(self._live) if self._live else 0
+        missing = [r for r in range(self._spec.num_trainers) if r not in self._pos]
+        behind = [r for r, e in sorted(self._pos.items()) if e <= oldest]
+        parts = []
+        if behind:
+            parts.append(f"rank(s) {behind} have not finished epoch {oldest}")
+        if missing:
+            parts.append(f"rank(s) {missing} never asked for an epoch")
+        return "; ".join(parts) or "the queue is waiting for its epochs to be released"

@@ -1,0 +1,544 @@
+"""The joint sampler: one uniformly random order per job, drawn so that jobs share loads.
+
+Several training jobs on one machine read overlapping index sets of one dataset. Each job must
+see its own set once per epoch in a uniformly random order, whatever the others do, yet a sample
+loaded for one job should serve the others while it is still in memory. The production rule is
+the region-wise "follow" of SAMPLER.md:
+
+- Cells. A job's cells partition its set by which jobs want each index (the regions). At the
+  start of an epoch the job draws a uniform arrangement of its cell labels; request i is served
+  from cell label i.
+- Follow. Within the cell it takes the oldest sample that another job drew fresh since this
+  job's epoch began, that has not been evicted since, and that it has not seen; else a fresh
+  element (uniform among its unseen ones), which the others may then follow.
+
+The rule never looks at which element of a cell it takes, so the law of everything is invariant
+under relabelling inside cells; with the uniform label arrangement that makes each job's order a
+uniform permutation. Consequences that shape the code (see also SAMPLER.md):
+
+- A job joining mid-epoch splits other jobs' cells (their remaining labels are re-drawn), but a
+  job leaving never merges them before their next epoch: merging would let the follow rule
+  prefer the part the leaver had loaded.
+- Only draws made since the job's own epoch began may be followed, so epochs stay independent.
+- A sample becomes followable when a job draws it fresh, whether that draw finds it in memory
+  or loads it. SAMPLER.md says "loaded since the epoch began", but then whether a draw can be
+  followed depends on what was still resident from the follower's previous epoch, and epochs
+  stop being independent (measured: P(last of one epoch = first of the next) = 0.226 instead
+  of 0.25 when a job joins, loads and leaves every epoch). `loaded` therefore decides nothing;
+  `evicted` ends a sample's followability.
+- The rule is blind to identities only if the orders it follows are fresh randomness: a job
+  that starts an epoch while sharing draws it from the sampler's stream, not from its seed, so
+  a job re-run with the same seed cannot make the others' epochs repeat.
+
+Cost per request is O(1) amortised (a few list, dict and bytearray lookups): each follow-log
+entry and each fresh-list element is passed at most once per epoch. An epoch start costs
+O(|set|) in NumPy. Memory per job is about 5 bytes per index of the universe (the largest index
+of any job) plus 8 bytes per element of its set. Not thread-safe: one thread (the server's
+scheduler) drives it, or callers hold a lock.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import operator
+import zlib
+from array import array
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from globalloader.errors import ArgumentError, SampleIndexError, StateError
+from globalloader.sampling._regions import RegionMap
+
+_STATE_VERSION = 1
+# A cell's follow log is compacted (stale entries dropped) once it is longer than twice the
+# number of followable samples plus this slack, which keeps compaction amortised O(1) per entry.
+_LOG_SLACK = 4096
+# Indices index per-job bitmaps over the universe, so they are bounded to keep memory sane.
+_MAX_INDEX = 2**31 - 2
+
+
+class _Cell:
+    """One cell of a job's current epoch: its elements in uniform order and its follow log."""
+
+    __slots__ = ("fresh", "log", "next_fresh", "next_log")
+
+    def __init__(self, fresh: array) -> None:
+        self.fresh = fresh  # the cell's elements, uniformly shuffled; seen ones are skipped
+        self.next_fresh = 0
+        self.log: list[tuple[int, int]] = []  # (load sequence number, index), oldest first
+        self.next_log = 0  # entries before it are followed or stale for this epoch
+
+
+class _Job:
+    """Everything the sampler keeps for one job."""
+
+    __slots__ = (
+        "base",
+        "cell",
+        "cells",
+        "checksum",
+        "epoch",
+        "followed",
+        "indices",
+        "labels",
+        "length",
+        "name",
+        "pos",
+        "seed",
+        "seen",
+    )
+
+    def __init__(self, name: Hashable, indices: np.ndarray, seed: int, universe: int) -> None:
+        self.name = name
+        self.indices = indices  # sorted unique int64
+        self.checksum = zlib.crc32(indices.astype("<i8").tobytes())
+        self.seed = seed
+        self.epoch = 0
+        self.seen = bytearray(universe)  # 1 for every index seen this epoch
+        self.cell = array("i", bytes(4 * universe))  # cell id of each unseen index of the set
+        self.cells: list[_Cell] = []
+        self.labels: array | None = None  # cell label of each request; None with one cell
+        self.pos = 0  # requests served from the current arrangement
+        self.length = 0  # requests the current arrangement holds
+        self.base = 0  # requests served before the current arrangement
+        self.followed = 0
+
+
+class JointSampler:
+    """Chooses each job's next index so that every job's epoch order is uniform and loads are shared.
+
+    Pure index-space logic, no I/O: the server asks `next(job)` and reports through `evicted(i)`
+    every sample that leaves its buffer pool (or that it did not keep). A fresh draw is
+    followable at once, so a follower may be served from a load still in flight. Jobs join and
+    leave at any time, mid-epoch included; none ever waits for another. `job_state` and
+    `restore_job` resume one job exactly: the indices it already consumed this epoch are
+    recorded and the rest of the epoch is a uniform order of what remains.
+
+    Randomness: a job that starts an epoch alone (no other job wants any of its indices) gets
+    the plain shuffle of that epoch, a function of its seed and epoch number only, and resumes
+    it bit-exactly. A job that starts an epoch while sharing draws its order from the sampler's
+    own stream instead: were it replayed from its seed (a job re-run with the same seed, or
+    restored again from one checkpoint), the jobs following it would see the same order twice
+    and their epochs would stop being independent. `seed` seeds that stream (None: fresh OS
+    entropy) and the default job seeds.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        if seed is None:
+            seed = int(np.random.SeedSequence().entropy) & (2**63 - 1)
+        self._seed = _check_seed(seed, "seed")
+        # Fresh randomness for orders drawn while jobs share: never replayed within one sampler.
+        self._rng = np.random.default_rng(self._seed)
+        self._jobs: dict[Hashable, _Job] = {}
+        self._regions = RegionMap()
+        # index -> sequence number of the fresh draw that made it followable; dropped on eviction
+        self._live: dict[int, int] = {}
+        self._seq = 0
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    def add_job(
+        self,
+        job: Hashable,
+        indices: Sequence[int] | np.ndarray,
+        *,
+        seed: int | None = None,
+        epoch: int = 0,
+    ) -> None:
+        """Register `job` over `indices` (unique non-negative ints) and start its epoch `epoch`.
+
+        `seed` fixes the job's epoch orders when it runs alone (default: derived from the
+        sampler's seed and the job name). Other jobs' remaining labels are re-drawn where the new
+        set cuts their cells; their orders stay uniform.
+        """
+        if job in self._jobs:
+            raise ArgumentError(f"job {job!r} is already registered; remove_job({job!r}) first")
+        indices = _index_set(indices, "indices")
+        seed = self._default_seed(job) if seed is None else _check_seed(seed, "seed")
+        j = self._register(job, indices, seed)
+        self._start_epoch(j, _check_epoch(epoch))
+
+    def remove_job(self, job: Hashable) -> None:
+        """Forget `job`, mid-epoch included. Other jobs keep their cells until their next epoch."""
+        j = self._job(job)
+        del self._jobs[job]
+        self._regions.remove(j)
+
+    def new_epoch(self, job: Hashable, epoch: int | None = None) -> None:
+        """Start `job`'s next epoch (or epoch `epoch`), independent of the previous ones.
+
+        Whatever remained of the current epoch is dropped.
+        """
+        j = self._job(job)
+        self._start_epoch(j, j.epoch + 1 if epoch is None else _check_epoch(epoch))
+
+    # -- the hot path -----------------------------------------------------------------------
+
+    def next(self, job: Hashable) -> int:
+        """The next index of `job`'s current epoch; StopIteration once the epoch is done."""
+        try:
+            j = self._jobs[job]
+        except KeyError:
+            raise self._unknown(job) from None
+        pos = j.pos
+        if pos >= j.length:
+            raise StopIteration
+        j.pos = pos + 1
+        labels = j.labels
+        cell = j.cells[0] if labels is None else j.cells[labels[pos]]
+        seen = j.seen
+        log = cell.log
+        at = cell.next_log
+        end = len(log)
+        if at < end:
+            live = self._live
+            while at < end:
+                seq, index = log[at]
+                at += 1
+                if not seen[index] and live.get(index) == seq:
+                    cell.next_log = at
+                    seen[index] = 1
+                    j.followed += 1
+                    return index
+            cell.next_log = at
+        # Nothing to follow: the next unseen element of the cell's uniform order (a fresh draw).
+        fresh = cell.fresh
+        at = cell.next_fresh
+        index = fresh[at]
+        while seen[index]:
+            at += 1
+            index = fresh[at]
+        cell.next_fresh = at + 1
+        seen[index] = 1
+        self._publish(index)
+        return index
+
+    def loaded(self, index: int) -> None:
+        """Report that sample `index` is in memory. Accepted for the pool's symmetry only.
+
+        Decisions do not depend on it: a sample is followable from the moment a job draws it
+        fresh (see the module docstring for why "loaded since the epoch began" is not used).
+        """
+        operator.index(index)
+
+    def evicted(self, index: int) -> None:
+        """Report that sample `index` left memory: nobody follows it until it is drawn again."""
+        self._live.pop(operator.index(index), None)
+
+    def wanted(self, index: int) -> bool:
+        """Whether some job that wants `index` has not taken it yet in its current epoch.
+
+        A hint for the buffer pool: evicting unwanted samples first (instead of refreshing them
+        on every hit, as plain LRU does) keeps the window of followable samples full. It is a
+        function of the jobs' seen sets, so a pool that uses it keeps every order uniform.
+        """
+        index = operator.index(index)
+        regions = self._regions
+        ids = regions.ids
+        if not 0 <= index < len(ids):
+            return False
+        for j in regions.jobs[ids[index]]:
+            if not j.seen[index]:
+                return True
+        return False
+
+    # -- state and introspection ------------------------------------------------------------
+
+    def remaining(self, job: Hashable) -> int:
+        """How many requests `job`'s current epoch has left."""
+        j = self._job(job)
+        return j.length - j.pos
+
+    def stats(self) -> dict[Hashable, dict[str, int]]:
+        """Per job: epoch, requests, followed (took another job's draw), fresh (drew anew)."""
+        out = {}
+        for name, j in self._jobs.items():
+            requests = j.base + j.pos
+            out[name] = {
+                "epoch": j.epoch,
+                "requests": requests,
+                "followed": j.followed,
+                "fresh": requests - j.followed,
+            }
+        return out
+
+    def job_state(self, job: Hashable) -> dict[str, Any]:
+        """`job`'s resumable state: plain ints and strs, JSON- and pickle-friendly.
+
+        Holds the epoch, the job seed, a checksum of its index set and the consumed set (a
+        base64 bitmap over the sorted indices).
+        """
+        j = self._job(job)
+        consumed = np.frombuffer(j.seen, dtype=np.uint8)[j.indices].astype(bool)
+        bitmap = np.packbits(consumed, bitorder="little").tobytes()
+        return {
+            "version": _STATE_VERSION,
+            "epoch": j.epoch,
+            "seed": j.seed,
+            "size": len(j.indices),
+            "checksum": j.checksum,
+            "consumed": base64.b64encode(bitmap).decode("ascii"),
+        }
+
+    def restore_job(
+        self, job: Hashable, indices: Sequence[int] | np.ndarray, state: dict[str, Any]
+    ) -> None:
+        """Register `job` (replacing a job of that name) and continue the epoch saved in `state`.
+
+        The rest of the epoch is a uniform order of the indices not yet consumed. A job that is
+        alone and whose consumed set is exactly the start of the epoch's plain shuffle (always
+        so for a job that ran alone) continues that shuffle: a lone job resumes bit-exactly.
+        """
+        indices = _index_set(indices, "indices")
+        epoch, seed, consumed = _read_state(job, indices, state)
+        if job in self._jobs:
+            self.remove_job(job)
+        j = self._register(job, indices, seed)
+        j.epoch = epoch
+        seen = np.frombuffer(j.seen, dtype=np.uint8)
+        seen[indices[consumed]] = 1
+        done = int(consumed.sum())
+        regions = self._regions.view()[indices]
+        order = None
+        if self._alone(j, regions):
+            # Sound even when it matches by chance: given that the consumed set is the plain
+            # shuffle's first `done` elements, the rest of that shuffle is uniform.
+            order = indices[_plain_order(seed, epoch, len(indices))]
+            if not seen[order[:done]].all():
+                order = None
+        del seen
+        if order is None:
+            rest = ~consumed
+            perm = self._rng.permutation(int(rest.sum()))
+            order, keys = indices[rest][perm], regions[rest][perm]
+        else:
+            order, keys = order[done:], self._regions.view()[order[done:]]
+        self._arrange(j, order, keys)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _publish(self, index: int) -> None:
+        """Make a fresh draw followable by every job that wants `index` and has not seen it."""
+        live = self._live
+        regions = self._regions
+        self._seq = seq = self._seq + 1
+        live[index] = seq
+        entry = (seq, index)
+        limit = 2 * len(live) + _LOG_SLACK
+        for j in regions.jobs[regions.ids[index]]:
+            if not j.seen[index]:
+                cell = j.cells[j.cell[index]]
+                log = cell.log
+                log.append(entry)
+                if len(log) > limit:
+                    _compact(cell, j.seen, live)
+
+    def _job(self, job: Hashable) -> _Job:
+        try:
+            return self._jobs[job]
+        except KeyError:
+            raise self._unknown(job) from None
+
+    def _unknown(self, job: Hashable) -> ArgumentError:
+        known = ", ".join(repr(name) for name in self._jobs) or "none"
+        return ArgumentError(f"no job named {job!r} (registered: {known}); call add_job first")
+
+    def _default_seed(self, job: Hashable) -> int:
+        digest = hashlib.blake2b(f"{self._seed}\0{job!r}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    def _register(self, name: Hashable, indices: np.ndarray, seed: int) -> _Job:
+        """Create the job, grow the universe, split regions and other jobs' cells."""
+        if len(indices) and indices[-1] >= self._regions.size:
+            self._grow(int(indices[-1]) + 1)
+        j = _Job(name, indices, seed, self._regions.size)
+        self._regions.add(j, indices)
+        for other in self._jobs.values():
+            self._refine(other)
+        self._jobs[name] = j
+        return j
+
+    def _grow(self, size: int) -> None:
+        """Extend the universe; copies rather than resizes, so no live buffer export can block it."""
+        self._regions.grow(size)
+        for j in self._jobs.values():
+            seen = bytearray(size)
+            seen[: len(j.seen)] = j.seen
+            j.seen = seen
+            cell = array("i", bytes(4 * size))
+            cell[: len(j.cell)] = j.cell
+            j.cell = cell
+
+    def _start_epoch(self, j: _Job, epoch: int) -> None:
+        j.epoch = epoch
+        j.seen = bytearray(self._regions.size)
+        regions = self._regions.view()[j.indices]
+        if self._alone(j, regions):
+            perm = _plain_order(j.seed, epoch, len(j.indices))
+        else:
+            perm = self._rng.permutation(len(j.indices))
+        self._arrange(j, j.indices[perm], regions[perm])
+
+    def _alone(self, j: _Job, regions: np.ndarray) -> bool:
+        """Whether no other job wants any index of j (`regions`: the region of each one)."""
+        if not len(regions):
+            return True
+        members = self._regions.jobs
+        return all(len(members[r]) == 1 for r in np.flatnonzero(np.bincount(regions)).tolist())
+
+    def _arrange(self, j: _Job, order: np.ndarray, keys: np.ndarray) -> None:
+        """Serve `order` (a uniform order of j's unseen indices) from the cells given by `keys`.
+
+        The label of request i is the cell of order[i], and each cell's fresh list is `order`
+        restricted to it: for a uniform `order` that is a uniform label arrangement and
+        independent uniform orders inside cells, from one permutation. A lone job with one cell
+        therefore gets `order` itself.
+        """
+        j.base += j.pos
+        j.pos = 0
+        j.length = len(order)
+        j.labels = None
+        if not len(order):
+            j.cells = []
+            return
+        inv, count = _dense(keys)
+        np.frombuffer(j.cell, dtype=np.int32)[order] = inv
+        if count == 1:
+            j.cells = [_Cell(_int_array(order))]
+            return
+        j.labels = _label_array(inv, count)
+        grouped = order[np.argsort(inv, kind="stable")]
+        cells, start = [], 0
+        for stop in np.cumsum(np.bincount(inv, minlength=count)).tolist():
+            cells.append(_Cell(_int_array(grouped[start:stop])))
+            start = stop
+        j.cells = cells
+
+    def _refine(self, j: _Job) -> None:
+        """Split j's cells along the current regions, re-drawing its remaining labels.
+
+        The remaining labels and fresh orders are unrevealed randomness, so replacing them by a
+        new uniform draw over the finer cells keeps the order uniform; the follow logs are
+        history and are kept (each new cell lies inside one old cell, so log order holds).
+        """
+        if j.pos >= j.length:
+            return  # epoch done; its next epoch starts from the current regions
+        seen = np.frombuffer(j.seen, dtype=np.uint8)
+        rest = j.indices[seen[j.indices] == 0]
+        del seen
+        old = np.frombuffer(j.cell, dtype=np.int32)[rest].astype(np.int64)
+        region = self._regions.view()[rest].astype(np.int64)
+        keys = old * (int(region.max()) + 1) + region
+        if _dense(keys)[1] == _dense(old)[1]:
+            return  # no cell of j is cut
+        live = self._live
+        entries = sorted(
+            (seq, index)
+            for cell in j.cells
+            for seq, index in cell.log[cell.next_log :]
+            if not j.seen[index] and live.get(index) == seq
+        )
+        perm = self._rng.permutation(len(rest))
+        self._arrange(j, rest[perm], keys[perm])
+        cells, cell_of = j.cells, j.cell
+        for entry in entries:
+            cells[cell_of[entry[1]]].log.append(entry)
+
+
+def _compact(cell: _Cell, seen: bytearray, live: dict[int, int]) -> None:
+    """Drop the log entries no request can follow any more (passed, seen or evicted)."""
+    cell.log = [
+        (seq, index)
+        for seq, index in cell.log[cell.next_log :]
+        if not seen[index] and live.get(index) == seq
+    ]
+    cell.next_log = 0
+
+
+def _plain_order(seed: int, epoch: int, size: int) -> np.ndarray:
+    """The plain shuffle of a job's epoch (positions into its sorted indices): its order alone."""
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(epoch,)))
+    return rng.permutation(size)
+
+
+def _dense(keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """Renumber non-negative int keys as 0..count-1 in increasing order: (new ids, count)."""
+    top = int(keys.max()) + 1
+    if top <= 4 * len(keys) + 1024:
+        present = np.bincount(keys, minlength=top) > 0
+        table = np.cumsum(present) - 1
+        return table[keys], int(table[-1]) + 1
+    uniq, inv = np.unique(keys, return_inverse=True)
+    return inv, len(uniq)
+
+
+def _label_array(labels: np.ndarray, count: int) -> array:
+    """Cell labels as the narrowest `array` whose items index fast as plain ints."""
+    for code, dtype in (("B", np.uint8), ("H", np.uint16)):
+        if count <= np.iinfo(dtype).max + 1:
+            return array(code, labels.astype(dtype).tobytes())
+    return array("i", labels.astype(np.int32).tobytes())
+
+
+def _int_array(values: np.ndarray) -> array:
+    return array("q", values.astype(np.int64, copy=False).tobytes())
+
+
+def _index_set(indices: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
+    """A job's index set as a sorted unique int64 array, or a clear error naming the culprit."""
+    arr = np.asarray(indices)
+    if arr.ndim != 1:
+        raise ArgumentError(f"{name} must be a 1-D sequence of ints, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ArgumentError(f"{name} must hold ints, got dtype {arr.dtype}")
+    ordered = np.sort(arr.astype(np.int64))
+    if ordered[0] < 0:
+        raise SampleIndexError(f"{name} holds the negative index {int(ordered[0])}")
+    if ordered[-1] > _MAX_INDEX:
+        raise SampleIndexError(f"{name} holds the index {int(ordered[-1])}, above {_MAX_INDEX}")
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(repeated):
+        raise ArgumentError(f"{name} must be unique, but {int(repeated[0])} appears twice")
+    return ordered
+
+
+def _check_seed(seed: object, name: str) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ArgumentError(f"{name} must be a non-negative int, got {seed!r}")
+    return int(seed)
+
+
+def _check_epoch(epoch: object) -> int:
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ArgumentError(f"epoch must be a non-negative int, got {epoch!r}")
+    return int(epoch)
+
+
+def _read_state(
+    job: Hashable, indices: np.ndarray, state: dict[str, Any]
+) -> tuple[int, int, np.ndarray]:
+    """Check a `job_state` dict against `indices`: (epoch, seed, consumed mask over indices)."""
+    if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        raise StateError(f"state for job {job!r} is not a version-{_STATE_VERSION} job_state dict")
+    try:
+        epoch = _check_epoch(state["epoch"])
+        seed = _check_seed(state["seed"], "state['seed']")
+        size, checksum = int(state["size"]), int(state["checksum"])
+        bitmap = base64.b64decode(state["consumed"], validate=True)
+    except (KeyError, TypeError, ValueError, binascii.Error, ArgumentError) as exc:
+        raise StateError(f"state for job {job!r} is malformed: {exc}") from None
+    if size != len(indices) or checksum != zlib.crc32(indices.astype("<i8").tobytes()):
+        raise StateError(
+            f"state for job {job!r} was saved for another index set "
+            f"({size} indices, checksum {checksum}; got {len(indices)} indices)"
+        )
+    if len(bitmap) != (size + 7) // 8:
+        raise StateError(f"state for job {job!r} has a consumed bitmap of the wrong length")
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), count=size, bitorder="little")
+    return epoch, seed, bits.astype(bool)

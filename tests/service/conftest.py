@@ -1,0 +1,17 @@
+"""A real server process for each test, started and stopped with the project's own commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import Server, pool_segments
+
+@pytest.fixture
+def server(tmp_path: Path):
+    before = pool_segments()
+    srv = Server(tmp_path / "s.sock")
+    yield srv
+    srv.stop()
+    assert not srv.socket.exists(), "the socket file was left behind"
+    assert pool_segments() <= before, "the memory pool was left in /dev/shm"

@@ -1,0 +1,84 @@
+"""The buffer pool's bookkeeping: budget, references, the LRU tier, eviction order."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from globalloader.errors import ArgumentError
+from globalloader.service.pool import BufferPool, SampleTooLarge
+
+
+def loaded(pool: BufferPool, key: str, nbytes: int = 64) -> int:
+    offset = pool.reserve(key, nbytes)
+    assert offset is not None
+    pool.commit(key, ("layout", key))
+    return offset
+
+
+def test_a_released_sample_stays_readable_until_space_is_needed():
+    evicted = []
+    pool = BufferPool(256, on_evict=evicted.append)
+    for key in "abcd":
+        loaded(pool, key)
+        pool.acquire(key, "job")
+    assert pool.reserve("e", 64) is None, "all four are referenced: nothing may be evicted"
+    pool.release("b", "job")
+    pool.release("a", "job")
+    assert pool.get("b").ready and evicted == []  # the LRU tier keeps it
+    assert pool.acquire("b", "other").ready and pool.counters["hits"] == 1
+    pool.release("b", "other")
+    assert pool.reserve("e", 64) is not None
+    assert evicted == ["a"], "the least recently released goes first"
+
+
+def test_references_are_counted_per_holder_and_dropped_when_a_holder_dies():
+    pool = BufferPool(1024)
+    loaded(pool, "x")
+    pool.acquire("x", "job1")
+    pool.acquire("x", "job1")
+    pool.acquire("x", "job2")
+    assert pool.get("x").refs == 3
+    assert pool.release_holder("job1") == 2
+    assert pool.stats()["referenced"] == 1
+    pool.release("x", "job2")
+    assert pool.stats()["cached"] == 1
+    with pytest.raises(ArgumentError, match="holds no reference"):
+        pool.release("x", "job2")
+
+
+def test_loading_samples_are_never_evicted_and_aborts_free_space():
+    pool = BufferPool(128)
+    assert pool.reserve("loading", 128) == 0
+    assert pool.reserve("next", 64) is None
+    pool.abort("loading")
+    assert pool.reserve("next", 64) == 0
+
+
+def test_a_sample_larger_than_the_pool_is_an_error_naming_it():
+    with pytest.raises(SampleTooLarge, match="'huge' needs 4096 bytes.*--memory"):
+        BufferPool(1024).reserve("huge", 4096)
+
+
+@given(st.lists(st.tuples(st.integers(1, 300), st.booleans()), min_size=1, max_size=200))
+@settings(max_examples=100, deadline=None)
+def test_budget_holds_and_blocks_never_overlap(ops):
+    pool = BufferPool(1024)
+    held: list[str] = []
+    for n, (size, keep) in enumerate(ops):
+        key = f"s{n}"
+        offset = pool.reserve(key, size)
+        if offset is None:
+            assert held, "refused while nothing was referenced"
+            pool.release(held.pop(0), "job")
+            continue
+        pool.commit(key, key)
+        pool.acquire(key, "job")
+        if keep:
+            held.append(key)
+        else:
+            pool.release(key, "job")
+        spans = sorted((e.offset, e.offset + e.nbytes) for e in pool._entries.values())
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert pool.used == sum(e.nbytes for e in pool._entries.values()) <= pool.capacity
