@@ -33,6 +33,7 @@ class Entry:
     nbytes: int
     layout: Any = None  # set when the bytes are written (ready)
     holders: Counter = field(default_factory=Counter)  # job -> references
+    served: int = 0  # acquisitions so far: all but the first are hits (no load needed)
 
     @property
     def ready(self) -> bool:
@@ -102,12 +103,14 @@ class BufferPool:
 
     # -- references --------------------------------------------------------------------------
     def acquire(self, key: Hashable, holder: Hashable) -> Entry:
-        """`holder` takes a reference to a ready sample (a hit when it came from the LRU tier)."""
+        """`holder` takes a reference to a ready sample (a hit unless it was loaded for this one)."""
         entry = self._entries[key]
         if not entry.ready:
             raise ArgumentError(f"BufferPool: {key!r} is still loading")
-        if self._lru.pop(key, 0) is None:
+        self._lru.pop(key, None)
+        if entry.served:
             self.counters["hits"] += 1
+        entry.served += 1
         entry.holders[holder] += 1
         return entry
 
