@@ -335,8 +335,9 @@ class _LoadedRule(JointSampler):
 class _SeededWhenShared(JointSampler):
     """Draws every epoch from the job's seed, even while sharing: re-registered jobs replay."""
 
-    def _alone(self, j: object, regions: np.ndarray) -> bool:
-        return True
+    def _layout_of(self, j: object) -> tuple:
+        version, cell_of, count, _ = super()._layout_of(j)
+        return version, cell_of, count, True
 
 
 @pytest.mark.parametrize("control", [_LoadedRule, _SeededWhenShared])
@@ -595,7 +596,8 @@ def test_fresh_draws_are_followable_whether_they_hit_or_load() -> None:
     sampler.add_job("a", range(50))
     sampler.add_job("b", range(50))
     for _ in range(50):
-        assert sampler.next("b") == sampler.next("a")
+        drawn = sampler.next("a")
+        assert sampler.next("b") == drawn
     assert sampler.stats()["b"]["followed"] == 50
 
 

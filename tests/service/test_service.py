@@ -76,6 +76,11 @@ def test_a_job_killed_mid_epoch_is_removed_and_the_others_finish(server, tmp_pat
         assert time.monotonic() < deadline, "the killed job was not removed"
         time.sleep(0.1)
     assert request(server.socket, "status")[1]["pool"]["referenced"] == 0, "its references were kept"
+    # Its own workers notice their parent died and remove their transport segments.
+    deadline = time.monotonic() + 5
+    while any(n.startswith(f"gl-{victim.pid}-") for n in os.listdir("/dev/shm")):
+        assert time.monotonic() < deadline, "the killed job's shared memory was left behind"
+        time.sleep(0.1)
 
 
 def test_a_job_may_join_mid_epoch(server, tmp_path):

@@ -3,7 +3,9 @@
 `submit_map` and `submit_reduce` start the tasks (the scheduler decides when); each task also
 returns a tiny value that tells the scheduler it has ended without fetching any data. A map
 task reads one file whole and sends each reducer the rows `layout.scatter_table` gave it,
-picked by a seeded permutation (one `np.take` per column, no per-row Python). A reducer places
+picked by a seeded permutation (one `np.take` per column, no per-row Python). Rows for the
+reducers that run on one node travel in one object, sliced by each reducer: an object per
+reducer costs Ray a few milliseconds each, more than copying its rows. A reducer places
 the rows it receives at seeded random positions (`np.put`, rows viewed as fixed-size records)
 and returns one dict of columns holding a run of its trainer's batches, so trainers slice
 batches out of it without copying.
@@ -23,51 +25,58 @@ from globalloader.ray.layout import MAP, REDUCE, rng_for
 from globalloader.ray.reader import read_columns
 
 
-def submit_map(url: str, file_index: int, columns: Sequence[str] | None, counts: np.ndarray,
-               file_rows: int, seed: int, epoch: int) -> tuple[list[ray.ObjectRef], ray.ObjectRef]:
-    """Start one map task: (one part ref per reducer, a small ref that resolves when it ends)."""
-    refs = _map_file.options(num_returns=len(counts) + 1).remote(
-        url, file_index, columns, counts, file_rows, seed, epoch)
+def submit_map(url: str, file_index: int, columns: Sequence[str] | None,
+               group_rows: np.ndarray, file_rows: int, seed: int,
+               epoch: int) -> tuple[list[ray.ObjectRef], ray.ObjectRef]:
+    """Start one map task: (one object per reducer group, a small ref that resolves when it
+    ends). `group_rows[g]` rows go to group g, whose reducers slice their own rows out of it."""
+    refs = _map_file.options(num_returns=len(group_rows) + 1).remote(
+        url, file_index, columns, group_rows, file_rows, seed, epoch)
     return list(refs[:-1]), refs[-1]
 
 
 def submit_reduce(reducer_index: int, seed: int, epoch: int, urls: list[str],
-                  parts: list[ray.ObjectRef], node: str | None) -> tuple[ray.ObjectRef,
-                                                                         ray.ObjectRef]:
+                  slices: list[tuple[int, int]], groups: list[ray.ObjectRef],
+                  node: str | None) -> tuple[ray.ObjectRef, ray.ObjectRef]:
     """Start one reducer: (its output ref, a small ref that resolves when it ends).
 
-    `node`: the id of the node of the trainer it feeds; the reducer prefers to run there
-    (soft affinity) so the trainer maps its batches from local shared memory.
+    It reads rows `slices[i]` = (start, count) of map output `groups[i]`. `node`: the node of
+    the trainer it feeds; the reducer prefers to run there (soft affinity) so the map outputs
+    its node needs travel once and the trainer maps its batches from local shared memory.
     """
     options: dict[str, Any] = {"num_returns": 2}
     if node:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
-    output, done = _reduce.options(**options).remote(reducer_index, seed, epoch, urls, *parts)
+    output, done = _reduce.options(**options).remote(reducer_index, seed, epoch, urls, slices,
+                                                     *groups)
     return output, done
 
 
 @ray.remote(num_cpus=1)
-def _map_file(url: str, file_index: int, columns: Sequence[str] | None, counts: np.ndarray,
+def _map_file(url: str, file_index: int, columns: Sequence[str] | None, group_rows: np.ndarray,
               expected_rows: int, seed: int, epoch: int) -> Any:
-    """Read one file and split a seeded permutation of its rows into `counts` per reducer."""
+    """Read one file and split a seeded permutation of its rows into `group_rows` per group."""
     data = read_columns(url, columns)
     rows = len(next(iter(data.values()))) if data else 0
     if rows != expected_rows:
         raise SourceError(f"{url} holds {rows} rows but held {expected_rows} when the shuffle "
                           "was planned: the file changed; start the shuffle again")
-    keep = rng_for(seed, epoch, MAP, file_index).permutation(rows)[: int(counts.sum())]
+    keep = rng_for(seed, epoch, MAP, file_index).permutation(rows)[: int(group_rows.sum())]
     taken = {name: np.take(column, keep, axis=0) for name, column in data.items()}
-    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-    parts = [{name: column[a:b] for name, column in taken.items()}
-             for a, b in zip(bounds[:-1], bounds[1:])]
-    return (*parts, rows)  # the last, tiny value tells the scheduler the task has ended
+    bounds = np.concatenate([[0], np.cumsum(group_rows)]).tolist()
+    groups = [{name: column[a:b] for name, column in taken.items()}
+              for a, b in zip(bounds[:-1], bounds[1:])]
+    return (*groups, rows)  # the last, tiny value tells the scheduler the task has ended
 
 
 @ray.remote(num_cpus=1)
 def _reduce(reducer_index: int, seed: int, epoch: int, urls: list[str],
-            *parts: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+            slices: list[tuple[int, int]],
+            *groups: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
     """Place the received rows at seeded random positions: one reducer's run of batches."""
-    total = sum(len(next(iter(p.values()))) for p in parts)
+    parts = [{name: column[a : a + n] for name, column in group.items()}
+             for (a, n), group in zip(slices, groups)]
+    total = sum(n for _, n in slices)
     slots = rng_for(seed, epoch, REDUCE, reducer_index).permutation(total)
     names = list(parts[0])
     out: dict[str, np.ndarray] = {}

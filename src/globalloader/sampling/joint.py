@@ -85,6 +85,7 @@ class _Job:
         "followed",
         "indices",
         "labels",
+        "layout",
         "length",
         "name",
         "pos",
@@ -106,6 +107,9 @@ class _Job:
         self.length = 0  # requests the current arrangement holds
         self.base = 0  # requests served before the current arrangement
         self.followed = 0
+        # Cached for epoch starts until the regions change: (regions version, cell id of each
+        # index, number of cells, whether no other job wants any of its indices).
+        self.layout: tuple[int, np.ndarray, int, bool] = (-1, indices, 0, True)
 
 
 class JointSampler:
@@ -135,6 +139,7 @@ class JointSampler:
         self._rng = np.random.default_rng(self._seed)
         self._jobs: dict[Hashable, _Job] = {}
         self._regions = RegionMap()
+        self._version = 0  # bumped whenever the regions change
         # index -> sequence number of the fresh draw that made it followable; dropped on eviction
         self._live: dict[int, int] = {}
         self._seq = 0
@@ -159,14 +164,15 @@ class JointSampler:
             raise ArgumentError(f"job {job!r} is already registered; remove_job({job!r}) first")
         indices = _index_set(indices, "indices")
         seed = self._default_seed(job) if seed is None else _check_seed(seed, "seed")
-        j = self._register(job, indices, seed)
-        self._start_epoch(j, _check_epoch(epoch))
+        epoch = _check_epoch(epoch)
+        self._start_epoch(self._register(job, indices, seed), epoch)
 
     def remove_job(self, job: Hashable) -> None:
         """Forget `job`, mid-epoch included. Other jobs keep their cells until their next epoch."""
         j = self._job(job)
         del self._jobs[job]
         self._regions.remove(j)
+        self._version += 1
 
     def new_epoch(self, job: Hashable, epoch: int | None = None) -> None:
         """Start `job`'s next epoch (or epoch `epoch`), independent of the previous ones.
@@ -302,22 +308,18 @@ class JointSampler:
         seen = np.frombuffer(j.seen, dtype=np.uint8)
         seen[indices[consumed]] = 1
         done = int(consumed.sum())
-        regions = self._regions.view()[indices]
-        order = None
-        if self._alone(j, regions):
+        _, cell_of, count, alone = self._layout_of(j)
+        perm = None
+        if alone:
             # Sound even when it matches by chance: given that the consumed set is the plain
             # shuffle's first `done` elements, the rest of that shuffle is uniform.
-            order = indices[_plain_order(seed, epoch, len(indices))]
-            if not seen[order[:done]].all():
-                order = None
+            perm = _plain_order(seed, epoch, len(indices))
+            perm = perm[done:] if seen[indices[perm[:done]]].all() else None
         del seen
-        if order is None:
-            rest = ~consumed
-            perm = self._rng.permutation(int(rest.sum()))
-            order, keys = indices[rest][perm], regions[rest][perm]
-        else:
-            order, keys = order[done:], self._regions.view()[order[done:]]
-        self._arrange(j, order, keys)
+        if perm is None:
+            rest = np.flatnonzero(~consumed)
+            perm = rest[self._rng.permutation(len(rest))]
+        self._arrange(j, indices[perm], cell_of[perm], count)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -357,6 +359,7 @@ class JointSampler:
             self._grow(int(indices[-1]) + 1)
         j = _Job(name, indices, seed, self._regions.size)
         self._regions.add(j, indices)
+        self._version += 1
         for other in self._jobs.values():
             self._refine(other)
         self._jobs[name] = j
@@ -376,27 +379,34 @@ class JointSampler:
     def _start_epoch(self, j: _Job, epoch: int) -> None:
         j.epoch = epoch
         j.seen = bytearray(self._regions.size)
-        regions = self._regions.view()[j.indices]
-        if self._alone(j, regions):
+        _, cell_of, count, alone = self._layout_of(j)
+        if alone:
             perm = _plain_order(j.seed, epoch, len(j.indices))
         else:
             perm = self._rng.permutation(len(j.indices))
-        self._arrange(j, j.indices[perm], regions[perm])
+        self._arrange(j, j.indices[perm], cell_of[perm], count)
 
-    def _alone(self, j: _Job, regions: np.ndarray) -> bool:
-        """Whether no other job wants any index of j (`regions`: the region of each one)."""
-        if not len(regions):
-            return True
-        members = self._regions.jobs
-        return all(len(members[r]) == 1 for r in np.flatnonzero(np.bincount(regions)).tolist())
+    def _layout_of(self, j: _Job) -> tuple[int, np.ndarray, int, bool]:
+        """j's cells for a new epoch (the regions restricted to its set), cached per version."""
+        if j.layout[0] != self._version:
+            regions = self._regions.view()[j.indices]
+            if len(regions):
+                cell_of, count = _dense(regions)
+                present = np.flatnonzero(np.bincount(regions)).tolist()
+                members = self._regions.jobs
+                alone = all(len(members[r]) == 1 for r in present)
+            else:
+                cell_of, count, alone = regions, 0, True
+            j.layout = (self._version, cell_of, count, alone)
+        return j.layout
 
-    def _arrange(self, j: _Job, order: np.ndarray, keys: np.ndarray) -> None:
-        """Serve `order` (a uniform order of j's unseen indices) from the cells given by `keys`.
+    def _arrange(self, j: _Job, order: np.ndarray, cell_of: np.ndarray, count: int) -> None:
+        """Serve `order`, a uniform order of j's unseen indices, from cells 0..count-1.
 
-        The label of request i is the cell of order[i], and each cell's fresh list is `order`
-        restricted to it: for a uniform `order` that is a uniform label arrangement and
-        independent uniform orders inside cells, from one permutation. A lone job with one cell
-        therefore gets `order` itself.
+        `cell_of[i]` is the cell of order[i]. The label of request i is that cell, and each
+        cell's fresh list is `order` restricted to it: for a uniform `order` that is a uniform
+        label arrangement and independent uniform orders inside cells, from one permutation. A
+        lone job with one cell therefore gets `order` itself.
         """
         j.base += j.pos
         j.pos = 0
@@ -405,15 +415,14 @@ class JointSampler:
         if not len(order):
             j.cells = []
             return
-        inv, count = _dense(keys)
-        np.frombuffer(j.cell, dtype=np.int32)[order] = inv
+        np.frombuffer(j.cell, dtype=np.int32)[order] = cell_of
         if count == 1:
             j.cells = [_Cell(_int_array(order))]
             return
-        j.labels = _label_array(inv, count)
-        grouped = order[np.argsort(inv, kind="stable")]
+        j.labels = _label_array(cell_of, count)
+        grouped = order[np.argsort(cell_of, kind="stable")]
         cells, start = [], 0
-        for stop in np.cumsum(np.bincount(inv, minlength=count)).tolist():
+        for stop in np.cumsum(np.bincount(cell_of, minlength=count)).tolist():
             cells.append(_Cell(_int_array(grouped[start:stop])))
             start = stop
         j.cells = cells
@@ -442,8 +451,9 @@ class JointSampler:
             for seq, index in cell.log[cell.next_log :]
             if not j.seen[index] and live.get(index) == seq
         )
+        inv, count = _dense(keys)
         perm = self._rng.permutation(len(rest))
-        self._arrange(j, rest[perm], keys[perm])
+        self._arrange(j, rest[perm], inv[perm], count)
         cells, cell_of = j.cells, j.cell
         for entry in entries:
             cells[cell_of[entry[1]]].log.append(entry)
@@ -478,9 +488,10 @@ def _dense(keys: np.ndarray) -> tuple[np.ndarray, int]:
 
 def _label_array(labels: np.ndarray, count: int) -> array:
     """Cell labels as the narrowest `array` whose items index fast as plain ints."""
-    for code, dtype in (("B", np.uint8), ("H", np.uint16)):
-        if count <= np.iinfo(dtype).max + 1:
-            return array(code, labels.astype(dtype).tobytes())
+    if count <= 1 << 8:
+        return array("B", labels.astype(np.uint8).tobytes())
+    if count <= 1 << 16:
+        return array("H", labels.astype(np.uint16).tobytes())
     return array("i", labels.astype(np.int32).tobytes())
 
 
