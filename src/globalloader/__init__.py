@@ -6,15 +6,10 @@
         for batch in loader: ...
 """
 
-from globalloader import errors
+from globalloader import errors, sources
 from globalloader.dataset import Dataset, collate
 from globalloader.execution import Loader
-
-try:  # the sources package is re-exported at top level
-    from globalloader import sources
-    from globalloader.sources import ImageFolder, Parquet, TarShards, TarWriter, from_sequence
-except ImportError:  # pragma: no cover - only while sources are being written
-    pass
+from globalloader.sources import ImageFolder, Parquet, TarShards, TarWriter, from_sequence
 
 __all__ = [
     "Dataset",

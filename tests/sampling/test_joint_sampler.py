@@ -344,7 +344,7 @@ class _SeededWhenShared(JointSampler):
 def test_controls_that_let_one_epoch_steer_the_next_are_rejected(control: type) -> None:
     """In the join/leave scenario the leftover residency (for "loaded since the epoch began")
     or the replayed orders of the joining job tie k's consecutive epochs together."""
-    orders = _join_leave(control, 4, 30_000, SEEDS["join_leave"])
+    orders = _join_leave(control, 4, 15_000, SEEDS["join_leave"])
     _every_epoch_a_permutation(orders)
     assert _cross_epoch_pvalue(orders) < ALPHA
 

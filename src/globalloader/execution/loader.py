@@ -23,7 +23,7 @@ from globalloader.dataset.chain import Dataset
 from globalloader.dataset.iterator import check_state, make_state
 from globalloader.errors import ArgumentError, ServerGone
 from globalloader.execution.shared import SharedRun, SharedSession, remaining_indices
-from globalloader.execution.stats import LoaderStats
+from globalloader.execution.stats import LoaderStats, warn_skipped
 from globalloader.execution.workers import InlinePool, ProcessPool, Task, ThreadPool
 
 MODES = ("process", "thread")
@@ -304,14 +304,8 @@ class _Run:
         return item
 
     def _end_epoch(self) -> None:
-        if self._skipped:
-            first = ", ".join(f"index {i}: {msg}" for i, msg in self._skipped[:3])
-            warnings.warn(
-                f"globalloader: skipped {len(self._skipped)} bad sample(s) in epoch {self.epoch} "
-                f"(on_error='skip'); first: {first}",
-                stacklevel=3,
-            )
-            self._skipped = []
+        warn_skipped(self._skipped, self.epoch)
+        self._skipped = []
         if self.loader._run is self:
             self.loader._finished(self)
         raise StopIteration

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-import warnings
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from globalloader.dataset.chain import Dataset
 from globalloader.errors import ArgumentError, CorruptSampleError, ServerGone
+from globalloader.execution.stats import warn_skipped
 from globalloader.execution.workers import Task
 
 if TYPE_CHECKING:
@@ -224,12 +224,7 @@ class SharedRun:
         return self._pending.popleft()
 
     def _end_epoch(self) -> None:
-        if self._skipped:
-            warnings.warn(
-                f"globalloader: skipped {len(self._skipped)} bad sample(s) in epoch {self.epoch} "
-                f"(on_error='skip'); first: {self._skipped[0][1]}",
-                stacklevel=4,
-            )
+        warn_skipped(self._skipped, self.epoch)
         if self.loader._run is self:
             self.loader._finished(self)
         raise StopIteration

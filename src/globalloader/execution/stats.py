@@ -8,7 +8,18 @@ idle, the training step is.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
+
+
+def warn_skipped(skipped: list[tuple[int, str]], epoch: int) -> None:
+    """on_error="skip" never drops a sample silently: one warning per epoch that skipped any."""
+    if skipped:
+        first = ", ".join(f"index {i}: {msg}" for i, msg in skipped[:3])
+        warnings.warn(
+            f"globalloader: skipped {len(skipped)} bad sample(s) in epoch {epoch} (on_error='skip'); first: {first}",
+            stacklevel=4,
+        )
 
 
 class LoaderStats:

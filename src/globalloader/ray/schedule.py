@@ -37,9 +37,15 @@ _MAP, _REDUCE = 0, 1
 @dataclass
 class _Epoch:
     table: np.ndarray  # rows from file m to reducer k
+    group_of: np.ndarray  # reducer -> index of the map output object it reads
+    offset: np.ndarray  # (files, reducers): where reducer k's rows start in map m's object
     maps_left: int
-    parts: list[list[ray.ObjectRef] | None]
+    parts: list[list[ray.ObjectRef] | None]  # per map: one object per group
     outputs: list[asyncio.Future[ray.ObjectRef]] = field(default_factory=list)
+
+    def group_rows(self, m: int) -> np.ndarray:
+        return np.bincount(self.group_of, weights=self.table[m],
+                           minlength=int(self.group_of.max()) + 1).astype(np.int64)
 
 
 class ShuffleScheduler:
@@ -66,13 +72,29 @@ class ShuffleScheduler:
         reducers, files = table.shape[1], len(self._files)
         mapped = [m for m in range(files) if layout.file_rows[m] > 0]
         loop = asyncio.get_running_loop()
-        state = _Epoch(table, len(mapped), [None] * files,
+        group_of, offset = self._groups(table)
+        state = _Epoch(table, group_of, offset, len(mapped), [None] * files,
                        [loop.create_future() for _ in range(reducers)])
         self._epochs[epoch] = state
         span = max(1, reducers - len(layout.batch_sizes))  # the previous epoch minus last round
         for j, m in enumerate(mapped):
             self._push((epoch - 1) * reducers + (j + 1) * span / (len(mapped) + 1), epoch, _MAP, m)
         self._fill()
+
+    def _groups(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Group reducers by the node of the trainer they feed (unknown nodes: by rank).
+
+        A map sends a group one object holding the rows of its reducers one after another;
+        `offset[m, k]` is where reducer k's rows start in map m's object for its group.
+        """
+        keys: dict[Any, int] = {}
+        group_of = np.array([keys.setdefault(self.nodes.get(int(r), ("rank", int(r))), len(keys))
+                             for r in self._layout.reducer_rank], np.int64)
+        offset = np.zeros_like(table)
+        for g in range(len(keys)):
+            members = np.flatnonzero(group_of == g)
+            offset[:, members] = np.cumsum(table[:, members], axis=1) - table[:, members]
+        return group_of, offset
 
     def release(self, epoch: int) -> None:
         """Forget `epoch`: tasks not yet started are skipped, unread outputs are dropped."""
@@ -117,14 +139,17 @@ class ShuffleScheduler:
     def _submit(self, epoch: int, state: _Epoch, kind: int, index: int) -> ray.ObjectRef:
         layout = self._layout
         if kind == _MAP:
-            parts, done = submit_map(self._files[index], index, self._columns, state.table[index],
-                                     int(layout.file_rows[index]), self._seed, epoch)
+            parts, done = submit_map(self._files[index], index, self._columns,
+                                     state.group_rows(index), int(layout.file_rows[index]),
+                                     self._seed, epoch)
             state.parts[index] = parts
             return done
         sources = [m for m in range(len(self._files)) if state.table[m, index] > 0]
+        group = int(state.group_of[index])
         output, done = submit_reduce(
             index, self._seed, epoch, [self._files[m] for m in sources],
-            [state.parts[m][index] for m in sources],  # type: ignore[index]
+            [(int(state.offset[m, index]), int(state.table[m, index])) for m in sources],
+            [state.parts[m][group] for m in sources],  # type: ignore[index]
             self.nodes.get(int(layout.reducer_rank[index])))
         state.outputs[index].set_result(output)
         if all(f.done() for f in state.outputs):

@@ -442,7 +442,8 @@ class JointSampler:
         old = np.frombuffer(j.cell, dtype=np.int32)[rest].astype(np.int64)
         region = self._regions.view()[rest].astype(np.int64)
         keys = old * (int(region.max()) + 1) + region
-        if _dense(keys)[1] == _dense(old)[1]:
+        inv, count = _dense(keys)
+        if count == np.count_nonzero(np.bincount(old)):
             return  # no cell of j is cut
         live = self._live
         entries = sorted(
@@ -451,7 +452,6 @@ class JointSampler:
             for seq, index in cell.log[cell.next_log :]
             if not j.seen[index] and live.get(index) == seq
         )
-        inv, count = _dense(keys)
         perm = self._rng.permutation(len(rest))
         self._arrange(j, rest[perm], inv[perm], count)
         cells, cell_of = j.cells, j.cell
