@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from helpers import Server, pool_segments
 
+
 @pytest.fixture
 def server(tmp_path: Path):
-    before = pool_segments()
     srv = Server(tmp_path / "s.sock")
     yield srv
     srv.stop()
     assert not srv.socket.exists(), "the socket file was left behind"
-    assert pool_segments() <= before, "the memory pool was left in /dev/shm"
+    assert f"gl-pool-{srv.proc.pid}" not in pool_segments(), "the memory pool was left in /dev/shm"

@@ -149,7 +149,7 @@ def test_server_killed_raises_server_gone_or_falls_back_from_the_same_position(t
     strict.close()
     auto.close()
     # The dead server's pool and socket are cleaned when the next server starts.
-    assert any(pool_segments()) and srv.socket.exists()
+    assert f"gl-pool-{srv.proc.pid}" in pool_segments() and srv.socket.exists()
     again = Server(tmp_path / "k.sock")
     assert f"gl-pool-{srv.proc.pid}" not in pool_segments()
     again.stop()

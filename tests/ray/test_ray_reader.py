@@ -1,0 +1,80 @@
+"""Whole-file reads into NumPy columns: Parquet types, fsspec URLs, tar shards, bad files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from globalloader.errors import SourceError
+from globalloader.ray.reader import count_rows, read_columns
+from globalloader.sources import TarWriter
+
+
+def write_typed(path, rows: int = 10) -> None:
+    key = np.arange(rows, dtype=np.int64)
+    blob = np.repeat(key[:, None], 4, axis=1).astype(np.uint8)
+    table = pa.table({
+        "key": key,
+        "f32": key.astype(np.float32) / 2,
+        "flag": key % 2 == 0,
+        "blob": pa.FixedSizeBinaryArray.from_buffers(pa.binary(4), rows,
+                                                     [None, pa.py_buffer(blob.tobytes())]),
+        "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows * 3, dtype=np.float64)),
+                                                 3),
+        "text": [f"row {i}" for i in range(rows)],
+        "raw": [bytes([i]) * (i + 1) for i in range(rows)],
+    })
+    pq.write_table(table, path, row_group_size=4)  # several row groups: chunked columns
+
+
+def test_parquet_columns_become_row_major_numpy_arrays(tmp_path):
+    path = str(tmp_path / "typed.parquet")
+    write_typed(path)
+    cols = read_columns(path, None)
+    assert cols["key"].dtype == np.int64 and cols["key"].tolist() == list(range(10))
+    assert cols["f32"].dtype == np.float32 and cols["f32"][3] == 1.5
+    assert cols["flag"].dtype == bool and cols["flag"][:2].tolist() == [True, False]
+    assert cols["blob"].shape == (10, 4) and cols["blob"].dtype == np.uint8
+    assert (cols["blob"][:, 0] == np.arange(10)).all()
+    assert cols["vec"].shape == (10, 3) and cols["vec"][2].tolist() == [6.0, 7.0, 8.0]
+    assert cols["text"].dtype == object and cols["text"][7] == "row 7"
+    assert cols["raw"][2] == b"\x02\x02\x02"
+    assert count_rows(path) == 10
+
+
+def test_selected_columns_and_fsspec_urls(tmp_path):
+    path = tmp_path / "typed.parquet"
+    write_typed(str(path))
+    cols = read_columns(f"file://{path}", ["vec", "key"])
+    assert list(cols) == ["vec", "key"] and cols["key"][-1] == 9
+    assert count_rows(f"file://{path}") == 10
+
+
+def test_unreadable_or_missing_files_name_the_file(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"this is not parquet at all")
+    with pytest.raises(SourceError, match="bad.parquet"):
+        count_rows(str(bad))
+    with pytest.raises(SourceError, match="bad.parquet"):
+        read_columns(str(bad), None)
+    with pytest.raises(SourceError, match="missing.parquet"):
+        read_columns(str(tmp_path / "missing.parquet"), None)
+    good = tmp_path / "good.parquet"
+    write_typed(str(good))
+    with pytest.raises(SourceError, match="good.parquet"):
+        read_columns(str(good), ["no_such_column"])
+
+
+def test_tar_shards_become_object_columns(tmp_path):
+    with TarWriter(str(tmp_path / "shard-%06d.tar"), maxcount=5) as writer:
+        for i in range(7):
+            writer.write({"__key__": f"k{i:03d}", "cls": i, "bin": bytes([i]) * 3})
+    first, second = writer.paths
+    assert count_rows(first) == 5 and count_rows(second) == 2
+    cols = read_columns(second, ["__key__", "cls", "bin"])
+    assert cols["__key__"].tolist() == ["k005", "k006"]
+    assert cols["cls"].tolist() == [b"5", b"6"] and cols["bin"][1] == b"\x06" * 3
+    with pytest.raises(SourceError, match="nope"):
+        read_columns(first, ["nope"])

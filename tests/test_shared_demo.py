@@ -1,0 +1,67 @@
+"""The multi-job workload at a tiny size: real job processes, a real server, real shared memory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from globalloader.errors import ArgumentError
+from globalloader.shared_demo import JobSpec, overlapping_sets, run_jobs
+from globalloader.synthetic import make_jpeg_folder
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return make_jpeg_folder(tmp_path_factory.mktemp("jpeg"), n=40, progress=False)
+
+
+def test_shared_jobs_decode_each_sample_once_and_independent_ones_once_per_job(root):
+    specs = [JobSpec("all", range(40)), JobSpec("tail", range(10, 40), sleep=0.01)]
+    shared = run_jobs(root, specs, "shared", workers=1, batch_size=8, memory="16M", progress=False)
+    independent = run_jobs(root, specs, "independent", workers=1, batch_size=8, progress=False)
+    assert f"gl-pool-{shared['server']['pid']}" not in os.listdir("/dev/shm"), "the run's server left its pool"
+    for result in (shared, independent):
+        assert [(j["name"], j["samples"]) for j in result["jobs"]] == [("all", 40), ("tail", 30)]
+        assert all(j["exact_once"] for j in result["jobs"]), result["jobs"]
+        assert result["samples"] == 70 and result["union"] == 40
+        assert result["wall_s"] >= max(j["seconds"] for j in result["jobs"])
+    assert independent["decodes"] == 70  # each job decodes its own set
+    assert [j["decodes"] for j in independent["jobs"]] == [40, 30]
+    assert shared["decodes"] <= 40 < independent["decodes"]
+    assert shared["decodes_per_union"] == shared["decodes"] / 40
+    assert shared["server"]["requests"] == 70
+    assert shared["server"]["decodes_saved"] == 70 - shared["decodes"]
+    assert shared["workers"] == {"per_job": 0, "server": 2, "total": 2}
+    assert independent["workers"] == {"per_job": 1, "total": 2}
+    assert all(0.0 <= j["followed_share"] <= 1.0 for j in shared["jobs"])
+
+
+def test_a_job_with_two_epochs_sees_its_set_once_per_epoch(root):
+    result = run_jobs(root, [JobSpec("twice", range(0, 40, 3), epochs=2)], "shared", workers=1,
+                      batch_size=8, memory="16M", progress=False)
+    (job,) = result["jobs"]
+    assert job["samples"] == 2 * 14 and job["exact_once"]
+    assert result["decodes"] <= 2 * 14 and result["server"]["requests"] == 2 * 14
+
+
+def test_overlapping_sets_are_half_common_half_own_and_cover_the_dataset():
+    sets = overlapping_sets(30, 2)
+    assert [len(s) for s in sets] == [20, 20]
+    assert set(sets[0]) & set(sets[1]) == set(range(10))
+    assert set(sets[0]) | set(sets[1]) == set(range(30))
+    four = overlapping_sets(50, 4)
+    assert set().union(*four) == set(range(50)) and set.intersection(*map(set, four)) == set(range(10))
+    with pytest.raises(ArgumentError, match="k >= 2"):
+        overlapping_sets(10, 1)
+
+
+def test_bad_arguments_name_what_is_wrong(root):
+    with pytest.raises(ArgumentError, match="mode"):
+        run_jobs(root, [JobSpec("a", range(4))], "magic")
+    with pytest.raises(ArgumentError, match="distinct names"):
+        run_jobs(root, [JobSpec("a", range(4)), JobSpec("a", range(4))], "independent")
+    with pytest.raises(ArgumentError, match="indices"):
+        JobSpec("empty", [])
