@@ -15,6 +15,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--images", type=int, default=1000, help="synthetic images to make (once)")
     demo.add_argument("--workers", type=int, default=2)
     demo.add_argument("--batch-size", type=int, default=64)
+    demo.add_argument("--no-shared", dest="shared", action="store_false",
+                      help="skip the second act (three jobs, independent then through one server)")
+    demo.add_argument("--shared-memory", default="256M", help="the second act's server pool, e.g. 128M")
     serve = sub.add_parser("serve", help="run the global loader server in the foreground")
     serve.add_argument("--memory", default="2G", help="buffer pool size, e.g. 512M, 4G")
     serve.add_argument("--workers", type=int, default=None, help="decode workers (default: one per core)")
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from globalloader import demo
 
-            demo.main(images=args.images, workers=args.workers, batch_size=args.batch_size)
+            demo.main(images=args.images, workers=args.workers, batch_size=args.batch_size,
+                      shared=args.shared, shared_memory=args.shared_memory)
         elif args.command == "serve":
             from globalloader.service import server
 

@@ -93,8 +93,10 @@ def run_torch(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0
     return _epoch(loader, len(data), "torch DataLoader", progress)
 
 
-def main(images: int = 1000, workers: int = 2, batch_size: int = 64) -> None:
-    """`globalloader demo`: make the data once, run one epoch with each loader, compare."""
+def main(images: int = 1000, workers: int = 2, batch_size: int = 64, shared: bool = True,
+         shared_memory: str = "256M") -> None:
+    """`globalloader demo`: make the data once, run one epoch with each loader, compare; then
+    (unless `shared` is False) three concurrent jobs, independent then through one server."""
     root = demo_images(images)
     print(f"dataset: {images} synthetic JPEGs (500x375) in {root}")
     print("work per sample: decode + random resized crop 224 + flip + normalize; "
@@ -113,3 +115,7 @@ def main(images: int = 1000, workers: int = 2, batch_size: int = 64) -> None:
         print("\n(torch is not installed: pip install 'globalloader[torch]' to compare)")
     else:
         print(f"\ngloballoader / torch DataLoader: {ours['samples_per_s'] / theirs['samples_per_s']:.2f}x samples/s")
+    if shared:
+        from globalloader import shared_demo  # it builds on this module
+
+        shared_demo.demo_act(root, images, workers, shared_memory)

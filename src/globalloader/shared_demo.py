@@ -50,7 +50,7 @@ from globalloader.execution.loader import Loader
 from globalloader.sources import ImageFolder
 from globalloader.vision import Decode, RandomCropFlipNormalize
 
-__all__ = ["MODES", "SAMPLE_BYTES", "JobSpec", "job_chain", "overlapping_sets", "run_jobs"]
+__all__ = ["MODES", "SAMPLE_BYTES", "JobSpec", "demo_act", "job_chain", "job_sample", "overlapping_sets", "run_jobs"]
 
 MODES = ("shared", "independent", "torch")
 # One demo image (500x375) after Decode(resize=256): what a pool slot holds.
@@ -138,6 +138,37 @@ def run_jobs(
     return _summary(root, specs, mode, workers, server_workers, memory, results, status)
 
 
+def demo_act(root: Path | str, images: int, workers: int = 2, memory: str | int = "256M",
+             progress: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`globalloader demo`'s second act: three jobs with overlapping sets at different speeds, run
+    independently then through one server; prints both side by side and returns both summaries."""
+    specs = [
+        JobSpec("A", range(images)),
+        JobSpec("B", range(images * 7 // 10), sleep=0.01),
+        JobSpec("C", range(images - images * 6 // 10, images), sleep=0.03),
+    ]
+    print(f"\nact 2: three training jobs at once, each its own process: A all {images} images, "
+          f"B the first {len(specs[1].indices)}, C the last {len(specs[2].indices)}; "
+          "a step of +0 / +0.01 / +0.03 s per batch")
+    print("shared part: decode + resize to 256; each job's own: random crop 224 + flip + normalize, batch 32")
+    print(f"independent: {workers} workers per job; shared: one server with {3 * workers} decode workers "
+          f"and a {memory} pool, the jobs crop in their own process\n")
+    alone = run_jobs(root, specs, "independent", workers=workers, progress=progress)
+    shared = run_jobs(root, specs, "shared", workers=workers, memory=memory, progress=progress)
+    rows = [("decodes", "{:.0f}", "decodes"), ("wall time s", "{:.2f}", "wall_s"),
+            ("samples/s (all jobs)", "{:.1f}", "samples_per_s")]
+    print(f"{'':<24}{'independent':>14}{'shared':>10}")
+    for label, fmt, key in rows:
+        print(f"{label:<24}{fmt.format(alone[key]):>14}{fmt.format(shared[key]):>10}")
+    for a, s in zip(alone["jobs"], shared["jobs"]):
+        print(f"{'job ' + a['name'] + ' samples/s':<24}{a['samples_per_s']:>14.1f}{s['samples_per_s']:>10.1f}"
+              f"   followed {s['followed_share']:.0%} of its samples")
+    saved = alone["decodes"] - shared["decodes"]
+    print(f"\nshared: {saved} decodes saved ({saved / alone['decodes']:.0%}; |union of the sets| = "
+          f"{shared['union']}), all jobs done in {shared['wall_s'] / alone['wall_s']:.2f}x the time")
+    return alone, shared
+
+
 # -- the parent: processes, progress, summary ------------------------------------------------
 def _run_processes(root: str, specs: Sequence[JobSpec], mode: str, workers: int, batch_size: int,
                    seed: int, socket: str | None, progress: bool, timeout: float) -> dict[str, dict[str, Any]]:
@@ -210,7 +241,7 @@ def _summary(root: Path | str, specs: Sequence[JobSpec], mode: str, workers: int
     else:
         summary["workers"] = {"per_job": 0, "server": server_workers, "total": server_workers}
         summary["pool_bytes"] = status["pool"]["capacity"]
-        summary["server"] = {k: status[k] for k in ("requests", "decodes", "decodes_saved", "pool")}
+        summary["server"] = {k: status[k] for k in ("pid", "requests", "decodes", "decodes_saved", "pool")}
     return summary
 
 
@@ -313,6 +344,12 @@ def _loader_job(mode: str, root: str, spec: JobSpec, workers: int, batch_size: i
     return result
 
 
+def job_sample(source: ImageFolder, index: int, seed: int = 0, epoch: int = 0) -> dict[str, Any]:
+    """Sample `index` as `job_chain` makes it (same functions, same per-sample seed), for loaders
+    that run the functions themselves."""
+    return _OWN(_SHARED(source[index]), rng=sample_rng(seed, epoch, index, _OWN_POSITION))
+
+
 class _TorchSubset:
     """The same source and functions as `job_chain`, over the job's set, as a torch map-style Dataset."""
 
@@ -323,9 +360,7 @@ class _TorchSubset:
         return len(self.indices)
 
     def __getitem__(self, k: int) -> dict[str, Any]:
-        index = self.indices[k]
-        rng = sample_rng(self.seed, self.epoch, index, _OWN_POSITION)
-        return _OWN(_SHARED(self.source[index]), rng=rng)
+        return job_sample(self.source, self.indices[k], self.seed, self.epoch)
 
 
 def _torch_job(mode: str, root: str, spec: JobSpec, workers: int, batch_size: int, seed: int,
@@ -339,8 +374,11 @@ def _torch_job(mode: str, root: str, spec: JobSpec, workers: int, batch_size: in
     for epoch in range(spec.epochs):
         data.epoch = epoch  # workers start per epoch (not persistent), so they see it
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True,
-                                             num_workers=workers, generator=generator)
+        # fork, as a training script started from a shell gets on Linux: this process was
+        # spawned, and spawned workers would re-import torch every epoch.
+        context = "fork" if workers else None
+        loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                             generator=generator, multiprocessing_context=context)
         epochs.append(_consume(loader, spec, out))
     result = _job_result(epochs, start, time.monotonic())
     result["decodes"] = result["samples"]  # every sample is decoded where it is loaded

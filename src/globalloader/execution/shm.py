@@ -145,7 +145,7 @@ class BatchWriter:
             return
         self._closed = True
         for segment in [*self._free, *self._in_flight.values()]:
-            _unlink(segment.name)
+            unlink(segment.name)
             segment.mapping.close()
         self._free.clear()
         self._in_flight.clear()
@@ -161,7 +161,7 @@ class BatchWriter:
                 return self._free.pop(i)
         # Free segments are all too small: sizes are growing, so they would only pile up.
         for segment in self._free:
-            _unlink(segment.name)  # normally gone already: the reader unlinks on mapping
+            unlink(segment.name)  # normally gone already: the reader unlinks on mapping
             segment.mapping.close()
             self._retired.append(segment.name)
         self._free.clear()
@@ -186,7 +186,7 @@ class BatchWriter:
                 else:
                     os.ftruncate(fd, capacity)
             except OSError as exc:
-                _unlink(name)
+                unlink(name)
                 raise WorkerError(
                     f"cannot allocate {capacity} bytes of shared memory for segment {name!r}: "
                     f"{exc}; free space in {_SHM_DIR}, or use fewer workers or less prefetch"
@@ -271,7 +271,7 @@ class BatchReader:
         finally:
             os.close(fd)
         # Mapped: the name is no longer needed, and without it nothing can leak.
-        _unlink(name)
+        unlink(name)
         self._mappings[name] = mapping
         return mapping
 
@@ -334,7 +334,7 @@ def remove_leftovers(prefix: str) -> int:
         return 0
     removed = 0
     for name in names:
-        if name.startswith(prefix) and _unlink(name):
+        if name.startswith(prefix) and unlink(name):
             removed += 1
     return removed
 
@@ -346,7 +346,7 @@ def _check_prefix(prefix: str) -> None:
         )
 
 
-def _unlink(name: str) -> bool:
+def unlink(name: str) -> bool:
     """Unlink a name; False if it was already gone."""
     try:
         _posixshmem.shm_unlink("/" + name)

@@ -6,7 +6,7 @@ import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import ray
@@ -19,6 +19,7 @@ from globalloader.ray.queue import BatchQueue, ShuffleSpec
 from globalloader.ray.reader import count_rows
 from globalloader.sources import _files
 
+_NAME_TAKEN = getattr(rex, "ActorAlreadyExistsError", ValueError)
 NAMESPACE = "globalloader"  # queues are found by name from any driver or actor in the cluster
 _ATTACH_POLL_S = 0.2
 _TAKE_POLL_S = 5.0
@@ -115,7 +116,9 @@ class ShufflingDataset:
                 handle = BatchQueue.options(name=self.name, namespace=NAMESPACE).remote(
                     self.spec, rows)
                 break
-            except ValueError:  # the name is taken
+            except ValueError as exc:
+                if "taken" not in str(exc) and not isinstance(exc, _NAME_TAKEN):
+                    raise
                 if not self._replace_finished() and time.monotonic() > deadline:
                     raise ArgumentError(
                         f"a shuffle named {self.name!r} is already running in this Ray "
@@ -248,7 +251,7 @@ class ShufflingDataset:
             ray.kill(self._queue)
             self._queue = None
 
-    def __enter__(self) -> ShufflingDataset:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -93,7 +93,7 @@ class BatchQueue:
         await self._advance()
         try:
             await asyncio.wait_for(self._wait_launched(epoch), wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return "wait", self._holdup()
         if epoch not in self._live:
             return "error", (f"epoch {epoch} was skipped: the other ranks moved past it before "
@@ -107,7 +107,7 @@ class BatchQueue:
         reducer = int(self._layout.rank_reducers(rank)[index])
         try:
             ref = await asyncio.wait_for(self._scheduler.output(epoch, reducer), wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return "wait", f"its reducer has not started ({self._scheduler.describe()})"
         if ref is None:
             return "error", f"epoch {epoch} was released before rank {rank} read it"

@@ -15,7 +15,8 @@ Local paths are read directly, any other URL through fsspec. Errors name the fil
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,8 @@ def count_rows(url: str) -> int:
                 raise
             return sum(1 for _ in shards.iter_records())  # gzip: no index, count by streaming
     try:
-        return int(_parquet_file(url).metadata.num_rows)
+        with _parquet_file(url) as handle:
+            return int(handle.metadata.num_rows)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
 
@@ -55,17 +57,29 @@ def read_columns(url: str, columns: Sequence[str] | None) -> dict[str, np.ndarra
     if is_tar(url):
         return _read_tar(url, columns)
     try:
-        table = _parquet_file(url).read(columns=list(columns) if columns is not None else None,
-                                        use_threads=False)
+        with _parquet_file(url) as handle:
+            names = handle.schema_arrow.names
+            missing = [c for c in columns or () if c not in names]
+            if missing:
+                raise SourceError(f"Parquet file {url} has no column(s) {missing}; "
+                                  f"it has {names}")
+            # One thread: a map task has one CPU, and several run side by side.
+            table = handle.read(columns=list(columns) if columns is not None else None,
+                                use_threads=False)
     except (OSError, ValueError) as exc:
         raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
     return {name: to_numpy(table.column(name)) for name in table.column_names}
 
 
-def _parquet_file(url: str) -> Any:
+@contextlib.contextmanager
+def _parquet_file(url: str) -> Iterator[Any]:
+    """A ParquetFile for a local path or any fsspec URL, closed (with its file) afterwards."""
     pq = _extras.require("pyarrow.parquet", "ray")
-    source = _files.open_file(url, "rb") if _files.scheme_of(url) else url
-    return pq.ParquetFile(source)
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(_files.open_file(url, "rb")) if _files.scheme_of(url) else url
+        handle = pq.ParquetFile(source)
+        stack.callback(handle.close)
+        yield handle
 
 
 def to_numpy(column: Any) -> np.ndarray:

@@ -19,6 +19,7 @@ changes. Runs on the batch queue actor's event loop (single-threaded, no locks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -157,10 +158,8 @@ class ShuffleScheduler:
         return done
 
     async def _watch(self, done: ray.ObjectRef, epoch: int, state: _Epoch, kind: int) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a failed task's error reaches trainers anyway
             await done
-        except Exception:  # noqa: BLE001 - a failed task's error reaches trainers via its output
-            pass
         self._running -= 1
         if kind == _MAP:
             state.maps_left -= 1

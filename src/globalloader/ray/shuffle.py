@@ -13,6 +13,7 @@ batches out of it without copying.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,7 +66,7 @@ def _map_file(url: str, file_index: int, columns: Sequence[str] | None, group_ro
     taken = {name: np.take(column, keep, axis=0) for name, column in data.items()}
     bounds = np.concatenate([[0], np.cumsum(group_rows)]).tolist()
     groups = [{name: column[a:b] for name, column in taken.items()}
-              for a, b in zip(bounds[:-1], bounds[1:])]
+              for a, b in itertools.pairwise(bounds)]
     return (*groups, rows)  # the last, tiny value tells the scheduler the task has ended
 
 

@@ -33,8 +33,8 @@ uniform permutation. Consequences that shape the code (see also SAMPLER.md):
 Cost per request is O(1) amortised (a few list, dict and bytearray lookups): each follow-log
 entry and each fresh-list element is passed at most once per epoch. An epoch start costs
 O(|set|) in NumPy. Memory per job is about 5 bytes per index of the universe (the largest index
-of any job) plus 8 bytes per element of its set. Not thread-safe: one thread (the server's
-scheduler) drives it, or callers hold a lock.
+of any job) plus about 30 bytes per element of its set. Not thread-safe: one thread (the
+server's scheduler) drives it, or callers hold a lock.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class _Job:
 
 
 class JointSampler:
-    """Chooses each job's next index so that every job's epoch order is uniform and loads are shared.
+    """Chooses each job's next index: every job's epoch order is uniform, and loads are shared.
 
     Pure index-space logic, no I/O: the server asks `next(job)` and reports through `evicted(i)`
     every sample that leaves its buffer pool (or that it did not keep). A fresh draw is
@@ -140,6 +140,7 @@ class JointSampler:
         self._jobs: dict[Hashable, _Job] = {}
         self._regions = RegionMap()
         self._version = 0  # bumped whenever the regions change
+        self._registrations = 0  # makes default job seeds differ between registrations
         # index -> sequence number of the fresh draw that made it followable; dropped on eviction
         self._live: dict[int, int] = {}
         self._seq = 0
@@ -156,9 +157,11 @@ class JointSampler:
     ) -> None:
         """Register `job` over `indices` (unique non-negative ints) and start its epoch `epoch`.
 
-        `seed` fixes the job's epoch orders when it runs alone (default: derived from the
-        sampler's seed and the job name). Other jobs' remaining labels are re-drawn where the new
-        set cuts their cells; their orders stay uniform.
+        `seed` fixes the job's epoch orders when it runs alone. The default is derived from the
+        sampler's seed, the job name and a count of registrations, so it is reproducible for a
+        given sequence of calls, yet a job removed and added again (say, once per epoch) does
+        not replay its first epoch. Other jobs' remaining labels are re-drawn where the new set
+        cuts their cells; their orders stay uniform.
         """
         if job in self._jobs:
             raise ArgumentError(f"job {job!r} is already registered; remove_job({job!r}) first")
@@ -260,7 +263,10 @@ class JointSampler:
         return j.length - j.pos
 
     def stats(self) -> dict[Hashable, dict[str, int]]:
-        """Per job: epoch, requests, followed (took another job's draw), fresh (drew anew)."""
+        """Per job: epoch, requests, followed (took another job's draw), fresh (drew anew).
+
+        Counts start when the job is added or restored.
+        """
         out = {}
         for name, j in self._jobs.items():
             requests = j.base + j.pos
@@ -350,8 +356,9 @@ class JointSampler:
         return ArgumentError(f"no job named {job!r} (registered: {known}); call add_job first")
 
     def _default_seed(self, job: Hashable) -> int:
-        digest = hashlib.blake2b(f"{self._seed}\0{job!r}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
+        self._registrations += 1
+        key = f"{self._seed}\0{self._registrations}\0{job!r}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
     def _register(self, name: Hashable, indices: np.ndarray, seed: int) -> _Job:
         """Create the job, grow the universe, split regions and other jobs' cells."""
@@ -366,7 +373,7 @@ class JointSampler:
         return j
 
     def _grow(self, size: int) -> None:
-        """Extend the universe; copies rather than resizes, so no live buffer export can block it."""
+        """Extend the universe; copies rather than resizes, so no buffer export can block it."""
         self._regions.grow(size)
         for j in self._jobs.values():
             seen = bytearray(size)

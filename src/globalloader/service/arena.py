@@ -16,7 +16,7 @@ import _posixshmem
 import numpy as np
 
 from globalloader.errors import ServerGone
-from globalloader.execution.shm import copy_arrays, decode_tree, encode_tree
+from globalloader.execution.shm import copy_arrays, decode_tree, encode_tree, unlink
 
 _attached: dict[str, "Arena"] = {}
 
@@ -83,11 +83,3 @@ def attach(name: str) -> Arena:
             os.close(fd)
         arena = _attached[name] = Arena(name, mapping, owner=False)
     return arena
-
-
-def unlink(name: str) -> bool:
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        return False
-    return True
