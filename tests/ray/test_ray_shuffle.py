@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import uuid
@@ -15,7 +16,12 @@ import ray
 import ray.cloudpickle
 from helpers import check_resume
 
-from globalloader.errors import ArgumentError, GlobalLoaderError, SourceError, StateError
+from globalloader.errors import (
+    ArgumentError,
+    GlobalLoaderError,
+    SourceError,
+    StateError,
+)
 from globalloader.ray import ShufflingDataset
 from globalloader.sources import TarWriter
 
@@ -25,10 +31,12 @@ BATCH = 32
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors defined here
+    cache = tmp_path_factory.mktemp("ray-cache")  # workers, like tests, keep out of user caches
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
-             log_to_driver=False)
+             log_to_driver=False,
+             runtime_env={"env_vars": {"GLOBALLOADER_CACHE_DIR": str(cache)}})
     yield
     ray.shutdown()
 
@@ -190,7 +198,7 @@ class TestFailures:
 
     def test_file_broken_after_planning_names_it_when_read(self, cluster, files, tmp_path):
         broken = tmp_path / "broken.parquet"
-        broken.write_bytes(open(files[0], "rb").read())
+        broken.write_bytes(pathlib.Path(files[0]).read_bytes())
         with ShufflingDataset([files[1], str(broken)], 1, 1, BATCH, 0, name=uuid.uuid4().hex) \
                 as ds:
             broken.write_bytes(b"garbage now")

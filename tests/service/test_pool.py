@@ -82,3 +82,16 @@ def test_budget_holds_and_blocks_never_overlap(ops):
         spans = sorted((e.offset, e.offset + e.nbytes) for e in pool._entries.values())
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
         assert pool.used == sum(e.nbytes for e in pool._entries.values()) <= pool.capacity
+
+
+def test_samples_no_job_wants_are_evicted_before_older_wanted_ones():
+    evicted = []
+    wanted = {"a", "c"}
+    pool = BufferPool(192, on_evict=evicted.append, wanted=wanted.__contains__)
+    for key in "abc":
+        loaded(pool, key)
+    pool.reserve("d", 64)
+    assert evicted == ["b"], "the oldest unwanted sample goes first"
+    wanted.clear()
+    pool.reserve("e", 64)
+    assert evicted == ["b", "a"], "with nothing wanted, plain LRU order"

@@ -23,6 +23,7 @@ _NAME_TAKEN = getattr(rex, "ActorAlreadyExistsError", ValueError)
 NAMESPACE = "globalloader"  # queues are found by name from any driver or actor in the cluster
 _ATTACH_POLL_S = 0.2
 _TAKE_POLL_S = 5.0
+RPC_GRACE_S = 60.0  # beyond its own wait, how long a call to the batch queue may take
 
 
 class ShufflingDataset:
@@ -197,7 +198,10 @@ class ShufflingDataset:
             wait = _TAKE_POLL_S if deadline is None else max(
                 0.0, min(_TAKE_POLL_S, deadline - time.monotonic()))
             try:
-                status, payload = ray.get(self._queue.take.remote(self.rank, epoch, wait))
+                status, payload = ray.get(self._queue.take.remote(self.rank, epoch, wait),
+                                          timeout=wait + RPC_GRACE_S)
+            except rex.GetTimeoutError:
+                status, payload = "wait", "the batch queue does not answer"
             except rex.RayActorError as exc:
                 raise WorkerError(f"the batch queue of shuffle {self.name!r} is gone; it lives "
                                   f"in rank 0's process (did rank 0 stop?): "
@@ -284,7 +288,8 @@ class _EpochIterator:
         queue, rank = owner._queue, owner.rank
         self._fetcher = OutputPrefetcher(
             len(runs) - first,
-            lambda i, wait: ray.get(queue.output.remote(rank, epoch, first + i, wait)),
+            lambda i, wait: ray.get(queue.output.remote(rank, epoch, first + i, wait),
+                                    timeout=wait + RPC_GRACE_S),
             owner._prefetch, owner._timeout,
             lambda i: f"rank {rank}'s output {first + i} of epoch {epoch}")
 

@@ -109,6 +109,8 @@ class OutputPrefetcher:
                 0.0, min(_LOCATE_S, deadline - time.monotonic()))
             try:
                 status, payload = self._locate(i, wait)
+            except rex.GetTimeoutError:
+                status, payload = "wait", "the batch queue does not answer"
             except rex.RayActorError as exc:
                 raise WorkerError(f"{self._describe(i)} cannot be located: the shuffle's batch "
                                   "queue, which lives in rank 0's process, is gone (did rank 0 "
@@ -145,6 +147,8 @@ def task_error(exc: BaseException, what: str) -> Exception:
     while isinstance(cause, rex.RayTaskError) and getattr(cause, "cause", None) is not None:
         cause = cause.cause
     if isinstance(cause, GlobalLoaderError):
-        return type(cause)(str(cause).splitlines()[-1] if isinstance(cause, rex.RayError)
-                           else str(cause))
+        # `cause` is the task's own exception; were it Ray's wrapper of it, whose text starts
+        # with the remote traceback, its message is the last line.
+        message = str(cause).splitlines()[-1] if isinstance(cause, rex.RayError) else str(cause)
+        return type(cause)(message)
     return WorkerError(f"{what}: a shuffle task failed: {type(cause).__name__}: {cause}")

@@ -33,6 +33,8 @@ from globalloader.ray.layout import ShuffleLayout, scatter_table
 from globalloader.ray.shuffle import submit_map, submit_reduce
 
 _MAP, _REDUCE = 0, 1
+import os
+CHUNKS = int(os.environ.get('GL_CHUNKS', '1'))
 
 
 @dataclass
@@ -88,9 +90,13 @@ class ShuffleScheduler:
         A map sends a group one object holding the rows of its reducers one after another;
         `offset[m, k]` is where reducer k's rows start in map m's object for its group.
         """
+        nodes = [self.nodes.get(int(r), ("rank", int(r))) for r in self._layout.reducer_rank]
+        place = {node: np.cumsum([n == node for n in nodes]) - 1 for node in set(nodes)}
+        size = {node: int(sum(n == node for n in nodes)) for node in place}
         keys: dict[Any, int] = {}
-        group_of = np.array([keys.setdefault(self.nodes.get(int(r), ("rank", int(r))), len(keys))
-                             for r in self._layout.reducer_rank], np.int64)
+        group_of = np.array([
+            keys.setdefault((node, int(place[node][k]) * CHUNKS // size[node]), len(keys))
+            for k, node in enumerate(nodes)], np.int64)
         offset = np.zeros_like(table)
         for g in range(len(keys)):
             members = np.flatnonzero(group_of == g)

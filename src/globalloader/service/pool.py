@@ -3,7 +3,9 @@
 A sample is written into the arena once (by a server worker) and read in place by every job that
 takes it. Each job holding a sample holds a reference; when the last one is released the sample
 moves to the second tier, an LRU of unreferenced samples that stay readable (a later request is
-a hit) until their space is needed. A referenced or still-loading sample is never evicted, and
+a hit) until their space is needed; among them, samples no job still wants this epoch go first
+(the joint sampler's advice: it keeps followable samples in memory longer than plain LRU does).
+A referenced or still-loading sample is never evicted, and
 the arena never grows past its capacity: a reservation that cannot fit yet waits (returns None)
 until releases make room.
 
@@ -21,6 +23,7 @@ from typing import Any, Callable, Hashable
 from globalloader.errors import ArgumentError, GlobalLoaderError
 
 _ALIGN = 64
+_SCAN = 64  # LRU entries looked at for an unwanted victim before taking the oldest
 
 
 class SampleTooLarge(GlobalLoaderError):
@@ -47,11 +50,17 @@ class Entry:
 class BufferPool:
     """Allocation, references and eviction for an arena of `capacity` bytes."""
 
-    def __init__(self, capacity: int, on_evict: Callable[[Hashable], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        on_evict: Callable[[Hashable], None] | None = None,
+        wanted: Callable[[Hashable], bool] | None = None,
+    ) -> None:
         if not isinstance(capacity, int) or capacity < _ALIGN:
             raise ArgumentError(f"BufferPool: capacity must be an int >= {_ALIGN} bytes, got {capacity!r}")
         self.capacity = capacity
         self._on_evict = on_evict or (lambda key: None)
+        self._wanted = wanted or (lambda key: False)
         self._entries: dict[Hashable, Entry] = {}
         self._lru: OrderedDict[Hashable, None] = OrderedDict()  # ready, unreferenced; oldest first
         self._starts = [0]  # free blocks, sorted by offset
@@ -80,7 +89,7 @@ class BufferPool:
             )
         offset = self._fit(size)
         while offset is None and self._lru:
-            self._evict(next(iter(self._lru)))
+            self._evict(self._victim())
             offset = self._fit(size)
         if offset is None:
             return None
@@ -160,6 +169,15 @@ class BufferPool:
                     self._insert(start + size, block - size)
                 return start
         return None
+
+    def _victim(self) -> Hashable:
+        """The oldest unreferenced sample nobody wants any more, else the oldest one."""
+        for n, key in enumerate(self._lru):
+            if n == _SCAN:
+                break
+            if not self._wanted(key):
+                return key
+        return next(iter(self._lru))
 
     def _evict(self, key: Hashable) -> None:
         del self._lru[key]

@@ -14,6 +14,7 @@ sends nothing for `SILENCE_S` seconds, is removed and its references released.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import selectors
 import signal
@@ -43,6 +44,8 @@ class Job:
     pid: int
     group: "Group"
     size: int = 0  # samples in this epoch's set
+    seed: int = 0
+    set_digest: bytes = b""  # of this epoch's set: an unchanged set just starts a new epoch
     epoch: int = 0
     wanted: int = 0  # tickets the client asked for and has not been sent
     drawn: int = 0  # this epoch
@@ -75,7 +78,7 @@ class Server:
     def __init__(self, socket_path: Path, memory: int, workers: int) -> None:
         self.socket_path = Path(socket_path)
         self.arena = arena.create(memory)
-        self.pool = BufferPool(memory, on_evict=self._evicted)
+        self.pool = BufferPool(memory, on_evict=self._evicted, wanted=self._wanted)
         self.groups: dict[str, Group] = {}
         self.jobs: dict[int, Job] = {}
         self._next_job = 1
@@ -137,10 +140,11 @@ class Server:
     def _on_hello(self, job: Job, info: dict[str, Any]) -> None:
         group = self.groups.get(info["prefix_fp"])
         if group is None:
-            group = Group(info["prefix_fp"], info["prefix"], JointSampler(seed=int(info.get("seed", 0))))
+            group = Group(info["prefix_fp"], info["prefix"], JointSampler())  # fresh stream: see JointSampler
             self.groups[group.fingerprint] = group
         job.id, self._next_job = self._next_job, self._next_job + 1
         job.name, job.pid, job.group = str(info.get("name") or f"job-{job.id}"), int(info["pid"]), group
+        job.seed = int(info.get("seed", 0))
         self.jobs[job.id] = job
         group.jobs[job.id] = job
         self._start_epoch(job, int(info["epoch"]), info["indices"])
@@ -151,9 +155,14 @@ class Server:
 
     def _start_epoch(self, job: Job, epoch: int, indices: np.ndarray) -> None:
         sampler = job.group.sampler
-        if job.id in sampler.stats():
-            sampler.remove_job(job.id)
-        sampler.add_job(job.id, indices)
+        digest = hashlib.sha1(np.ascontiguousarray(indices, dtype=np.int64).tobytes()).digest()
+        if job.id in sampler.stats() and digest == job.set_digest:
+            sampler.new_epoch(job.id, epoch)  # same set: other jobs' regions stay as they are
+        else:
+            if job.id in sampler.stats():
+                sampler.remove_job(job.id)
+            sampler.add_job(job.id, indices, seed=job.seed, epoch=epoch)
+        job.set_digest = digest
         job.epoch, job.size, job.wanted = epoch, len(indices), 0
         job.drawn = job.delivered = 0
         job.rate = [(time.monotonic(), 0)]
@@ -227,6 +236,7 @@ class Server:
         group = self.groups.get(fp)
         if group is None:
             return
+        group.sampler.evicted(index)  # never stored: nobody may follow it
         for job, seq in group.waiters.pop(index, []):
             if job.id in self.jobs:
                 job.delivered += 1
@@ -236,6 +246,11 @@ class Server:
         group = self.groups.get(key[0])
         if group is not None:
             group.sampler.evicted(key[1])
+
+    def _wanted(self, key: tuple[str, int]) -> bool:
+        """Whether a job may still take this sample this epoch: the pool evicts others first."""
+        group = self.groups.get(key[0])
+        return group is not None and group.sampler.wanted(key[1])
 
     # -- liveness ----------------------------------------------------------------------------
     def _forget_connection(self, job: Job) -> None:
