@@ -33,8 +33,7 @@ from globalloader.ray.layout import ShuffleLayout, scatter_table
 from globalloader.ray.shuffle import submit_map, submit_reduce
 
 _MAP, _REDUCE = 0, 1
-import os
-CHUNKS = int(os.environ.get('GL_CHUNKS', '1'))
+_OBJECTS_PER_MAP = 4  # map outputs a map task returns, split over nodes (see `_groups`)
 
 
 @dataclass
@@ -85,18 +84,26 @@ class ShuffleScheduler:
         self._fill()
 
     def _groups(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Group reducers by the node of the trainer they feed (unknown nodes: by rank).
+        """Group reducers into the objects a map returns: by node, then by reducer order.
 
         A map sends a group one object holding the rows of its reducers one after another;
-        `offset[m, k]` is where reducer k's rows start in map m's object for its group.
+        `offset[m, k]` is where reducer k's rows start in map m's object for its group. One
+        object per reducer would cost Ray a few milliseconds each; one per node would keep
+        every map output alive until the node's last reducer. So a node's reducers (in the
+        order they run) are cut into a few runs, about `_OBJECTS_PER_MAP` objects per map in
+        all, and each run's object is freed as soon as its reducers are done. Reducers of a
+        rank whose node is not known yet (it has not attached) group by rank.
         """
         nodes = [self.nodes.get(int(r), ("rank", int(r))) for r in self._layout.reducer_rank]
-        place = {node: np.cumsum([n == node for n in nodes]) - 1 for node in set(nodes)}
-        size = {node: int(sum(n == node for n in nodes)) for node in place}
+        runs = max(1, -(-_OBJECTS_PER_MAP // len(set(nodes))))
+        count: dict[Any, int] = {}
+        places = []  # each reducer's place among its node's reducers
+        for n in nodes:
+            places.append(count.get(n, 0))
+            count[n] = places[-1] + 1
         keys: dict[Any, int] = {}
-        group_of = np.array([
-            keys.setdefault((node, int(place[node][k]) * CHUNKS // size[node]), len(keys))
-            for k, node in enumerate(nodes)], np.int64)
+        group_of = np.array([keys.setdefault((n, place * runs // count[n]), len(keys))
+                             for n, place in zip(nodes, places)], np.int64)
         offset = np.zeros_like(table)
         for g in range(len(keys)):
             members = np.flatnonzero(group_of == g)

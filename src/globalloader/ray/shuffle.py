@@ -79,14 +79,15 @@ def _reduce(reducer_index: int, seed: int, epoch: int, urls: list[str],
              for (a, n), group in zip(slices, groups)]
     total = sum(n for _, n in slices)
     slots = rng_for(seed, epoch, REDUCE, reducer_index).permutation(total)
-    names = list(parts[0])
+    first_part = parts[0]
+    names = list(first_part)
     out: dict[str, np.ndarray] = {}
     for name in names:
         first = parts[0][name]
         column = np.empty((total, *first.shape[1:]), first.dtype)
         offset = 0
         for url, part in zip(urls, parts):
-            if list(part) != names:
+            if part.keys() != first_part.keys():
                 raise SourceError(f"{url} has columns {list(part)} but {urls[0]} has {names}: "
                                   "all files of a shuffle need the same columns")
             rows = _conform(part[name], first, name, url, urls[0])

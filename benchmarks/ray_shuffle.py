@@ -1,0 +1,418 @@
+"""Benchmark: the Ray global shuffle against Ray Data and a single-process NumPy ceiling.
+
+Data: `--rows` rows (int64 `key` = the row's position in file order, 100-byte random `payload`)
+in `--files` Parquet files, written once into a cache folder. Every method delivers
+`--epochs` epochs of `--batch-size`-row batches, each epoch a fresh global shuffle, to
+`--trainers` consumers:
+
+- numpy_ceiling: one process reads every file, draws a permutation, gathers, cuts batches
+  (the practical ceiling on this machine: no scheduling, no object store, no copies between
+  processes; it needs the whole epoch in one process's memory). It runs one untimed warm-up
+  epoch first: a fresh process's first gigabyte-sized allocations wait for the kernel to
+  compact memory into huge pages and take several times longer than later epochs here, and
+  the ceiling should be the best case.
+- globalloader_ray: `globalloader.ray.ShufflingDataset`, one trainer actor per rank.
+- ray_data: `ray.data.read_parquet(...).random_shuffle()` split across the trainer actors with
+  `streaming_split(equal=True)` and read with `iter_batches` (pyarrow batches: Ray Data's
+  fastest path; NumPy batches would turn the binary payload into Python bytes objects).
+
+Both Ray methods run on one local cluster (`--cpus` CPUs, `--object-store-gb` of object store)
+with the same warm worker pool; trainers only collect keys. Reported per method: rows/s over
+all epochs (from creating the dataset to the last batch), time to first batch per epoch, peak
+memory (anonymous memory of all processes plus object store use, sampled), and shuffle
+quality: Spearman correlation between input and output position, distinct files per batch,
+correlation between consecutive epochs' positions of each row.
+
+    python benchmarks/ray_shuffle.py                 # the full run (about 5 minutes)
+    python benchmarks/ray_shuffle.py --rows 1000000 --skip-ray-data   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import pathlib
+import platform
+import re
+import resource
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_CACHE = pathlib.Path(tempfile.gettempdir()) / "globalloader-bench" / "ray_shuffle"
+PAYLOAD = 100
+TARGETS = {"vs_ray_data": 3.0, "vs_numpy_ceiling": 0.5, "later_first_batch_s": 1.0,
+           "abs_spearman": 0.01, "files_per_batch": 60}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--files", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--trainers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--object-store-gb", type=float, default=4.0)
+    parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE)
+    parser.add_argument("--skip-ray-data", action="store_true")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "ray_shuffle.json")
+    args = parser.parse_args()
+
+    files = ensure_data(args.cache, args.rows, args.files)
+    cfg = {"rows": args.rows, "files": args.files, "epochs": args.epochs,
+           "trainers": args.trainers, "batch_size": args.batch_size, "cpus": args.cpus,
+           "object_store_gb": args.object_store_gb, "payload_bytes": PAYLOAD,
+           "parquet_compression": "snappy (pyarrow default)",
+           "notes": "numpy_ceiling runs one untimed warm-up epoch; Ray methods share a warm "
+                    "worker pool but a cold object store; ray_data reads pyarrow batches"}
+    methods = ["numpy_ceiling", "globalloader_ray"] + ([] if args.skip_ray_data else ["ray_data"])
+    results: dict[str, Any] = {}
+    with tqdm(methods, desc="methods", unit="method") as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            if name == "numpy_ceiling":
+                results[name] = run_numpy_ceiling(files, cfg)
+            else:
+                results[name] = run_on_ray(name, files, cfg)
+    report(cfg, results, args.out)
+
+
+# --- data -----------------------------------------------------------------------------------
+
+def ensure_data(cache: pathlib.Path, rows: int, n_files: int) -> list[str]:
+    """Write the data set once (a marker file says it is complete); return the file paths."""
+    folder = cache / f"rows{rows}-files{n_files}"
+    paths = [str(folder / f"part-{i:04d}.parquet") for i in range(n_files)]
+    marker = folder / "COMPLETE"
+    if marker.exists():
+        return paths
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    bounds = np.linspace(0, rows, n_files + 1).astype(np.int64)
+    for i in tqdm(range(n_files), desc="writing parquet", unit="file"):
+        n = int(bounds[i + 1] - bounds[i])
+        payload = rng.integers(0, 256, size=n * PAYLOAD, dtype=np.uint8)
+        table = pa.table({
+            "key": np.arange(bounds[i], bounds[i + 1], dtype=np.int64),
+            "payload": pa.FixedSizeBinaryArray.from_buffers(pa.binary(PAYLOAD), n,
+                                                            [None, pa.py_buffer(payload)]),
+        })
+        pq.write_table(table, paths[i])
+    marker.write_text(json.dumps({"rows": rows, "files": n_files}))
+    return paths
+
+
+# --- NumPy ceiling --------------------------------------------------------------------------
+
+def run_numpy_ceiling(files: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run in a fresh process, so its peak RSS is its own."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ceiling_process, args=(files, cfg, child))
+    proc.start()
+    result = parent.recv()
+    proc.join()
+    return result
+
+
+def _ceiling_process(files: list[str], cfg: dict[str, Any], conn: Any) -> None:
+    from globalloader.ray.reader import to_numpy
+
+    rng = np.random.default_rng(0)
+    n, trainers, batch = cfg["rows"], cfg["trainers"], cfg["batch_size"]
+    epochs, orders = [], []
+    start = time.perf_counter()
+    for epoch in range(-1, cfg["epochs"]):  # epoch -1: untimed warm-up (see the module doc)
+        if epoch == 0:
+            epochs, orders, start = [], [], time.perf_counter()
+        t0 = time.perf_counter()
+        tables = [pq.read_table(f) for f in files]
+        key = np.concatenate([to_numpy(t.column("key")) for t in tables])
+        payload = np.concatenate([to_numpy(t.column("payload")) for t in tables])
+        del tables
+        perm = rng.permutation(n)
+        key, payload = np.take(key, perm), np.take(payload, perm, axis=0)
+        first = time.perf_counter() - t0
+        delivered = [[] for _ in range(trainers)]  # batches dealt round robin to trainers
+        for b, i in enumerate(range(0, n, batch)):
+            delivered[b % trainers].append({"key": key[i:i + batch],
+                                            "payload": payload[i:i + batch]})
+        keys = [np.concatenate([d["key"] for d in rank]) for rank in delivered]
+        sizes = [[len(d["key"]) for d in rank] for rank in delivered]
+        epochs.append({"first_batch_s": first, "epoch_s": time.perf_counter() - t0})
+        orders.append((keys, sizes))
+        del key, payload, perm, delivered
+    elapsed = time.perf_counter() - start
+    result = summarize(epochs, orders, elapsed, cfg)
+    result["peak_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    conn.send(result)
+
+
+# --- Ray methods ----------------------------------------------------------------------------
+
+def run_on_ray(name: str, files: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=cfg["cpus"], object_store_memory=int(cfg["object_store_gb"] * 2**30),
+                 include_dashboard=False, log_to_driver=False)
+    _warm_workers(ray, cfg["cpus"])
+    trainer_cls = _GlobalLoaderTrainer if name == "globalloader_ray" else _RayDataTrainer
+    trainers = [ray.remote(num_cpus=0)(trainer_cls).remote() for _ in range(cfg["trainers"])]
+    ray.get([t.ready.remote() for t in trainers])
+    sampler = _MemorySampler()
+    start = time.perf_counter()
+    if name == "globalloader_ray":
+        runs = ray.get([t.run.remote(files, rank, cfg) for rank, t in enumerate(trainers)])
+    else:
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        splits = ray.data.read_parquet(files).random_shuffle().streaming_split(
+            cfg["trainers"], equal=True)
+        runs = ray.get([t.run.remote(split, cfg) for t, split in zip(trainers, splits)])
+    elapsed = time.perf_counter() - start
+    peak = sampler.stop()
+    ray.get([t.close.remote() for t in trainers[::-1]])
+    for t in trainers:
+        ray.kill(t)
+    epochs = [{"first_batch_s": max(r["epochs"][e]["first_batch_s"] for r in runs),
+               "epoch_s": max(r["epochs"][e]["epoch_s"] for r in runs),
+               "batches_per_trainer": [len(r["sizes"][e]) for r in runs]}
+              for e in range(cfg["epochs"])]
+    orders = [([r["keys"][e] for r in runs], [r["sizes"][e] for r in runs])
+              for e in range(cfg["epochs"])]
+    result = summarize(epochs, orders, elapsed, cfg)
+    result.update(peak)
+    result["spilled_mib"] = _spilled_mib()
+    return result
+
+
+def _warm_workers(ray: Any, cpus: int) -> None:
+    """Start the worker processes both Ray methods will use (not part of either's time)."""
+
+    @ray.remote(num_cpus=1)
+    def warm() -> int:
+        import pyarrow  # noqa: F401
+
+        time.sleep(0.5)
+        return os.getpid()
+
+    ray.get([warm.remote() for _ in range(cpus)])
+
+
+class _GlobalLoaderTrainer:
+    """One rank of `ShufflingDataset`, collecting keys and batch sizes per epoch."""
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, files: list[str], rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+        from globalloader.ray import ShufflingDataset
+
+        self.ds = ShufflingDataset(files, cfg["epochs"], cfg["trainers"], cfg["batch_size"], rank)
+        out: dict[str, Any] = {"epochs": [], "keys": [], "sizes": []}
+        for epoch in range(cfg["epochs"]):
+            self.ds.set_epoch(epoch)
+            _consume(self.ds, out, lambda b: b["key"])
+        return out
+
+    def close(self) -> None:
+        self.ds.close()
+
+
+class _RayDataTrainer:
+    """One `streaming_split` shard of the shuffled Ray Dataset."""
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, split: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"epochs": [], "keys": [], "sizes": []}
+        for _ in range(cfg["epochs"]):
+            batches = split.iter_batches(batch_size=cfg["batch_size"], batch_format="pyarrow")
+            _consume(batches, out, lambda b: b.column("key").to_numpy())
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _consume(batches: Any, out: dict[str, Any], keys_of: Any) -> None:
+    """Iterate one epoch (starting the clock before `iter`), keeping each batch's keys."""
+    t0 = time.perf_counter()
+    first = None
+    keys = []
+    for batch in batches:
+        if first is None:
+            first = time.perf_counter() - t0
+        keys.append(np.array(keys_of(batch)))
+    out["epochs"].append({"first_batch_s": first, "epoch_s": time.perf_counter() - t0})
+    out["keys"].append(np.concatenate(keys))
+    out["sizes"].append([len(k) for k in keys])
+
+
+class _MemorySampler:
+    """Peak of (anonymous memory of this process and its descendants + object store in use)."""
+
+    def __init__(self, every_s: float = 0.25) -> None:
+        self.peak_total = self.peak_store = self.peak_anon = 0
+        self._stop = threading.Event()
+        self._every = every_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            anon, store = _anon_bytes(os.getpid()), _store_bytes()
+            self.peak_anon = max(self.peak_anon, anon)
+            self.peak_store = max(self.peak_store, store)
+            self.peak_total = max(self.peak_total, anon + store)
+            self._stop.wait(self._every)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_memory_bytes": self.peak_total, "peak_object_store_bytes": self.peak_store,
+                "peak_process_anon_bytes": self.peak_anon}
+
+
+def _anon_bytes(root: int) -> int:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            lines = pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) * 1024 for line in lines if line.startswith("Anonymous:"))
+    return total
+
+
+def _store_bytes() -> int:
+    from ray._private.internal_api import (
+        memory_summary,  # private, but the only stats API
+    )
+
+    found = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+    return int(found.group(1)) * 2**20 if found else 0
+
+
+def _spilled_mib() -> int:
+    from ray._private.internal_api import memory_summary
+
+    found = re.search(r"Spilled (\d+) MiB", memory_summary(stats_only=True))
+    return int(found.group(1)) if found else 0
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+def summarize(epochs: list[dict[str, Any]], orders: list[tuple[list[np.ndarray], list[Any]]],
+              elapsed: float, cfg: dict[str, Any]) -> dict[str, Any]:
+    """rows/s and shuffle quality from each epoch's delivered keys (rank 0's stream first)."""
+    n = cfg["rows"]
+    delivered = sum(len(k) for keys, _ in orders for k in keys)
+    file_starts = np.linspace(0, n, cfg["files"] + 1).astype(np.int64)
+    positions, quality = [], []
+    for keys, sizes in orders:
+        order = np.concatenate(keys)
+        position = np.full(n, -1, np.int64)
+        position[order] = np.arange(len(order))
+        positions.append(position)
+        per_rank = [abs(_pearson(np.argsort(np.argsort(k)), np.arange(len(k)))) for k in keys]
+        files_per_batch = []
+        for k, s in zip(keys, sizes):
+            file_ids = np.searchsorted(file_starts, k, side="right") - 1
+            cuts = np.cumsum([0, *s])
+            files_per_batch += [len(np.unique(file_ids[a:b])) for a, b in itertools.pairwise(cuts)
+                                if b - a == cfg["batch_size"]]
+        quality.append({
+            "rows": len(order), "distinct_rows": len(np.unique(order)),
+            "spearman_input_vs_output": _pearson(order, np.arange(len(order))),
+            "max_abs_spearman_within_trainer": max(per_rank),
+            "files_per_full_batch_mean": float(np.mean(files_per_batch)),
+            "files_per_full_batch_min": int(np.min(files_per_batch)),
+        })
+    for e in range(1, len(positions)):
+        both = (positions[e - 1] >= 0) & (positions[e] >= 0)
+        quality[e]["corr_with_previous_epoch"] = _pearson(positions[e - 1][both],
+                                                          positions[e][both])
+    for epoch, q in zip(epochs, quality):
+        epoch.update(q)
+    return {"rows_per_s": delivered / elapsed, "elapsed_s": elapsed, "rows_delivered": delivered,
+            "epochs": epochs}
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson correlation; on ranks (as here) it is Spearman's."""
+    a = a.astype(np.float64) - a.mean()
+    b = b.astype(np.float64) - b.mean()
+    return float((a @ b) / np.sqrt((a @ a) * (b @ b)))
+
+
+# --- report ---------------------------------------------------------------------------------
+
+def report(cfg: dict[str, Any], results: dict[str, Any], out: pathlib.Path) -> None:
+    ours = results["globalloader_ray"]
+    later = [e["first_batch_s"] for e in ours["epochs"][1:]]
+    worst_rho = max(max(abs(e["spearman_input_vs_output"]), e["max_abs_spearman_within_trainer"])
+                    for e in ours["epochs"])
+    checks = {
+        "vs_numpy_ceiling": ours["rows_per_s"] / results["numpy_ceiling"]["rows_per_s"],
+        "later_first_batch_s": max(later) if later else 0.0,
+        "abs_spearman": worst_rho,
+        "files_per_batch": min(e["files_per_full_batch_mean"] for e in ours["epochs"]),
+    }
+    if "ray_data" in results:
+        checks["vs_ray_data"] = ours["rows_per_s"] / results["ray_data"]["rows_per_s"]
+    met = {k: (v <= TARGETS[k] if k in ("later_first_batch_s", "abs_spearman")
+               else v >= TARGETS[k]) for k, v in checks.items()}
+    summary = {"benchmark": "ray_shuffle", "config": cfg,
+               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                           "mem_gib": round(os.sysconf("SC_PAGE_SIZE")
+                                            * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+               "results": results, "ratios": checks, "targets": TARGETS, "targets_met": met}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2, default=float) + "\n")
+
+    print(f"\n{cfg['rows']:,} rows x {cfg['epochs']} epochs, {cfg['files']} files, "
+          f"{cfg['trainers']} trainers, batch {cfg['batch_size']}, {cfg['cpus']} CPUs")
+    print(f"{'method':18s} {'rows/s':>12s} {'first batch per epoch (s)':>30s} "
+          f"{'peak mem GiB':>13s} {'|rho| max':>10s} {'files/batch':>12s}")
+    for name, r in results.items():
+        firsts = " ".join(f"{e['first_batch_s']:.2f}" for e in r["epochs"])
+        rho = max(max(abs(e["spearman_input_vs_output"]), e["max_abs_spearman_within_trainer"])
+                  for e in r["epochs"])
+        fpb = min(e["files_per_full_batch_mean"] for e in r["epochs"])
+        print(f"{name:18s} {r['rows_per_s']:12,.0f} {firsts:>30s} "
+              f"{r['peak_memory_bytes'] / 2**30:13.2f} {rho:10.4f} {fpb:12.1f}")
+    for k, v in checks.items():
+        sign = "<=" if k in ("later_first_batch_s", "abs_spearman") else ">="
+        print(f"  {k:22s} {v:8.3f}  target {sign} {TARGETS[k]:<6}  "
+              f"{'met' if met[k] else 'NOT met'}")
+    print(f"results written to {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
