@@ -47,6 +47,16 @@ def test_a_job_with_two_epochs_sees_its_set_once_per_epoch(root):
     assert result["decodes"] <= 2 * 14 and result["server"]["requests"] == 2 * 14
 
 
+def test_a_background_job_stops_once_the_foreground_jobs_are_done(root):
+    specs = [JobSpec("slow", range(16), sleep=0.05), JobSpec("keeps-training", range(40), epochs=50, background=True)]
+    result = run_jobs(root, specs, "independent", workers=1, batch_size=8, progress=False)
+    slow, background = result["jobs"]
+    assert slow["samples"] == 16 and slow["exact_once"]
+    assert 0 < background["samples"] < 50 * 40, "the background job ran all its epochs"
+    assert background["exact_once"], "a full epoch missed a sample, or the last one repeated one"
+    assert background["epochs_done"] == background["samples"] / 40
+
+
 def test_overlapping_sets_are_half_common_half_own_and_cover_the_dataset():
     sets = overlapping_sets(30, 2)
     assert [len(s) for s in sets] == [20, 20]
@@ -65,3 +75,15 @@ def test_bad_arguments_name_what_is_wrong(root):
         run_jobs(root, [JobSpec("a", range(4)), JobSpec("a", range(4))], "independent")
     with pytest.raises(ArgumentError, match="indices"):
         JobSpec("empty", [])
+
+
+def test_the_exact_once_check_catches_a_missing_or_repeated_sample():
+    from globalloader.shared_demo import _exact_once
+
+    want = ["a", "b", "c"]
+    assert _exact_once([["c", "a", "b"], ["b", "c", "a"]], want, background=False)
+    assert not _exact_once([["c", "a", "a"]], want, background=False)
+    assert not _exact_once([["c", "a"]], want, background=False)
+    assert _exact_once([["c", "a", "b"], ["b"]], want, background=True)  # stopped mid-epoch
+    assert not _exact_once([["c", "a"], ["b", "c", "a"]], want, background=True)  # only the last may be short
+    assert not _exact_once([["c", "a", "b"], ["b", "b"]], want, background=True)

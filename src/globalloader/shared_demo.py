@@ -11,8 +11,8 @@ start together (a barrier, after their imports) and wall time runs from that sta
 last job ends.
 
 Three modes run the same functions:
-- "shared": one server started for the run (`--memory`, `--workers`, a socket in a temporary
-  folder, stopped afterwards); jobs use `Loader(..., share=True, workers=0)`.
+- "shared": one server started for the run (a given pool size, K*W decode workers, a socket in
+  a temporary folder; stopped afterwards); jobs use `Loader(..., share=True, workers=0)`.
 - "independent": each job its own in-process `Loader(..., workers=W)`, no sharing.
 - "torch": each job its own `torch.utils.data.DataLoader(num_workers=W)`, same functions and
   the same per-sample seeds (as `demo.run_torch`).
@@ -35,10 +35,11 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -62,12 +63,17 @@ _START_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One training job: its name, its index set, its extra seconds per batch, its epochs."""
+    """One training job: its name, its index set, its extra seconds per batch, its epochs.
+
+    A `background` job models one that keeps training: it runs up to `epochs` epochs but stops
+    after the batch during which every other (foreground) job has finished.
+    """
 
     name: str
     indices: tuple[int, ...]
     sleep: float = 0.0
     epochs: int = 1
+    background: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "indices", tuple(int(i) for i in self.indices))
@@ -108,7 +114,7 @@ def run_jobs(
     memory: str | int = "1G",
     seed: int = 0,
     progress: bool = True,
-    timeout: float = 3600.0,
+    stall_s: float = 120.0,
 ) -> dict[str, Any]:
     """Run `specs` as concurrent job processes in `mode`; return per-job and overall figures.
 
@@ -116,7 +122,8 @@ def run_jobs(
     the jobs none); `memory` is the shared-mode pool. Per job: samples, seconds, samples/s,
     whether every epoch saw its set exactly once, and its decodes (independent, torch) or its
     followed share (shared; of its last epoch). Overall: wall time until all jobs end, aggregate
-    samples/s, decodes and decodes / |union of the sets|. Raises WorkerError if a job fails.
+    samples/s, decodes and decodes / |union of the sets|. Raises WorkerError if a job fails, or
+    if no job delivers a batch for `stall_s` seconds (with the server's status in shared mode).
     """
     if mode not in MODES:
         raise ArgumentError(f"run_jobs: mode must be one of {MODES}, got {mode!r}")
@@ -129,13 +136,15 @@ def run_jobs(
     server = _Server(folder, memory, server_workers) if mode == "shared" else None
     try:
         socket = str(server.socket) if server else None
-        results = _run_processes(str(root), specs, mode, workers, batch_size, seed, socket, progress, timeout)
+        describe = server.describe if server else (lambda: "")
+        results = _run_processes(str(root), specs, mode, workers, batch_size, seed, socket, progress, stall_s,
+                                 describe)
         status = server.status() if server else None
     finally:
         if server:
             server.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    return _summary(root, specs, mode, workers, server_workers, memory, results, status)
+    return _summary(root, specs, mode, workers, server_workers, results, status)
 
 
 def demo_act(root: Path | str, images: int, workers: int = 2, memory: str | int = "256M",
@@ -161,8 +170,9 @@ def demo_act(root: Path | str, images: int, workers: int = 2, memory: str | int 
     for label, fmt, key in rows:
         print(f"{label:<24}{fmt.format(alone[key]):>14}{fmt.format(shared[key]):>10}")
     for a, s in zip(alone["jobs"], shared["jobs"]):
-        print(f"{'job ' + a['name'] + ' samples/s':<24}{a['samples_per_s']:>14.1f}{s['samples_per_s']:>10.1f}"
-              f"   followed {s['followed_share']:.0%} of its samples")
+        followed = "" if s["followed_share"] is None else f"   followed {s['followed_share']:.0%} of its samples"
+        label = f"job {a['name']} samples/s"
+        print(f"{label:<24}{a['samples_per_s']:>14.1f}{s['samples_per_s']:>10.1f}{followed}")
     saved = alone["decodes"] - shared["decodes"]
     print(f"\nshared: {saved} decodes saved ({saved / alone['decodes']:.0%}; |union of the sets| = "
           f"{shared['union']}), all jobs done in {shared['wall_s'] / alone['wall_s']:.2f}x the time")
@@ -171,29 +181,37 @@ def demo_act(root: Path | str, images: int, workers: int = 2, memory: str | int 
 
 # -- the parent: processes, progress, summary ------------------------------------------------
 def _run_processes(root: str, specs: Sequence[JobSpec], mode: str, workers: int, batch_size: int,
-                   seed: int, socket: str | None, progress: bool, timeout: float) -> dict[str, dict[str, Any]]:
+                   seed: int, socket: str | None, progress: bool, stall_s: float,
+                   describe: Callable[[], str]) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(len(specs)), ctx.Queue()
+    barrier, out, stop = ctx.Barrier(len(specs)), ctx.Queue(), ctx.Event()
     procs = {s.name: ctx.Process(target=_job_main, name=f"job-{s.name}",
-                                 args=(mode, root, s, workers, batch_size, seed, socket, barrier, out))
+                                 args=(mode, root, s, workers, batch_size, seed, socket, barrier, out, stop))
              for s in specs}
+    foreground = {s.name for s in specs if not s.background}
     for proc in procs.values():
         proc.start()
     total = sum(len(s.indices) * s.epochs for s in specs)
     bar = tqdm(total=total, desc=f"{len(specs)} job(s), {mode}", unit="img", disable=not progress, leave=False)
     results: dict[str, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
+    last = time.monotonic() + _START_TIMEOUT_S  # imports and set-up first
     try:
         while len(results) < len(specs):
             try:
                 msg = out.get(timeout=1.0)
             except queue.Empty:
-                _check_alive(procs, results, deadline)
+                _check_alive(procs, results)
+                if time.monotonic() - last > stall_s:
+                    raise WorkerError(f"{mode} run: no job got a batch for {stall_s:.0f} s; unfinished: "
+                                      f"{sorted(set(procs) - set(results))}{describe()}") from None
                 continue
+            last = max(last, time.monotonic())
             if msg[0] == "progress":
                 bar.update(msg[1])
             elif msg[0] == "done":
                 results[msg[1]] = msg[2]
+                if foreground and foreground <= set(results):
+                    stop.set()  # background jobs end after their current batch
             else:
                 raise WorkerError(f"job {msg[1]!r} ({mode} mode) failed:\n{msg[2]}")
         for proc in procs.values():
@@ -207,28 +225,25 @@ def _run_processes(root: str, specs: Sequence[JobSpec], mode: str, workers: int,
     return results
 
 
-def _check_alive(procs: dict[str, Any], results: dict[str, Any], deadline: float) -> None:
+def _check_alive(procs: dict[str, Any], results: dict[str, Any]) -> None:
     for name, proc in procs.items():
         if name not in results and not proc.is_alive():
             raise WorkerError(f"job {name!r} exited with code {proc.exitcode} before reporting")
-    if time.monotonic() > deadline:
-        raise WorkerError(f"jobs {sorted(set(procs) - set(results))} did not finish in time")
 
 
 def _summary(root: Path | str, specs: Sequence[JobSpec], mode: str, workers: int, server_workers: int,
-             memory: str | int, results: dict[str, dict[str, Any]], status: dict[str, Any] | None) -> dict[str, Any]:
+             results: dict[str, dict[str, Any]], status: dict[str, Any] | None) -> dict[str, Any]:
     keys = _keys(str(root))
-    jobs = []
+    jobs, starts, ends = [], [], []
     for spec in specs:
         r = dict(results[spec.name])
-        expected = sorted(keys[i] for i in spec.indices)
-        r["exact_once"] = all(sorted(seen) == expected for seen in r.pop("keys"))
+        starts.append(r.pop("start"))
+        ends.append(r.pop("end"))
+        r["exact_once"] = _exact_once(r.pop("keys"), [keys[i] for i in spec.indices], spec.background)
+        r["epochs_done"] = r["samples"] / len(spec.indices)
         jobs.append({"name": spec.name, "set_size": len(spec.indices), "epochs": spec.epochs,
-                     "sleep_per_batch_s": spec.sleep, **r})
-    start = min(r["start"] for r in jobs)
-    wall = max(r.pop("end") for r in jobs) - start
-    for r in jobs:
-        r.pop("start")
+                     "background": spec.background, "sleep_per_batch_s": spec.sleep, **r})
+    wall = max(ends) - min(starts)
     union = len(set().union(*(s.indices for s in specs)))
     samples = sum(r["samples"] for r in jobs)
     decodes = status["decodes"] if status else sum(r["decodes"] for r in jobs)
@@ -243,6 +258,18 @@ def _summary(root: Path | str, specs: Sequence[JobSpec], mode: str, workers: int
         summary["pool_bytes"] = status["pool"]["capacity"]
         summary["server"] = {k: status[k] for k in ("pid", "requests", "decodes", "decodes_saved", "pool")}
     return summary
+
+
+def _exact_once(epochs: list[list[str]], expected: list[str], background: bool) -> bool:
+    """Every epoch saw the set exactly once; a stopped background job's last epoch, a part of it once."""
+    want = sorted(expected)
+    for e, seen in enumerate(epochs):
+        if background and e == len(epochs) - 1 and len(seen) < len(want):
+            if len(set(seen)) != len(seen) or not set(seen) <= set(want):
+                return False
+        elif sorted(seen) != want:
+            return False
+    return True
 
 
 @lru_cache(maxsize=4)
@@ -276,6 +303,15 @@ class _Server:
 
         return launcher.request(self.socket, "status")[1]
 
+    def describe(self) -> str:
+        """The server's view, for an error message: its jobs and its pool."""
+        try:
+            status = self.status()
+        except (ServerGone, OSError) as exc:
+            return f"; the server does not answer ({exc})"
+        jobs = ", ".join(f"{j['name']}: {j['delivered']}/{j['size']} delivered" for j in status["jobs"])
+        return f"; server: {jobs}; pool {status['pool']}"
+
     def stop(self) -> None:
         from globalloader.service import launcher
 
@@ -296,33 +332,47 @@ class _Server:
 
 # -- a job process ---------------------------------------------------------------------------
 def _job_main(mode: str, root: str, spec: JobSpec, workers: int, batch_size: int, seed: int,
-              socket: str | None, barrier: Any, out: Any) -> None:
+              socket: str | None, barrier: Any, out: Any, stop: Any) -> None:
     """One job: set up (imports, chain), wait for the others, run its epochs, report."""
     try:
         run = _torch_job if mode == "torch" else _loader_job
-        result = run(mode, root, spec, workers, batch_size, seed, socket, barrier, out)
+        result = run(mode, root, _Job(spec, out, stop if spec.background else None), workers, batch_size,
+                     seed, socket, barrier)
         out.put(("done", spec.name, result))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises WorkerError
         barrier.abort()
         out.put(("error", spec.name, traceback.format_exc()))
         sys.exit(1)
 
 
-def _consume(batches: Iterable[Any], spec: JobSpec, out: Any) -> list[str]:
-    """The training loop of one epoch: a step that reads the batch, then the job's own delay."""
-    keys: list[str] = []
-    for batch in batches:
-        train_step(batch["image"])
-        keys.extend(batch["__key__"])
-        out.put(("progress", len(batch["__key__"])))
-        if spec.sleep:
-            time.sleep(spec.sleep)
-    return keys
+@dataclass
+class _Job:
+    """What a job process needs besides the loader: its spec, the parent's queue, its stop signal."""
+
+    spec: JobSpec
+    out: Any
+    stop: Any  # an Event for a background job, else None
+
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def epoch(self, batches: Iterable[Any]) -> list[str]:
+        """The training loop of one epoch: a step that reads the batch, then the job's own delay."""
+        keys: list[str] = []
+        for batch in batches:
+            train_step(batch["image"])
+            keys.extend(batch["__key__"])
+            self.out.put(("progress", len(batch["__key__"])))
+            if self.spec.sleep:
+                time.sleep(self.spec.sleep)
+            if self.stopped():
+                break
+        return keys
 
 
-def _loader_job(mode: str, root: str, spec: JobSpec, workers: int, batch_size: int, seed: int,
-                socket: str | None, barrier: Any, out: Any) -> dict[str, Any]:
-    share = mode == "shared"
+def _loader_job(mode: str, root: str, job: _Job, workers: int, batch_size: int, seed: int,
+                socket: str | None, barrier: Any) -> dict[str, Any]:
+    spec, share = job.spec, mode == "shared"
     chain = job_chain(root, spec.indices, batch_size, seed)
     w = 0 if share else workers
     barrier.wait(timeout=_START_TIMEOUT_S)
@@ -330,10 +380,11 @@ def _loader_job(mode: str, root: str, spec: JobSpec, workers: int, batch_size: i
     with Loader(chain, workers=w, prefetch=max(2, 2 * w), share=share, server=socket, name=spec.name) as loader:
         epochs = []
         for epoch in range(spec.epochs):
+            if job.stopped():
+                break
             loader.set_epoch(epoch)
-            epochs.append(_consume(loader, spec, out))
-        end = time.monotonic()
-        result = _job_result(epochs, start, end)
+            epochs.append(job.epoch(loader))
+        result = _job_result(epochs, start, time.monotonic())
         if share:  # read before closing: the server forgets a job when it leaves
             from globalloader.service import launcher
 
@@ -363,15 +414,17 @@ class _TorchSubset:
         return job_sample(self.source, self.indices[k], self.seed, self.epoch)
 
 
-def _torch_job(mode: str, root: str, spec: JobSpec, workers: int, batch_size: int, seed: int,
-               socket: str | None, barrier: Any, out: Any) -> dict[str, Any]:
+def _torch_job(mode: str, root: str, job: _Job, workers: int, batch_size: int, seed: int,
+               socket: str | None, barrier: Any) -> dict[str, Any]:
     import torch
 
-    data = _TorchSubset(root, spec.indices, seed)
+    data = _TorchSubset(root, job.spec.indices, seed)
     barrier.wait(timeout=_START_TIMEOUT_S)
     start = time.monotonic()
     epochs = []
-    for epoch in range(spec.epochs):
+    for epoch in range(job.spec.epochs):
+        if job.stopped():
+            break
         data.epoch = epoch  # workers start per epoch (not persistent), so they see it
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         # fork, as a training script started from a shell gets on Linux: this process was
@@ -379,9 +432,9 @@ def _torch_job(mode: str, root: str, spec: JobSpec, workers: int, batch_size: in
         context = "fork" if workers else None
         loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers,
                                              generator=generator, multiprocessing_context=context)
-        epochs.append(_consume(loader, spec, out))
+        epochs.append(job.epoch(loader))
     result = _job_result(epochs, start, time.monotonic())
-    result["decodes"] = result["samples"]  # every sample is decoded where it is loaded
+    result["decodes"] = result["samples"]  # each delivered sample was decoded in a worker (prefetch aside)
     return result
 
 
