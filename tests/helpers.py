@@ -66,11 +66,11 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "globalloader.cli", "serve", "--socket", str(socket),
              "--memory", memory, "--workers", str(workers)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=open(socket.with_suffix(".log"), "w"), stderr=subprocess.STDOUT, text=True,
         )
         deadline = time.monotonic() + 20
         while not is_running(socket):
-            assert self.proc.poll() is None, f"server exited: {self.proc.stdout.read()}"
+            assert self.proc.poll() is None, f"server exited: {socket.with_suffix('.log').read_text()}"
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
 

@@ -45,3 +45,7 @@ class ServerGone(GlobalLoaderError):
 
 class TransformError(GlobalLoaderError):
     """A map function raised on a sample; the message names the map, the sample index and key."""
+
+
+class PoolTooSmall(GlobalLoaderError):
+    """The server's memory pool cannot hold what its jobs need at once (a batch per job)."""

@@ -177,3 +177,18 @@ def test_status_command_shows_jobs_pool_and_savings(server, tmp_path):
     job.kill()
     job.wait()
     assert "job.py" in out and "280" in out and "decodes saved" in out and "MiB" in out
+
+
+def test_a_pool_smaller_than_the_jobs_windows_still_serves_them_and_one_too_small_says_so(tmp_path):
+    # 13 samples of 3 KiB fit: enough for a batch of 10 but not for the prefetch windows.
+    srv = Server(tmp_path / "tiny.sock", memory="40K", workers=1)
+    try:
+        fits = srv.job(tmp_path / "fits.jsonl", "--start", "20", "--batch", "10")
+        finish(fits)
+        assert epochs(tmp_path / "fits.jsonl")[0] == Counter(range(20, 300))
+        too_big = srv.job(tmp_path / "big.jsonl", "--start", "20", "--batch", "14")
+        finish(too_big)
+        error = lines(tmp_path / "big.jsonl")[-1]
+        assert error["error"] == "PoolTooSmall" and "--memory" in error["message"]
+    finally:
+        srv.stop()

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.errors import ArgumentError, CorruptSampleError, ServerGone
+from globalloader.errors import ArgumentError, CorruptSampleError, PoolTooSmall, ServerGone
 from globalloader.execution.stats import warn_skipped
+from globalloader.service.protocol import POOL_TOO_SMALL
 from globalloader.execution.workers import Task
 
 if TYPE_CHECKING:
@@ -137,22 +138,37 @@ class SharedRun:
             self._asked += want
             self._unserved -= want
 
-    def _receive(self) -> None:
-        """Take messages until the next ticket in order is here (or the server is done)."""
+    def _receive(self, block: bool = True) -> None:
+        """Take messages until the next ticket in order is here (or, not blocking, whatever has
+        arrived)."""
+        client = self._session.client
         while self._next_seq < self._unique and self._next_seq not in self._tickets:
-            msg = self._session.client.get()
+            msg = client.get() if block else client.get_nowait()
+            if msg is None:
+                break
             if msg[0] in ("ticket", "error"):
                 self._tickets[msg[1]] = msg
         while self._next_seq in self._tickets:
             self._ready.append(self._tickets.pop(self._next_seq))
             self._next_seq += 1
 
-    def _take_items(self) -> list[tuple] | None:
-        """(index, offset, layout) items of the next task (offset None: computed locally)."""
+    def _take_items(self, block: bool) -> list[tuple] | None:
+        """(index, offset, layout) items of the next task (offset None: computed locally).
+
+        Not blocking (tasks are in flight), it takes a task only if its tickets are all here:
+        waiting for more while holding references would keep this job from collecting, and so
+        releasing, the tasks it already runs; with a small pool that could starve every job.
+        """
         if self._next_task >= self._tasks_total:
             return None
+        size = self.plan.task_size
+        self._ask()
+        self._receive(block=False)
+        more_coming = self._next_seq < self._unique
+        if not block and more_coming and len(self._ready) < size:
+            return None
         items: list[tuple] = []
-        while len(items) < self.plan.task_size:
+        while len(items) < size:
             if not self._ready and self._next_seq < self._unique:
                 self._ask()
                 self._receive()
@@ -169,6 +185,8 @@ class SharedRun:
         return items
 
     def _bad(self, index: int, message: str) -> None:
+        if POOL_TOO_SMALL in message:
+            raise PoolTooSmall(message)
         if self.loader.on_error != "skip":
             raise CorruptSampleError(f"the global loader could not load {message}")
         self._skipped.append((index, message))
@@ -178,7 +196,7 @@ class SharedRun:
     # -- running tasks -----------------------------------------------------------------------
     def _submit(self) -> None:
         while len(self._in_flight) < self.loader.prefetch:
-            items = self._take_items()
+            items = self._take_items(block=not self._in_flight)
             if not items:
                 return
             t = self._next_task

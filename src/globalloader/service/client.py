@@ -79,6 +79,18 @@ class Client:
                 raise ServerGone(self._gone or "the globalloader server is gone")
             return msg
 
+    def get_nowait(self) -> tuple | None:
+        """The next message if one has arrived, else None."""
+        if self._gone:
+            raise ServerGone(self._gone)
+        try:
+            msg = self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if msg[0] == "gone":
+            raise ServerGone(self._gone or "the globalloader server is gone")
+        return msg
+
     def close(self) -> None:
         if self._closed.is_set():
             return

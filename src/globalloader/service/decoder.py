@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from globalloader.execution.workers import _tune_allocator
 from globalloader.service import arena
 from globalloader.service.pool import SampleTooLarge
+from globalloader.service.protocol import POOL_TOO_SMALL, STALL_S
 
 if TYPE_CHECKING:
     from globalloader.service.server import Server
@@ -90,6 +91,7 @@ class DecoderPool:
         self._ctx = mp.get_context("fork")
         self._workers = [self._start() for _ in range(size)]
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
+        self._space_progress = time.monotonic()  # last time pool space was granted or released
         self.decode_s = 0.0
 
     def _start(self) -> _Worker:
@@ -140,10 +142,12 @@ class DecoderPool:
         if offset is None:
             self._waiting_space.append((worker, fp, index, nbytes))
         else:
+            self._space_progress = time.monotonic()
             worker.conn.send(("at", offset))
 
     def retry_reservations(self, pool: Any) -> None:
         """Space was released: hand it to the loads waiting for it, oldest first."""
+        self._space_progress = time.monotonic()
         while self._waiting_space:
             worker, fp, index, nbytes = self._waiting_space[0]
             offset = pool.reserve((fp, index), nbytes)
@@ -156,6 +160,21 @@ class DecoderPool:
         for worker in list(self._workers):
             if not worker.process.is_alive():
                 self._replace(worker, f"exited ({worker.process.exitcode})")
+        if self._waiting_space and time.monotonic() - self._space_progress > STALL_S:
+            self._fail_stalled()
+
+    def _fail_stalled(self) -> None:
+        """Nothing was released for STALL_S while a load waits for room: every job holds what it
+        has and waits for more, which no release will ever bring. Fail that load loudly."""
+        worker, fp, index, nbytes = self._waiting_space.popleft()
+        capacity = self._server.pool.capacity
+        worker.conn.send(("abort", (
+            f"{POOL_TOO_SMALL}: its {capacity:,} bytes are all held by the jobs' batches in "
+            f"progress and sample {index} ({nbytes:,} bytes) found no room for {STALL_S:.0f} s; "
+            "start the server with more --memory (at least batch size x sample bytes x jobs, "
+            "times prefetch + 1 to keep every job busy)"
+        )))
+        self._space_progress = time.monotonic()
 
     def _replace(self, worker: _Worker, why: str) -> None:
         """A decode worker died: fail its loads (only the jobs waiting for them see it), restart."""

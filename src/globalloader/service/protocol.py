@@ -20,6 +20,8 @@ _HEADER = struct.Struct("!I")
 
 HEARTBEAT_S = 1.0  # clients send one this often
 SILENCE_S = 5.0  # a peer silent this long is gone
+STALL_S = 10.0  # a load waiting this long for pool space while nothing is released: pool too small
+POOL_TOO_SMALL = "the server's memory pool is too small"  # starts the error sent for a stall
 
 
 def runtime_dir() -> Path:
