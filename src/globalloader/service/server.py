@@ -21,7 +21,6 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from globalloader.errors import GlobalLoaderError
+from globalloader.errors import GlobalLoaderError, ServerGone
 from globalloader.sampling.joint import JointSampler
 from globalloader.service import arena, protocol
 from globalloader.service.decoder import DecoderPool
@@ -349,12 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", default=None)
     args = parser.parse_args(argv)
     path = Path(args.socket) if args.socket else protocol.default_socket()
+    memory = parse_size(args.memory)
     take_over(path)
     try:
-        server = Server(path, parse_size(args.memory), args.workers)
-    except Exception:
-        traceback.print_exc()
-        return 1
+        server = Server(path, memory, args.workers)
+    except OSError as exc:
+        raise ServerGone(f"cannot start a server at {path} with a {args.memory} pool") from exc
     print(f"globalloader server: pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers",
           file=sys.stderr, flush=True)
     server.serve_forever()
@@ -362,4 +361,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except GlobalLoaderError as exc:  # started detached by a Loader: one line in the log
+        cause = f" (cause: {exc.__cause__})" if exc.__cause__ else ""
+        sys.exit(f"globalloader server: {exc}{cause}")
