@@ -130,9 +130,13 @@ class SharedRun:
         return (self.epoch, 0, 0, list(self.consumed))
 
     # -- tickets from the server -------------------------------------------------------------
-    def _ask(self) -> None:
-        """Keep up to `window` tickets asked for and not yet taken."""
-        want = min(self._window - (self._asked - self._next_seq), self._unserved)
+    def _ask(self, need: int) -> None:
+        """Have `need` tickets beyond those received asked for (at most `window`). Asking late is
+        deliberate: the sampler decides when asked, and a decision taken later can follow more
+        of what other jobs loaded meanwhile."""
+        outstanding = self._asked - self._next_seq
+        want = min(need, self._window) - outstanding
+        want = min(want, self._unserved)
         if want > 0:
             self._session.client.send("want", want)
             self._asked += want
@@ -162,7 +166,7 @@ class SharedRun:
         if self._next_task >= self._tasks_total:
             return None
         size = self.plan.task_size
-        self._ask()
+        self._ask(self._window)  # keep the prefetch window of tickets drawn and loading
         self._receive(block=False)
         more_coming = self._next_seq < self._unique
         if not block and more_coming and len(self._ready) < size:
@@ -170,7 +174,7 @@ class SharedRun:
         items: list[tuple] = []
         while len(items) < size:
             if not self._ready and self._next_seq < self._unique:
-                self._ask()
+                self._ask(2 * size - len(items))
                 self._receive()
             if self._ready:
                 msg = self._ready.popleft()

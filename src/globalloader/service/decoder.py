@@ -53,13 +53,17 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
             except Exception as exc:  # every load of this chain then fails with the reason
                 prefixes[msg[1]] = f"the server cannot unpickle this job's shared prefix: {type(exc).__name__}: {exc}"
             continue
-        _, fp, index = msg
+        _, fp, index, guess = msg  # guess: (offset, bytes) reserved ahead, or None
         t0 = time.perf_counter()
         try:
             if isinstance(prefixes[fp], str):
                 raise RuntimeError(prefixes[fp])
             sample = prefixes[fp].prefix_sample(index)
             layout, placed = arena.encode(sample)
+            if guess is not None and layout[0] <= guess[1]:
+                memory.write(guess[0], placed)  # the usual case: no round trip to the server
+                conn.send(("done", fp, index, layout, time.perf_counter() - t0))
+                continue
             conn.send(("reserve", fp, index, layout[0]))
             while True:
                 reply = conn.recv()
@@ -92,6 +96,7 @@ class DecoderPool:
         self._workers = [self._start() for _ in range(size)]
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
         self._space_progress = time.monotonic()  # last time pool space was granted or released
+        self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
         self.decode_s = 0.0
 
     def _start(self) -> _Worker:
@@ -111,7 +116,11 @@ class DecoderPool:
         if fp not in worker.prefixes:
             worker.conn.send(("prefix", fp, prefix))
             worker.prefixes.add(fp)
-        worker.conn.send(("load", fp, index))
+        # Reserve the largest size this chain produced so far, so the worker can write without
+        # asking; a bigger sample falls back to asking (the guess is given back first).
+        size = self._sizes.get(fp)
+        offset = None if size is None else self._server.pool.reserve((fp, index), size)
+        worker.conn.send(("load", fp, index, None if offset is None else (offset, size)))
         worker.loads.append((fp, index))
 
     def _message(self, worker: _Worker) -> None:
@@ -122,11 +131,16 @@ class DecoderPool:
             return
         kind, fp, index = msg[:3]
         if kind == "reserve":
+            self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3])
+            if (fp, index) in self._server.pool:
+                self._server.pool.abort((fp, index))  # the guess was too small
             self._reserve(worker, fp, index, msg[3])
             return
         worker.loads.remove((fp, index))
         if kind == "done":
             self.decode_s += msg[4]
+            self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3][0])
+            self._server.pool.shrink((fp, index), msg[3][0])
             self._server.loaded(fp, index, msg[3])
         else:
             if (fp, index) in self._server.pool and not self._server.pool.get((fp, index)).ready:

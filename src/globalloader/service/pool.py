@@ -98,6 +98,15 @@ class BufferPool:
         self.counters["loads"] += 1
         return offset
 
+    def shrink(self, key: Hashable, nbytes: int) -> None:
+        """A reservation made on a size guess: give back the tail the sample did not use."""
+        entry = self._entries[key]
+        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        if size < entry.nbytes:
+            self._insert(entry.offset + size, entry.nbytes - size)
+            self.used -= entry.nbytes - size
+            entry.nbytes = size
+
     def commit(self, key: Hashable, layout: Any) -> Entry:
         """The bytes of `key` are written: it becomes readable (unreferenced, so in the LRU tier)."""
         entry = self._entries[key]
