@@ -131,9 +131,8 @@ class SharedRun:
 
     # -- tickets from the server -------------------------------------------------------------
     def _ask(self, need: int) -> None:
-        """Have `need` tickets beyond those received asked for (at most `window`). Asking late is
-        deliberate: the sampler decides when asked, and a decision taken later can follow more
-        of what other jobs loaded meanwhile."""
+        """Have `need` tickets beyond those received asked for (at most `window`): enough for the
+        server's workers to load ahead, not so many that the sampler decides long before use."""
         outstanding = self._asked - self._next_seq
         want = min(need, self._window) - outstanding
         want = min(want, self._unserved)
