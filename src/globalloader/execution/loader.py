@@ -11,7 +11,6 @@ records, see `execution.shared`); a local run then yields the epoch's order with
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import deque
@@ -199,7 +198,8 @@ class Loader:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_pool", None) is not None and os is not None:
+        # A Loader dropped without close(): stop its workers (best effort; never raise here).
+        if getattr(self, "_pool", None) is not None:
             try:
                 self._close_pool()
             except Exception:
