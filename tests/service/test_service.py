@@ -192,3 +192,22 @@ def test_a_pool_smaller_than_the_jobs_windows_still_serves_them_and_one_too_smal
         assert error["error"] == "PoolTooSmall" and "--memory" in error["message"]
     finally:
         srv.stop()
+
+
+def block(record):
+    return {"x": np.full(1024, record["value"], dtype=np.int64)}  # 8 KiB
+
+
+def test_unbatched_samples_read_in_place_outlive_their_pool_space(tmp_path):
+    # 200 samples of 8 KiB through a 256 KiB pool: space is reused many times over while the
+    # consumer still holds every sample it was given, so each must have been copied out.
+    srv = Server(tmp_path / "reuse.sock", memory="256K", workers=1)
+    try:
+        ds = gl.Dataset(gl.from_sequence(list(range(200)))).shuffle(3).map(block, shared=True)
+        with gl.Loader(ds, workers=0, share=True, server=str(srv.socket)) as loader:
+            held = list(loader)
+        assert sorted(int(s["x"][0]) for s in held) == list(range(200))
+        assert all((s["x"] == s["x"][0]).all() for s in held), "a held sample was overwritten"
+        assert request(srv.socket, "status")[1]["pool"]["evictions"] > 0
+    finally:
+        srv.stop()

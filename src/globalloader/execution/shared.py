@@ -83,6 +83,8 @@ def _by_value_if_local(cloudpickle: Any, fn: Any) -> None:
 
 def remaining_indices(all_indices: np.ndarray, consumed: list[int]) -> np.ndarray:
     """`all_indices` minus `consumed` as multisets, order kept (pad duplicates count twice)."""
+    if not consumed:  # every epoch start: no per-index Python work
+        return all_indices
     left = Counter(consumed)
     keep = np.ones(len(all_indices), dtype=bool)
     for pos, index in enumerate(all_indices.tolist()):
@@ -120,6 +122,13 @@ class SharedRun:
         self._pending_indices: deque[list[int]] = deque()
         self._skipped: list[tuple[int, str]] = []
         self._fallback: Any = None  # the local run that took over when the server went away
+        # Unbatched samples with no map after the split are arena views when no process worker
+        # copied them into its transport: they must be copied before their references go.
+        self._in_place = (
+            self.plan.batch is None
+            and self.plan.split == len(self.plan.maps)
+            and (loader.mode == "thread" or not loader.workers)
+        )
 
     def __iter__(self) -> "SharedRun":
         return self
@@ -193,7 +202,7 @@ class SharedRun:
         if self.loader.on_error != "skip":
             raise CorruptSampleError(f"the global loader could not load {message}")
         self._skipped.append((index, message))
-        self.loader._stats.add_task({}, 0.0, 1)
+        self.loader._stats.add_skipped(1)
         self.consumed.append(index)
 
     # -- running tasks -----------------------------------------------------------------------
@@ -238,9 +247,9 @@ class SharedRun:
                 self._pending.append(res.output)
                 self._pending_indices.append(indices)
             else:
-                good = [i for i in indices if i not in {s for s, _ in res.skipped}]
-                self._pending.extend(_copied(res.output) if self.loader.mode == "thread" or not self.loader.workers else res.output)
-                self._pending_indices.extend([i] for i in good)
+                skipped = {i for i, _ in res.skipped}
+                self._pending.extend(_copied(res.output) if self._in_place else res.output)
+                self._pending_indices.extend([i] for i in indices if i not in skipped)
         self.consumed.extend(self._pending_indices.popleft())
         return self._pending.popleft()
 

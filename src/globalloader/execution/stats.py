@@ -39,6 +39,10 @@ class LoaderStats:
         self._worker_idle += idle
         self._skipped += skipped
 
+    def add_skipped(self, count: int) -> None:
+        """Samples dropped before any task ran them (shared mode: the server could not load them)."""
+        self._skipped += count
+
     def consumer_wait(self, seconds: float) -> None:
         self._consumer["items"] += 1
         self._consumer["wait_s"] += seconds
