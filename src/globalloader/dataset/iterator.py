@@ -56,10 +56,9 @@ class DatasetIterator:
         """Run the next task into `_pending`; False at the end of the epoch."""
         plan = self.plan
         if self._reader is not None:
-            records = self._reader.take(plan.task_size)
-            if not records or (plan.batch is not None and plan.batch.drop_last and len(records) < plan.task_size):
+            items = plan.stream_task(self._reader, self._next_task)
+            if items is None:
                 return False
-            items = plan.stream_pairs(self._next_task, records)
         else:
             if self._next_task >= plan.num_tasks():
                 return False

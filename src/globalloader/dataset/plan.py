@@ -205,8 +205,12 @@ class Plan:
             result.output = batch
         return result
 
-    def stream_pairs(self, task: int, records: list[Any]) -> list[tuple[int, Any]]:
-        """Stream records of task `task` numbered by their position in the epoch (the rng index)."""
+    def stream_task(self, reader: StreamReader, task: int) -> list[tuple[int, Any]] | None:
+        """The next task's records from `reader`, numbered by their position in the epoch (the
+        rng index); None at the end of the epoch (or before a partial batch with drop_last)."""
+        records = reader.take(self.task_size)
+        if not records or (self.batch is not None and self.batch.drop_last and len(records) < self.task_size):
+            return None
         first = task * self.task_size
         return [(first + k, record) for k, record in enumerate(records)]
 

@@ -257,12 +257,10 @@ class _Run:
         while not self._exhausted and self._next_submit - self._next_result < self.loader.prefetch:
             t = self._next_submit
             if self._reader is not None:
-                records = self._reader.take(plan.task_size)
-                short = plan.batch is not None and plan.batch.drop_last and len(records) < plan.task_size
-                if not records or short:
+                items = plan.stream_task(self._reader, t)
+                if items is None:
                     self._exhausted = True
                     return
-                items = plan.stream_pairs(t, records)
             elif t >= self._total:
                 self._exhausted = True
                 return
