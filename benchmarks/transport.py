@@ -1,7 +1,7 @@
 """Benchmark: moving 150 KB samples from a worker process to the consumer.
 
 Compares, in the same run and with the same batches:
-  shm    globalloader.execution.shm: the worker writes each batch into a reused shared-memory
+  shm    globalloader.transport.segments: the worker writes each batch into a reused shared-memory
          segment and sends a small message over a multiprocessing Pipe; the consumer rebuilds the
          batch as views, drops it, and the released segment names go back with the next request.
   queue  the baseline: the batch pickled through a multiprocessing.Queue (how a torch DataLoader
@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from globalloader.execution.shm import BatchReader, BatchWriter, remove_leftovers
+from globalloader.transport.names import remove_leftovers
+from globalloader.transport.segments import BatchReader, BatchWriter
 
 SAMPLE_SHAPE = (224, 224, 3)
 TARGET_US_PER_SAMPLE = 40.0

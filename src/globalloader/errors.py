@@ -2,6 +2,11 @@
 
 Every message names what is at fault (file, key, index or argument) and, where it helps, what to
 do. Errors carry only a message string so they pickle across worker processes unchanged.
+
+Two families matter for `on_error="skip"`: sample errors (`CorruptSampleError`,
+`TransformError`: one sample's own bytes or function failed) may be skipped; everything else is
+an infrastructure fault (a dead process, full shared memory, a server that stopped answering)
+and always reaches the caller.
 """
 
 from __future__ import annotations
@@ -27,8 +32,16 @@ class CorruptSampleError(GlobalLoaderError):
     """One sample's bytes cannot be decoded; the message names the sample's key and file."""
 
 
+class TransformError(GlobalLoaderError):
+    """A map function raised on a sample; the message names the map, the sample index and key."""
+
+
 class WorkerError(GlobalLoaderError):
-    """A worker process died or a user function raised inside a worker."""
+    """A worker process died (the message gives the signal or exit code and the task)."""
+
+
+class LoaderTimeoutError(GlobalLoaderError, TimeoutError):
+    """A wait passed its deadline (`Loader(timeout=)`): the message says what was awaited."""
 
 
 class StateError(GlobalLoaderError):
@@ -39,13 +52,49 @@ class MissingExtraError(GlobalLoaderError, ImportError):
     """An optional dependency is not installed; the message says which extra to install."""
 
 
-class ServerGone(GlobalLoaderError):
-    """The global loader server stopped answering."""
+class SharedMemoryError(GlobalLoaderError):
+    """Shared memory cannot be made or found (/dev/shm full or too small, a segment gone)."""
 
 
-class TransformError(GlobalLoaderError):
-    """A map function raised on a sample; the message names the map, the sample index and key."""
+class ServiceError(GlobalLoaderError):
+    """Base of the errors of the global loader service (`share=True`, `globalloader serve`)."""
 
 
-class PoolTooSmall(GlobalLoaderError):
+class ServerStartError(ServiceError):
+    """A server could not be started (bad --memory, /dev/shm too small, socket in use)."""
+
+
+class ServerGoneError(ServiceError):
+    """The server this job talked to closed its connection or died."""
+
+
+class ServerTimeoutError(ServiceError, TimeoutError):
+    """The server is alive but did not answer a request within its deadline."""
+
+
+class ProtocolError(ServiceError):
+    """A peer sent a malformed or oversized message, or runs as another user."""
+
+
+class SharedPrefixError(ServiceError):
+    """The server cannot run this job's shared prefix (it cannot unpickle or import it)."""
+
+
+class PoolTooSmallError(ServiceError):
     """The server's memory pool cannot hold what its jobs need at once (a batch per job)."""
+
+
+class SampleTooLargeError(ServiceError):
+    """One decoded sample is larger than the server's whole memory pool."""
+
+
+class ServerError(ServiceError):
+    """The server failed while serving this job (a bug: the message carries its traceback line)."""
+
+
+# Earlier names, kept so existing code goes on working.
+ServerGone = ServerGoneError
+PoolTooSmall = PoolTooSmallError
+SampleTooLarge = SampleTooLargeError
+
+SAMPLE_ERRORS = (CorruptSampleError, TransformError)  # what on_error="skip" may skip

@@ -8,7 +8,9 @@ The shared map is defined here, in __main__, so it reaches the server by value.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import time
 
 import numpy as np
@@ -45,6 +47,8 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per batch (a slow job)")
     p.add_argument("--share", default="true")
     p.add_argument("--on-error", default="raise")
+    p.add_argument("--hold-gil-at", type=int, default=-1, help="after this batch, hold the GIL for 8 s")
+    p.add_argument("--pause-at", type=int, default=-1, help="after this batch, wait for OUT.go to exist")
     args = p.parse_args()
     share = {"true": True, "auto": "auto"}[args.share]
     indices = [i for i in range(args.start, args.stop)]
@@ -54,10 +58,17 @@ def main() -> None:
         try:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
-                for batch in loader:
+                for k, batch in enumerate(loader):
                     out.write(json.dumps({"epoch": epoch, "indices": [int(i) for i in batch["index"]]}) + "\n")
                     out.flush()
                     time.sleep(args.sleep)
+                    if k == args.hold_gil_at:
+                        ctypes.PyDLL(None).sleep(8)  # a C call that keeps the GIL: no heartbeat
+                    if k == args.pause_at:
+                        out.write(json.dumps({"paused": k}) + "\n")
+                        out.flush()
+                        while not os.path.exists(args.out + ".go"):
+                            time.sleep(0.05)
             out.write(json.dumps({"stats": loader.stats()["skipped"]}) + "\n")
         except gl.errors.GlobalLoaderError as exc:
             out.write(json.dumps({"error": type(exc).__name__, "message": str(exc)}) + "\n")

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from globalloader.errors import ArgumentError
-from globalloader.service.pool import BufferPool, SampleTooLarge
+from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError
+from globalloader.service.pool import BufferPool
 
 
 def loaded(pool: BufferPool, key: str, nbytes: int = 64) -> int:
@@ -44,7 +44,7 @@ def test_references_are_counted_per_holder_and_dropped_when_a_holder_dies():
     assert pool.stats()["referenced"] == 1
     pool.release("x", "job2")
     assert pool.stats()["cached"] == 1
-    with pytest.raises(ArgumentError, match="holds no reference"):
+    with pytest.raises(ProtocolError, match="holds no reference"):
         pool.release("x", "job2")
 
 
@@ -57,7 +57,7 @@ def test_loading_samples_are_never_evicted_and_aborts_free_space():
 
 
 def test_a_sample_larger_than_the_pool_is_an_error_naming_it():
-    with pytest.raises(SampleTooLarge, match="'huge' needs 4096 bytes.*--memory"):
+    with pytest.raises(SampleTooLargeError, match="'huge' needs 4096 bytes.*--memory"):
         BufferPool(1024).reserve("huge", 4096)
 
 

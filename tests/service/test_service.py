@@ -100,7 +100,7 @@ def test_a_corrupt_sample_fails_only_the_jobs_that_take_it(server, tmp_path):
     for proc in (bad, skip, good):
         finish(proc)
     error = lines(tmp_path / "bad.jsonl")[-1]
-    assert error["error"] == "CorruptSampleError" and "sample 13" in error["message"]
+    assert error["error"] == "TransformError" and "sample 13" in error["message"]
     assert "corrupt JPEG data" in error["message"]
     assert epochs(tmp_path / "skip.jsonl")[0] == Counter(i for i in range(100) if i != 13)
     assert lines(tmp_path / "skip.jsonl")[-1] == {"stats": 1}
@@ -189,7 +189,7 @@ def test_a_pool_smaller_than_the_jobs_windows_still_serves_them_and_one_too_smal
         too_big = srv.job(tmp_path / "big.jsonl", "--start", "20", "--batch", "14")
         finish(too_big)
         error = lines(tmp_path / "big.jsonl")[-1]
-        assert error["error"] == "PoolTooSmall" and "--memory" in error["message"]
+        assert error["error"] == "PoolTooSmallError" and "--memory" in error["message"]
     finally:
         srv.stop()
 

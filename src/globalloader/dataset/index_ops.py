@@ -58,6 +58,10 @@ class Shuffle:
 
     seed: int
 
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ArgumentError(f"shuffle: seed must be an int >= 0, got {self.seed!r}")
+
     def length(self, n: int) -> int:
         return n
 

@@ -22,7 +22,7 @@ from globalloader.dataset.fingerprint import digest
 from globalloader.dataset.index_ops import Select, Shard, Shuffle
 from globalloader.dataset.map import MapOp
 from globalloader.dataset.stream import BufferShuffle, StreamReader, StreamShard, StreamSource
-from globalloader.errors import ArgumentError, GlobalLoaderError, TransformError
+from globalloader.errors import SAMPLE_ERRORS, ArgumentError, GlobalLoaderError, TransformError
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
 
@@ -186,7 +186,7 @@ class Plan:
             try:
                 start = 0 if record is MISSING else first_map
                 samples.append(self._sample(epoch, index, record, timer, start))
-            except Exception as exc:
+            except SAMPLE_ERRORS as exc:  # only a sample's own fault is skipped, never the machinery's
                 if not skip_errors:
                     raise
                 result.skipped.append((index, f"{type(exc).__name__}: {exc}"))
@@ -241,8 +241,8 @@ class Plan:
         t0 = time.perf_counter()
         try:
             value = op.apply(value, self.seed, epoch, index, k)
-        except GlobalLoaderError:
-            raise
+        except (GlobalLoaderError, ImportError, MemoryError):
+            raise  # a named error already, or the environment's fault: never a bad sample
         except Exception as exc:
             what = f"batch {index}" if batch_level else f"sample {_record_key(value, index)}"
             raise TransformError(f"map {op.name!r} failed on {what}: {type(exc).__name__}: {exc}") from exc

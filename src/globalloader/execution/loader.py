@@ -1,12 +1,10 @@
 """`Loader`: runs a Dataset chain in parallel workers with prefetch and exact mid-epoch resume.
 
-Work is split into tasks (one batch each; chunks of samples for unbatched chains) assigned to
-workers round-robin and yielded in task order. A task's output depends only on (chain, epoch,
-task), so order and content are the same for any number of workers and either mode, and the
-position (epoch, task, offset) is all a resume needs: whatever was prefetched is recomputed.
-
-A position may instead name the samples already consumed this epoch (what a shared-mode run
-records, see `execution.shared`); a local run then yields the epoch's order without them.
+Work is split into tasks (one batch each; chunks of samples for unbatched chains). Each
+iteration is a run: a `LocalRun` computes the epoch with this Loader's workers
+(`execution.local`), a `SharedRun` is fed by the machine's global loader server
+(`execution.shared`). Both report the same position, so a state_dict taken in either mode
+resumes in either mode.
 """
 
 from __future__ import annotations
@@ -20,15 +18,16 @@ import numpy as np
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.iterator import check_state, make_state
-from globalloader.errors import ArgumentError, ServerGone
-from globalloader.execution.shared import SharedRun, SharedSession, remaining_indices
-from globalloader.execution.stats import LoaderStats, warn_skipped
-from globalloader.execution.workers import InlinePool, ProcessPool, Task, ThreadPool
+from globalloader.errors import ArgumentError
+from globalloader.execution.local import LocalRun
+from globalloader.execution.run import UNAVAILABLE, EpochRun, Position
+from globalloader.execution.shared import SharedRun, SharedSession
+from globalloader.execution.stats import LoaderStats
+from globalloader.execution.workers import InlinePool, ProcessPool, ThreadPool
 
 MODES = ("process", "thread")
 ON_ERROR = ("raise", "skip")
 SHARE = (False, True, "auto")
-Position = tuple[int, int, int, "list[int] | None"]  # epoch, task, offset, consumed
 
 
 class Loader:
@@ -41,11 +40,15 @@ class Loader:
         prefetch: tasks in flight across all workers (default 2 per worker).
         on_error: "raise" stops at the first bad sample; "skip" drops it, counts it in `stats()`
             and warns at the end of the epoch.
-        timeout: seconds a worker may spend on one task before the Loader gives up on it.
+        timeout: seconds any wait may last: a worker on one task, the server on one sample
+            (shared mode); past it a named error (WorkerError, LoaderTimeoutError) is raised.
         start_method: "fork" (fast start) or "spawn"/"forkserver" (chain sent with cloudpickle).
         share: True feeds this job from the machine's global loader server (started if none
             runs), sharing every read and shared map with the other jobs; "auto" does the same
-            but falls back to loading alone (with one warning) if the server goes away.
+            but falls back to loading alone (with one warning) if the server cannot be started
+            or goes away. Each epoch's order is then a uniformly random order of this job's set,
+            exactly once, that depends on the other jobs' timing (not reproducible from the
+            seed); `state_dict()` still resumes exactly.
         server: the server's socket path (default: the user's runtime folder).
         server_memory: the pool size for a server this Loader starts, e.g. "4G".
         name: how this job appears in `globalloader status`.
@@ -80,16 +83,18 @@ class Loader:
             raise ArgumentError(f"Loader: prefetch must be an int >= 1, got {prefetch!r}")
         if share not in SHARE:
             raise ArgumentError(f"Loader: share must be one of {SHARE}, got {share!r}")
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ArgumentError(f"Loader: timeout must be a number of seconds > 0, got {timeout!r}")
         self.dataset, self.plan = dataset, dataset.plan
         self.share, self.server, self.server_memory, self.name = share, server, server_memory, name
         self._session: SharedSession | None = None
         self.workers, self.mode, self.on_error = workers, mode, on_error
         self.prefetch = prefetch or max(2, 2 * workers)
-        self._timeout, self._start_method = timeout, start_method
-        self._pool: Any = None
-        self._run: _Run | SharedRun | None = None
+        self.timeout, self._start_method = float(timeout), start_method
+        self.pool: Any = None
+        self._run: EpochRun | None = None
         self._position: Position = (0, 0, 0, None)  # where the next iteration starts
-        self._stats = LoaderStats()
+        self.statistics = LoaderStats()
 
     # -- epochs and positions ----------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -117,34 +122,37 @@ class Loader:
         return len(self.dataset)
 
     # -- iteration ---------------------------------------------------------------------------
-    def __iter__(self) -> "_Run | SharedRun":
+    def __iter__(self) -> EpochRun:
         self._abandon_run()
-        if self._pool is None:
-            self._pool = self._start_pool()
+        if self.pool is None:
+            self.pool = self._start_pool()
         epoch, task, offset, consumed = self._position
         if self.share:
             if consumed is None:  # a local position: the samples it had consumed
                 consumed = self.plan.indices(epoch, 0, task * self.plan.task_size + offset).tolist()
-            try:
-                if self._session is None:
-                    self._session = SharedSession(self)
-                self._run = SharedRun(self, epoch, consumed)
-            except ServerGone as exc:
-                self._run = self.fall_back(exc, epoch, consumed)
+            self._run = self._shared_run(epoch, consumed)
         else:
-            self._run = _Run(self, epoch, task, offset, consumed)
+            self._run = LocalRun(self, epoch, task, offset, consumed)
         return self._run
 
-    def fall_back(self, exc: ServerGone, epoch: int, consumed: list[int]) -> "_Run":
-        """The server went away: raise, or with share="auto" go on alone from the same position."""
+    def _shared_run(self, epoch: int, consumed: list[int]) -> EpochRun:
+        try:
+            if self._session is None:
+                self._session = SharedSession(self.plan, self.server, self.server_memory, self.name, self.timeout)
+            return SharedRun(self, self._session, epoch, consumed)
+        except UNAVAILABLE as exc:
+            return self.fall_back(exc, epoch, consumed)
+
+    def fall_back(self, exc: BaseException, epoch: int, consumed: list[int]) -> EpochRun:
+        """The server is not there: raise, or with share="auto" go on alone from the same position."""
         if self.share != "auto":
             raise exc
-        warnings.warn(f"globalloader: {exc}; loading on our own from here (share='auto')", stacklevel=3)
+        warnings.warn(f"globalloader: {exc}; loading on our own from here (share='auto')", stacklevel=4)
         self.share = False
         if self._session is not None:
             self._session.close()
             self._session = None
-        self._run = _Run(self, epoch, 0, 0, consumed)
+        self._run = LocalRun(self, epoch, 0, 0, consumed)
         return self._run
 
     def _start_pool(self) -> Any:
@@ -153,7 +161,7 @@ class Loader:
             return InlinePool(self.plan, skip)
         if self.mode == "thread":
             return ThreadPool(self.plan, skip, self.workers)
-        return ProcessPool(self.plan, skip, self.workers, self._start_method, self._timeout)
+        return ProcessPool(self.plan, skip, self.workers, self._start_method, self.timeout)
 
     def _abandon_run(self) -> None:
         """Stop the current run (if any), keeping its position; drain what is in flight."""
@@ -162,11 +170,13 @@ class Loader:
             self._position = run.position()
             run.drain()
 
-    def _finished(self, run: "_Run | SharedRun") -> None:
-        self._position = (run.epoch + 1, 0, 0, None)
-        self._run = None
+    def finished(self, run: EpochRun) -> None:
+        """A run reached the end of its epoch: the next iteration starts the next epoch."""
+        if self._run is run:
+            self._position = (run.epoch + 1, 0, 0, None)
+            self._run = None
 
-    def _broken(self) -> None:
+    def broken(self) -> None:
         """A worker failed: the pool cannot be trusted; the next iteration starts a new one."""
         if self._run is not None:
             self._position = self._run.position()
@@ -176,10 +186,10 @@ class Loader:
     # -- reporting and shutdown --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per stage: items, busy seconds; workers' idle time; the consumer's wait; skipped samples."""
-        return self._stats.report()
+        return self.statistics.report()
 
     def _close_pool(self) -> None:
-        pool, self._pool = self._pool, None
+        pool, self.pool = self.pool, None
         if pool is not None:
             pool.close()
 
@@ -199,121 +209,8 @@ class Loader:
 
     def __del__(self) -> None:
         # A Loader dropped without close(): stop its workers (best effort; never raise here).
-        if getattr(self, "_pool", None) is not None:
+        if getattr(self, "pool", None) is not None:
             try:
                 self._close_pool()
             except Exception:
                 pass
-
-
-class _Run:
-    """One pass over (the rest of) an epoch; the Loader's iterator."""
-
-    def __init__(self, loader: Loader, epoch: int, task: int, offset: int, consumed: list[int] | None = None) -> None:
-        self.loader, self.plan, self.epoch = loader, loader.plan, epoch
-        self._pool, self._width = loader._pool, max(1, loader.workers)
-        self._next_submit = self._next_result = task
-        self._current, self._taken = task, 0
-        self._pending: deque[Any] = deque()
-        self._exhausted = False
-        self._skip_first = offset
-        self._skipped: list[tuple[int, str]] = []
-        self._reader = self.plan.stream_reader(epoch, task) if self.plan.is_stream else None
-        # A position given as consumed samples: run the epoch's order without them.
-        self._consumed = consumed
-        self._order = None if consumed is None else remaining_indices(self.plan.indices(epoch), consumed)
-        self._total = None if self.plan.is_stream else self._count_tasks()
-        self._last_yield: float | None = None
-
-    def _count_tasks(self) -> int:
-        if self._order is None:
-            return self.plan.num_tasks()
-        n, batch = len(self._order), self.plan.batch
-        return batch.count(n) if batch is not None else -(-n // self.plan.task_size)
-
-    def _indices(self, t: int) -> np.ndarray:
-        if self._order is None:
-            return self.plan.task_indices(self.epoch, t)
-        size = self.plan.task_size
-        return self._order[t * size : (t + 1) * size]
-
-    def __iter__(self) -> "_Run":
-        return self
-
-    def position(self) -> Position:
-        if self._pending:
-            task, offset = self._current, self._taken
-        elif self._skip_first:  # loaded mid-task, nothing yielded yet
-            task, offset = self._current, self._skip_first
-        else:
-            task, offset = self._next_result, 0
-        if self._order is None:
-            return (self.epoch, task, offset, None)
-        done = self._order[: task * self.plan.task_size + offset].tolist()
-        return (self.epoch, 0, 0, list(self._consumed) + done)
-
-    def _submit(self) -> None:
-        plan = self.plan
-        while not self._exhausted and self._next_submit - self._next_result < self.loader.prefetch:
-            t = self._next_submit
-            if self._reader is not None:
-                items = plan.stream_task(self._reader, t)
-                if items is None:
-                    self._exhausted = True
-                    return
-            elif t >= self._total:
-                self._exhausted = True
-                return
-            else:
-                items = self._indices(t)
-            self._pool.submit(t % self._width, Task(self.epoch, t, items))
-            self._next_submit += 1
-
-    def __next__(self) -> Any:
-        stats = self.loader._stats
-        now = time.perf_counter()
-        if self._last_yield is not None:
-            stats.consumer_busy(now - self._last_yield)
-        while not self._pending:
-            self._submit()
-            if self._next_result == self._next_submit:
-                self._end_epoch()
-            t = self._next_result
-            try:
-                res = self._pool.result(t % self._width)
-            except BaseException:
-                self.loader._broken()
-                raise
-            self._next_result += 1
-            self._current, self._taken = t, 0
-            stats.add_task(res.timer, res.idle, len(res.skipped))
-            self._skipped.extend(res.skipped)
-            if res.output is not None:
-                self._pending.extend([res.output] if self.plan.batch is not None else res.output)
-            if self._skip_first:
-                for _ in range(min(self._skip_first, len(self._pending))):
-                    self._pending.popleft()
-                self._taken, self._skip_first = self._skip_first, 0
-            self._submit()
-        self._taken += 1
-        item = self._pending.popleft()
-        self._last_yield = time.perf_counter()
-        stats.consumer_wait(self._last_yield - now)
-        return item
-
-    def _end_epoch(self) -> None:
-        warn_skipped(self._skipped, self.epoch)
-        self._skipped = []
-        if self.loader._run is self:
-            self.loader._finished(self)
-        raise StopIteration
-
-    def drain(self) -> None:
-        """Collect (and drop) results still in flight so the workers' pipes are clean."""
-        try:
-            while self._next_result < self._next_submit:
-                self._pool.result(self._next_result % self._width)
-                self._next_result += 1
-        except BaseException:
-            self.loader._close_pool()
-        self._pending.clear()

@@ -8,8 +8,11 @@ order of this job's set that depends on the other jobs' timing: shared mode trad
 order for sharing. The position is the set of samples already yielded this epoch, which is what
 a resume needs ("the rest of the epoch is a uniform order of what remains").
 
-If the server goes away, the run raises ServerGone, or with `share="auto"` warns once and goes
-on loading by itself from the same position.
+Each pass is a numbered run on the server: starting a run (or ending one, when a worker dies or
+the loop is left) drops every reference and pending ticket of the earlier ones, and the tickets
+of an earlier run still on their way are ignored, so no sample is delivered twice or lost.
+Anything a consumer may keep is never a view of the server's arena: process workers copy their
+output into their own transport, and in-thread output is copied out before its release.
 """
 
 from __future__ import annotations
@@ -17,55 +20,53 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-from collections import Counter, deque
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from typing import Any
 
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.errors import ArgumentError, CorruptSampleError, PoolTooSmall, ServerGone
-from globalloader.execution.stats import warn_skipped
-from globalloader.service.protocol import POOL_TOO_SMALL
+from globalloader.errors import SAMPLE_ERRORS, ArgumentError, StateError
+from globalloader.execution.run import UNAVAILABLE, EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
-
-if TYPE_CHECKING:
-    from globalloader.execution.loader import Loader
+from globalloader.service import protocol
+from globalloader.service.client import Client
+from globalloader.transport.arena import Arena, attach
 
 
 class SharedSession:
-    """This Loader's registration with the server: one job, re-armed every epoch."""
+    """This Loader's registration with the server: one job, one numbered run per pass."""
 
-    def __init__(self, loader: "Loader") -> None:
+    def __init__(self, plan: Any, server: str | None, memory: str | int | None, name: str | None,
+                 timeout: float) -> None:
         import cloudpickle
 
-        from globalloader.service.client import Client
-        from globalloader.service.protocol import default_socket
-
-        plan = loader.plan
         if plan.is_stream:
             raise ArgumentError("share=True needs a random-access source; a stream cannot be shared")
         prefix = Dataset(plan.source, tuple(plan.maps[: plan.split])).plan
-        self.prefix_fp = prefix.fingerprint
         for op in prefix.maps:
             _by_value_if_local(cloudpickle, op.fn)
-        self.client = Client(loader.server or default_socket(), memory=loader.server_memory)
-        self._hello = {
-            "name": loader.name or f"{os.path.basename(os.sys.argv[0] or 'python')}[{os.getpid()}]",
-            "pid": os.getpid(), "prefix_fp": self.prefix_fp, "prefix": cloudpickle.dumps(prefix),
-            "seed": plan.seed,
-        }
-        self.job: int | None = None
-        self.arena: str | None = None
+        self.timeout = timeout
+        self.client = Client(server or protocol.default_socket(), memory=memory)
+        try:
+            self.client.send("hello", {
+                "name": name or f"{os.path.basename(sys.argv[0] or 'python')}[{os.getpid()}]",
+                "prefix_fp": prefix.fingerprint, "prefix": cloudpickle.dumps(prefix),
+                "seed": plan.seed, "timeout": timeout,
+            })
+            msg = self.client.get(timeout, "its welcome")
+        except BaseException:
+            self.client.close()
+            raise
+        self.job, self.arena_name = msg[1], msg[2]
+        self.arena: Arena = attach(self.arena_name)
+        self._runs = 0
 
-    def start_epoch(self, epoch: int, indices: np.ndarray) -> None:
-        if self.job is None:
-            self.client.send("hello", {**self._hello, "epoch": epoch, "indices": indices})
-            msg = self.client.get()
-            if msg[0] != "welcome":
-                raise ServerGone(f"unexpected answer from the server: {msg!r:.200}")
-            self.job, self.arena = msg[1], msg[2]
-        else:
-            self.client.send("epoch", epoch, indices)
+    def start_run(self, epoch: int, indices: np.ndarray) -> int:
+        run, self._runs = self._runs, self._runs + 1
+        self.client.progress = (run, 0)
+        self.client.send("run", run, epoch, indices)
+        return run
 
     def close(self) -> None:
         self.client.close()
@@ -81,26 +82,13 @@ def _by_value_if_local(cloudpickle: Any, fn: Any) -> None:
         cloudpickle.register_pickle_by_value(module)
 
 
-def remaining_indices(all_indices: np.ndarray, consumed: list[int]) -> np.ndarray:
-    """`all_indices` minus `consumed` as multisets, order kept (pad duplicates count twice)."""
-    if not consumed:  # every epoch start: no per-index Python work
-        return all_indices
-    left = Counter(consumed)
-    keep = np.ones(len(all_indices), dtype=bool)
-    for pos, index in enumerate(all_indices.tolist()):
-        if left[index]:
-            left[index] -= 1
-            keep[pos] = False
-    return all_indices[keep]
-
-
-class SharedRun:
+class SharedRun(EpochRun):
     """One pass over (the rest of) an epoch with samples from the server."""
 
-    def __init__(self, loader: "Loader", epoch: int, consumed: list[int]) -> None:
-        self.loader, self.plan, self.epoch = loader, loader.plan, epoch
+    def __init__(self, host: Host, session: SharedSession, epoch: int, consumed: list[int]) -> None:
+        super().__init__(host, epoch)
         self.consumed = list(consumed)
-        self._pool, self._width = loader._pool, max(1, loader.workers)
+        self._session, self._client = session, session.client
         todo = remaining_indices(self.plan.indices(epoch), self.consumed)
         unique, counts = np.unique(todo, return_counts=True)
         # The sampler serves a set; the few padding repeats ("pad" sharding) are loaded locally.
@@ -109,9 +97,8 @@ class SharedRun:
         size = self.plan.task_size
         drop = self.plan.batch is not None and self.plan.batch.drop_last
         self._tasks_total = len(todo) // size if drop else -(-len(todo) // size)
-        self._session: SharedSession = loader._session
-        self._session.start_epoch(epoch, unique)
-        self._window = (loader.prefetch + 1) * size
+        self.run = session.start_run(epoch, unique)
+        self._window = (host.prefetch + 1) * size
         self._asked = 0
         self._tickets: dict[int, tuple] = {}  # seq -> ticket, until taken in order
         self._next_seq = 0
@@ -120,20 +107,13 @@ class SharedRun:
         self._next_task = 0
         self._pending: deque[Any] = deque()
         self._pending_indices: deque[list[int]] = deque()
-        self._skipped: list[tuple[int, str]] = []
-        self._fallback: Any = None  # the local run that took over when the server went away
-        # Unbatched samples with no map after the split are arena views when no process worker
-        # copied them into its transport: they must be copied before their references go.
-        self._in_place = (
-            self.plan.batch is None
-            and self.plan.split == len(self.plan.maps)
-            and (loader.mode == "thread" or not loader.workers)
-        )
+        self._ended = False
+        self._failed: BaseException | None = None
+        self._fallback: EpochRun | None = None  # the local run that took over (share="auto")
+        # Output computed in this process may hold views of the arena; a process worker's never does.
+        self._copy_out = host.mode == "thread" or not host.workers
 
-    def __iter__(self) -> "SharedRun":
-        return self
-
-    def position(self) -> tuple[int, int, int, list[int]]:
+    def position(self) -> Position:
         if self._fallback is not None:
             return self._fallback.position()
         return (self.epoch, 0, 0, list(self.consumed))
@@ -143,23 +123,24 @@ class SharedRun:
         """Have `need` tickets beyond those received asked for (at most `window`): enough for the
         server's workers to load ahead, not so many that the sampler decides long before use."""
         outstanding = self._asked - self._next_seq
-        want = min(need, self._window) - outstanding
-        want = min(want, self._unserved)
+        want = min(min(need, self._window) - outstanding, self._unserved)
         if want > 0:
-            self._session.client.send("want", want)
+            self._client.send("want", self.run, want)
             self._asked += want
             self._unserved -= want
 
     def _receive(self, block: bool = True) -> None:
         """Take messages until the next ticket in order is here (or, not blocking, whatever has
-        arrived)."""
-        client = self._session.client
+        arrived). Messages of earlier runs are stale and dropped."""
         while self._next_seq < self._unique and self._next_seq not in self._tickets:
-            msg = client.get() if block else client.get_nowait()
+            if block:  # the server fails a load at `timeout` itself, naming the sample: give it time to
+                msg = self._client.get(self.host.timeout + 5, f"the next sample ({self._next_seq} of {self._unique} received)")
+            else:
+                msg = self._client.get_nowait()
             if msg is None:
                 break
-            if msg[0] in ("ticket", "error"):
-                self._tickets[msg[1]] = msg
+            if msg[0] in ("ticket", "failed") and msg[1] == self.run:
+                self._tickets[msg[2]] = msg
         while self._next_seq in self._tickets:
             self._ready.append(self._tickets.pop(self._next_seq))
             self._next_seq += 1
@@ -186,103 +167,115 @@ class SharedRun:
                 self._receive()
             if self._ready:
                 msg = self._ready.popleft()
-                if msg[0] == "error":  # the server could not load it; the others go on
-                    self._bad(msg[2], msg[3])
+                if msg[0] == "failed":  # the server could not load it
+                    self._bad(msg[3], msg[4], msg[5])
                 else:
-                    items.append(msg[2:])
+                    items.append(msg[3:6])
             elif self._extra:
                 items.append((self._extra.popleft(), None, None))
             else:
                 break
         return items
 
-    def _bad(self, index: int, message: str) -> None:
-        if POOL_TOO_SMALL in message:
-            raise PoolTooSmall(message)
-        if self.loader.on_error != "skip":
-            raise CorruptSampleError(f"the global loader could not load {message}")
+    def _bad(self, index: int, error: str, message: str) -> None:
+        exc = protocol.make_error(error, f"the global loader could not load {message}")
+        if self.host.on_error != "skip" or not isinstance(exc, SAMPLE_ERRORS):
+            raise exc  # infrastructure faults are never skipped
         self._skipped.append((index, message))
-        self.loader._stats.add_skipped(1)
+        self.host.statistics.add_skipped(1)
         self.consumed.append(index)
 
     # -- running tasks -----------------------------------------------------------------------
     def _submit(self) -> None:
-        while len(self._in_flight) < self.loader.prefetch:
+        while len(self._in_flight) < self.host.prefetch:
             items = self._take_items(block=not self._in_flight)
             if not items:
                 return
             t = self._next_task
             self._next_task += 1
-            self._pool.submit(t % self._width, Task(self.epoch, t, items, self.plan.split, self._session.arena))
+            self._submit_task(Task(self.epoch, t, items, self.plan.split, self._session.arena_name))
             self._in_flight.append(([i for i, _, _ in items], [i for i, o, _ in items if o is not None]))
 
-    def __next__(self) -> Any:
-        if self._fallback is not None:
-            return next(self._fallback)
-        try:
-            return self._next()
-        except ServerGone as exc:
-            self.drain()
-            self._fallback = self.loader.fall_back(exc, self.epoch, self.consumed)
-            return next(self._fallback)
-
     def _next(self) -> Any:
+        if self._fallback is not None:
+            return self._fallback._next()
+        if self._failed is not None:
+            raise StateError(f"this pass ended with {type(self._failed).__name__}: {self._failed}; "
+                             "iterate the Loader again to go on from where it stopped") from self._failed
+        try:
+            return self._next_item()
+        except StopIteration:
+            raise
+        except UNAVAILABLE as exc:
+            self.drain()
+            self._fallback = self.host.fall_back(exc, self.epoch, self.consumed)  # or raises
+            return self._fallback._next()
+        except BaseException as exc:
+            self._failed = exc
+            self._end_run()
+            raise
+
+    def _next_item(self) -> Any:
         while not self._pending:
             self._submit()
             if not self._in_flight:
+                self._end_run()
                 self._end_epoch()
-            t = self._next_task - len(self._in_flight)
-            indices, shared = self._in_flight.popleft()
-            try:
-                res = self._pool.result(t % self._width)
-            except BaseException:
-                self.loader._broken()
-                raise
-            self._session.client.send("release", shared)  # the task's output no longer uses them
-            self.loader._stats.add_task(res.timer, res.idle, len(res.skipped))
-            self._skipped.extend(res.skipped)
-            if res.output is None:
+            indices, shared = self._in_flight[0]
+            res = self._result(self._next_task - len(self._in_flight))
+            self._in_flight.popleft()
+            output = res.output
+            if self._copy_out and output is not None:
+                output = _detach(output, self._session.arena)  # before the release below
+            self._client.send("release", self.run, shared)
+            if output is None:
                 self.consumed.extend(indices)
             elif self.plan.batch is not None:
-                self._pending.append(res.output)
+                self._pending.append(output)
                 self._pending_indices.append(indices)
             else:
                 skipped = {i for i, _ in res.skipped}
-                self._pending.extend(_copied(res.output) if self._in_place else res.output)
+                self._pending.extend(output)
                 self._pending_indices.extend([i] for i in indices if i not in skipped)
         self.consumed.extend(self._pending_indices.popleft())
+        self._client.progress = (self.run, len(self.consumed))
         return self._pending.popleft()
 
-    def _end_epoch(self) -> None:
-        warn_skipped(self._skipped, self.epoch)
-        if self.loader._run is self:
-            self.loader._finished(self)
-        raise StopIteration
+    def _end_run(self) -> None:
+        """Tell the server this run holds nothing any more (after its tasks were collected)."""
+        if not self._ended:
+            self._ended = True
+            try:
+                self._client.send("end", self.run)
+            except Exception:
+                pass  # the server is gone: it holds nothing of ours either
 
     def drain(self) -> None:
-        """Collect results still in flight and release their samples."""
+        """Collect results still in flight, then end the run (releasing everything it held)."""
+        if self._fallback is not None:
+            self._fallback.drain()
         while self._in_flight:
-            t = self._next_task - len(self._in_flight)
-            _, shared = self._in_flight.popleft()
+            self._in_flight.popleft()
             try:
-                self._pool.result(t % self._width)
-                self._session.client.send("release", shared)
-            except ServerGone:
-                pass
+                self._pool.result((self._next_task - len(self._in_flight) - 1) % self._width)
             except BaseException:
-                self.loader._close_pool()
-                break
+                self.host.broken()
+                self._in_flight.clear()
         self._pending.clear()
+        self._end_run()
 
 
-def _copied(samples: list[Any]) -> list[Any]:
-    """Unbatched samples read in place must outlive their references: copy their arrays."""
-    from globalloader.execution.shm import copy_arrays, decode_tree, encode_tree
-
-    out = []
-    for sample in samples:
-        tree, placed, nbytes = encode_tree(sample)
-        buffer = np.empty(nbytes, np.uint8)
-        copy_arrays(buffer, 0, placed)
-        out.append(decode_tree(tree, buffer))
-    return out
+def _detach(value: Any, arena: Arena) -> Any:
+    """`value` with every array that is a view of the arena replaced by a copy."""
+    if isinstance(value, np.ndarray):
+        return value.copy() if value.size and arena.holds(value) else value
+    if isinstance(value, dict):
+        return {k: _detach(v, arena) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_detach(v, arena) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detach(v, arena) for v in value)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.numel() and value.device.type == "cpu":
+        return value.clone() if arena.holds(value.numpy()) else value
+    return value

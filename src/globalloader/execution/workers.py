@@ -12,7 +12,6 @@ whose parent died exits by itself.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
@@ -27,8 +26,11 @@ from typing import Any, NamedTuple
 
 from globalloader.dataset.cache import MISSING
 from globalloader.dataset.plan import Plan, Timer
-from globalloader.errors import WorkerError
-from globalloader.execution.shm import BatchReader, BatchWriter, remove_leftovers
+from globalloader.errors import LoaderTimeoutError, TransformError, WorkerError
+from globalloader.transport.arena import attach
+from globalloader.transport.names import PREFIX, remove_leftovers
+from globalloader.transport.process import orphaned, tune_allocator
+from globalloader.transport.segments import BatchReader, BatchWriter
 
 
 class Task(NamedTuple):
@@ -62,8 +64,6 @@ def _raise_remote(exc: BaseException, tb: str) -> None:
 def _run(plan: Plan, task: Task, skip_errors: bool, timer: Timer, deferred: bool = False) -> Any:
     items = task.items
     if task.arena is not None:  # global loader tickets: read the shared prefix's output in place
-        from globalloader.service.arena import attach
-
         memory = attach(task.arena)  # items without an offset are computed here from scratch
         items = [(i, MISSING if offset is None else memory.read(offset, layout)) for i, offset, layout in items]
     return plan.run_task(task.epoch, task.number, items, skip_errors, timer, task.first_map, deferred)
@@ -130,25 +130,10 @@ class ThreadPool:
             t.join(timeout=5)
 
 
-def _tune_allocator() -> None:
-    """Keep freed image buffers in the heap instead of returning them to the OS after each sample.
-
-    glibc serves blocks above its mmap threshold (128 KiB at first) with fresh mappings, so every
-    decoded image costs page faults and zeroing: ~0.7 ms of a ~1.6 ms decode + to-array here.
-    Raising the thresholds lets workers reuse the same pages sample after sample.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc: the default allocator is fine, only slower
-
-
 def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, parent: int) -> None:
     """A worker process: run tasks from `conn`, write outputs to shared memory, send messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
-    _tune_allocator()
+    tune_allocator()
     if isinstance(plan, bytes):
         plan = pickle.loads(plan)
     writer = BatchWriter(prefix)
@@ -156,7 +141,7 @@ def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, p
         while True:
             t0 = time.perf_counter()
             while not conn.poll(1.0):
-                if os.getppid() != parent:
+                if orphaned(parent):
                     return
             msg = conn.recv()
             if msg is None:
@@ -175,7 +160,7 @@ def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, p
                 try:
                     pickle.dumps(exc)
                 except Exception:
-                    exc = WorkerError(f"{type(exc).__name__}: {exc}")
+                    exc = TransformError(f"{type(exc).__name__}: {exc}")
                 conn.send((exc, tb))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return
@@ -199,7 +184,7 @@ class ProcessPool:
         ctx = mp.get_context(start_method)
         self._timeout = timeout
         self._reader = BatchReader()
-        self._prefix = f"gl-{os.getpid()}-{id(self) & 0xFFFFFF:x}-"
+        self._prefix = f"{PREFIX}{os.getpid()}-{id(self) & 0xFFFFFF:x}-"
         self._freed = [deque() for _ in range(workers)]
         self._queued: list[deque[Task]] = [deque() for _ in range(workers)]  # sent, no result yet
         payload: Any = plan
@@ -239,7 +224,7 @@ class ProcessPool:
             if not conn.poll() and not proc.is_alive():
                 self._raise_dead(worker)
             if time.monotonic() > deadline:
-                raise WorkerError(
+                raise LoaderTimeoutError(
                     f"worker {worker} (pid {proc.pid}) sent nothing for {self._timeout:.0f} s "
                     f"while running task {self._queued[worker][0].number}: raise Loader(timeout=) "
                     "for slow chains"

@@ -1,8 +1,10 @@
 """A training job's connection to the server: register, ask for samples, release them, heartbeat.
 
-A reader thread turns the socket into an inbox and a heartbeat thread proves the job is alive.
-The server answers every heartbeat, so silence (or a closed socket) means it is gone: `get`
-raises ServerGone within `SILENCE_S` seconds instead of waiting forever.
+A reader thread turns the socket into an inbox and a heartbeat thread tells the server the job's
+progress. Every wait has a deadline: `get(timeout)` raises ServerGoneError as soon as the
+connection closes or the server's process is gone, and LoaderTimeoutError when nothing arrives
+in time from a server that is alive but stuck. A server that is merely slow to answer (a long
+load, a busy machine) is not taken for dead.
 """
 
 from __future__ import annotations
@@ -13,25 +15,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-from globalloader.errors import ServerGone
+from globalloader.errors import GlobalLoaderError, LoaderTimeoutError, ServerGoneError, ServerStartError
 from globalloader.service import protocol
 from globalloader.service.launcher import connect, ensure_server
+from globalloader.transport.process import alive
 
 
 class Client:
-    def __init__(self, path: Path, start: bool = True, memory: str | int | None = None, workers: int | None = None) -> None:
+    def __init__(self, path: Path, start: bool = True, memory: str | int | None = None,
+                 workers: int | None = None) -> None:
         self.path = Path(path)
         if start:
             ensure_server(self.path, memory, workers)
         try:
-            self.sock = connect(self.path)
+            self.sock, self.server_pid = connect(self.path)
         except OSError as exc:
-            raise ServerGone(f"no globalloader server answers at {self.path}") from exc
+            raise (ServerStartError if start else ServerGoneError)(
+                f"no globalloader server answers at {self.path}") from exc
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
-        self._last_heard = time.monotonic()
-        self._gone: str | None = None
+        self._gone: GlobalLoaderError | None = None
+        self.progress: tuple[int, int] = (-1, 0)  # (run, samples consumed): sent with heartbeats
         threading.Thread(target=self._read, daemon=True, name="globalloader-client-read").start()
         threading.Thread(target=self._beat, daemon=True, name="globalloader-client-beat").start()
 
@@ -39,56 +44,62 @@ class Client:
         try:
             while True:
                 msg = protocol.recv(self.sock)
-                self._last_heard = time.monotonic()
                 if msg[0] != "heartbeat":
                     self._inbox.put(msg)
-        except (EOFError, OSError) as exc:
+        except (GlobalLoaderError, OSError) as exc:
             if not self._closed.is_set():
-                self._gone = f"the connection to the server at {self.path} closed ({exc})"
+                self._gone = exc if not isinstance(exc, OSError) else ServerGoneError(str(exc))
                 self._inbox.put(("gone",))
 
     def _beat(self) -> None:
         while not self._closed.wait(protocol.HEARTBEAT_S):
             try:
-                self.send("heartbeat")
-            except ServerGone:
+                self.send("heartbeat", self.progress)
+            except ServerGoneError:
                 return
 
-    def send(self, *msg: Any) -> None:
+    def send(self, kind: str, *fields: Any) -> None:
         try:
             with self._send_lock:
-                protocol.send(self.sock, *msg)
+                protocol.send(self.sock, kind, *fields)
         except OSError as exc:
-            raise ServerGone(f"the globalloader server at {self.path} is gone: {exc}") from exc
+            raise ServerGoneError(f"the globalloader server at {self.path} is gone: {exc}") from exc
 
-    def get(self, timeout: float | None = None) -> tuple:
-        """The next message; ServerGone if the server closed or went silent."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def get(self, timeout: float, waiting_for: str = "an answer") -> tuple:
+        """The next message within `timeout` seconds (<= 0: no deadline).
+
+        Raises the error the server reported, ServerGoneError if it closed or died, and
+        LoaderTimeoutError if it is alive but sent nothing in time.
+        """
+        deadline = time.monotonic() + timeout if timeout > 0 else None
         while True:
-            if self._gone:
-                raise ServerGone(self._gone)
             try:
-                msg = self._inbox.get(timeout=0.25)
+                msg = self._inbox.get(timeout=0.5)
             except queue.Empty:
-                if time.monotonic() - self._last_heard > protocol.SILENCE_S:
-                    self._gone = f"the globalloader server at {self.path} sent nothing for {protocol.SILENCE_S:.0f} s"
+                if not alive(self.server_pid):
+                    raise ServerGoneError(f"the globalloader server at {self.path} (pid {self.server_pid}) died")
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError("no message from the server") from None
+                    raise LoaderTimeoutError(
+                        f"the globalloader server at {self.path} sent nothing for {timeout:.0f} s while this "
+                        f"job waited for {waiting_for} (Loader(timeout=)); see `globalloader status` and its log"
+                    ) from None
                 continue
-            if msg[0] == "gone":
-                raise ServerGone(self._gone or "the globalloader server is gone")
-            return msg
+            return self._check(msg)
 
     def get_nowait(self) -> tuple | None:
         """The next message if one has arrived, else None."""
-        if self._gone:
-            raise ServerGone(self._gone)
         try:
             msg = self._inbox.get_nowait()
         except queue.Empty:
             return None
+        return self._check(msg)
+
+    def _check(self, msg: tuple) -> tuple:
         if msg[0] == "gone":
-            raise ServerGone(self._gone or "the globalloader server is gone")
+            self._inbox.put(msg)  # every later call fails the same way
+            raise self._gone or ServerGoneError(f"the globalloader server at {self.path} is gone")
+        if msg[0] == "error":
+            raise protocol.make_error(msg[1], msg[2])
         return msg
 
     def close(self) -> None:
@@ -96,7 +107,7 @@ class Client:
             return
         try:
             self.send("bye")
-        except ServerGone:
+        except ServerGoneError:
             pass
         self._closed.set()
         try:

@@ -1,10 +1,17 @@
-"""The server's worker processes: read and run a group's shared prefix, write into the arena.
+"""The server's decode workers: read and run a group's shared prefix, write into the arena.
 
 A load is a short conversation on the worker's pipe: the server sends `load`; the worker runs
-the prefix (source read + shared maps), asks the server to `reserve` the bytes it needs, waits
-for the offset (the pool may first have to evict, or wait for releases), copies the sample in
-and reports `done` with its layout, or `failed` with a one-line reason. Each worker keeps the
-prefixes it has been sent, so a chain is unpickled once per worker, not once per sample.
+the prefix (source read + shared maps), writes the sample into the offset reserved ahead when it
+fits, else asks the server to `reserve` the bytes it needs and waits for `at` (the pool may first
+evict, or wait for releases), then reports `done` with its layout, or `failed` with the name of
+the error class and a message. Each worker keeps the prefixes it has been sent, so a chain is
+unpickled once per worker, not once per sample.
+
+Faults of the machinery are not faults of a sample: a worker that dies (a signal, an OOM kill)
+is replaced and its loads are given to another worker; only a load that kills `MAX_ATTEMPTS`
+workers fails, as a WorkerError. A load that runs past its deadline (the waiting jobs'
+`Loader(timeout=)`) has its worker killed and fails as a LoaderTimeoutError; the worker's other
+loads are retried. Only an exception raised by the chain itself is reported as a sample error.
 """
 
 from __future__ import annotations
@@ -15,22 +22,35 @@ import pickle
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from globalloader.execution.workers import _tune_allocator
-from globalloader.service import arena
-from globalloader.service.pool import SampleTooLarge
-from globalloader.service.protocol import POOL_TOO_SMALL, STALL_S
+from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SourceError
+from globalloader.service.pool import BufferPool
+from globalloader.service.protocol import STALL_S, error_name
+from globalloader.transport import arena
+from globalloader.transport.process import die_with_parent, orphaned, tune_allocator
 
-if TYPE_CHECKING:
-    from globalloader.service.server import Server
+MAX_ATTEMPTS = 3  # workers a load may kill before it fails
+Key = tuple[str, int]  # (prefix fingerprint, index)
+
+
+def _run_prefix(prefix: Any, index: int) -> Any:
+    """The shared prefix's sample, with a failure named as the job will see it."""
+    try:
+        return prefix.prefix_sample(index)
+    except GlobalLoaderError:
+        raise
+    except Exception as exc:  # raised by the source's own read, not by a map
+        raise SourceError(f"reading sample {index} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _tune_allocator()
+    die_with_parent()
+    tune_allocator()
     memory = arena.attach(arena_name)
     prefixes: dict[str, Any] = {}
     backlog: deque[tuple] = deque()  # messages that arrived while waiting for an offset
@@ -39,7 +59,7 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
         if backlog:
             return backlog.popleft()
         while not conn.poll(1.0):
-            if os.getppid() != parent:
+            if orphaned(parent):
                 return None
         try:
             return conn.recv()
@@ -51,32 +71,46 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
             try:
                 prefixes[msg[1]] = pickle.loads(msg[2])
             except Exception as exc:  # every load of this chain then fails with the reason
-                prefixes[msg[1]] = f"the server cannot unpickle this job's shared prefix: {type(exc).__name__}: {exc}"
+                prefixes[msg[1]] = (
+                    f"the server cannot load this job's shared prefix ({type(exc).__name__}: {exc}); "
+                    "the server must be able to import every module the shared maps use"
+                )
             continue
         _, fp, index, guess = msg  # guess: (offset, bytes) reserved ahead, or None
         t0 = time.perf_counter()
+        prefix = prefixes[fp]
+        if isinstance(prefix, str):
+            conn.send(("failed", fp, index, "SharedPrefixError", prefix))
+            continue
         try:
-            if isinstance(prefixes[fp], str):
-                raise RuntimeError(prefixes[fp])
-            sample = prefixes[fp].prefix_sample(index)
+            sample = _run_prefix(prefix, index)
             layout, placed = arena.encode(sample)
-            if guess is not None and layout[0] <= guess[1]:
-                memory.write(guess[0], placed)  # the usual case: no round trip to the server
-                conn.send(("done", fp, index, layout, time.perf_counter() - t0))
-                continue
-            conn.send(("reserve", fp, index, layout[0]))
-            while True:
-                reply = conn.recv()
-                if reply[0] in ("at", "abort"):
-                    break
-                backlog.append(reply)
-            if reply[0] == "abort":
-                conn.send(("failed", fp, index, reply[1]))
-                continue
-            memory.write(reply[1], placed)
-            conn.send(("done", fp, index, layout, time.perf_counter() - t0))
         except Exception as exc:
-            conn.send(("failed", fp, index, f"{type(exc).__name__}: {exc}"))
+            conn.send(("failed", fp, index, error_name(exc), str(exc)))
+            continue
+        if guess is not None and layout[0] <= guess[1]:
+            memory.write(guess[0], placed)  # the usual case: no round trip to the server
+            conn.send(("done", fp, index, layout, time.perf_counter() - t0))
+            continue
+        conn.send(("reserve", fp, index, layout[0]))
+        while True:
+            reply = conn.recv()
+            if reply[0] in ("at", "abort"):
+                break
+            backlog.append(reply)
+        if reply[0] == "abort":
+            conn.send(("failed", fp, index, reply[1], reply[2]))
+            continue
+        memory.write(reply[1], placed)
+        conn.send(("done", fp, index, layout, time.perf_counter() - t0))
+
+
+@dataclass
+class Load:
+    key: Key
+    deadline: float  # monotonic time by which it must be done
+    timeout: float
+    attempts: int = 0
 
 
 @dataclass
@@ -84,129 +118,185 @@ class _Worker:
     process: Any
     conn: Connection
     prefixes: set[str] = field(default_factory=set)
-    loads: list[tuple[str, int]] = field(default_factory=list)  # in flight, oldest first
+    loads: dict[Key, Load] = field(default_factory=dict)  # in flight
+
+
+class Events(Protocol):
+    """What the decoder pool tells its server."""
+
+    pool: BufferPool
+
+    def prefix_of(self, fp: str) -> bytes | None: ...
+    def loaded(self, fp: str, index: int, layout: Any) -> None: ...
+    def failed(self, fp: str, index: int, error: str, message: str) -> None: ...
 
 
 class DecoderPool:
-    """Starts, feeds and watches the decode workers for a `Server`."""
+    """Starts, feeds and watches the decode workers of a server."""
 
-    def __init__(self, size: int, server: "Server") -> None:
-        self.size, self._server = size, server
+    def __init__(self, size: int, arena_name: str, events: Events,
+                 register: Callable[[Connection, Callable[[], None]], None],
+                 unregister: Callable[[Connection], None]) -> None:
+        self.size, self._arena, self._events = size, arena_name, events
+        self._register, self._unregister = register, unregister
         self._ctx = mp.get_context("fork")
-        self._workers = [self._start() for _ in range(size)]
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
         self._space_progress = time.monotonic()  # last time pool space was granted or released
         self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
         self.decode_s = 0.0
+        self.restarts = 0
+        self._workers: list[_Worker] = []
+        for _ in range(size):
+            self._workers.append(self._start())
 
     def _start(self) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_decoder_main, args=(theirs, self._server.arena.name, os.getpid()),
-            daemon=True, name="globalloader-decoder",
-        )
+        proc = self._ctx.Process(target=_decoder_main, args=(theirs, self._arena, os.getpid()),
+                                 daemon=True, name="globalloader-decoder")
         proc.start()
         theirs.close()
         worker = _Worker(proc, ours)
-        self._server._selector.register(ours, 1, lambda _: self._message(worker))
+        self._register(ours, lambda: self._message(worker))
         return worker
 
-    def load(self, fp: str, prefix: bytes, index: int) -> None:
+    @property
+    def pool(self) -> BufferPool:
+        return self._events.pool
+
+    def load(self, fp: str, index: int, timeout: float, attempts: int = 0) -> None:
+        """Start loading sample `index` of prefix `fp`; `timeout` bounds how long it may run."""
+        prefix = self._events.prefix_of(fp)
+        if prefix is None:  # its last job left while this was queued
+            return
         worker = min(self._workers, key=lambda w: len(w.loads))
-        if fp not in worker.prefixes:
-            worker.conn.send(("prefix", fp, prefix))
-            worker.prefixes.add(fp)
         # Reserve the largest size this chain produced so far, so the worker can write without
         # asking; a bigger sample falls back to asking (the guess is given back first).
         size = self._sizes.get(fp)
-        offset = None if size is None else self._server.pool.reserve((fp, index), size)
-        worker.conn.send(("load", fp, index, None if offset is None else (offset, size)))
-        worker.loads.append((fp, index))
+        offset = None
+        if size is not None and size <= self.pool.capacity:
+            offset = self.pool.reserve((fp, index), size)
+        worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts)
+        try:
+            if fp not in worker.prefixes:
+                worker.conn.send(("prefix", fp, prefix))
+                worker.prefixes.add(fp)
+            worker.conn.send(("load", fp, index, None if offset is None else (offset, size)))
+        except OSError:  # it died since we last looked: its replacement takes this load too
+            self._replace(worker, f"exited ({_exit_reason(worker.process)})")
 
     def _message(self, worker: _Worker) -> None:
         try:
             msg = worker.conn.recv()
         except (EOFError, OSError):
-            self._replace(worker, "died")
+            self._replace(worker, f"exited ({_exit_reason(worker.process)})")
             return
         kind, fp, index = msg[:3]
+        key = (fp, index)
         if kind == "reserve":
             self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3])
-            if (fp, index) in self._server.pool:
-                self._server.pool.abort((fp, index))  # the guess was too small
+            self._abort_reservation(key)  # the guess was too small
             self._reserve(worker, fp, index, msg[3])
             return
-        worker.loads.remove((fp, index))
+        worker.loads.pop(key, None)
         if kind == "done":
             self.decode_s += msg[4]
             self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3][0])
-            self._server.pool.shrink((fp, index), msg[3][0])
-            self._server.loaded(fp, index, msg[3])
+            self.pool.shrink(key, msg[3][0])
+            self._events.loaded(fp, index, msg[3])
         else:
-            if (fp, index) in self._server.pool and not self._server.pool.get((fp, index)).ready:
-                self._server.pool.abort((fp, index))
-            self._server.failed(fp, index, f"sample {index}: {msg[3]}")
+            self._abort_reservation(key)
+            self._events.failed(fp, index, msg[3], f"sample {index}: {msg[4]}")
+
+    def _abort_reservation(self, key: Key) -> None:
+        entry = self.pool.get(key)
+        if entry is not None and not entry.ready:
+            self.pool.abort(key)
 
     def _reserve(self, worker: _Worker, fp: str, index: int, nbytes: int) -> None:
         try:
-            offset = self._server.pool.reserve((fp, index), nbytes)
-        except SampleTooLarge as exc:
-            worker.conn.send(("abort", str(exc)))
+            offset = self.pool.reserve((fp, index), nbytes)
+        except SampleTooLargeError as exc:
+            self._tell(worker, ("abort", "SampleTooLargeError", str(exc)))
             return
         if offset is None:
             self._waiting_space.append((worker, fp, index, nbytes))
         else:
             self._space_progress = time.monotonic()
-            worker.conn.send(("at", offset))
+            self._tell(worker, ("at", offset))
 
-    def retry_reservations(self, pool: Any) -> None:
+    def retry_reservations(self) -> None:
         """Space was released: hand it to the loads waiting for it, oldest first."""
         self._space_progress = time.monotonic()
         while self._waiting_space:
             worker, fp, index, nbytes = self._waiting_space[0]
-            offset = pool.reserve((fp, index), nbytes)
+            offset = self.pool.reserve((fp, index), nbytes)
             if offset is None:
                 return
             self._waiting_space.popleft()
-            worker.conn.send(("at", offset))
+            self._tell(worker, ("at", offset))
 
     def check(self) -> None:
+        """Called often by the server: dead workers, loads past their deadline, a stalled pool."""
+        now = time.monotonic()
         for worker in list(self._workers):
             if not worker.process.is_alive():
-                self._replace(worker, f"exited ({worker.process.exitcode})")
-        if self._waiting_space and time.monotonic() - self._space_progress > STALL_S:
+                self._replace(worker, f"exited ({_exit_reason(worker.process)})")
+                continue
+            late = [load for load in worker.loads.values() if now > load.deadline]
+            if late:
+                worker.process.kill()
+                worker.process.join(timeout=5)
+                for load in late:
+                    worker.loads.pop(load.key)
+                    self._abort_reservation(load.key)
+                    self._events.failed(load.key[0], load.key[1], "LoaderTimeoutError", (
+                        f"sample {load.key[1]}: the shared prefix ran for more than {load.timeout:.0f} s on it "
+                        "(Loader(timeout=)); its decode worker was restarted"))
+                self._replace(worker, "was killed after a load passed its deadline")
+        if self._waiting_space and now - self._space_progress > STALL_S:
             self._fail_stalled()
 
     def _fail_stalled(self) -> None:
         """Nothing was released for STALL_S while a load waits for room: every job holds what it
         has and waits for more, which no release will ever bring. Fail that load loudly."""
         worker, fp, index, nbytes = self._waiting_space.popleft()
-        capacity = self._server.pool.capacity
-        worker.conn.send(("abort", (
-            f"{POOL_TOO_SMALL}: its {capacity:,} bytes are all held by the jobs' batches in "
-            f"progress and sample {index} ({nbytes:,} bytes) found no room for {STALL_S:.0f} s; "
-            "start the server with more --memory (at least batch size x sample bytes x jobs, "
-            "times prefetch + 1 to keep every job busy)"
+        capacity = self.pool.capacity
+        self._tell(worker, ("abort", "PoolTooSmallError", (
+            f"the server's memory pool is too small: its {capacity:,} bytes are all held by the jobs' batches "
+            f"in progress and sample {index} ({nbytes:,} bytes) found no room for {STALL_S:.0f} s; start the "
+            "server with more --memory (at least batch size x sample bytes x jobs, times prefetch + 1)"
         )))
         self._space_progress = time.monotonic()
 
+    def _tell(self, worker: _Worker, msg: tuple) -> None:
+        """Answer a worker mid-load; one that died meanwhile is replaced (its loads retried)."""
+        try:
+            worker.conn.send(msg)
+        except OSError:
+            self._replace(worker, f"exited ({_exit_reason(worker.process)})")
+
     def _replace(self, worker: _Worker, why: str) -> None:
-        """A decode worker died: fail its loads (only the jobs waiting for them see it), restart."""
+        """A decode worker died: start another and give it the dead one's loads again."""
         if worker not in self._workers:
             return
         self._workers.remove(worker)
-        try:
-            self._server._selector.unregister(worker.conn)
-        except (KeyError, ValueError):
-            pass
+        self._unregister(worker.conn)
         worker.conn.close()
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join(timeout=5)
+        self.restarts += 1
         self._waiting_space = deque(w for w in self._waiting_space if w[0] is not worker)
-        for fp, index in worker.loads:
-            entry = self._server.pool.get((fp, index))
-            if entry is not None and not entry.ready:
-                self._server.pool.abort((fp, index))
-            self._server.failed(fp, index, f"sample {index}: the server's decode worker {why} while loading it")
         self._workers.append(self._start())
+        for load in worker.loads.values():
+            fp, index = load.key
+            self._abort_reservation(load.key)
+            if load.attempts + 1 >= MAX_ATTEMPTS:
+                self._events.failed(fp, index, "WorkerError", (
+                    f"sample {index}: the server's decode worker {why} while loading it, "
+                    f"{MAX_ATTEMPTS} times in a row; see the server log"))
+            else:
+                self.load(fp, index, load.timeout, load.attempts + 1)
 
     def close(self) -> None:
         for worker in self._workers:
@@ -222,4 +312,13 @@ class DecoderPool:
                 worker.process.join(timeout=3)
         self._workers = []
 
+
+def _exit_reason(process: Any) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 

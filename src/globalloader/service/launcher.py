@@ -1,7 +1,14 @@
-"""Finding, starting and stopping the one server per machine (per user)."""
+"""Finding, starting and stopping the one server per socket.
+
+Exactly one server owns a socket: a server first takes an exclusive lock on `<socket>.lock` and
+holds it for its whole life, so of several servers started at once (several `share=True` jobs
+starting together) one wins and the others exit before making anything. Only the lock holder
+removes a stale socket file or unlinks the socket on exit, so a server never deletes another's.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import socket
@@ -11,108 +18,160 @@ import time
 from pathlib import Path
 from typing import Any
 
-from globalloader.errors import ArgumentError, ServerGone
-from globalloader.service import arena, protocol
+from globalloader.errors import ArgumentError, ServerGoneError, ServerStartError, ServerTimeoutError
+from globalloader.service import protocol
+from globalloader.transport.arena import POOL_PREFIX
+from globalloader.transport.names import list_names, unlink
+from globalloader.transport.process import alive
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
+MIN_MEMORY = 16 << 10  # a pool smaller than 16 KiB holds nothing useful
+LOST_RACE = 3  # a server's exit code when another server owns its socket
+IDLE_EXIT_S = 60.0  # an auto-started server with no jobs for this long exits ($GLOBALLOADER_IDLE_EXIT)
 
 
 def parse_size(text: str | int) -> int:
-    """'512M', '4G', '1.5GiB' or a byte count -> bytes."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ArgumentError(f"--memory: cannot read {text!r} as a size (examples: 512M, 4G)")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** "_kmgt".index(unit or "_"))
+    """'512M', '4G', '1.5GiB' or a byte count -> bytes (at least 16 KiB)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        match = _SIZE.match(str(text))
+        if not match:
+            raise ArgumentError(f"--memory: cannot read {text!r} as a size (examples: 512M, 4G)")
+        number, unit = float(match.group(1)), match.group(2).lower()
+        size = int(number * 1024 ** "_kmgt".index(unit or "_"))
+    if size < MIN_MEMORY:
+        raise ArgumentError(f"--memory: {text!r} is below the 16K minimum (examples: 512M, 4G)")
+    return size
 
 
-def connect(path: Path, timeout: float = 2.0) -> socket.socket:
+def lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def own_socket(path: Path) -> int | None:
+    """Take the exclusive lock that makes this process the server of `path`: its fd (held until
+    the process exits), or None if another server holds it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def clear_leftovers(path: Path) -> None:
+    """With the lock held: remove what crashed servers left (the socket file, their pools)."""
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    for name in list_names(POOL_PREFIX):
+        pid = name[len(POOL_PREFIX) :]
+        if pid.isdigit() and not alive(int(pid)):
+            unlink(name)
+
+
+def connect(path: Path, timeout: float = 2.0) -> tuple[socket.socket, int]:
+    """A connection to the server at `path` and the server's pid, checked to be this user's."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(str(path))
-    except OSError:
+        pid = protocol.check_peer(sock, f"server at {path}")
+    except BaseException:
         sock.close()
         raise
     sock.settimeout(None)
-    return sock
+    return sock, pid
 
 
 def is_running(path: Path) -> bool:
     try:
-        connect(path, timeout=1.0).close()
+        connect(path, timeout=1.0)[0].close()
         return True
     except OSError:
         return False
 
 
-def take_over(path: Path) -> None:
-    """Before a server starts at `path`: refuse if one answers; else clear what a crashed one left
-    (its socket file and its memory pool)."""
-    if is_running(path):
-        raise ArgumentError(f"a globalloader server already answers at {path}; `globalloader stop` it first")
-    if path.exists():
-        path.unlink()
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        names = []
-    for name in names:
-        match = re.fullmatch(r"gl-pool-(\d+)", name)
-        if match and not _alive(int(match.group(1))):
-            arena.unlink(name)
+def ensure_server(path: Path, memory: str | int | None = None, workers: int | None = None,
+                  timeout: float = 30.0) -> None:
+    """Start a detached server at `path` unless one answers already; wait until one answers.
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def ensure_server(path: Path, memory: str | int | None = None, workers: int | None = None, timeout: float = 20.0) -> None:
-    """Start a detached server at `path` unless one answers already; wait until it answers."""
+    Several jobs may do this at once: each starts a candidate, one candidate wins the socket's
+    lock and the others exit with LOST_RACE, so every job ends up talking to the same server.
+    """
     if is_running(path):
         return
+    if memory is not None:
+        parse_size(memory)  # a bad size is the caller's error, reported here, not in a log
     cmd = [sys.executable, "-m", "globalloader.service.server", "--socket", str(path)]
+    cmd += ["--idle-exit", os.environ.get("GLOBALLOADER_IDLE_EXIT", str(IDLE_EXIT_S))]
     if memory is not None:
         cmd += ["--memory", str(memory)]
     if workers is not None:
         cmd += ["--workers", str(workers)]
-    log = open(protocol.runtime_dir() / "server.log", "ab")
-    subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
-    log.close()
+    log_path = protocol.runtime_dir() / "server.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if is_running(path):
             return
+        code = proc.poll()
+        if code not in (None, 0, LOST_RACE):
+            raise ServerStartError(f"the globalloader server for {path} could not start: {_last_line(log_path)}")
         time.sleep(0.05)
-    raise ServerGone(f"started a globalloader server at {path} but it did not answer within {timeout:.0f} s; "
-                     f"see {protocol.runtime_dir() / 'server.log'}")
+    raise ServerStartError(f"no globalloader server answered at {path} within {timeout:.0f} s; see {log_path}")
 
 
-def request(path: Path, *msg: Any) -> tuple:
-    """One request/answer exchange with the server (status, stop)."""
+def _last_line(log: Path) -> str:
     try:
-        sock = connect(path)
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1] if lines else "(empty log)"
+
+
+def request(path: Path, kind: str, timeout: float = protocol.REQUEST_S) -> tuple:
+    """One request/answer exchange with the server (status, stop), bounded by `timeout`."""
+    try:
+        sock, _ = connect(path, timeout)
     except OSError as exc:
-        raise ServerGone(f"no globalloader server answers at {path}") from exc
+        raise ServerGoneError(f"no globalloader server answers at {path}") from exc
     with sock:
-        protocol.send(sock, *msg)
-        return protocol.recv(sock)
+        sock.settimeout(timeout)
+        try:
+            protocol.send(sock, kind)
+            reply = protocol.recv(sock)
+        except TimeoutError:
+            raise ServerTimeoutError(f"the globalloader server at {path} did not answer {kind!r} within "
+                                     f"{timeout:.0f} s (it may be blocked; see its log)") from None
+        except OSError as exc:
+            raise ServerGoneError(f"the globalloader server at {path} closed the connection: {exc}") from exc
+    if reply[0] == "error":
+        raise protocol.make_error(reply[1], reply[2])
+    return reply
 
 
-def stop(path: Path, timeout: float = 10.0) -> bool:
+def status(path: Path, timeout: float = protocol.REQUEST_S) -> dict[str, Any]:
+    return request(path, "status", timeout)[1]
+
+
+def stop(path: Path, timeout: float = protocol.REQUEST_S) -> bool:
     """Ask the server at `path` to stop; True once it is gone, False if none was running."""
-    if not is_running(path):
+    try:
+        sock, pid = connect(path, timeout=1.0)
+    except OSError:
         return False
-    request(path, "stop")
+    sock.close()
+    request(path, "stop", timeout)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and path.exists():
+    while alive(pid):
+        if time.monotonic() > deadline:
+            raise ServerTimeoutError(f"the globalloader server at {path} said it stops but still runs "
+                                     f"after {timeout:.0f} s")
         time.sleep(0.05)
     return True
+

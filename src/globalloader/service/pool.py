@@ -20,14 +20,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from globalloader.errors import ArgumentError, GlobalLoaderError
+from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError, ServerError
 
 _ALIGN = 64
 _SCAN = 64  # LRU entries looked at for an unwanted victim before taking the oldest
-
-
-class SampleTooLarge(GlobalLoaderError):
-    """A decoded sample is larger than the whole pool."""
 
 
 @dataclass
@@ -80,10 +76,10 @@ class BufferPool:
         """Space for `key`'s bytes: the offset, or None if it cannot fit until something is
         released. Evicts least-recently-used unreferenced samples as needed."""
         if key in self._entries:
-            raise ArgumentError(f"BufferPool: {key!r} is already in the pool")
+            raise ServerError(f"BufferPool: {key!r} is already in the pool")
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         if size > self.capacity:
-            raise SampleTooLarge(
+            raise SampleTooLargeError(
                 f"sample {key!r} needs {nbytes} bytes but the pool holds only {self.capacity}: "
                 "start the server with a larger --memory"
             )
@@ -124,7 +120,7 @@ class BufferPool:
         """`holder` takes a reference to a ready sample (a hit unless it was loaded for this one)."""
         entry = self._entries[key]
         if not entry.ready:
-            raise ArgumentError(f"BufferPool: {key!r} is still loading")
+            raise ServerError(f"BufferPool: {key!r} is still loading")
         self._lru.pop(key, None)
         if entry.served:
             self.counters["hits"] += 1
@@ -135,7 +131,7 @@ class BufferPool:
     def release(self, key: Hashable, holder: Hashable) -> None:
         entry = self._entries.get(key)
         if entry is None or entry.holders[holder] <= 0:
-            raise ArgumentError(f"BufferPool: {holder!r} holds no reference to {key!r}")
+            raise ProtocolError(f"BufferPool: {holder!r} holds no reference to {key!r}")
         entry.holders[holder] -= 1
         if entry.holders[holder] == 0:
             del entry.holders[holder]

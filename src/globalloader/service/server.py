@@ -1,18 +1,24 @@
-"""The global loader server: one per machine, many training jobs as clients.
+"""The global loader server: one per socket (per machine and user), many training jobs as clients.
 
 Jobs register their chain's shared prefix (source + `map(..., shared=True)` maps, cloudpickled)
-and their index set. Jobs whose prefix fingerprints match form a group with one joint sampler:
-each request is answered with the sampler's next index for that job; the sample is read and
-decoded once by the server's worker processes into the buffer pool, and every job that takes it
-gets a ticket (offset and layout in the shared arena) and a reference it releases after use.
+and, for each pass over their data, their index set. Jobs whose prefix fingerprints match form a
+group with one joint sampler: each request is answered with the sampler's next index for that
+job; the sample is read and decoded once by the server's worker processes into the buffer pool,
+and every job that takes it gets a ticket (offset and layout in the shared arena) and a
+reference it releases after use.
 
 The main loop is single-threaded (a selector over the listening socket, client sockets and
-worker pipes), so the sampler and the pool need no locks. A client whose socket closes, or that
-sends nothing for `SILENCE_S` seconds, is removed and its references released.
+worker pipes), so the sampler and the pool need no locks. It survives its clients: a malformed
+or oversized message, a connection that never says hello, a client that stops reading, a full
+file table: each ends one connection with a log line. A failure while serving a job is sent to
+that job as a named error. A job is removed when its connection closes, or when it is silent
+and its process is gone: a live job that is merely busy (a long step holding the GIL, a SIGSTOP)
+keeps its place.
 """
 
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import os
@@ -21,37 +27,54 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from globalloader.errors import GlobalLoaderError, ServerGone
+from globalloader.errors import GlobalLoaderError, ProtocolError, ServerStartError
 from globalloader.sampling.joint import JointSampler
-from globalloader.service import arena, protocol
+from globalloader.service import launcher, protocol
 from globalloader.service.decoder import DecoderPool
 from globalloader.service.pool import BufferPool
+from globalloader.transport import arena
+from globalloader.transport.process import alive
+
+
+@dataclass
+class Connection:
+    """One client socket: a job after its hello, else a one-shot request (status, stop)."""
+
+    sock: socket.socket
+    pid: int  # the peer's, from the kernel
+    opened: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    framer: protocol.Framer = field(default_factory=protocol.Framer)
+    outbox: bytearray = field(default_factory=bytearray)
+    job: Job | None = None
+    closing: bool = False  # close once the outbox is sent
 
 
 @dataclass
 class Job:
     id: int
-    sock: socket.socket
+    conn: Connection
     name: str
-    pid: int
-    group: "Group"
-    size: int = 0  # samples in this epoch's set
+    group: Group
+    timeout: float
     seed: int = 0
+    run: int = -1  # the current pass; messages of earlier passes are stale
+    size: int = 0  # samples in this pass's set
     set_digest: bytes = b""  # of this epoch's set: an unchanged set just starts a new epoch
     epoch: int = 0
     wanted: int = 0  # tickets the client asked for and has not been sent
-    drawn: int = 0  # this epoch
-    delivered: int = 0  # this epoch
-    last_seen: float = field(default_factory=time.monotonic)
-    framer: protocol.Framer = field(default_factory=protocol.Framer)
-    rate: list[tuple[float, int]] = field(default_factory=list)  # (time, delivered) samples
+    drawn: int = 0  # this pass
+    delivered: int = 0  # this pass
+    consumed: int = 0  # this epoch, as the client last reported it
+    rate: list[tuple[float, int]] = field(default_factory=list)  # (time, consumed) samples
 
     def samples_per_s(self) -> float:
         if len(self.rate) < 2:
@@ -68,126 +91,279 @@ class Group:
     prefix: bytes
     sampler: JointSampler
     jobs: dict[int, Job] = field(default_factory=dict)
-    waiters: dict[int, list[tuple[Job, int]]] = field(default_factory=lambda: defaultdict(list))
-    requests: int = 0
-    decodes: int = 0
+    waiters: dict[int, list[tuple[Job, int, int]]] = field(default_factory=lambda: defaultdict(list))
+
+    def timeout(self) -> float:
+        return min((job.timeout for job in self.jobs.values()), default=300.0)
 
 
 class Server:
-    def __init__(self, socket_path: Path, memory: int, workers: int) -> None:
+    def __init__(self, socket_path: Path, memory: int, workers: int, idle_exit: float = 0.0) -> None:
+        """Bind `socket_path` (whose lock the caller holds), then make the pool and workers."""
         self.socket_path = Path(socket_path)
-        self.arena = arena.create(memory)
+        self.idle_exit = idle_exit
+        self._selector = selectors.DefaultSelector()
+        self._listener = self._listen()
+        try:
+            self.arena = arena.create(memory)
+        except BaseException:
+            self._close_listener()
+            raise
         self.pool = BufferPool(memory, on_evict=self._evicted, wanted=self._wanted)
         self.groups: dict[str, Group] = {}
         self.jobs: dict[int, Job] = {}
+        self.connections: dict[socket.socket, Connection] = {}
         self._next_job = 1
-        self._selector = selectors.DefaultSelector()
-        self.decoders = DecoderPool(workers, self)
-        self._listener = self._listen()
+        self.requests = self.decodes = 0  # since the start, over every group
         self._running = True
+        self._accept_paused_until = 0.0
+        self._idle_since = time.monotonic()
         self.started = time.time()
+        self.finished: list[dict[str, Any]] = []  # recently ended jobs, for `status`
+        self.decoders = DecoderPool(workers, self.arena.name, self, self._register_pipe, self._unregister)
 
     # -- sockets -----------------------------------------------------------------------------
     def _listen(self) -> socket.socket:
         path = self.socket_path
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if path.exists():
-            path.unlink()  # checked stale by the launcher before we got here
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
             sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
+            raise ServerStartError(f"cannot bind {path}: {exc.strerror or exc}") from exc
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
-        sock.listen(64)
+        sock.listen(128)
         sock.setblocking(False)
         self._selector.register(sock, selectors.EVENT_READ, self._accept)
         return sock
 
-    def _accept(self, _: Any) -> None:
-        conn, _addr = self._listener.accept()
-        conn.setblocking(True)
-        job = Job(0, conn, "?", 0, None)  # type: ignore[arg-type]  # becomes a job on "hello"
-        self._selector.register(conn, selectors.EVENT_READ, lambda _: self._readable(job))
+    def _register_pipe(self, conn: Any, callback: Callable[[], None]) -> None:
+        self._selector.register(conn, selectors.EVENT_READ, lambda _: callback())
 
-    def _readable(self, job: Job) -> None:
+    def _unregister(self, fileobj: Any) -> None:
         try:
-            data = job.sock.recv(1 << 20)
+            self._selector.unregister(fileobj)
+        except (KeyError, ValueError):
+            pass
+
+    def _accept(self, _: Any) -> None:
+        try:
+            sock, _addr = self._listener.accept()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self._log(f"cannot accept a connection ({exc.strerror}); pausing accepts for 1 s")
+                self._unregister(self._listener)
+                self._accept_paused_until = time.monotonic() + 1.0
+            return
+        try:
+            pid = protocol.check_peer(sock, "client")
+        except (ProtocolError, OSError) as exc:
+            self._log(f"refused a connection: {exc}")
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = Connection(sock, pid)
+        self.connections[sock] = conn
+        self._selector.register(sock, selectors.EVENT_READ, lambda _: self._readable(conn))
+
+    def _readable(self, conn: Connection) -> None:
+        try:
+            data = conn.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
         except OSError:
             data = b""
         if not data:
-            self._drop(job, "closed its connection")
+            self._close(conn, "closed its connection" if conn.job else None)
             return
-        job.last_seen = time.monotonic()
-        for msg in job.framer.feed(data):
-            handler = getattr(self, f"_on_{msg[0]}", None)
-            if handler is None:
-                self._send(job, "error", -1, -1, f"unknown message {msg[0]!r}")
-                continue
-            handler(job, *msg[1:])
-            if job.sock.fileno() < 0:
-                return  # dropped or answered-and-closed while handling
-
-    def _send(self, job: Job, *msg: Any) -> None:
+        conn.last_seen = time.monotonic()
         try:
-            protocol.send(job.sock, *msg)
+            messages = conn.framer.feed(data)
+        except ProtocolError as exc:
+            self._refuse(conn, exc)
+            return
+        for msg in messages:
+            if conn.closing or conn.sock.fileno() < 0:
+                return
+            self._handle(conn, msg)
+
+    def _handle(self, conn: Connection, msg: tuple) -> None:
+        """Run one message's handler; whatever it raises goes back to that client only."""
+        kind = msg[0]
+        try:
+            if conn.job is None and kind not in protocol.FIRST:
+                raise ProtocolError(f"{kind!r} before 'hello'")
+            if conn.job is not None and kind == "hello":
+                raise ProtocolError("a second 'hello' on one connection")
+            handler = getattr(self, f"_on_{kind}", None)
+            if handler is None:
+                raise ProtocolError(f"{kind!r} is not a request")
+            handler(conn, *msg[1:])
+        except ProtocolError as exc:
+            self._refuse(conn, exc)
+        except GlobalLoaderError as exc:  # the request cannot be served: say why, end the job
+            self._fail(conn, exc)
+        except Exception as exc:  # a bug: the job hears of it, the server and other jobs go on
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            self._log(f"error while serving {kind!r}: {type(exc).__name__}: {exc} "
+                      f"({Path(where.filename).name}:{where.lineno})")
+            self._send(conn, "error", "ServerError",
+                       f"the server failed on {kind!r}: {type(exc).__name__}: {exc}")
+            self._end(conn, "ended after a server error")
+
+    def _refuse(self, conn: Connection, exc: ProtocolError) -> None:
+        self._log(f"connection from pid {conn.pid}: {exc}; closed")
+        self._fail(conn, exc)
+
+    def _fail(self, conn: Connection, exc: GlobalLoaderError) -> None:
+        self._send(conn, "error", protocol.error_name(exc), str(exc))
+        self._end(conn, f"failed: {exc}")
+
+    def _send(self, conn: Connection, kind: str, *fields: Any) -> None:
+        """Queue a message; a client whose unread backlog passes SEND_LIMIT is dropped."""
+        if conn.sock.fileno() < 0:
+            return
+        waiting = bool(conn.outbox)  # then the socket is full: the selector flushes when it drains
+        conn.outbox += protocol.frame(kind, *fields)
+        if not waiting:
+            self._flush(conn)
+        if conn.sock.fileno() >= 0 and len(conn.outbox) > protocol.SEND_LIMIT:
+            self._close(conn, f"stopped reading ({len(conn.outbox):,} bytes unsent)")
+
+    def _flush(self, conn: Connection) -> None:
+        if conn.sock.fileno() < 0:
+            return
+        try:
+            sent = conn.sock.send(conn.outbox)
+        except BlockingIOError:
+            sent = 0
         except OSError:
-            self._drop(job, "stopped reading")
+            self._close(conn, "stopped reading (connection broken)")
+            return
+        del conn.outbox[:sent]
+        if conn.outbox:
+            events = selectors.EVENT_READ | selectors.EVENT_WRITE
+            self._selector.modify(conn.sock, events, lambda mask: self._ready(conn, mask))
+        elif conn.closing:
+            self._close(conn, None)
+        else:
+            self._selector.modify(conn.sock, selectors.EVENT_READ, lambda _: self._readable(conn))
+
+    def _ready(self, conn: Connection, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._flush(conn)
+        if mask & selectors.EVENT_READ and conn.sock.fileno() >= 0 and not conn.closing:
+            self._readable(conn)
+
+    def _end(self, conn: Connection, why: str | None) -> None:
+        """Close once what is queued for the client is sent (an error, a status)."""
+        if conn.job is not None:
+            self._drop(conn.job, why)
+        conn.closing = True
+        if not conn.outbox:
+            self._close(conn, None)
+
+    def _close(self, conn: Connection, why: str | None) -> None:
+        if conn.job is not None:
+            self._drop(conn.job, why)
+        self.connections.pop(conn.sock, None)
+        self._unregister(conn.sock)
+        conn.sock.close()
 
     # -- messages ----------------------------------------------------------------------------
-    def _on_hello(self, job: Job, info: dict[str, Any]) -> None:
+    def _on_hello(self, conn: Connection, info: Any) -> None:
+        if not isinstance(info, dict) or not isinstance(info.get("prefix_fp"), str) \
+                or not isinstance(info.get("prefix"), bytes):
+            raise ProtocolError("'hello' needs a dict with prefix_fp (str) and prefix (bytes)")
         group = self.groups.get(info["prefix_fp"])
         if group is None:
             group = Group(info["prefix_fp"], info["prefix"], JointSampler())  # fresh stream: see JointSampler
             self.groups[group.fingerprint] = group
-        job.id, self._next_job = self._next_job, self._next_job + 1
-        job.name, job.pid, job.group = str(info.get("name") or f"job-{job.id}"), int(info["pid"]), group
-        job.seed = int(info.get("seed", 0))
+        timeout = float(info.get("timeout") or 300.0)
+        job = Job(self._next_job, conn, str(info.get("name") or f"job-{self._next_job}"), group,
+                  timeout=timeout if timeout > 0 else 300.0, seed=int(info.get("seed", 0)))
+        self._next_job += 1
+        conn.job = job
         self.jobs[job.id] = job
         group.jobs[job.id] = job
-        self._start_epoch(job, int(info["epoch"]), info["indices"])
-        self._send(job, "welcome", job.id, self.arena.name, self.pool.capacity)
+        self.finished = [f for f in self.finished if f["pid"] != conn.pid]
+        self._send(conn, "welcome", job.id, self.arena.name, self.pool.capacity)
 
-    def _on_epoch(self, job: Job, epoch: int, indices: np.ndarray) -> None:
-        self._start_epoch(job, epoch, indices)
-
-    def _start_epoch(self, job: Job, epoch: int, indices: np.ndarray) -> None:
+    def _on_run(self, conn: Connection, run: int, epoch: int, indices: Any) -> None:
+        """A new pass: whatever the job held or awaited from earlier passes is let go."""
+        job = conn.job
+        assert job is not None
+        indices = np.asarray(indices)
+        if indices.ndim != 1 or indices.dtype.kind not in "iu":
+            raise ProtocolError("'run' needs a 1-d integer array of indices")
+        self._forget_pass(job)
         sampler = job.group.sampler
         digest = hashlib.sha1(np.ascontiguousarray(indices, dtype=np.int64).tobytes()).digest()
         if job.id in sampler.stats() and digest == job.set_digest:
-            sampler.new_epoch(job.id, epoch)  # same set: other jobs' regions stay as they are
+            sampler.new_epoch(job.id, int(epoch))  # same set: other jobs' regions stay as they are
         else:
             if job.id in sampler.stats():
                 sampler.remove_job(job.id)
-            sampler.add_job(job.id, indices, seed=job.seed, epoch=epoch)
-        job.set_digest = digest
-        job.epoch, job.size, job.wanted = epoch, len(indices), 0
-        job.drawn = job.delivered = 0
+            sampler.add_job(job.id, indices, seed=job.seed, epoch=int(epoch))
+        job.set_digest, job.run = digest, int(run)
+        job.epoch, job.size, job.wanted = int(epoch), len(indices), 0
+        job.drawn = job.delivered = job.consumed = 0
         job.rate = [(time.monotonic(), 0)]
 
-    def _on_want(self, job: Job, n: int) -> None:
-        job.wanted += n
-        self._pump(job)
+    def _forget_pass(self, job: Job) -> None:
+        """Drop the job's references and pending tickets (its pass ended or was abandoned)."""
+        group = job.group
+        for index in list(group.waiters):
+            remaining = [w for w in group.waiters[index] if w[0] is not job]
+            if remaining:
+                group.waiters[index] = remaining
+            else:
+                del group.waiters[index]  # the load goes on; its sample lands in the LRU tier
+        if self.pool.release_holder(job.id):
+            self.decoders.retry_reservations()
 
-    def _on_release(self, job: Job, indices: list[int]) -> None:
+    def _on_want(self, conn: Connection, run: int, count: int) -> None:
+        job = conn.job
+        assert job is not None
+        if run == job.run:
+            job.wanted += max(0, int(count))
+            self._pump(job)
+
+    def _on_release(self, conn: Connection, run: int, indices: Any) -> None:
+        job = conn.job
+        assert job is not None
+        if run != job.run:
+            return  # that pass's references went when the next began
         fp = job.group.fingerprint
         for index in indices:
-            self.pool.release((fp, index), job.id)
-        self.decoders.retry_reservations(self.pool)
+            self.pool.release((fp, int(index)), job.id)
+        self.decoders.retry_reservations()
 
-    def _on_heartbeat(self, job: Job) -> None:
-        self._send(job, "heartbeat")
+    def _on_end(self, conn: Connection, run: int) -> None:
+        job = conn.job
+        assert job is not None
+        if run == job.run:
+            self._forget_pass(job)
+            job.run = -1  # what is still on its way to the job belongs to no pass
 
-    def _on_bye(self, job: Job) -> None:
-        self._drop(job, None)
+    def _on_heartbeat(self, conn: Connection, progress: Any) -> None:
+        job = conn.job
+        if job is not None and isinstance(progress, tuple) and len(progress) == 2 and progress[0] == job.run:
+            job.consumed = int(progress[1])
+        self._send(conn, "heartbeat", None)
 
-    def _on_status(self, job: Job) -> None:
-        self._send(job, "status", self.status())
-        self._forget_connection(job)
+    def _on_bye(self, conn: Connection) -> None:
+        self._close(conn, None)
 
-    def _on_stop(self, job: Job) -> None:
-        self._send(job, "stopping")
+    def _on_status(self, conn: Connection) -> None:
+        self._send(conn, "report", self.status())
+        self._end(conn, None)
+
+    def _on_stop(self, conn: Connection) -> None:
+        self._send(conn, "stopping")
         self._running = False
 
     # -- scheduling --------------------------------------------------------------------------
@@ -204,42 +380,46 @@ class Server:
             seq = job.drawn
             job.drawn += 1
             job.wanted -= 1
-            group.requests += 1
+            self.requests += 1
             key = (group.fingerprint, index)
             entry = self.pool.get(key)
             if entry is not None and entry.ready:
                 self._deliver(job, seq, index)
             else:
-                group.waiters[index].append((job, seq))
+                group.waiters[index].append((job, job.run, seq))
                 if entry is None and len(group.waiters[index]) == 1:
-                    self.decoders.load(group.fingerprint, group.prefix, index)
+                    self.decoders.load(group.fingerprint, index, group.timeout())
 
     def _deliver(self, job: Job, seq: int, index: int) -> None:
         entry = self.pool.acquire((job.group.fingerprint, index), job.id)
         job.delivered += 1
-        self._send(job, "ticket", seq, index, entry.offset, entry.layout)
+        self._send(job.conn, "ticket", job.run, seq, index, entry.offset, entry.layout)
 
-    # -- decoder events (called by DecoderPool) ----------------------------------------------
-    def loaded(self, fp: str, index: int, layout: Any) -> None:
+    # -- decoder events ----------------------------------------------------------------------
+    def prefix_of(self, fp: str) -> bytes | None:
         group = self.groups.get(fp)
+        return None if group is None else group.prefix
+
+    def loaded(self, fp: str, index: int, layout: Any) -> None:
         self.pool.commit((fp, index), layout)
+        self.decodes += 1
+        group = self.groups.get(fp)
         if group is None:
             return
-        group.decodes += 1
         group.sampler.loaded(index)
-        for job, seq in group.waiters.pop(index, []):
-            if job.id in self.jobs:
+        for job, run, seq in group.waiters.pop(index, []):
+            if job.id in self.jobs and run == job.run:
                 self._deliver(job, seq, index)
 
-    def failed(self, fp: str, index: int, message: str) -> None:
+    def failed(self, fp: str, index: int, error: str, message: str) -> None:
         group = self.groups.get(fp)
         if group is None:
             return
         group.sampler.evicted(index)  # never stored: nobody may follow it
-        for job, seq in group.waiters.pop(index, []):
-            if job.id in self.jobs:
+        for job, run, seq in group.waiters.pop(index, []):
+            if job.id in self.jobs and run == job.run:
                 job.delivered += 1
-                self._send(job, "error", seq, index, message)
+                self._send(job.conn, "failed", run, seq, index, error, message)
 
     def _evicted(self, key: tuple[str, int]) -> None:
         group = self.groups.get(key[0])
@@ -252,57 +432,58 @@ class Server:
         return group is not None and group.sampler.wanted(key[1])
 
     # -- liveness ----------------------------------------------------------------------------
-    def _forget_connection(self, job: Job) -> None:
-        try:
-            self._selector.unregister(job.sock)
-        except (KeyError, ValueError):
-            pass
-        job.sock.close()
-
     def _drop(self, job: Job, why: str | None) -> None:
-        """Remove a job (left, crashed or silent): release its references; others go on."""
-        self._forget_connection(job)
+        """Remove a job (left, crashed or failed): release its references; others go on."""
         if self.jobs.pop(job.id, None) is None:
             return
+        job.conn.job = None
         group = job.group
         group.jobs.pop(job.id, None)
-        group.sampler.remove_job(job.id)
-        for index in list(group.waiters):
-            remaining = [(j, s) for j, s in group.waiters[index] if j.id != job.id]
-            if remaining:
-                group.waiters[index] = remaining
-            else:
-                del group.waiters[index]  # the load goes on; its sample lands in the LRU tier
-        self.pool.release_holder(job.id)
-        self.decoders.retry_reservations(self.pool)
+        self._forget_pass(job)
+        if job.set_digest:  # it started a pass: the sampler knows it
+            group.sampler.remove_job(job.id)
+        if not group.jobs:
+            del self.groups[group.fingerprint]  # its samples stay in the LRU tier until evicted
+        self.finished = (self.finished + [{**self._job_status(job), "state": "left"}])[-20:]
+        if not self.jobs:
+            self._idle_since = time.monotonic()
         if why:
-            print(f"globalloader server: job {job.name!r} (pid {job.pid}) {why}; removed", file=sys.stderr)
+            self._log(f"job {job.name!r} (pid {job.conn.pid}) {why}; removed")
 
-    def _check_silence(self) -> None:
+    def _check_connections(self) -> None:
+        """Close hello-less connections past HELLO_S; drop silent jobs whose process is gone."""
         now = time.monotonic()
-        for job in list(self.jobs.values()):
-            if now - job.last_seen > protocol.SILENCE_S:
-                self._drop(job, f"sent nothing for {protocol.SILENCE_S:.0f} s")
+        for conn in list(self.connections.values()):
+            job = conn.job
+            if job is None:
+                if not conn.closing and now - conn.opened > protocol.HELLO_S:
+                    self._log(f"connection from pid {conn.pid} said nothing for {protocol.HELLO_S:.0f} s; closed")
+                    self._close(conn, None)
+            elif now - conn.last_seen > protocol.SILENT_DEAD_S and not alive(conn.pid):
+                self._close(conn, f"is gone (silent {now - conn.last_seen:.0f} s, process ended)")
             else:
-                job.rate = (job.rate + [(now, job.delivered)])[-10:]
+                job.rate = (job.rate + [(now, job.consumed)])[-10:]
 
     # -- status and main loop ----------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        jobs = []
-        for job in self.jobs.values():
-            s = job.group.sampler.stats().get(job.id, {})
-            requests = s.get("requests", 0)
-            jobs.append({
-                "name": job.name, "pid": job.pid, "size": job.size, "epoch": job.epoch,
-                "delivered": job.delivered, "samples_per_s": round(job.samples_per_s(), 1),
-                "followed_share": round(s.get("followed", 0) / requests, 3) if requests else 0.0,
-            })
-        requests = sum(g.requests for g in self.groups.values())
-        decodes = sum(g.decodes for g in self.groups.values())
+    def _job_status(self, job: Job) -> dict[str, Any]:
+        s = job.group.sampler.stats().get(job.id, {})
+        requests = s.get("requests", 0)
         return {
-            "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1), "jobs": jobs,
+            "name": job.name, "pid": job.conn.pid, "size": job.size, "epoch": job.epoch,
+            "consumed": job.consumed, "delivered": job.delivered,
+            "samples_per_s": round(job.samples_per_s(), 1),
+            "followed_share": round(s.get("followed", 0) / requests, 3) if requests else 0.0,
+            "state": "done" if job.size and job.consumed >= job.size else "loading",
+        }
+
+    def status(self) -> dict[str, Any]:
+        requests, decodes = self.requests, self.decodes
+        return {
+            "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
+            "jobs": [self._job_status(job) for job in self.jobs.values()], "finished": self.finished,
             "pool": self.pool.stats(), "requests": requests, "decodes": decodes,
             "decodes_saved": requests - decodes, "workers": self.decoders.size,
+            "worker_restarts": self.decoders.restarts,
         }
 
     def serve_forever(self) -> None:
@@ -311,49 +492,68 @@ class Server:
         last_check = time.monotonic()
         try:
             while self._running:
-                for key, _ in self._selector.select(timeout=0.5):
+                for key, mask in self._selector.select(timeout=0.25):
                     try:
-                        key.data(key.fileobj)
-                    except GlobalLoaderError as exc:
-                        print(f"globalloader server: {exc}", file=sys.stderr)
-                if time.monotonic() - last_check > 0.5:
-                    last_check = time.monotonic()
-                    self._check_silence()
+                        key.data(mask)
+                    except Exception as exc:  # never let one event end the server
+                        self._log(f"internal error: {type(exc).__name__}: {exc}")
+                        traceback.print_exc(file=sys.stderr)
+                now = time.monotonic()
+                if now - last_check > 0.25:
+                    last_check = now
+                    if self._accept_paused_until and now > self._accept_paused_until:
+                        self._accept_paused_until = 0.0
+                        self._selector.register(self._listener, selectors.EVENT_READ, self._accept)
+                    self._check_connections()
                     self.decoders.check()
+                    if self.idle_exit and not self.jobs and now - self._idle_since > self.idle_exit:
+                        self._log(f"no jobs for {self.idle_exit:.0f} s; exiting")
+                        self._running = False
         finally:
             self.close()
 
-    def close(self) -> None:
-        for job in list(self.jobs.values()):
-            self._forget_connection(job)
-        self.decoders.close()
+    def _close_listener(self) -> None:
+        self._unregister(self._listener)
+        self._listener.close()
         try:
-            self._listener.close()
-            self.socket_path.unlink()
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
+            self.socket_path.unlink()  # ours: we hold the socket's lock
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self._close_listener()  # first: nobody new connects to a server going away
+        for conn in list(self.connections.values()):
+            if conn.outbox:
+                self._flush(conn)  # the "stopping" answer, if the socket takes it
+            self._close(conn, None)
+        self.decoders.close()
         self.arena.close()
+
+    @staticmethod
+    def _log(line: str) -> None:
+        print(f"globalloader server: {line}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run a server in this process (what `globalloader serve` and auto-start call)."""
-    import argparse
-
-    from globalloader.service.launcher import parse_size, take_over
-
-    parser = argparse.ArgumentParser(prog="globalloader serve")
-    parser.add_argument("--memory", default="2G", help="buffer pool size, e.g. 512M, 4G")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
-    parser.add_argument("--socket", default=None)
+    parser = argparse.ArgumentParser(prog="globalloader serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--memory", default="2G", help="buffer pool size in /dev/shm, e.g. 512M, 4G")
+    parser.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 2), help="decode workers")
+    parser.add_argument("--socket", default=None,
+                        help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)")
+    parser.add_argument("--idle-exit", type=float, default=0.0,
+                        help="exit after this many seconds with no jobs (0: never)")
     args = parser.parse_args(argv)
     path = Path(args.socket) if args.socket else protocol.default_socket()
-    memory = parse_size(args.memory)
-    take_over(path)
-    try:
-        server = Server(path, memory, args.workers)
-    except OSError as exc:
-        raise ServerGone(f"cannot start a server at {path} with a {args.memory} pool") from exc
+    memory = launcher.parse_size(args.memory)
+    if args.workers < 1:
+        raise ServerStartError(f"--workers must be >= 1, got {args.workers}")
+    lock = launcher.own_socket(path)
+    if lock is None:
+        print(f"globalloader server: another server owns {path}; exiting", file=sys.stderr, flush=True)
+        return launcher.LOST_RACE
+    launcher.clear_leftovers(path)
+    server = Server(path, memory, args.workers, args.idle_exit)
     print(f"globalloader server: pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers",
           file=sys.stderr, flush=True)
     server.serve_forever()

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from globalloader.errors import ArgumentError, WorkerError
-from globalloader.execution.shm import BatchReader, BatchWriter, remove_leftovers
+from globalloader.errors import ArgumentError, SharedMemoryError
+from globalloader.transport.names import remove_leftovers
+from globalloader.transport.segments import BatchReader, BatchWriter
 
 SHM_DIR = "/dev/shm"
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
@@ -292,7 +293,7 @@ def test_nothing_left_after_close(worker: _Worker, prefix: str) -> None:
     worker.close_writer(prefix)
     assert _names(prefix) == []
     assert batch["x"].sum() == 45  # the consumer's views outlive the writer
-    with pytest.raises(WorkerError, match=unread_msg[0]):
+    with pytest.raises(SharedMemoryError, match=unread_msg[0]):
         reader.read(unread_msg, lambda name: None)
     reader.close()
     assert batch["x"].sum() == 45  # and the reader's close
@@ -401,7 +402,7 @@ def test_errors_name_what_is_wrong(prefix: str) -> None:
     with pytest.raises(ArgumentError, match="gl-nope-1"):
         writer.free(["gl-nope-1"])
     writer.close()
-    with pytest.raises(WorkerError, match="closed"):
+    with pytest.raises(ArgumentError, match="closed"):
         writer.write({"x": np.ones(2)})
 
 
@@ -411,7 +412,7 @@ def test_full_shared_memory_raises_instead_of_crashing(prefix: str) -> None:
         pytest.skip("shared-memory folder larger than the batch used to overflow it")
     writer = BatchWriter(prefix)
     huge = np.broadcast_to(np.uint8(0), (1 << 40,))  # 1 TiB that takes no memory here
-    with pytest.raises(WorkerError, match="cannot allocate"):
+    with pytest.raises(SharedMemoryError, match="cannot allocate"):
         writer.write({"x": huge})
     assert _names(prefix) == [] and writer.segment_count == 0
     msg = writer.write({"x": np.ones(3)})  # the writer still works

@@ -19,16 +19,13 @@ Lifecycle of a segment (one segment holds all arrays of one batch):
 A name created but never mapped (its message unread) is unlinked by `BatchWriter.close`, or, if
 the writer was killed, by `remove_leftovers(prefix)`.
 
-Names are created with `_posixshmem` directly rather than `multiprocessing.shared_memory`, whose
-resource tracker registers segments a process merely attaches to and unlinks them (with
-warnings) when that process exits. POSIX only.
+Arrays are laid out by `transport.codec`; names are made and removed through `transport.names`.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,25 +33,14 @@ from typing import Any
 import _posixshmem
 import numpy as np
 
-from globalloader.dataset.collate import Stacked
-from globalloader.errors import ArgumentError, WorkerError
+from globalloader.errors import ArgumentError, SharedMemoryError
+from globalloader.transport.codec import copy_arrays, decode_tree, encode_tree
+from globalloader.transport.names import SHM_DIR, check_prefix, unlink
 
-_ALIGN = 64  # cache-line alignment of every array in a segment
 _MIN_CAPACITY = 1 << 20  # small batches share one size class, so segments are rarely replaced
 _GROWTH = 1.25  # head room so batches a little bigger than the last one reuse the segment
-_SHM_DIR = "/dev/shm"  # where Linux exposes POSIX shared-memory names (used to list leftovers)
 # Pre-fault pages when mapping, so steady-state reads and writes take no page faults.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-
-# The encoded tree uses builtins only (a pickled class costs ~1 us each way, a tuple ~50 ns).
-# Every node is a tuple whose first item says what it is, so user tuples cannot be mistaken
-# for nodes: they only ever appear wrapped in a leaf.
-_LEAF = 0  # (_LEAF, obj): kept inline, pickled with the message
-_ARRAY = 1  # (_ARRAY, offset, dtype, shape): a NumPy array in the segment
-_TENSOR = 2  # (_TENSOR, offset, dtype, shape): a torch tensor in the segment
-_NODE = 3  # (_NODE, kind, keys, items): a container holding arrays
-# kind: 0 dict (keys holds its keys), 1 list, 2 tuple, or a named tuple class (pickled by name)
 
 # What a worker sends for one batch, a few hundred bytes whatever the batch size:
 # (segment name or None when the batch has no arrays, encoded tree, retired segment names).
@@ -83,7 +69,7 @@ class BatchWriter:
     """
 
     def __init__(self, prefix: str) -> None:
-        _check_prefix(prefix)
+        check_prefix(prefix)
         self.prefix = prefix
         self._counter = 0
         self._free: list[_Segment] = []  # sorted by capacity, smallest first
@@ -106,7 +92,7 @@ class BatchWriter:
         lists of str...) travels pickled inside the message, unchanged.
         """
         if self._closed:
-            raise WorkerError(f"BatchWriter {self.prefix!r} is closed; cannot write a batch")
+            raise ArgumentError(f"BatchWriter {self.prefix!r} is closed; cannot write a batch")
         tree, placed, nbytes = encode_tree(batch)
         segment = self._take(nbytes) if placed else None
         retired = tuple(self._retired)
@@ -187,9 +173,9 @@ class BatchWriter:
                     os.ftruncate(fd, capacity)
             except OSError as exc:
                 unlink(name)
-                raise WorkerError(
+                raise SharedMemoryError(
                     f"cannot allocate {capacity} bytes of shared memory for segment {name!r}: "
-                    f"{exc}; free space in {_SHM_DIR}, or use fewer workers or less prefetch"
+                    f"{exc}; free space in {SHM_DIR}, or use fewer workers or less prefetch"
                 ) from exc
             mapping = mmap.mmap(fd, capacity, flags=_MAP_FLAGS)
         finally:
@@ -262,7 +248,7 @@ class BatchReader:
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
         except FileNotFoundError as exc:
-            raise WorkerError(
+            raise SharedMemoryError(
                 f"shared-memory segment {name!r} is gone: its writer was closed, or "
                 f"remove_leftovers ran, before this batch was read"
             ) from exc
@@ -275,156 +261,3 @@ class BatchReader:
         self._mappings[name] = mapping
         return mapping
 
-
-def encode_tree(obj: Any) -> tuple[tuple, list[tuple[int, np.ndarray]], int]:
-    """(encoded tree, arrays with their offsets, bytes needed) for a batch or a sample."""
-    placed: list[tuple[int, np.ndarray]] = []  # (offset, array) in walk order
-    tree = _encode(obj, placed)
-    return tree, placed, _end(placed)
-
-
-def copy_arrays(buffer: Any, base: int, placed: list[tuple[int, np.ndarray]]) -> None:
-    """Copy the arrays of `encode_tree` into `buffer` at `base` + their offsets."""
-    for offset, array in placed:
-        target = np.ndarray(array.shape, array.dtype, buffer=buffer, offset=base + offset)
-        if type(array) is Stacked:
-            array.stack_into(target)
-        else:
-            np.copyto(target, array)
-
-
-_DTYPES: dict[Any, np.dtype] = {}
-
-
-def decode_tree(node: tuple, base: np.ndarray) -> Any:
-    """Rebuild what `encode_tree` encoded, arrays as views of `base` (a uint8 array)."""
-    tag = node[0]
-    if tag == _LEAF:
-        return node[1]
-    if tag == _NODE:
-        _, kind, keys, items = node
-        values = [decode_tree(item, base) for item in items]
-        if kind == 0:
-            return dict(zip(keys, values))
-        if kind == 1:
-            return values
-        if kind == 2:
-            return tuple(values)
-        return kind(*values)  # a named tuple class
-    _, offset, dtype, shape = node
-    descr = _DTYPES.get(dtype)
-    if descr is None:
-        descr = _DTYPES[dtype] = np.dtype(dtype)
-    view = np.ndarray(shape, descr, buffer=base, offset=offset)
-    if tag == _TENSOR:
-        return _torch().from_numpy(view)
-    return view
-
-
-def remove_leftovers(prefix: str) -> int:
-    """Unlink every shared-memory name starting with `prefix`; return how many were removed.
-
-    For cleanup after a crash: names of batches created but never read survive their writer.
-    Lists the names on Linux only; elsewhere returns 0.
-    """
-    _check_prefix(prefix)
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return 0
-    removed = 0
-    for name in names:
-        if name.startswith(prefix) and unlink(name):
-            removed += 1
-    return removed
-
-
-def _check_prefix(prefix: str) -> None:
-    if not isinstance(prefix, str) or not prefix or "/" in prefix or "\0" in prefix:
-        raise ArgumentError(
-            f"prefix: {prefix!r} must be a non-empty str without '/', e.g. 'gl-1234-0-'"
-        )
-
-
-def unlink(name: str) -> bool:
-    """Unlink a name; False if it was already gone."""
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _torch() -> Any:
-    from globalloader._extras import require
-
-    return require("torch", "torch")
-
-
-_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})  # leaves, checked first
-
-
-def _as_array(obj: Any) -> tuple[int, np.ndarray] | None:
-    """(_ARRAY or _TENSOR, the array to copy) for `obj`, or None to keep it inline."""
-    kind = type(obj)
-    if kind is np.ndarray or kind is np.memmap or kind is Stacked:
-        tag, array = _ARRAY, obj
-    else:
-        torch = sys.modules.get("torch")  # a tensor implies torch is imported already
-        if torch is None or not isinstance(obj, torch.Tensor):
-            return None
-        if obj.device.type != "cpu" or obj.layout != torch.strided or obj.requires_grad:
-            return None
-        try:
-            array = obj.resolve_conj().resolve_neg().numpy()
-        except (TypeError, RuntimeError):
-            return None  # no NumPy dtype (bfloat16...): pickled instead
-        tag = _TENSOR
-    if array.dtype.hasobject or array.nbytes == 0:
-        return None  # objects cannot live in shared memory; empty arrays pickle in a few bytes
-    return tag, array
-
-
-def _end(placed: list[tuple[int, np.ndarray]]) -> int:
-    """Bytes used by the arrays placed so far."""
-    if not placed:
-        return 0
-    offset, array = placed[-1]
-    return offset + array.nbytes
-
-
-def _encode(obj: Any, placed: list[tuple[int, np.ndarray]]) -> tuple:
-    """`obj` as an encoded tree; appends each array with its 64-byte aligned offset to `placed`."""
-    kind = type(obj)
-    if kind in _SCALARS:
-        return (_LEAF, obj)
-    shipped = _as_array(obj) if kind is not dict and kind is not list else None
-    if shipped is not None:
-        tag, array = shipped
-        offset = -(-_end(placed) // _ALIGN) * _ALIGN
-        placed.append((offset, array))
-        dtype = array.dtype
-        # A dtype string is short and fast to pickle; records and the like need the full dtype.
-        descr = dtype.str if dtype.names is None else dtype
-        return (tag, offset, descr, array.shape)
-    if kind is dict:
-        code: Any = 0
-        items = obj.values()
-    elif kind is list:
-        code, items = 1, obj
-    elif kind is tuple:
-        code, items = 2, obj
-    elif isinstance(obj, tuple) and hasattr(kind, "_fields"):
-        code, items = kind, obj  # a named tuple: rebuilt by calling its class
-    else:
-        return (_LEAF, obj)
-    for item in items:
-        if type(item) not in _SCALARS:
-            break
-    else:
-        return (_LEAF, obj)  # keys, labels...: no need to walk item by item
-    count = len(placed)
-    nodes = [_encode(item, placed) for item in items]
-    if len(placed) == count:
-        return (_LEAF, obj)  # no arrays inside: one pickled leaf, not rebuilt by the reader
-    return (_NODE, code, tuple(obj) if kind is dict else None, nodes)

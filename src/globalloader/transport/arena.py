@@ -1,9 +1,9 @@
-"""The shared-memory arena behind the buffer pool, as every process maps it.
+"""The shared-memory arena behind the server's buffer pool, as every process maps it.
 
 The server creates one POSIX shared-memory segment of the pool's size; its decode workers write
 samples into it and clients' workers read them in place, as NumPy views (zero copy). Offsets and
-layouts come from the server's `BufferPool`; the layout format is the transport's (see
-`globalloader.execution.shm`), so a sample is described exactly like a batch.
+layouts come from the server's `BufferPool`; the layout is the codec's, so a sample is described
+exactly like a batch.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ from typing import Any
 import _posixshmem
 import numpy as np
 
-from globalloader.errors import ServerGone
-from globalloader.execution.shm import copy_arrays, decode_tree, encode_tree, unlink
+from globalloader.errors import ServerGoneError, ServerStartError
+from globalloader.transport.codec import copy_arrays, decode_tree, encode_tree
+from globalloader.transport.names import PREFIX, SHM_DIR, free_bytes, unlink
+
+POOL_PREFIX = PREFIX + "pool-"  # + the server's pid
 
 _attached: dict[str, "Arena"] = {}
 
@@ -39,6 +42,12 @@ class Arena:
         nbytes, tree = layout
         return decode_tree(tree, self._bytes[offset : offset + nbytes])
 
+    def holds(self, array: np.ndarray) -> bool:
+        """Whether `array`'s memory lies inside this arena (a view that must not outlive its ref)."""
+        start = self._bytes.ctypes.data
+        address = array.__array_interface__["data"][0]
+        return start <= address < start + len(self._bytes)
+
     def close(self) -> None:
         _attached.pop(self.name, None)
         self._bytes = None  # type: ignore[assignment]
@@ -57,13 +66,29 @@ def encode(sample: Any) -> tuple[tuple[int, Any], list[tuple[int, np.ndarray]]]:
 
 
 def create(capacity: int) -> Arena:
-    """A new arena for this server process (`gl-pool-<pid>`), memory reserved up front."""
-    name = f"gl-pool-{os.getpid()}"
+    """A new arena for this server process (`gl-pool-<pid>`), its memory reserved up front.
+
+    Reserving (not just sizing) the segment makes a /dev/shm too small for the pool fail here, with
+    an error naming /dev/shm and --memory, instead of killing a decode worker with SIGBUS later.
+    """
+    name = f"{POOL_PREFIX}{os.getpid()}"
+    free = free_bytes()
+    if free is not None and capacity > free:
+        raise ServerStartError(
+            f"--memory {capacity:,} bytes does not fit in {SHM_DIR} ({free:,} bytes free): "
+            f"start the server with a smaller --memory, or enlarge {SHM_DIR} (Docker: --shm-size)"
+        )
     unlink(name)
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, capacity)
+        os.posix_fallocate(fd, 0, capacity)
         mapping = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+    except OSError as exc:
+        unlink(name)
+        raise ServerStartError(
+            f"cannot reserve a {capacity:,}-byte pool in {SHM_DIR}: {exc.strerror or exc}; "
+            "start the server with a smaller --memory"
+        ) from exc
     finally:
         os.close(fd)
     return Arena(name, mapping, owner=True)
@@ -76,7 +101,7 @@ def attach(name: str) -> Arena:
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
         except FileNotFoundError as exc:
-            raise ServerGone(f"the global loader's memory pool {name!r} is gone (server stopped)") from exc
+            raise ServerGoneError(f"the global loader's memory pool {name!r} is gone (server stopped)") from exc
         try:
             mapping = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
         finally:

@@ -1,0 +1,100 @@
+"""A pass over an epoch computed by this Loader's own workers.
+
+Tasks are assigned to workers round-robin and yielded in task order. A task's output depends
+only on (chain, epoch, task), so the position (epoch, task, offset) is all a resume needs:
+whatever was prefetched is recomputed. A position given as the samples consumed (what a shared
+run records) runs the epoch's order without them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from globalloader.execution.run import EpochRun, Host, Position, remaining_indices
+from globalloader.execution.workers import Task
+
+
+class LocalRun(EpochRun):
+    def __init__(self, host: Host, epoch: int, task: int, offset: int, consumed: list[int] | None = None) -> None:
+        super().__init__(host, epoch)
+        self._next_submit = self._next_result = task
+        self._current, self._taken = task, 0
+        self._pending: deque[Any] = deque()
+        self._exhausted = False
+        self._skip_first = offset
+        self._reader = self.plan.stream_reader(epoch, task) if self.plan.is_stream else None
+        self._consumed = consumed
+        self._order = None if consumed is None else remaining_indices(self.plan.indices(epoch), consumed)
+        self._total = None if self.plan.is_stream else self._count_tasks()
+
+    def _count_tasks(self) -> int:
+        if self._order is None:
+            return self.plan.num_tasks()
+        n, batch = len(self._order), self.plan.batch
+        return batch.count(n) if batch is not None else -(-n // self.plan.task_size)
+
+    def _indices(self, t: int) -> np.ndarray:
+        if self._order is None:
+            return self.plan.task_indices(self.epoch, t)
+        size = self.plan.task_size
+        return self._order[t * size : (t + 1) * size]
+
+    def position(self) -> Position:
+        if self._pending:
+            task, offset = self._current, self._taken
+        elif self._skip_first:  # loaded mid-task, nothing yielded yet
+            task, offset = self._current, self._skip_first
+        else:
+            task, offset = self._next_result, 0
+        if self._order is None:
+            return (self.epoch, task, offset, None)
+        done = self._order[: task * self.plan.task_size + offset].tolist()
+        return (self.epoch, 0, 0, list(self._consumed or []) + done)
+
+    def _submit(self) -> None:
+        plan = self.plan
+        while not self._exhausted and self._next_submit - self._next_result < self.host.prefetch:
+            t = self._next_submit
+            if self._reader is not None:
+                items = plan.stream_task(self._reader, t)
+                if items is None:
+                    self._exhausted = True
+                    return
+            elif t >= self._total:
+                self._exhausted = True
+                return
+            else:
+                items = self._indices(t)
+            self._submit_task(Task(self.epoch, t, items))
+            self._next_submit += 1
+
+    def _next(self) -> Any:
+        while not self._pending:
+            self._submit()
+            if self._next_result == self._next_submit:
+                self._end_epoch()
+            t = self._next_result
+            res = self._result(t)
+            self._next_result += 1
+            self._current, self._taken = t, 0
+            if res.output is not None:
+                self._pending.extend([res.output] if self.plan.batch is not None else res.output)
+            if self._skip_first:
+                for _ in range(min(self._skip_first, len(self._pending))):
+                    self._pending.popleft()
+                self._taken, self._skip_first = self._skip_first, 0
+            self._submit()
+        self._taken += 1
+        return self._pending.popleft()
+
+    def drain(self) -> None:
+        try:
+            while self._next_result < self._next_submit:
+                self._pool.result(self._next_result % self._width)
+                self._next_result += 1
+        except BaseException:
+            self.host.broken()
+        self._pending.clear()
