@@ -49,3 +49,9 @@ class TransformError(GlobalLoaderError):
 
 class PoolTooSmall(GlobalLoaderError):
     """The server's memory pool cannot hold what its jobs need at once (a batch per job)."""
+
+
+class FingerprintError(GlobalLoaderError):
+    """What decides a chain's output cannot be established (an opaque object reached by a map),
+    so it cannot be shared, disk-cached or keyed; the message names the map, the value and how to
+    give an explicit key."""
