@@ -22,6 +22,7 @@ from helpers import check_resume
 import globalloader as gl
 from globalloader.dataset.fingerprint import fingerprint
 from globalloader.errors import ArgumentError, FingerprintError, StateError
+from globalloader.sources.sequence import SequenceSource
 
 SIZE = 4
 SCALE = 2
@@ -29,7 +30,7 @@ FACTOR = 10
 LOCK = threading.Lock()
 
 
-def source(n: int = 6) -> gl.SequenceSource:
+def source(n: int = 6) -> SequenceSource:
     return gl.from_sequence(list(range(n)))
 
 
@@ -410,10 +411,33 @@ def test_a_state_dict_of_another_chain_is_refused(monkeypatch):
         iterator.load_state_dict(state)
 
 
-def test_a_map_that_fills_a_memo_as_it_runs_resumes():
+def test_a_map_that_fills_a_memo_as_it_runs_resumes_into_a_chain_built_fresh():
     memo: dict = {}
 
     def memoized(record):
         return memo.setdefault(record["value"], record["value"] * 2)
 
-    check_resume(lambda: gl.Dataset(source(40)).shuffle(2).map(memoized).iterator(), at=7)
+    def chain():
+        return gl.Dataset(source(40)).shuffle(2).map(memoized)
+
+    fresh = chain()  # built before any sample ran, as a new process resuming would build it
+    it = chain().iterator()
+    [next(it) for _ in range(7)]
+    state = it.state_dict()  # the memo now holds 7 entries: the key was taken when the chain was built
+    rest = list(it)
+    resumed = fresh.iterator()
+    resumed.load_state_dict(state)
+    assert list(resumed) == rest
+
+
+def test_torch_tensors_count_by_dtype_shape_and_values():
+    torch = pytest.importorskip("torch")
+    a = torch.arange(6.0)
+    assert fingerprint(a) == fingerprint(torch.arange(6.0)), "pickled tensors carry storage ids; keys must not"
+    assert fingerprint(a) != fingerprint(a + 1)
+    assert fingerprint(a) != fingerprint(a.reshape(2, 3))
+    assert fingerprint(a) != fingerprint(a.double())
+    torch.manual_seed(0)
+    first = torch.nn.Linear(3, 2)
+    torch.manual_seed(0)
+    assert fingerprint(first) == fingerprint(torch.nn.Linear(3, 2)) != fingerprint(torch.nn.Linear(3, 2))

@@ -35,9 +35,9 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes)
 _MAX_DEPTH = 100  # nested references followed before giving up (a reference chain too deep)
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
 _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
-# Class attributes that are bookkeeping (added lazily by pickle or abc, or repeating the source):
-_CLASS_SKIP = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__slotnames__",
-                         "_abc_impl", "__annotations__", "__firstlineno__", "__static_attributes__"})
+# A class counts by its methods and plain attributes; other dunder entries are bookkeeping (some,
+# like __slotnames__, added lazily by pickle), and so is abc's registry.
+_CLASS_SKIP = frozenset({"_abc_impl"})
 _METHOD_TYPES = (types.FunctionType, staticmethod, classmethod, property)
 _DESCRIPTORS = (types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType,
                 types.GetSetDescriptorType, types.MemberDescriptorType)
@@ -128,6 +128,8 @@ class _Walk:
         elif isinstance(v, np.generic):
             self.put("numpy scalar", _dtype(v.dtype))
             self.put("bytes", v.tobytes())
+        elif _is_tensor(v):
+            self.tensor(v)
         elif t is tuple:
             self.sequence("tuple", v)
         elif t is frozenset:
@@ -215,6 +217,16 @@ class _Walk:
         else:
             self.hash.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data if a.size else b"")
 
+    def tensor(self, x: Any) -> None:
+        """By dtype, shape and bytes: pickling a tensor writes storage ids, different every run."""
+        try:
+            data = x.detach().cpu().contiguous().reshape(-1).view(sys.modules["torch"].uint8).numpy()
+        except Exception as exc:  # noqa: BLE001 - sparse, quantized, meta... tensors
+            self.opaque(x, f"its values cannot be read ({type(exc).__name__}: {exc})")
+            return
+        self.put("tensor", f"{_qualified(type(x))}|{x.dtype}|{tuple(x.shape)}|{x.requires_grad}")
+        self.hash.update(data.data)
+
     def sequence(self, tag: str, items: list[Any] | tuple[Any, ...]) -> None:
         if all(type(x) in _ATOMS for x in items):  # the common case, at C speed: repr is exact here
             self.put(tag + " of atoms", repr(items))
@@ -227,7 +239,7 @@ class _Walk:
         self.put("dict", str(len(d)))
         for k, x in d.items():
             self.child("key", k)
-            self.child(f"[{k!r:.60}]", x)
+            self.child(f"[{k!r:.60}]" if type(k) in _ATOMS else f"[{type(k).__name__} key]", x)
 
     def unordered(self, tag: str, items: set[Any] | frozenset[Any]) -> None:
         """Sets iterate in hash order, which differs between processes: key the sorted items."""
@@ -318,6 +330,9 @@ class _Walk:
             self.opaque(v, f"its state cannot be read ({type(exc).__name__}: {exc})")
             return
         self.alive.append(reduced)
+        if not isinstance(reduced, (str, tuple)):
+            self.opaque(v, f"its __reduce__ returned a {type(reduced).__name__}")
+            return
         if isinstance(reduced, str):  # pickled as a reference to a module-level name
             module = getattr(v, "__module__", None) or type(v).__module__
             wrapped = getattr(v, "__wrapped__", None)
@@ -344,6 +359,11 @@ def _name(value: Any) -> str:
 
 def _qualified(t: type) -> str:
     return f"{t.__module__}.{t.__qualname__}"
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # never imported here: only a process using torch has tensors
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _dtype(dtype: np.dtype) -> str:
