@@ -370,7 +370,7 @@ def _dtype(dtype: np.dtype) -> str:
     return f"{dtype.str}{dtype.descr if dtype.fields else ''}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_library(module: str | None) -> bool:
     """Installed packages, the standard library and globalloader: named by version, not walked."""
     if not module or module == "__main__":
@@ -382,7 +382,7 @@ def _is_library(module: str | None) -> bool:
     return "site-packages" in path or "dist-packages" in path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _version(module: str) -> str:
     top = module.partition(".")[0]
     if top in sys.stdlib_module_names or top in sys.builtin_module_names:
