@@ -48,6 +48,12 @@ class StateError(GlobalLoaderError):
     """A state dict does not fit the loader or dataset it is loaded into."""
 
 
+class FingerprintError(GlobalLoaderError):
+    """What decides a chain's output cannot be established (an opaque object reached by a map),
+    so it cannot be shared, disk-cached or keyed; the message names the map, the value and how to
+    give an explicit key."""
+
+
 class MissingExtraError(GlobalLoaderError, ImportError):
     """An optional dependency is not installed; the message says which extra to install."""
 

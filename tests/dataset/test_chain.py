@@ -5,6 +5,7 @@ import pytest
 from helpers import same
 
 import globalloader as gl
+from globalloader.sources.sequence import SequenceSource
 from globalloader.errors import ArgumentError, SampleIndexError, TransformError
 
 
@@ -127,18 +128,27 @@ def test_memory_cache_runs_deterministic_prefix_once():
     assert all(same(r["y"], r["x"] * 2) for r in first + second)
 
 
-DISK_CALLS: list[int] = []
+class CountingSource(SequenceSource):
+    """Records that count their reads: a disk cache hit reads nothing."""
+
+    def __init__(self, seq):
+        super().__init__(seq)
+        self.reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
 
 
 def double(r):
-    DISK_CALLS.append(1)
     return {**r, "y": r["x"] * 2}
 
 
 def test_disk_cache_is_shared_between_chains_and_keyed_by_fingerprint(tmp_path):
-    list(gl.Dataset(gl.from_sequence(records(4))).map(double).cache(tmp_path))
-    again = list(gl.Dataset(gl.from_sequence(records(4))).map(double).cache(tmp_path))
-    assert len(DISK_CALLS) == 4 and same(again[3]["y"], np.full(3, 6))
+    first, second = CountingSource(records(4)), CountingSource(records(4))
+    list(gl.Dataset(first).map(double).cache(tmp_path))
+    again = list(gl.Dataset(second).map(double).cache(tmp_path))
+    assert (first.reads, second.reads) == (4, 0) and same(again[3]["y"], np.full(3, 6))
 
     def triple(r):
         return {**r, "y": r["x"] * 3}

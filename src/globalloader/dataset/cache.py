@@ -1,8 +1,10 @@
 """`Dataset.cache`: keep the output of the deterministic part of a chain, keyed by sample index.
 
 In memory, each process keeps its own dict (right for `mode="thread"` or `workers=0`). On disk,
-every worker and every later run share one folder named by the chain's fingerprint, so a changed
-source or transform never reads stale entries. Entries are written atomically (temp + rename),
+every worker and every later run share one folder named by the identity of the source and the
+maps before the cache point (the same walk as the sharing key, see `dataset.fingerprint`), so a
+changed source, transform or any value a transform reads never reads stale entries. An explicit
+`key` stands for those maps when their identity cannot be established. Entries are written atomically (temp + rename),
 so a crash leaves no half-written sample.
 """
 
@@ -19,8 +21,9 @@ MISSING = object()
 class CacheOp:
     """A cache point in a chain: `get(index)` / `put(index, value)`."""
 
-    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None, key: str | None = None) -> None:
         self.path = None if path is None else Path(path)
+        self.key = key
         self._folder: Path | None = None
         self._memory: dict[int, Any] = {}
 

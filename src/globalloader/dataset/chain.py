@@ -77,23 +77,36 @@ class Dataset:
         return self._then(op(rank, world_size, uneven))
 
     # -- record operators --------------------------------------------------------------------
-    def map(self, fn: Callable[..., Any], shared: bool = False, name: str | None = None) -> "Dataset":
+    def map(
+        self, fn: Callable[..., Any], shared: bool = False, name: str | None = None, key: str | None = None
+    ) -> "Dataset":
         """Apply `fn` to every sample (or every batch, after `batch()`).
 
         `fn(x, rng=...)` receives a per-sample Generator; without `rng` it must be deterministic.
-        `shared=True` marks a deterministic prefix (decode, resize) that jobs may share.
+        `shared=True` marks a deterministic prefix (decode, resize) that jobs may share: jobs
+        share it when its identity is equal, which covers `fn`'s code, closure, defaults, the
+        globals it reads (recursively), partial arguments and callable objects' state. Where
+        that cannot be established (a captured lock or file), starting a shared Loader (or a
+        disk `cache`) raises FingerprintError; `key="decode-v2"` then names the map instead: a
+        promise that maps with equal keys produce equal outputs (change it when `fn` changes).
         """
         if not callable(fn):
             raise ArgumentError(f"map: fn must be callable, got {type(fn).__name__}")
-        op = MapOp(fn, bool(shared), name or getattr(fn, "__name__", type(fn).__name__))
+        _check_key("map", key)
+        op = MapOp(fn, bool(shared), name or getattr(fn, "__name__", type(fn).__name__), key)
         if op.shared and op.random:
             raise ArgumentError(f"map {op.name!r}: shared=True needs a deterministic fn (it takes rng)")
         return self._then(op)
 
-    def cache(self, path: str | os.PathLike[str] | None = None) -> "Dataset":
+    def cache(self, path: str | os.PathLike[str] | None = None, key: str | None = None) -> "Dataset":
         """Keep samples as computed so far (deterministic maps only): in memory, or on disk at
-        `path` shared by every worker and run."""
-        return self._then(CacheOp(path))
+        `path` shared by every worker and run, in a folder named by the identity of the source and
+        the maps before it (as for `map(shared=True)`). `key` names those maps instead: equal
+        keys on the same source promise equal samples."""
+        _check_key("cache", key)
+        if key is not None and path is None:
+            raise ArgumentError("cache(key=...) names a disk cache's folder; give path= too")
+        return self._then(CacheOp(path, key))
 
     def batch(self, n: int, drop_last: bool = False, collate: Callable[[list[Any]], Any] | None = None) -> "Dataset":
         """Group `n` consecutive samples; `collate` defaults to stacking NumPy arrays per key."""
@@ -125,3 +138,8 @@ class Dataset:
     def __repr__(self) -> str:
         ops = " -> ".join(type(op).__name__ for op in self._ops)
         return f"Dataset({type(self.source).__name__}{' -> ' + ops if ops else ''})"
+
+
+def _check_key(method: str, key: object) -> None:
+    if key is not None and not (isinstance(key, str) and key):
+        raise ArgumentError(f"{method}: key must be a non-empty string, got {key!r}")

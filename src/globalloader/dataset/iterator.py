@@ -15,19 +15,26 @@ from globalloader.errors import StateError
 
 
 def make_state(plan: Plan, epoch: int, task: int, offset: int) -> dict[str, Any]:
-    return {"fingerprint": plan.fingerprint, "epoch": epoch, "task": task, "offset": offset}
+    return {"fingerprint": plan.resume_fingerprint, "epoch": epoch, "task": task, "offset": offset}
 
 
 def check_state(plan: Plan, state: dict[str, Any]) -> tuple[int, int, int]:
-    """(epoch, task, offset) from a state dict, refusing one taken from a different chain."""
+    """(epoch, task, offset) from a state dict, refusing one taken from a different chain.
+
+    The check uses the sharing key's walk (source, operators, maps' code and everything they
+    read), leniently: a value whose state cannot be seen (a lock or file a function captured)
+    counts by its type only, so every chain can be checkpointed, and two chains differing only
+    inside such a value are not told apart. Maps with an explicit key are compared by that key.
+    """
     try:
         fingerprint, epoch, task, offset = (state[k] for k in ("fingerprint", "epoch", "task", "offset"))
     except (KeyError, TypeError) as exc:
         raise StateError(f"not a globalloader state dict (missing {exc}): {state!r:.200}") from exc
-    if fingerprint != plan.fingerprint:
+    expected = plan.resume_fingerprint
+    if fingerprint != expected:
         raise StateError(
-            "state dict was taken from a different chain (source, operators or functions changed): "
-            f"fingerprint {fingerprint} != {plan.fingerprint}"
+            "state dict was taken from a different chain (source, operators, functions or values "
+            f"they read changed): fingerprint {fingerprint} != {expected}"
         )
     return int(epoch), int(task), int(offset)
 

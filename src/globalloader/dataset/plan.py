@@ -18,11 +18,11 @@ import numpy as np
 from globalloader.dataset.batch import BatchOp
 from globalloader.dataset.cache import MISSING, CacheOp
 from globalloader.dataset.collate import collate as default_collate
-from globalloader.dataset.fingerprint import digest
+from globalloader.dataset.fingerprint import digest, fingerprint
 from globalloader.dataset.index_ops import Select, Shard, Shuffle
 from globalloader.dataset.map import MapOp
 from globalloader.dataset.stream import BufferShuffle, StreamReader, StreamShard, StreamSource
-from globalloader.errors import SAMPLE_ERRORS, ArgumentError, GlobalLoaderError, TransformError
+from globalloader.errors import SAMPLE_ERRORS, ArgumentError, FingerprintError, GlobalLoaderError, TransformError
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
 
@@ -59,21 +59,57 @@ class Plan:
         for op in ops:
             self._add(op)
         self.lengths = self._lengths()
-        source_fp = getattr(source, "fingerprint", None)
-        self.fingerprint = digest(
-            source_fp or (type(source).__qualname__, self.lengths[0]),
-            [op.describe() for op in self.index_ops],
-            [(m.fingerprint, m.shared) for m in self.maps],
-            None if self.batch is None else (self.batch.size, self.batch.drop_last),
-            [m.fingerprint for m in self.batch_maps],
-        )
-        if self.cache is not None:
-            if self.cache.path is not None and not isinstance(source_fp, str):
+        self._source_ids: dict[bool, str] = {}
+        # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
+        # lazily loaded model) must not make a checkpoint of this very chain look foreign.
+        self.resume_fingerprint = self.identity(strict=False)
+        if self.cache is not None and self.cache.path is not None:
+            if not isinstance(getattr(source, "fingerprint", None), str):
                 raise ArgumentError(
                     f"cache(path) needs a source with a .fingerprint to key its files; "
                     f"{type(source).__name__} has none (wrap it: gl.from_sequence(...))"
                 )
-            self.cache.bind(digest(source_fp, [m.fingerprint for m in self.maps[: self.cache_at]]))
+            self.cache.bind(self._cache_key())
+
+    # -- identity: the sharing key, the disk cache's folder and the resume check ---------------
+    @property
+    def fingerprint(self) -> str:
+        """Equal for chains whose outputs are equal (the sharing key); raises FingerprintError,
+        naming the map or source, when a value deciding the output cannot be established."""
+        return self.identity(strict=True)
+
+    def identity(self, strict: bool) -> str:
+        """Strict: the sharing key. Lenient (`resume_fingerprint`, the state_dict check): the same
+        walk, except that values whose state cannot be seen (a lock a lambda captured) count by
+        their type only, so any chain can be checkpointed."""
+        batch = self.batch
+        return digest(
+            self._source_identity(strict),
+            [op.describe() for op in self.index_ops],
+            [(m.identity(strict), m.shared) for m in self.maps],
+            None if batch is None else (batch.size, batch.drop_last, _collate_identity(batch, strict)),
+            [m.identity(strict) for m in self.batch_maps],
+        )
+
+    def _source_identity(self, strict: bool) -> str:
+        """Its `fingerprint` string, else a walk of its content (kept: sources do not change)."""
+        if strict not in self._source_ids:
+            source = self.source.iterable if self.is_stream else self.source
+            fix = "Give the source a `fingerprint` attribute: a string that changes whenever its records do"
+            self._source_ids[strict] = fingerprint(source, f"the source ({type(source).__name__})", fix, strict)
+        return self._source_ids[strict]
+
+    def _cache_key(self) -> str:
+        """The disk cache's folder: the source and the maps before the cache point (or its key)."""
+        assert self.cache is not None
+        if self.cache.key is not None:
+            return digest(self._source_identity(True), "explicit key", self.cache.key)
+        try:
+            maps = [m.identity() for m in self.maps[: self.cache_at]]
+        except FingerprintError as exc:
+            raise FingerprintError(f'cache({str(self.cache.path)!r}) cannot key its files: {exc}; '
+                                   f'or key the cache itself: .cache(path, key="my-cache-v1")') from None
+        return digest(self._source_identity(True), maps)
 
     def _add(self, op: Any) -> None:
         if isinstance(op, (Select, Shuffle, Shard, BufferShuffle, StreamShard)):
@@ -248,6 +284,11 @@ class Plan:
             raise TransformError(f"map {op.name!r} failed on {what}: {type(exc).__name__}: {exc}") from exc
         _tick(timer, op.name, t0)
         return value
+
+
+def _collate_identity(batch: BatchOp, strict: bool) -> str:
+    fix = "Pass a collate function whose state can be walked, or give it a string `fingerprint` attribute"
+    return fingerprint(batch.collate, "batch(collate=...)", fix, strict)
 
 
 def _tick(timer: Timer, stage: str, t0: float) -> None:
