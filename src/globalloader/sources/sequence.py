@@ -1,4 +1,4 @@
-"""from_sequence: any in-memory Python sequence as a source, for tests and small data."""
+"""from_sequence: any in-memory Python sequence as a source (items as they are), for tests and small data."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ from globalloader.sources.base import check_index
 
 
 class SequenceSource:
-    """Records from a Python sequence: dict items as they are, others as `{"__key__", "value"}`.
+    """The items of a Python sequence as records, as they are: `src[i] is seq[i]`.
+
+    The rule is the same as `Dataset(seq)` on the bare sequence: nothing is wrapped, so a list of
+    ints yields ints and a list of dicts yields those dicts (give them a `"__key__"` to have
+    errors name it; otherwise errors name the index). What `from_sequence` adds is the
+    `fingerprint` that `cache(path)` and `share=True` need to recognise the data.
 
     Items are returned without copying, so a map that mutates a dict record mutates the
     sequence. `fingerprint` is a SHA-256 of the pickled sequence, computed on first use and kept
@@ -34,13 +39,10 @@ class SequenceSource:
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> Any:
         if index.__class__ is not int or not 0 <= index < self._len:
             index = check_index(index, self._len, self)
-        item = self.seq[index]
-        if isinstance(item, dict):
-            return item
-        return {"__key__": str(index), "value": item}
+        return self.seq[index]
 
     @property
     def fingerprint(self) -> str:
@@ -58,5 +60,7 @@ class SequenceSource:
 
 
 def from_sequence(seq: Sequence[Any]) -> SequenceSource:
-    """Wrap `seq` (list, tuple, NumPy array, any object with len and [i]) as a source."""
+    """`seq` (list, tuple, NumPy array, any object with len and [i]) as a source whose records are
+    its items, unchanged: `Dataset(from_sequence(seq))` yields what `Dataset(seq)` yields, plus a
+    content fingerprint."""
     return SequenceSource(seq)
