@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "IMAGE_FIELDS",
     "Decode",
     "RandomCropFlipNormalize",
     "RandomResizedCropFlipNormalize",
@@ -55,6 +56,11 @@ IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 _ENCODED = (bytes, bytearray, memoryview)
+# Where a record keeps its image when no field is named, in order: ImageFolder's "image", then
+# the extensions WebDataset tar shards name their image members by.
+IMAGE_FIELDS: tuple[str, ...] = (
+    "image", "jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "pnm", "bmp", "tif", "tiff", "gif", "img",
+)
 
 
 def _pil() -> Any:
@@ -399,13 +405,32 @@ def _sample_name(record: Mapping[str, Any]) -> str:
     return f"{name} in {url}" if url else name
 
 
-def _field(record: Mapping[str, Any], field: str) -> Any:
-    try:
-        return record[field]
-    except KeyError:
-        raise CorruptSampleError(
-            f"{_sample_name(record)} has no field {field!r} (fields: {sorted(map(str, record))})"
-        ) from None
+def _image_field(record: Mapping[str, Any], field: str | None, transform: str) -> str:
+    """The field holding the image: `field`, or with None the first of IMAGE_FIELDS present.
+
+    A missing field is a mistake in the chain, not a bad sample, so it raises ArgumentError
+    (which `on_error="skip"` must not hide) listing the fields the record has.
+    """
+    if not isinstance(record, Mapping):
+        raise ArgumentError(f"{transform}: expected a dict record, got {type(record).__name__}")
+    if field is not None:
+        if field in record:
+            return field
+        wanted = f"no field {field!r}"
+    else:
+        found = next((name for name in IMAGE_FIELDS if name in record), None)
+        if found is not None:
+            return found
+        wanted = f"no image field (looked for {', '.join(IMAGE_FIELDS)})"
+    raise ArgumentError(
+        f"{transform}: {_sample_name(record)} has {wanted}; its fields are {sorted(map(str, record))}; "
+        f"name the image's field: {transform}(field=...)"
+    )
+
+
+def _check_field(field: Any, transform: str) -> None:
+    if field is not None and not isinstance(field, str):
+        raise ArgumentError(f"{transform}: field must be a str or None (find the image), got {field!r}")
 
 
 def _is_encoded(value: Any) -> bool:
@@ -440,14 +465,19 @@ class Decode:
     the same array, so the service decodes each sample once for every job. `resize` sets the
     shorter side; with `draft` a large JPEG is decoded at reduced scale first. Corrupt bytes
     raise CorruptSampleError naming the record's `__key__` (and `__url__`).
+
+    `field` None (the default) finds the image: the first of IMAGE_FIELDS the record has ("image"
+    for ImageFolder, "jpg", "png"... for tar shards); the result stays in that field. A record
+    without it raises ArgumentError listing the record's fields.
     """
 
-    field: str = "image"
+    field: str | None = None
     resize: int | None = None
     mode: str | None = "RGB"
     draft: bool = True
 
     def __post_init__(self) -> None:
+        _check_field(self.field, "Decode")
         if self.resize is not None and (
             not isinstance(self.resize, int) or isinstance(self.resize, bool) or self.resize <= 0
         ):
@@ -456,17 +486,18 @@ class Decode:
             )
 
     def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        value = _field(record, self.field)
+        field = _image_field(record, self.field, "Decode")
+        value = record[field]
         name = _sample_name(record)
         if not _is_encoded(value):  # already decoded: arrays are taken to be in `mode`
             image = value if isinstance(value, np.ndarray) else _as_pil(value, name, self.mode)
             if self.resize is not None:
                 image = resize_shorter(image, self.resize)
-            return {**record, self.field: to_array(image)}
+            return {**record, field: to_array(image)}
         img = _open(value, name)
         if self.resize is None:
             img, _ = _finish(img, name, self.mode, None)
-            return {**record, self.field: to_array(img)}
+            return {**record, field: to_array(img)}
         width, height = img.size
         target = _shorter_to(width, height, self.resize)
         drafting = self.draft and target[0] < width
@@ -474,7 +505,7 @@ class Decode:
         if img.size != target:
             box = (0.0, 0.0, width / scale, height / scale)
             img = img.resize(target, _resample(None), box=box)
-        return {**record, self.field: to_array(img)}
+        return {**record, field: to_array(img)}
 
 
 @dataclass(frozen=True)
@@ -485,9 +516,10 @@ class RandomResizedCropFlipNormalize:
     (size, size, 3) or, with `chw`, (3, size, size). From bytes, the crop box is drawn from the
     header's size before decoding, so a JPEG is decoded only as finely as the crop needs
     (`draft`). Draws, in order: the crop (see `random_resized_crop_box`), then the flip.
+    `field` None finds the image as `Decode` does.
     """
 
-    field: str = "image"
+    field: str | None = None
     size: int | tuple[int, int] = 224
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
@@ -499,6 +531,7 @@ class RandomResizedCropFlipNormalize:
     draft: bool = True
 
     def __post_init__(self) -> None:
+        _check_field(self.field, type(self).__name__)
         _hw(self.size)
         if not isinstance(self.size, int):
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
@@ -513,7 +546,8 @@ class RandomResizedCropFlipNormalize:
         _affine(self.mean, self.std)
 
     def __call__(self, record: Mapping[str, Any], *, rng: np.random.Generator) -> dict[str, Any]:
-        value = _field(record, self.field)
+        field = _image_field(record, self.field, type(self).__name__)
+        value = record[field]
         name = _sample_name(record)
         out_h, out_w = _hw(self.size)
         if _is_encoded(value):
@@ -531,7 +565,7 @@ class RandomResizedCropFlipNormalize:
             box = (left, top, left + w, top + h)
         img = img.resize((out_w, out_h), _resample(None), box=box)
         img = hflip(img, rng, self.flip_p)  # in Pillow: cheap, and the array stays contiguous
-        return {**record, self.field: normalize(to_array(img), self.mean, self.std, self.chw)}
+        return {**record, field: normalize(to_array(img), self.mean, self.std, self.chw)}
 
 
 @dataclass(frozen=True)
@@ -540,10 +574,10 @@ class RandomCropFlipNormalize:
 
     The per-job half of a shared pipeline: after a shared `Decode(resize=256)`, each job crops its
     own `size` region (a view), flips and normalizes in one pass to float32 (HWC, or CHW with
-    `chw`). Draws, in order: crop top, crop left, flip.
+    `chw`). Draws, in order: crop top, crop left, flip. `field` None finds the image as `Decode` does.
     """
 
-    field: str = "image"
+    field: str | None = None
     size: int | tuple[int, int] = 224
     flip_p: float = 0.5
     mean: tuple[float, ...] = IMAGENET_MEAN
@@ -551,6 +585,7 @@ class RandomCropFlipNormalize:
     chw: bool = False
 
     def __post_init__(self) -> None:
+        _check_field(self.field, type(self).__name__)
         _hw(self.size)
         if not isinstance(self.size, int):
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
@@ -559,11 +594,12 @@ class RandomCropFlipNormalize:
         _affine(self.mean, self.std)
 
     def __call__(self, record: Mapping[str, Any], *, rng: np.random.Generator) -> dict[str, Any]:
-        value = _field(record, self.field)
+        field = _image_field(record, self.field, type(self).__name__)
+        value = record[field]
         if _is_encoded(value):
             raise ArgumentError(
-                f"{_sample_name(record)}: field {self.field!r} holds encoded bytes; "
-                f"map Decode(field={self.field!r}, resize=...) before RandomCropFlipNormalize"
+                f"{_sample_name(record)}: field {field!r} holds encoded bytes; "
+                f"map Decode(field={field!r}, resize=...) before RandomCropFlipNormalize"
             )
         array = value if isinstance(value, np.ndarray) else to_array(value)
         crop_hw = _hw(self.size)
@@ -573,4 +609,4 @@ class RandomCropFlipNormalize:
                 f"{crop_hw[0]}x{crop_hw[1]}; resize it first (Decode(resize=...))"
             )
         array = hflip(random_crop(array, crop_hw, rng), rng, self.flip_p)
-        return {**record, self.field: normalize(array, self.mean, self.std, self.chw)}
+        return {**record, field: normalize(array, self.mean, self.std, self.chw)}
