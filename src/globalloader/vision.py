@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "IMAGE_EXTENSIONS",
     "IMAGE_FIELDS",
     "Decode",
     "RandomCropFlipNormalize",
@@ -49,6 +50,7 @@ __all__ = [
     "random_resized_crop",
     "random_resized_crop_box",
     "resize_shorter",
+    "sample_name",
     "to_array",
 ]
 
@@ -56,11 +58,11 @@ IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 _ENCODED = (bytes, bytearray, memoryview)
-# Where a record keeps its image when no field is named, in order: ImageFolder's "image", then
-# the extensions WebDataset tar shards name their image members by.
-IMAGE_FIELDS: tuple[str, ...] = (
-    "image", "jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "pnm", "bmp", "tif", "tiff", "gif", "img",
-)
+# The extensions of image members in WebDataset tar shards (the field names TarShards gives them).
+IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "pnm", "bmp", "tif", "tiff", "gif")
+# Where a record keeps its image when no field is named, in this order: ImageFolder's "image",
+# then the image extensions.
+IMAGE_FIELDS: tuple[str, ...] = ("image", *IMAGE_EXTENSIONS)
 
 
 def _pil() -> Any:
@@ -398,7 +400,8 @@ def normalize(
 
 # ---------------------------------------------------------------------- record-level transforms
 
-def _sample_name(record: Mapping[str, Any]) -> str:
+def sample_name(record: Mapping[str, Any]) -> str:
+    """How errors name a record: its `__key__`, and its `__url__` when it has one."""
     key = record.get("__key__")
     name = f"sample {key!r}" if key is not None else "sample without __key__"
     url = record.get("__url__")
@@ -423,7 +426,7 @@ def _image_field(record: Mapping[str, Any], field: str | None, transform: str) -
             return found
         wanted = f"no image field (looked for {', '.join(IMAGE_FIELDS)})"
     raise ArgumentError(
-        f"{transform}: {_sample_name(record)} has {wanted}; its fields are {sorted(map(str, record))}; "
+        f"{transform}: {sample_name(record)} has {wanted}; its fields are {sorted(map(str, record))}; "
         f"name the image's field: {transform}(field=...)"
     )
 
@@ -488,7 +491,7 @@ class Decode:
     def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
         field = _image_field(record, self.field, "Decode")
         value = record[field]
-        name = _sample_name(record)
+        name = sample_name(record)
         if not _is_encoded(value):  # already decoded: arrays are taken to be in `mode`
             image = value if isinstance(value, np.ndarray) else _as_pil(value, name, self.mode)
             if self.resize is not None:
@@ -548,7 +551,7 @@ class RandomResizedCropFlipNormalize:
     def __call__(self, record: Mapping[str, Any], *, rng: np.random.Generator) -> dict[str, Any]:
         field = _image_field(record, self.field, type(self).__name__)
         value = record[field]
-        name = _sample_name(record)
+        name = sample_name(record)
         out_h, out_w = _hw(self.size)
         if _is_encoded(value):
             img = _open(value, name)
@@ -598,14 +601,14 @@ class RandomCropFlipNormalize:
         value = record[field]
         if _is_encoded(value):
             raise ArgumentError(
-                f"{_sample_name(record)}: field {field!r} holds encoded bytes; "
+                f"{sample_name(record)}: field {field!r} holds encoded bytes; "
                 f"map Decode(field={field!r}, resize=...) before RandomCropFlipNormalize"
             )
         array = value if isinstance(value, np.ndarray) else to_array(value)
         crop_hw = _hw(self.size)
         if array.ndim != 3 or crop_hw[0] > array.shape[0] or crop_hw[1] > array.shape[1]:
             raise ArgumentError(
-                f"{_sample_name(record)}: image of shape {array.shape} cannot be cropped to "
+                f"{sample_name(record)}: image of shape {array.shape} cannot be cropped to "
                 f"{crop_hw[0]}x{crop_hw[1]}; resize it first (Decode(resize=...))"
             )
         array = hflip(random_crop(array, crop_hw, rng), rng, self.flip_p)
