@@ -1,4 +1,4 @@
-"""The multi-job workload at a tiny size: real job processes, a real server, real shared memory."""
+"""The multi-job workload (globalloader.demo.jobs) at a tiny size: real job processes, a real server, real shared memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from globalloader.errors import ArgumentError
-from globalloader.shared_demo import JobSpec, overlapping_sets, run_jobs
+from globalloader.demo.jobs import JobSpec, overlapping_sets, run_jobs
 from globalloader.synthetic import make_jpeg_folder
 
 pytestmark = pytest.mark.timeout(240)
@@ -78,7 +78,7 @@ def test_bad_arguments_name_what_is_wrong(root):
 
 
 def test_the_exact_once_check_catches_a_missing_or_repeated_sample():
-    from globalloader.shared_demo import _exact_once
+    from globalloader.demo.jobs import _exact_once
 
     want = ["a", "b", "c"]
     assert _exact_once([["c", "a", "b"], ["b", "c", "a"]], want, background=False)
