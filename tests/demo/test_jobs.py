@@ -18,6 +18,7 @@ def root(tmp_path_factory):
     return make_jpeg_folder(tmp_path_factory.mktemp("jpeg"), n=40, progress=False)
 
 
+@pytest.mark.integration  # job processes, and in shared mode a server
 def test_shared_jobs_decode_each_sample_once_and_independent_ones_once_per_job(root):
     specs = [JobSpec("all", range(40)), JobSpec("tail", range(10, 40), sleep=0.01)]
     shared = run_jobs(root, specs, "shared", workers=1, batch_size=8, memory="16M", progress=False)
@@ -39,6 +40,7 @@ def test_shared_jobs_decode_each_sample_once_and_independent_ones_once_per_job(r
     assert all(0.0 <= j["followed_share"] <= 1.0 for j in shared["jobs"])
 
 
+@pytest.mark.integration  # job processes, and in shared mode a server
 def test_a_job_with_two_epochs_sees_its_set_once_per_epoch(root):
     result = run_jobs(root, [JobSpec("twice", range(0, 40, 3), epochs=2)], "shared", workers=1,
                       batch_size=8, memory="16M", progress=False)
@@ -47,6 +49,7 @@ def test_a_job_with_two_epochs_sees_its_set_once_per_epoch(root):
     assert result["decodes"] <= 2 * 14 and result["server"]["requests"] == 2 * 14
 
 
+@pytest.mark.integration  # job processes, and in shared mode a server
 def test_a_background_job_stops_once_the_foreground_jobs_are_done(root):
     specs = [JobSpec("slow", range(16), sleep=0.05), JobSpec("keeps-training", range(40), epochs=50, background=True)]
     result = run_jobs(root, specs, "independent", workers=1, batch_size=8, progress=False)
