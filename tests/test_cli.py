@@ -27,7 +27,7 @@ def test_demo_compares_loaders_then_jobs_independent_and_shared_as_medians_of_ru
     assert re.search(rf"globalloader\s+{number}", out) and re.search(rf"torch DataLoader\s+{number}", out)
     assert re.search(r"globalloader / torch DataLoader: \d+\.\d\dx samples/s \(median of 3 paired runs; "
                      r"min \d+\.\d\dx, max \d+\.\d\dx\)", out), out
-    assert re.search(rf"decodes\s+\d+ \(\d+-\d+\)\s+\d+ \(\d+-\d+\)", out), out
+    assert re.search(r"decodes\s+\d+ \(\d+-\d+\)\s+\d+ \(\d+-\d+\)", out), out
     assert re.search(r"all jobs done in \d+\.\d\dx the time \(median of 3 paired runs; min \d+\.\d\dx, max", out)
 
 

@@ -59,7 +59,9 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 _ENCODED = (bytes, bytearray, memoryview)
 # The extensions of image members in WebDataset tar shards (the field names TarShards gives them).
-IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "pnm", "bmp", "tif", "tiff", "gif")
+IMAGE_EXTENSIONS: tuple[str, ...] = (
+    "jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "pnm", "bmp", "tif", "tiff", "gif",
+)
 # Where a record keeps its image when no field is named, in this order: ImageFolder's "image",
 # then the image extensions.
 IMAGE_FIELDS: tuple[str, ...] = ("image", *IMAGE_EXTENSIONS)

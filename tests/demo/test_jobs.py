@@ -1,4 +1,4 @@
-"""The multi-job workload (globalloader.demo.jobs) at a tiny size: real job processes, a real server, real shared memory."""
+"""globalloader.demo.jobs at a tiny size: real job processes, a real server, real shared memory."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from globalloader.errors import ArgumentError
 from globalloader.demo.jobs import JobSpec, overlapping_sets, run_jobs
+from globalloader.errors import ArgumentError
 from globalloader.synthetic import make_jpeg_folder
 
 pytestmark = pytest.mark.timeout(240)

@@ -82,7 +82,8 @@ def test_deterministic_shared_and_cached_in_a_chain(shards: list[str], tmp_path:
 ])
 def test_a_field_that_does_not_decode_names_the_key_and_the_field(field: str, data: bytes, kind: str) -> None:
     record = {"__key__": "bad7", "__url__": "shard-000002.tar", field: data}
-    with pytest.raises(CorruptSampleError, match=rf"(?=.*'bad7' in shard-000002\.tar)(?=.*field '{field}')(?=.*{kind})"):
+    names_all = rf"(?=.*'bad7' in shard-000002\.tar)(?=.*field '{field}')(?=.*{kind})"
+    with pytest.raises(CorruptSampleError, match=names_all):
         DecodeFields()(record)
 
 
