@@ -1,11 +1,11 @@
 """Multi-job throughput: K jobs through one globalloader server vs K independent torch DataLoaders.
 
-5,000 synthetic 500x375 JPEGs (`demo.demo_images`); the workload of `globalloader.shared_demo`:
+5,000 synthetic 500x375 JPEGs (`demo.demo_images`); the workload of `globalloader.demo.jobs`:
 the shared part is `Decode(resize=256)` (`map(..., shared=True)`), each job's own part is
 `RandomCropFlipNormalize(size=224)` then `.batch(32)` and a stand-in step that reads the batch.
 Every job is its own process; one epoch each, all started together. Same total worker count:
 torch (and in-process globalloader) jobs have W workers each; in shared mode the server has K*W
-decode workers and the jobs none (see `shared_demo`). Scenarios, each run in the same session:
+decode workers and the jobs none (see `globalloader.demo.jobs`). Scenarios, each run in the same session:
 
 - single: K = 1, through the server vs the in-process `gl.Loader` vs torch's DataLoader;
 - identical: K = 2, 4 jobs over the whole set;
@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from globalloader import demo
 from globalloader.errors import WorkerError
-from globalloader.shared_demo import (
+from globalloader.demo.jobs import (
     SAMPLE_BYTES,
     JobSpec,
     job_sample,

@@ -1,13 +1,19 @@
-"""Shared test helpers: the save/restore/compare check run against every operator and the Loader."""
+"""Shared test helpers: the save/restore/compare check run against every operator and the Loader, and
+servers started and always stopped through the command line of this interpreter."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -54,32 +60,102 @@ def check_resume(make: Callable[[], Any], at: int) -> list[Any]:
 # -- the global loader service --------------------------------------------------------
 
 JOB = Path(__file__).parent / "service" / "job.py"
+CLI = [sys.executable, "-m", "globalloader"]  # the command through this interpreter: no PATH needed
 
 
 def pool_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("gl-pool-")}
 
 
+def server_pid(path: Path) -> int | None:
+    """The pid of the process listening at socket `path` (from the kernel, so it answers even for
+    a server too stuck to reply), or None if nothing listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    with sock:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return None
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
+
+
+def _gone(pid: int) -> bool:
+    """True once `pid` has exited (reaping it if it is our child, as an auto-started server is)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def stop_server(path: Path, pid: int | None = None, timeout: float = 20.0) -> int | None:
+    """Stop the server at `path` whatever state it is in, leaving no process, socket or pool;
+    return its pid (None if nothing listened there).
+
+    `globalloader stop` first; a server still there after `timeout` (stuck, or deaf) is killed,
+    and then its socket file and its pool in /dev/shm are removed, as a crashed one's would be.
+    For test finalizers: it never raises because the server is already gone.
+    """
+    deadline = time.monotonic() + timeout
+    while pid is None and path.exists() and time.monotonic() < deadline:  # a busy server may be slow to accept
+        pid = server_pid(path)
+        if pid is None:
+            time.sleep(0.1)
+    if pid is None:
+        path.unlink(missing_ok=True)  # no one listens: what a dead server left
+        return None
+    if not _gone(pid):
+        try:
+            subprocess.run([*CLI, "stop", "--socket", str(path)], capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    deadline = time.monotonic() + timeout
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _gone(pid):
+        os.kill(pid, signal.SIGKILL)
+        while not _gone(pid):
+            time.sleep(0.05)
+    for leftover in (path, Path("/dev/shm") / f"gl-pool-{pid}"):
+        leftover.unlink(missing_ok=True)
+    return pid
+
+
 class Server:
+    """A server process for one test, stopped by `stop()`, or at the latest when the object is
+    collected or the test session ends, so that a failing test leaves no server behind."""
+
     def __init__(self, socket: Path, memory: str = "32M", workers: int = 2) -> None:
         self.socket = socket
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "globalloader.cli", "serve", "--socket", str(socket),
-             "--memory", memory, "--workers", str(workers)],
-            stdout=open(socket.with_suffix(".log"), "w"), stderr=subprocess.STDOUT, text=True,
-        )
+        with open(socket.with_suffix(".log"), "w") as log:
+            self.proc = subprocess.Popen(
+                [*CLI, "serve", "--socket", str(socket), "--memory", memory, "--workers", str(workers)],
+                stdout=log, stderr=subprocess.STDOUT, text=True,
+            )
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, socket)
         deadline = time.monotonic() + 20
         while not is_running(socket):
-            assert self.proc.poll() is None, f"server exited: {socket.with_suffix('.log').read_text()}"
-            assert time.monotonic() < deadline, "server did not start"
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"server did not start: {socket.with_suffix('.log').read_text()}")
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            subprocess.run([sys.executable, "-m", "globalloader.cli", "stop", "--socket", str(self.socket)], check=True)
-            self.proc.wait(timeout=20)
+        self._finalizer()
 
     def job(self, out: Path, *args: str) -> subprocess.Popen:
         """Start tests/service/job.py against this server."""
         return subprocess.Popen([sys.executable, str(JOB), str(self.socket), str(out), *args],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _stop_process(proc: subprocess.Popen, path: Path) -> None:
+    if proc.poll() is None:
+        stop_server(path, proc.pid)
+    proc.wait()

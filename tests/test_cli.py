@@ -1,4 +1,4 @@
-"""The `globalloader` command as a user runs it."""
+"""The `globalloader` command as a user runs it, through this interpreter (`python -m globalloader`)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,71 @@ import sys
 
 import pytest
 
+import globalloader
+from globalloader import cli
+
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "globalloader.cli", *args],
+    return subprocess.run([sys.executable, "-m", "globalloader", *args],
                           capture_output=True, text=True, check=check, timeout=600)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_demo_compares_loaders_then_jobs_independent_and_shared():
-    out = run("demo", "--images", "48", "--batch-size", "8", "--shared-memory", "64M").stdout
-    assert re.search(r"globalloader\s+\d+\.\d", out) and re.search(r"torch DataLoader\s+\d+\.\d", out)
-    assert re.search(r"globalloader / torch DataLoader: \d+\.\d\dx", out)
-    assert "independent" in out and "shared" in out and "decodes" in out
+def test_demo_compares_loaders_then_jobs_independent_and_shared_as_medians_of_runs():
+    out = run("demo", "--images", "48", "--batch-size", "8", "--shared-memory", "64M", "--runs", "3").stdout
+    assert out.count("median (min-max) of 3 run(s)") == 2, out
+    number = r"\d+\.\d+ \(\d+\.\d+-\d+\.\d+\)"
+    assert re.search(rf"globalloader\s+{number}", out) and re.search(rf"torch DataLoader\s+{number}", out)
+    assert re.search(r"globalloader / torch DataLoader: \d+\.\d\dx samples/s \(median of 3 paired runs; "
+                     r"min \d+\.\d\dx, max \d+\.\d\dx\)", out), out
+    assert re.search(r"decodes\s+\d+ \(\d+-\d+\)\s+\d+ \(\d+-\d+\)", out), out
+    assert re.search(r"all jobs done in \d+\.\d\dx the time \(median of 3 paired runs; min \d+\.\d\dx, max", out)
+
+
+def test_version_is_one_fact_everywhere():
+    from importlib.metadata import version
+
+    assert run("--version").stdout.strip() == f"globalloader {globalloader.__version__}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", globalloader.__version__)
+    assert version("globalloader") == globalloader.__version__  # the installed metadata reads the same source
+
+
+def test_help_shows_every_default_and_the_environment():
+    serve = run("serve", "--help").stdout
+    assert "(default: 2G)" in serve and "GLOBALLOADER_SOCKET" in serve and "GLOBALLOADER_CACHE_DIR" in serve
+    assert "server.sock" in serve and "one per core" in serve
+    demo = " ".join(run("demo", "--help").stdout.split())
+    for shown in ("worker processes per loader (and per job) (default: 2)", "samples per batch of the first act "
+                  "(default: 64)", "(default: 1000)", "(default: 256M)", "(default: 3)"):
+        assert shown in demo, shown
+    for command in ("stop", "status"):
+        assert "GLOBALLOADER_SOCKET" in run(command, "--help").stdout
+    assert "GLOBALLOADER_CACHE_DIR" in run("--help").stdout
+
+
+def test_every_option_has_help_and_its_default_is_shown_or_explained():
+    parser = cli._parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps its sub-commands here
+    for name, sub in {"": parser, **commands}.items():
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            if not action.option_strings or action.dest in ("help", "version"):
+                continue
+            assert action.help, f"{name} {action.option_strings[0]} has no help"
+            if action.default is not None and not isinstance(action.default, bool):
+                assert f"(default: {action.default})" in text, f"{name} {action.option_strings[0]}"
+            else:
+                assert "default" in action.help or isinstance(action.default, bool), f"{name} {action.option_strings}"
 
 
 def test_bad_arguments_are_one_clear_line():
     result = run("serve", "--memory", "lots", check=False)
     assert result.returncode != 0
     assert result.stderr.strip() == "globalloader: --memory: cannot read 'lots' as a size (examples: 512M, 4G)"
+    runs = run("demo", "--runs", "0", "--no-shared", check=False)
+    assert runs.returncode == 1 and runs.stderr.strip() == "globalloader: demo: runs must be an int >= 1, got 0"
 
 
 def test_stop_without_a_server_says_so(tmp_path):

@@ -81,9 +81,34 @@ def test_decode_truncated_jpeg_names_key_and_url():
         RandomResizedCropFlipNormalize(size=32)(record, rng=np.random.default_rng(0))
 
 
-def test_missing_field_is_reported_with_the_key():
-    with pytest.raises(CorruptSampleError, match=r"'k1'.*'image'.*\['__key__', 'jpg'\]"):
-        Decode()({"__key__": "k1", "jpg": b"..."})
+@pytest.mark.parametrize("field", ["jpg", "jpeg", "png", "webp"])
+def test_decode_finds_a_webdataset_image_field(field):
+    data = encode(smooth_image(60, 80), "PNG")
+    out = Decode(resize=30)({"__key__": "k", field: data, "cls": b"3"})
+    assert out[field].shape == (30, 40, 3) and out["cls"] == b"3"
+    crop = RandomCropFlipNormalize(size=24)(out, rng=np.random.default_rng(0))
+    assert crop[field].shape == (24, 24, 3) and crop[field].dtype == np.float32
+    augmented = RandomResizedCropFlipNormalize(size=16)({"__key__": "k", field: data}, rng=np.random.default_rng(0))
+    assert augmented[field].shape == (16, 16, 3)
+
+
+def test_decode_prefers_image_then_the_listed_order():
+    png, jpg = encode(smooth_image(20, 20), "PNG"), encode(smooth_image(30, 30))
+    out = Decode()({"__key__": "k", "png": png, "jpg": jpg})
+    assert out["jpg"].shape == (30, 30, 3) and out["png"] is png
+    assert Decode(field="png")({"__key__": "k", "png": png, "jpg": jpg})["png"].shape == (20, 20, 3)
+
+
+@pytest.mark.parametrize("transform", [Decode(), RandomCropFlipNormalize(), RandomResizedCropFlipNormalize()])
+def test_a_record_without_an_image_is_an_argument_error_listing_its_fields(transform):
+    call = transform if isinstance(transform, Decode) else lambda r: transform(r, rng=np.random.default_rng(0))
+    with pytest.raises(ArgumentError, match=r"'k1'.*no image field.*\['__key__', 'cls', 'txt'\]") as info:
+        call({"__key__": "k1", "txt": b"a cat", "cls": b"1"})
+    assert not isinstance(info.value, CorruptSampleError), "a chain mistake must not pass for a bad sample"
+    with pytest.raises(ArgumentError, match=r"'k2'.*no field 'photo'.*\['__key__', 'jpg'\]"):
+        Decode(field="photo")({"__key__": "k2", "jpg": b"..."})
+    with pytest.raises(ArgumentError, match="field must be a str or None"):
+        Decode(field=3)
 
 
 def test_decode_record_shapes_and_no_mutation():

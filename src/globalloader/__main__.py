@@ -1,4 +1,4 @@
-"""`python -m globalloader`: the same as the `globalloader` command."""
+"""`python -m globalloader ...`: the `globalloader` command through this interpreter (no PATH needed)."""
 
 import sys
 

@@ -3,29 +3,60 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from globalloader._version import __version__
 from globalloader.errors import GlobalLoaderError
+
+_SOCKET_HELP = ("the server's socket (default: $GLOBALLOADER_SOCKET if set, else server.sock in "
+                "$XDG_RUNTIME_DIR/globalloader, or in a per-user globalloader-<uid> folder of the temp dir)")
+_ENVIRONMENT = """environment variables:
+  GLOBALLOADER_SOCKET     the server's socket when --socket is not given (serve, stop, status,
+                          and every Loader(share=True) without server=)
+  GLOBALLOADER_CACHE_DIR  where tar indexes, disk caches and the demo's images are kept
+                          (default: $XDG_CACHE_HOME/globalloader, else ~/.cache/globalloader)"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default after its help, except where the help already says it
+    (None defaults and switches, whose help explains them in words); keeps the epilog's layout."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or isinstance(default, bool) or default is argparse.SUPPRESS
+                or not action.option_strings):
+            return text
+        return f"{text} (default: {default})"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="globalloader", description=__doc__)
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=_ENVIRONMENT, formatter_class=_HelpFormatter)
+
+    parser = argparse.ArgumentParser(prog="globalloader", description=__doc__, epilog=_ENVIRONMENT,
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="one epoch on a synthetic JPEG set, next to torch's DataLoader")
-    demo.add_argument("--images", type=int, default=1000, help="synthetic images to make (once)")
-    demo.add_argument("--workers", type=int, default=2)
-    demo.add_argument("--batch-size", type=int, default=64)
+    demo = command("demo", "epochs on a synthetic JPEG set, next to torch's DataLoader; then several jobs at once")
+    demo.add_argument("--images", type=int, default=1000, help="synthetic images to make (once, in the cache folder)")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes per loader (and per job)")
+    demo.add_argument("--batch-size", type=int, default=64, help="samples per batch of the first act")
+    demo.add_argument("--runs", type=int, default=3,
+                      help="runs of each measurement; the median is shown with the min and max")
     demo.add_argument("--no-shared", dest="shared", action="store_false",
                       help="skip the second act (three jobs, independent then through one server)")
     demo.add_argument("--shared-memory", default="256M", help="the second act's server pool, e.g. 128M")
-    serve = sub.add_parser("serve", help="run the global loader server in the foreground")
+    serve = command("serve", "run the global loader server in the foreground")
     serve.add_argument("--memory", default="2G", help="buffer pool size, e.g. 512M, 4G")
-    serve.add_argument("--workers", type=int, default=None, help="decode workers (default: one per core)")
-    serve.add_argument("--socket", default=None, help="socket path (default: the user's runtime folder)")
-    stop = sub.add_parser("stop", help="stop the global loader server cleanly")
-    stop.add_argument("--socket", default=None)
-    status = sub.add_parser("status", help="live table of the server's jobs, pool and savings")
-    status.add_argument("--socket", default=None)
+    serve.add_argument("--workers", type=int, default=None,
+                       help=f"decode worker processes (default: one per core, {os.cpu_count() or 1} here)")
+    serve.add_argument("--socket", default=None, help=_SOCKET_HELP)
+    stop = command("stop", "stop the global loader server cleanly")
+    stop.add_argument("--socket", default=None, help=_SOCKET_HELP)
+    status = command("status", "live table of the server's jobs, pool and savings")
+    status.add_argument("--socket", default=None, help=_SOCKET_HELP)
     status.add_argument("--once", action="store_true", help="print one table and exit")
     return parser
 
@@ -36,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from globalloader import demo
 
-            demo.main(images=args.images, workers=args.workers, batch_size=args.batch_size,
+            demo.main(images=args.images, workers=args.workers, batch_size=args.batch_size, runs=args.runs,
                       shared=args.shared, shared_memory=args.shared_memory)
         elif args.command == "serve":
             from globalloader.service import server

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "IMAGE_EXTENSIONS",
+    "IMAGE_FIELDS",
     "Decode",
     "RandomCropFlipNormalize",
     "RandomResizedCropFlipNormalize",
@@ -48,6 +50,7 @@ __all__ = [
     "random_resized_crop",
     "random_resized_crop_box",
     "resize_shorter",
+    "sample_name",
     "to_array",
 ]
 
@@ -55,6 +58,13 @@ IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 _ENCODED = (bytes, bytearray, memoryview)
+# The extensions of image members in WebDataset tar shards (the field names TarShards gives them).
+IMAGE_EXTENSIONS: tuple[str, ...] = (
+    "jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "pnm", "bmp", "tif", "tiff", "gif",
+)
+# Where a record keeps its image when no field is named, in this order: ImageFolder's "image",
+# then the image extensions.
+IMAGE_FIELDS: tuple[str, ...] = ("image", *IMAGE_EXTENSIONS)
 
 
 def _pil() -> Any:
@@ -392,20 +402,40 @@ def normalize(
 
 # ---------------------------------------------------------------------- record-level transforms
 
-def _sample_name(record: Mapping[str, Any]) -> str:
+def sample_name(record: Mapping[str, Any]) -> str:
+    """How errors name a record: its `__key__`, and its `__url__` when it has one."""
     key = record.get("__key__")
     name = f"sample {key!r}" if key is not None else "sample without __key__"
     url = record.get("__url__")
     return f"{name} in {url}" if url else name
 
 
-def _field(record: Mapping[str, Any], field: str) -> Any:
-    try:
-        return record[field]
-    except KeyError:
-        raise CorruptSampleError(
-            f"{_sample_name(record)} has no field {field!r} (fields: {sorted(map(str, record))})"
-        ) from None
+def _image_field(record: Mapping[str, Any], field: str | None, transform: str) -> str:
+    """The field holding the image: `field`, or with None the first of IMAGE_FIELDS present.
+
+    A missing field is a mistake in the chain, not a bad sample, so it raises ArgumentError
+    (which `on_error="skip"` must not hide) listing the fields the record has.
+    """
+    if not isinstance(record, Mapping):
+        raise ArgumentError(f"{transform}: expected a dict record, got {type(record).__name__}")
+    if field is not None:
+        if field in record:
+            return field
+        wanted = f"no field {field!r}"
+    else:
+        found = next((name for name in IMAGE_FIELDS if name in record), None)
+        if found is not None:
+            return found
+        wanted = f"no image field (looked for {', '.join(IMAGE_FIELDS)})"
+    raise ArgumentError(
+        f"{transform}: {sample_name(record)} has {wanted}; its fields are {sorted(map(str, record))}; "
+        f"name the image's field: {transform}(field=...)"
+    )
+
+
+def _check_field(field: Any, transform: str) -> None:
+    if field is not None and not isinstance(field, str):
+        raise ArgumentError(f"{transform}: field must be a str or None (find the image), got {field!r}")
 
 
 def _is_encoded(value: Any) -> bool:
@@ -440,14 +470,19 @@ class Decode:
     the same array, so the service decodes each sample once for every job. `resize` sets the
     shorter side; with `draft` a large JPEG is decoded at reduced scale first. Corrupt bytes
     raise CorruptSampleError naming the record's `__key__` (and `__url__`).
+
+    `field` None (the default) finds the image: the first of IMAGE_FIELDS the record has ("image"
+    for ImageFolder, "jpg", "png"... for tar shards); the result stays in that field. A record
+    without it raises ArgumentError listing the record's fields.
     """
 
-    field: str = "image"
+    field: str | None = None
     resize: int | None = None
     mode: str | None = "RGB"
     draft: bool = True
 
     def __post_init__(self) -> None:
+        _check_field(self.field, "Decode")
         if self.resize is not None and (
             not isinstance(self.resize, int) or isinstance(self.resize, bool) or self.resize <= 0
         ):
@@ -456,17 +491,18 @@ class Decode:
             )
 
     def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        value = _field(record, self.field)
-        name = _sample_name(record)
+        field = _image_field(record, self.field, "Decode")
+        value = record[field]
+        name = sample_name(record)
         if not _is_encoded(value):  # already decoded: arrays are taken to be in `mode`
             image = value if isinstance(value, np.ndarray) else _as_pil(value, name, self.mode)
             if self.resize is not None:
                 image = resize_shorter(image, self.resize)
-            return {**record, self.field: to_array(image)}
+            return {**record, field: to_array(image)}
         img = _open(value, name)
         if self.resize is None:
             img, _ = _finish(img, name, self.mode, None)
-            return {**record, self.field: to_array(img)}
+            return {**record, field: to_array(img)}
         width, height = img.size
         target = _shorter_to(width, height, self.resize)
         drafting = self.draft and target[0] < width
@@ -474,7 +510,7 @@ class Decode:
         if img.size != target:
             box = (0.0, 0.0, width / scale, height / scale)
             img = img.resize(target, _resample(None), box=box)
-        return {**record, self.field: to_array(img)}
+        return {**record, field: to_array(img)}
 
 
 @dataclass(frozen=True)
@@ -485,9 +521,10 @@ class RandomResizedCropFlipNormalize:
     (size, size, 3) or, with `chw`, (3, size, size). From bytes, the crop box is drawn from the
     header's size before decoding, so a JPEG is decoded only as finely as the crop needs
     (`draft`). Draws, in order: the crop (see `random_resized_crop_box`), then the flip.
+    `field` None finds the image as `Decode` does.
     """
 
-    field: str = "image"
+    field: str | None = None
     size: int | tuple[int, int] = 224
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
@@ -499,6 +536,7 @@ class RandomResizedCropFlipNormalize:
     draft: bool = True
 
     def __post_init__(self) -> None:
+        _check_field(self.field, type(self).__name__)
         _hw(self.size)
         if not isinstance(self.size, int):
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
@@ -513,8 +551,9 @@ class RandomResizedCropFlipNormalize:
         _affine(self.mean, self.std)
 
     def __call__(self, record: Mapping[str, Any], *, rng: np.random.Generator) -> dict[str, Any]:
-        value = _field(record, self.field)
-        name = _sample_name(record)
+        field = _image_field(record, self.field, type(self).__name__)
+        value = record[field]
+        name = sample_name(record)
         out_h, out_w = _hw(self.size)
         if _is_encoded(value):
             img = _open(value, name)
@@ -531,7 +570,7 @@ class RandomResizedCropFlipNormalize:
             box = (left, top, left + w, top + h)
         img = img.resize((out_w, out_h), _resample(None), box=box)
         img = hflip(img, rng, self.flip_p)  # in Pillow: cheap, and the array stays contiguous
-        return {**record, self.field: normalize(to_array(img), self.mean, self.std, self.chw)}
+        return {**record, field: normalize(to_array(img), self.mean, self.std, self.chw)}
 
 
 @dataclass(frozen=True)
@@ -540,10 +579,10 @@ class RandomCropFlipNormalize:
 
     The per-job half of a shared pipeline: after a shared `Decode(resize=256)`, each job crops its
     own `size` region (a view), flips and normalizes in one pass to float32 (HWC, or CHW with
-    `chw`). Draws, in order: crop top, crop left, flip.
+    `chw`). Draws, in order: crop top, crop left, flip. `field` None finds the image as `Decode` does.
     """
 
-    field: str = "image"
+    field: str | None = None
     size: int | tuple[int, int] = 224
     flip_p: float = 0.5
     mean: tuple[float, ...] = IMAGENET_MEAN
@@ -551,6 +590,7 @@ class RandomCropFlipNormalize:
     chw: bool = False
 
     def __post_init__(self) -> None:
+        _check_field(self.field, type(self).__name__)
         _hw(self.size)
         if not isinstance(self.size, int):
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
@@ -559,18 +599,19 @@ class RandomCropFlipNormalize:
         _affine(self.mean, self.std)
 
     def __call__(self, record: Mapping[str, Any], *, rng: np.random.Generator) -> dict[str, Any]:
-        value = _field(record, self.field)
+        field = _image_field(record, self.field, type(self).__name__)
+        value = record[field]
         if _is_encoded(value):
             raise ArgumentError(
-                f"{_sample_name(record)}: field {self.field!r} holds encoded bytes; "
-                f"map Decode(field={self.field!r}, resize=...) before RandomCropFlipNormalize"
+                f"{sample_name(record)}: field {field!r} holds encoded bytes; "
+                f"map Decode(field={field!r}, resize=...) before RandomCropFlipNormalize"
             )
         array = value if isinstance(value, np.ndarray) else to_array(value)
         crop_hw = _hw(self.size)
         if array.ndim != 3 or crop_hw[0] > array.shape[0] or crop_hw[1] > array.shape[1]:
             raise ArgumentError(
-                f"{_sample_name(record)}: image of shape {array.shape} cannot be cropped to "
+                f"{sample_name(record)}: image of shape {array.shape} cannot be cropped to "
                 f"{crop_hw[0]}x{crop_hw[1]}; resize it first (Decode(resize=...))"
             )
         array = hflip(random_crop(array, crop_hw, rng), rng, self.flip_p)
-        return {**record, self.field: normalize(array, self.mean, self.std, self.chw)}
+        return {**record, field: normalize(array, self.mean, self.std, self.chw)}

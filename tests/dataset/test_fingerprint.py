@@ -41,7 +41,7 @@ def shared_key(fn) -> str:
 
 
 def full(record):
-    return np.full(SIZE, record["value"])
+    return np.full(SIZE, record)
 
 
 def times_factor(x):
@@ -49,11 +49,11 @@ def times_factor(x):
 
 
 def calls_helper(record):
-    return times_factor(record["value"])
+    return times_factor(record)
 
 
 def comprehension(record):
-    return [v * SCALE for v in range(record["value"])]
+    return [v * SCALE for v in range(record)]
 
 
 # -- what decides the output changes the key; equal things agree ------------------------------
@@ -331,7 +331,7 @@ def test_an_explicit_key_or_a_fingerprint_attribute_stands_for_the_walk():
 
 def test_a_plain_loader_with_an_unfingerprintable_map_runs_and_resumes():
     def chain():
-        return gl.Dataset(source(40)).shuffle(1).map(lambda r: (LOCK.locked(), r["value"])).batch(4)
+        return gl.Dataset(source(40)).shuffle(1).map(lambda r: (LOCK.locked(), r)).batch(4)
 
     for workers, mode in ((0, "thread"), (2, "thread"), (2, "process")):
         check_resume(lambda workers=workers, mode=mode: gl.Loader(chain(), workers=workers, mode=mode), at=3)
@@ -349,7 +349,7 @@ def test_share_true_refuses_an_unfingerprintable_map_in_the_training_process(tmp
 
 
 def test_a_disk_cache_refuses_an_unfingerprintable_map_unless_keyed(tmp_path):
-    ds = gl.Dataset(source()).map(lambda r: {"v": r["value"], "locked": LOCK.locked()}, name="decode")
+    ds = gl.Dataset(source()).map(lambda r: {"v": r, "locked": LOCK.locked()}, name="decode")
     with pytest.raises(FingerprintError, match=r"cache\(.*map 'decode'.*_thread\.lock.*cache\(path, key="):
         ds.cache(tmp_path)
     assert [r["v"] for r in ds.cache(tmp_path, key="decode-v1")] == list(range(6))
@@ -376,7 +376,7 @@ class CountedSource:
 
 
 def scaled(record):
-    return {"x": record["value"] * SCALE}
+    return {"x": record * SCALE}
 
 
 def test_the_disk_cache_is_not_stale_after_a_global_changes(tmp_path, monkeypatch):
@@ -421,7 +421,7 @@ def test_a_map_that_fills_a_memo_as_it_runs_resumes_into_a_chain_built_fresh():
     memo: dict = {}
 
     def memoized(record):
-        return memo.setdefault(record["value"], record["value"] * 2)
+        return memo.setdefault(record, record * 2)
 
     def chain():
         return gl.Dataset(source(40)).shuffle(2).map(memoized)

@@ -29,6 +29,8 @@ FILE_ROWS = [301, 250, 0, 417, 123, 509]  # uneven, and one empty file
 TOTAL = sum(FILE_ROWS)
 BATCH = 32
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):

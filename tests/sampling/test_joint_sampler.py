@@ -236,6 +236,7 @@ def _every_epoch_a_permutation(orders: np.ndarray) -> None:
     assert (np.sort(orders, axis=1) == np.arange(size)).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_all_24_orders_are_uniform(scenario: str) -> None:
     orders = _orders_of_four(scenario)
@@ -243,11 +244,13 @@ def test_all_24_orders_are_uniform(scenario: str) -> None:
     assert _orders_pvalue(orders) > ALPHA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_consecutive_epochs_are_independent(scenario: str) -> None:
     assert _cross_epoch_pvalue(_orders_of_four(scenario)) > ALPHA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_positions_are_uniform(scenario: str) -> None:
     orders = SCENARIOS[scenario](JointSampler, 7, 10_000, SEEDS[scenario] + 1)
@@ -370,12 +373,14 @@ class _MergeOnLeave(JointSampler):
                 j.cells[j.cell[entry[1]]].log.append(entry)
 
 
+@pytest.mark.slow
 def test_control_merging_cells_when_a_job_leaves_is_rejected() -> None:
     orders = _join_leave(_MergeOnLeave, 4, 15_000, SEEDS["join_leave"])
     _every_epoch_a_permutation(orders)
     assert _orders_pvalue(orders) < ALPHA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("control", [_LoadedRule, _SeededWhenShared])
 def test_controls_that_let_one_epoch_steer_the_next_are_rejected(control: type) -> None:
     """In the join/leave scenario the leftover residency (for "loaded since the epoch began")

@@ -32,16 +32,16 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
 
 
 def values(record):
-    return {"x": np.full(256, record["value"], np.int64), "index": record["value"]}
+    return {"x": np.full(256, record, np.int64), "index": record}
 
 
 def huge_at_5(record):
-    size = 1 << 20 if record["value"] == 5 else 16  # 8 MiB for sample 5: more than the pool
-    return {"x": np.full(size, record["value"], np.int64), "index": record["value"]}
+    size = 1 << 20 if record == 5 else 16  # 8 MiB for sample 5: more than the pool
+    return {"x": np.full(size, record, np.int64), "index": record}
 
 
 def hangs_at_7(record):
-    if record["value"] == 7:
+    if record == 7:
         time.sleep(3600)
     return values(record)
 
@@ -253,7 +253,7 @@ def test_a_killed_decode_worker_is_replaced_and_nothing_is_skipped(srv, tmp_path
     flag = tmp_path / "flag"  # the first decode of sample 9 kills its worker; the retry succeeds
 
     def dies_once(record, flag=str(flag)):
-        if record["value"] == 9 and not os.path.exists(flag):
+        if record == 9 and not os.path.exists(flag):
             Path(flag).write_text("killed")
             os.kill(os.getpid(), signal.SIGKILL)
         return values(record)
@@ -268,7 +268,7 @@ def test_a_killed_decode_worker_is_replaced_and_nothing_is_skipped(srv, tmp_path
 
 def test_a_sample_that_kills_every_worker_is_a_worker_error_not_a_skip(srv):
     def always_dies(record):
-        if record["value"] == 3:
+        if record == 3:
             os.kill(os.getpid(), signal.SIGKILL)
         return values(record)
 
@@ -282,7 +282,7 @@ def test_a_prefix_the_server_cannot_import_is_not_a_skipped_sample(srv, tmp_path
     folder = tmp_path / "site-packages"
     folder.mkdir()
     (folder / "only_here_mod.py").write_text(
-        "import numpy as np\ndef fn(r):\n    return {'x': np.zeros(2), 'index': r['value']}\n")
+        "import numpy as np\ndef fn(r):\n    return {'x': np.zeros(2), 'index': r}\n")
     sys.path.insert(0, str(folder))
     try:
         import only_here_mod

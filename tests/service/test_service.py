@@ -19,7 +19,7 @@ import globalloader as gl
 from globalloader.errors import ServerGone
 from globalloader.service.launcher import request
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]
 
 
 def lines(path: Path) -> list[dict]:
@@ -125,7 +125,7 @@ def test_the_pool_stays_within_its_budget_under_pressure(tmp_path):
 
 
 def square(record):
-    return {"x": np.full(4, record["value"]), "index": record["value"]}
+    return {"x": np.full(4, record), "index": record}
 
 
 def test_server_killed_raises_server_gone_or_falls_back_from_the_same_position(tmp_path):
@@ -195,7 +195,7 @@ def test_a_pool_smaller_than_the_jobs_windows_still_serves_them_and_one_too_smal
 
 
 def block(record):
-    return {"x": np.full(1024, record["value"], dtype=np.int64)}  # 8 KiB
+    return {"x": np.full(1024, record, dtype=np.int64)}  # 8 KiB
 
 
 def test_unbatched_samples_read_in_place_outlive_their_pool_space(tmp_path):

@@ -31,11 +31,11 @@ SIZE = 4  # set from the command line in a job process
 
 def decode(record):
     """The shared prefix: a vector of SIZE copies of the index (SIZE read as a global)."""
-    return {"x": np.full(SIZE, record["value"], np.float32), "index": record["value"]}
+    return {"x": np.full(SIZE, record, np.float32), "index": record}
 
 
 def fill(size, record):
-    return {"x": np.full(size, record["value"], np.float32), "index": record["value"]}
+    return {"x": np.full(size, record, np.float32), "index": record}
 
 
 def chain(variant: str) -> gl.Dataset:

@@ -44,7 +44,7 @@ def _check_row(record: dict, i: int, files: list[str]) -> None:
     assert record["__key__"] == f"{file}:{row}"
     assert record["id"] == i and type(record["id"]) is int
     assert record["name"] == f"row {i}" and record["blob"] == bytes([i]) * 3
-    assert record["score"] == (None if i % 7 == 0 else i / 4)
+    assert np.isnan(record["score"]) if i % 7 == 0 else record["score"] == i / 4
     assert isinstance(record["vec"], np.ndarray) and record["vec"].tolist() == list(range(i % 4))
     assert record["flag"] is (i % 2 == 0)
 
@@ -54,6 +54,41 @@ def test_every_row_in_order(files: list[str]) -> None:
     assert isinstance(src, Source) and len(src) == 70
     for i in range(70):
         _check_row(src[i], i, files)
+
+
+def test_nullable_numeric_columns_batch_to_numeric_arrays_with_nan(tmp_path: pathlib.Path) -> None:
+    import globalloader as gl
+
+    path = str(tmp_path / "nulls.parquet")
+    pq.write_table(pa.table({
+        "score": [0.5, None, 2.5, 3.5],
+        "count": pa.array([1, 2, None, 4], pa.int32()),
+        "flag": [True, None, False, True],
+        "id": [10, 11, 12, 13],
+        "name": ["a", None, "c", "d"],
+    }), path, row_group_size=2)  # the int column's nulls are in the second group only
+    src = Parquet(path)
+    assert src.int_columns_as_float == {"count", "flag"}
+    (batch,) = list(gl.Dataset(src).batch(4))
+    assert batch["score"].dtype == np.float64 and np.array_equal(batch["score"], [0.5, np.nan, 2.5, 3.5],
+                                                                 equal_nan=True)
+    assert batch["count"].dtype == np.float64 and np.array_equal(batch["count"], [1, 2, np.nan, 4], equal_nan=True)
+    assert batch["flag"].dtype == np.float64 and np.array_equal(batch["flag"], [1, np.nan, 0, 1], equal_nan=True)
+    assert batch["id"].dtype == np.int64 and batch["id"].tolist() == [10, 11, 12, 13]
+    assert batch["name"] == ["a", None, "c", "d"]
+    # Every batch of a column has one dtype, even one cut from a row group without nulls.
+    first, second = list(gl.Dataset(src).batch(2))
+    assert first["count"].dtype == second["count"].dtype == np.float64
+    assert [type(r["count"]) for r in src.iter_records()] == [float] * 4
+
+
+def test_a_nullable_int_column_without_a_null_count_is_read_as_float(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "nostats.parquet")
+    schema = pa.schema([pa.field("maybe", pa.int64()), pa.field("never", pa.int64(), nullable=False)])
+    pq.write_table(pa.table({"maybe": [1, 2], "never": [3, 4]}, schema=schema), path, write_statistics=False)
+    src = Parquet(path)
+    assert src.int_columns_as_float == {"maybe"}
+    assert src[1] == {"__key__": f"{path}:1", "maybe": 2.0, "never": 4} and type(src[1]["never"]) is int
 
 
 def test_random_order_and_cache_bound(files: list[str]) -> None:

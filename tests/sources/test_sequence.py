@@ -7,23 +7,32 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import same
 
+import globalloader as gl
 from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sources import Source, from_sequence
 
 
-def test_dicts_as_is_and_other_items_wrapped() -> None:
+def test_items_are_the_records_as_they_are() -> None:
     record = {"__key__": "a", "x": 1}
     src = from_sequence([record, 5, "text"])
     assert isinstance(src, Source) and len(src) == 3
-    assert src[0] is record
-    assert src[1] == {"__key__": "1", "value": 5}
-    assert src[2] == {"__key__": "2", "value": "text"}
+    assert src[0] is record and src[1] == 5 and src[2] == "text"
 
 
 def test_numpy_array_and_range() -> None:
-    assert from_sequence(np.arange(4) * 2)[3] == {"__key__": "3", "value": 6}
-    assert len(from_sequence(range(10))) == 10
+    assert from_sequence(np.arange(4) * 2)[3] == 6
+    assert len(from_sequence(range(10))) == 10 and from_sequence(range(10))[9] == 9
+
+
+@pytest.mark.parametrize("items", [list(range(7)), [(f"f{i}.jpg", i % 2) for i in range(7)],
+                                   [{"__key__": str(i), "v": i} for i in range(7)], np.arange(7) * 3])
+def test_a_dataset_over_from_sequence_yields_what_one_over_the_bare_sequence_yields(items) -> None:
+    bare = list(gl.Dataset(items).shuffle(seed=3))
+    wrapped = list(gl.Dataset(from_sequence(items)).shuffle(seed=3))
+    assert wrapped == bare and sorted(map(repr, bare)) == sorted(map(repr, list(items)))
+    assert same(list(gl.Dataset(from_sequence(items)).batch(3)), list(gl.Dataset(items).batch(3)))
 
 
 def test_fingerprint_hashes_content() -> None:

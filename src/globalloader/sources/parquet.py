@@ -23,8 +23,13 @@ class Parquet:
     `paths`: a str with brace patterns or globs, or a list of them; local or fsspec URLs.
     `columns`: the columns to read (default all). A record is
     `{"__key__": f"{file}:{row}", <column>: value, ...}` where `row` counts within the file.
-    Values are Python values (bytes, str, int, float, None for nulls); list columns become NumPy
-    arrays, structs dicts.
+    Values are Python values (bytes, str, int, float, bool); list columns become NumPy arrays,
+    structs dicts. Numeric columns never hold None, so batches of them are numeric arrays, never
+    object arrays: a null in a float column is NaN; an integer or boolean column that holds a
+    null anywhere in the source (by the footers' null counts, or may hold one: a nullable column
+    whose footer has no null count) is read as float64 everywhere, with NaN for nulls, so its
+    dtype is the same in every batch (`int_columns_as_float` names them). Nulls in other columns
+    (text, bytes, nested) are None.
 
     Random access: the footers give every row group's row count; a bisect over the cumulative
     counts finds the row group, which is decoded whole (Parquet's unit of compression) and kept
@@ -62,6 +67,7 @@ class Parquet:
                 self._group_start.append(self._group_start[-1] + rows)
                 in_file += rows
         self._len = self._group_start[-1]
+        self.int_columns_as_float: frozenset[str] = _exact_columns_with_nulls(metas, self.columns)
         self.fingerprint: str = fingerprint_of("Parquet", [
             f"columns={self.columns}",
             *(f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats))])
@@ -172,23 +178,62 @@ class Parquet:
             table = self._file(f).read_row_group(g, columns=self.columns)
         except (OSError, ValueError) as exc:
             raise SourceError(f"cannot read row group {g} of {self.files[f]}: {exc}") from None
-        return table.column_names, [_to_python(column) for column in table.columns]
+        names = table.column_names
+        as_float = [name in self.int_columns_as_float for name in names]
+        for name, column in zip(names, table.columns):
+            if column.null_count and _is_exact(column.type) and name not in self.int_columns_as_float:
+                raise SourceError(f"row group {g} of {self.files[f]}: column {name!r} holds nulls its file's "
+                                  "footer does not count; rewrite the file with statistics")
+        return names, [_to_python(column, float_) for column, float_ in zip(table.columns, as_float)]
 
     def __repr__(self) -> str:
         return f"Parquet({len(self.files)} files, {self._len} rows)"
 
 
-def _to_python(column: Any) -> list[Any]:
+def _is_exact(kind: Any) -> bool:
+    """Integer and boolean types: those with no NaN of their own to stand for a null."""
+    pa = _extras.require("pyarrow", "parquet")
+    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind))
+
+
+def _exact_columns_with_nulls(metas: list[Any], columns: list[str] | None) -> frozenset[str]:
+    """The integer and boolean columns that hold a null in some row group of some file, or may
+    (a nullable column whose footer has no null count): read as float64 so that every batch of
+    them has the same dtype."""
+    found: set[str] = set()
+    for meta in metas:
+        schema = meta.schema.to_arrow_schema()
+        exact = {field.name: field.nullable for field in schema
+                 if _is_exact(field.type) and (columns is None or field.name in columns)}
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            for j in range(group.num_columns):
+                chunk = group.column(j)
+                name = chunk.path_in_schema
+                if name not in exact or name in found:
+                    continue
+                stats = chunk.statistics
+                if stats is not None and stats.has_null_count:
+                    if stats.null_count > 0:
+                        found.add(name)
+                elif exact[name]:
+                    found.add(name)
+    return frozenset(found)
+
+
+def _to_python(column: Any, as_float: bool = False) -> list[Any]:
     """One column of a row group as a list of Python values (lists as NumPy arrays).
 
-    Numeric columns without nulls go through NumPy's `tolist`, several times faster than
-    Arrow's `to_pylist`; list columns become one ndarray per row.
+    Numeric columns go through NumPy's `tolist`, several times faster than Arrow's `to_pylist`:
+    float nulls become NaN, and `as_float` reads an integer or boolean column as float64 with NaN
+    for nulls. List columns become one ndarray per row.
     """
     pa = _extras.require("pyarrow", "parquet")
     kind = column.type
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
         return list(column.to_numpy(zero_copy_only=False))
-    if column.null_count == 0 and (pa.types.is_integer(kind) or pa.types.is_floating(kind)
-                                   or pa.types.is_boolean(kind)):
+    if as_float:
+        return np.asarray(column.cast(pa.float64()).to_numpy()).tolist()
+    if pa.types.is_floating(kind) or (column.null_count == 0 and _is_exact(kind)):
         return np.asarray(column.to_numpy()).tolist()
     return column.to_pylist()

@@ -1,4 +1,4 @@
-"""The multi-job workload at a tiny size: real job processes, a real server, real shared memory."""
+"""globalloader.demo.jobs at a tiny size: real job processes, a real server, real shared memory."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from globalloader.demo.jobs import JobSpec, overlapping_sets, run_jobs
 from globalloader.errors import ArgumentError
-from globalloader.shared_demo import JobSpec, overlapping_sets, run_jobs
 from globalloader.synthetic import make_jpeg_folder
 
 pytestmark = pytest.mark.timeout(240)
@@ -18,6 +18,7 @@ def root(tmp_path_factory):
     return make_jpeg_folder(tmp_path_factory.mktemp("jpeg"), n=40, progress=False)
 
 
+@pytest.mark.integration  # job processes, and in shared mode a server
 def test_shared_jobs_decode_each_sample_once_and_independent_ones_once_per_job(root):
     specs = [JobSpec("all", range(40)), JobSpec("tail", range(10, 40), sleep=0.01)]
     shared = run_jobs(root, specs, "shared", workers=1, batch_size=8, memory="16M", progress=False)
@@ -39,6 +40,7 @@ def test_shared_jobs_decode_each_sample_once_and_independent_ones_once_per_job(r
     assert all(0.0 <= j["followed_share"] <= 1.0 for j in shared["jobs"])
 
 
+@pytest.mark.integration  # job processes, and in shared mode a server
 def test_a_job_with_two_epochs_sees_its_set_once_per_epoch(root):
     result = run_jobs(root, [JobSpec("twice", range(0, 40, 3), epochs=2)], "shared", workers=1,
                       batch_size=8, memory="16M", progress=False)
@@ -47,6 +49,7 @@ def test_a_job_with_two_epochs_sees_its_set_once_per_epoch(root):
     assert result["decodes"] <= 2 * 14 and result["server"]["requests"] == 2 * 14
 
 
+@pytest.mark.integration  # job processes, and in shared mode a server
 def test_a_background_job_stops_once_the_foreground_jobs_are_done(root):
     specs = [JobSpec("slow", range(16), sleep=0.05), JobSpec("keeps-training", range(40), epochs=50, background=True)]
     result = run_jobs(root, specs, "independent", workers=1, batch_size=8, progress=False)
@@ -78,7 +81,7 @@ def test_bad_arguments_name_what_is_wrong(root):
 
 
 def test_the_exact_once_check_catches_a_missing_or_repeated_sample():
-    from globalloader.shared_demo import _exact_once
+    from globalloader.demo.jobs import _exact_once
 
     want = ["a", "b", "c"]
     assert _exact_once([["c", "a", "b"], ["b", "c", "a"]], want, background=False)

@@ -1,7 +1,7 @@
-"""The demo workload: a synthetic JPEG folder, the ImageNet train transform, one epoch.
+"""The single-job workload: a synthetic JPEG folder, the ImageNet train transform, one epoch.
 
-Shared by `globalloader demo` and `benchmarks/single_job.py`, so the figures a user sees and the
-ones the benchmark records come from the same code. The torch baseline runs the very same
+Shared by `globalloader demo` (its first act) and `benchmarks/single_job.py`, so the figures a
+user sees and the ones the benchmark records come from the same code. The torch baseline runs the very same
 source and transform functions (with the same per-sample seeds) inside
 `torch.utils.data.DataLoader`, so the difference measured is the loader's alone.
 """
@@ -9,8 +9,9 @@ source and transform functions (with the same per-sample seeds) inside
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -75,7 +76,8 @@ def _epoch(batches: Iterable[Any], total: int, label: str, progress: bool) -> di
     return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds, "first_batch_s": first or 0.0}
 
 
-def run_globalloader(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0, progress: bool = True) -> dict[str, float]:
+def run_globalloader(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0,
+                     progress: bool = True) -> dict[str, float]:
     """One epoch through `gl.Loader`, workers started inside the timed region (like torch's)."""
     chain = train_chain(root, batch_size)
     with Loader(chain, workers=workers, prefetch=2 * workers) as loader:
@@ -83,39 +85,13 @@ def run_globalloader(root: Path, workers: int = 2, batch_size: int = 64, epoch: 
         return _epoch(loader, len(chain.source), "globalloader", progress)
 
 
-def run_torch(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0, progress: bool = True) -> dict[str, float]:
+def run_torch(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0,
+              progress: bool = True) -> dict[str, float]:
     """One epoch through `torch.utils.data.DataLoader` with the same functions."""
     import torch
 
     data = _TorchImages(root, seed=0, epoch=epoch)
     generator = torch.Generator().manual_seed(epoch)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers, generator=generator)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                         generator=generator)
     return _epoch(loader, len(data), "torch DataLoader", progress)
-
-
-def main(images: int = 1000, workers: int = 2, batch_size: int = 64, shared: bool = True,
-         shared_memory: str = "256M") -> None:
-    """`globalloader demo`: make the data once, run one epoch with each loader, compare; then
-    (unless `shared` is False) three concurrent jobs, independent then through one server."""
-    root = demo_images(images)
-    print(f"dataset: {images} synthetic JPEGs (500x375) in {root}")
-    print("work per sample: decode + random resized crop 224 + flip + normalize; "
-          f"batch {batch_size}, {workers} workers; a stand-in step reads every batch\n")
-    ours = run_globalloader(root, workers, batch_size)
-    rows = [("globalloader", ours)]
-    try:
-        theirs = run_torch(root, workers, batch_size)
-        rows.append(("torch DataLoader", theirs))
-    except ImportError:
-        theirs = None
-    print(f"{'loader':<18}{'samples/s':>12}{'epoch s':>10}{'first batch s':>15}")
-    for name, r in rows:
-        print(f"{name:<18}{r['samples_per_s']:>12.1f}{r['seconds']:>10.2f}{r['first_batch_s']:>15.3f}")
-    if theirs is None:
-        print("\n(torch is not installed: pip install 'globalloader[torch]' to compare)")
-    else:
-        print(f"\ngloballoader / torch DataLoader: {ours['samples_per_s'] / theirs['samples_per_s']:.2f}x samples/s")
-    if shared:
-        from globalloader import shared_demo  # it builds on this module
-
-        shared_demo.demo_act(root, images, workers, shared_memory)

@@ -15,7 +15,7 @@ Three modes run the same functions:
   a temporary folder; stopped afterwards); jobs use `Loader(..., share=True, workers=0)`.
 - "independent": each job its own in-process `Loader(..., workers=W)`, no sharing.
 - "torch": each job its own `torch.utils.data.DataLoader(num_workers=W)`, same functions and
-  the same per-sample seeds (as `demo.run_torch`).
+  the same per-sample seeds (as `workload.run_torch`).
 
 Worker budget: the same number of processes doing sample work in every mode. Independent and
 torch jobs have W workers each (K*W in all); in shared mode the server gets the K*W decode
@@ -45,13 +45,13 @@ from tqdm.auto import tqdm
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.map import sample_rng
-from globalloader.demo import train_step
+from globalloader.demo.workload import train_step
 from globalloader.errors import ArgumentError, ServerGone, WorkerError
 from globalloader.execution.loader import Loader
 from globalloader.sources import ImageFolder
 from globalloader.vision import Decode, RandomCropFlipNormalize
 
-__all__ = ["MODES", "SAMPLE_BYTES", "JobSpec", "demo_act", "job_chain", "job_sample", "overlapping_sets", "run_jobs"]
+__all__ = ["MODES", "SAMPLE_BYTES", "JobSpec", "job_chain", "job_sample", "overlapping_sets", "run_jobs"]
 
 MODES = ("shared", "independent", "torch")
 # One demo image (500x375) after Decode(resize=256): what a pool slot holds.
@@ -145,38 +145,6 @@ def run_jobs(
             server.stop()
         shutil.rmtree(folder, ignore_errors=True)
     return _summary(root, specs, mode, workers, server_workers, results, status)
-
-
-def demo_act(root: Path | str, images: int, workers: int = 2, memory: str | int = "256M",
-             progress: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`globalloader demo`'s second act: three jobs with overlapping sets at different speeds, run
-    independently then through one server; prints both side by side and returns both summaries."""
-    specs = [
-        JobSpec("A", range(images)),
-        JobSpec("B", range(images * 7 // 10), sleep=0.01),
-        JobSpec("C", range(images - images * 6 // 10, images), sleep=0.03),
-    ]
-    print(f"\nact 2: three training jobs at once, each its own process: A all {images} images, "
-          f"B the first {len(specs[1].indices)}, C the last {len(specs[2].indices)}; "
-          "a step of +0 / +0.01 / +0.03 s per batch")
-    print("shared part: decode + resize to 256; each job's own: random crop 224 + flip + normalize, batch 32")
-    print(f"independent: {workers} workers per job; shared: one server with {3 * workers} decode workers "
-          f"and a {memory} pool, the jobs crop in their own process\n")
-    alone = run_jobs(root, specs, "independent", workers=workers, progress=progress)
-    shared = run_jobs(root, specs, "shared", workers=workers, memory=memory, progress=progress)
-    rows = [("decodes", "{:.0f}", "decodes"), ("wall time s", "{:.2f}", "wall_s"),
-            ("samples/s (all jobs)", "{:.1f}", "samples_per_s")]
-    print(f"{'':<24}{'independent':>14}{'shared':>10}")
-    for label, fmt, key in rows:
-        print(f"{label:<24}{fmt.format(alone[key]):>14}{fmt.format(shared[key]):>10}")
-    for a, s in zip(alone["jobs"], shared["jobs"]):
-        followed = "" if s["followed_share"] is None else f"   followed {s['followed_share']:.0%} of its samples"
-        label = f"job {a['name']} samples/s"
-        print(f"{label:<24}{a['samples_per_s']:>14.1f}{s['samples_per_s']:>10.1f}{followed}")
-    saved = alone["decodes"] - shared["decodes"]
-    print(f"\nshared: {saved} decodes saved ({saved / alone['decodes']:.0%}; |union of the sets| = "
-          f"{shared['union']}), all jobs done in {shared['wall_s'] / alone['wall_s']:.2f}x the time")
-    return alone, shared
 
 
 # -- the parent: processes, progress, summary ------------------------------------------------
