@@ -14,7 +14,7 @@ decode workers and the jobs none (see `globalloader.demo.jobs`). Scenarios, each
   as fast (calibrated: corrected until the measured ratio is 2 +- 0.2, at most twice), a pool
   of 5% of the dataset; the fast job keeps
   training (a background job: epoch after epoch until the slow one has done its epoch), as in
-  SAMPLER.md's reference simulation; the "one epoch each" variant is also run (the fast job
+  the simulation behind docs/shared.md's sharing table; the "one epoch each" variant is also run (the fast job
   ends halfway and the slow one finishes alone, so it can follow at most about half).
 - optional peer: TensorSocket 0.0.5 (one producer DataLoader with K*W workers, K consumers),
   identical sets only (it broadcasts one stream of batches); batches it drops are counted.

@@ -3,7 +3,7 @@
 Everything is simulated in index space: jobs ask `JointSampler.next`, a buffer pool of C
 samples decides hits and misses and reports `loaded`/`evicted` back. Pool policies:
   lru     a hit refreshes the sample (what a plain LRU second tier does)
-  fifo    samples leave in load order (what SAMPLER.md's reference table matches)
+  fifo    samples leave in load order (the pool of the sharing table in docs/shared.md)
   wanted  LRU, but a sample that no job still wants this epoch (`JointSampler.wanted`) is
           put first in line for eviction
 Scenarios, each with its baseline measured in the same run (independent plain shuffles through

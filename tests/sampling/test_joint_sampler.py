@@ -1,6 +1,6 @@
 """Tests for globalloader.sampling.joint.JointSampler.
 
-Contract (SAMPLER.md): per epoch every index of a job exactly once; each job's order uniform and
+Contract (docs/shared.md): per epoch every index of a job exactly once; each job's order uniform and
 its epochs independent whatever the other jobs do; exact resume. The statistical tests run fixed
 seeds at alpha = 0.001 and each kind of test is shown to reject a biased control sampler (some
 controls subclass JointSampler and reach into its internals to change exactly one decision).
@@ -331,7 +331,7 @@ def test_control_without_regions_is_rejected() -> None:
 
 
 class _LoadedRule(JointSampler):
-    """SAMPLER.md taken literally: a sample becomes followable when it is *loaded* (a miss),
+    """The variant docs/shared.md rejects: a sample becomes followable when it is *loaded* (a miss),
     not when it is drawn. Uses JointSampler's internals to change only that."""
 
     def _publish(self, index: int) -> None:

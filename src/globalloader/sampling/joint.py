@@ -3,7 +3,7 @@
 Several training jobs on one machine read overlapping index sets of one dataset. Each job must
 see its own set once per epoch in a uniformly random order, whatever the others do, yet a sample
 loaded for one job should serve the others while it is still in memory. The production rule is
-the region-wise "follow" of SAMPLER.md:
+the region-wise "follow" specified in docs/shared.md ("The joint sampler"):
 
 - Cells. A job's cells partition its set by which jobs want each index (the regions). At the
   start of an epoch the job draws a uniform arrangement of its cell labels; request i is served
@@ -14,14 +14,14 @@ the region-wise "follow" of SAMPLER.md:
 
 The rule never looks at which element of a cell it takes, so the law of everything is invariant
 under relabelling inside cells; with the uniform label arrangement that makes each job's order a
-uniform permutation. Consequences that shape the code (see also SAMPLER.md):
+uniform permutation. Consequences that shape the code (see also docs/shared.md):
 
 - A job joining mid-epoch splits other jobs' cells (their remaining labels are re-drawn), but a
   job leaving never merges them before their next epoch: merging would let the follow rule
   prefer the part the leaver had loaded.
 - Only draws made since the job's own epoch began may be followed, so epochs stay independent.
 - A sample becomes followable when a job draws it fresh, whether that draw finds it in memory
-  or loads it. SAMPLER.md says "loaded since the epoch began", but then whether a draw can be
+  or loads it. Not "loaded since the epoch began" (docs/shared.md says why): then whether a draw can be
   followed depends on what was still resident from the follower's previous epoch, and epochs
   stop being independent (measured: P(last of one epoch = first of the next) = 0.226 instead
   of 0.25 when a job joins, loads and leaves every epoch). `loaded` therefore decides nothing;
