@@ -10,7 +10,7 @@ import pytest
 from helpers import same
 
 import globalloader as gl
-from globalloader.errors import ArgumentError, SampleIndexError
+from globalloader.errors import ArgumentError, FingerprintError, SampleIndexError
 from globalloader.sources import Source, from_sequence
 
 
@@ -41,11 +41,15 @@ def test_fingerprint_hashes_content() -> None:
     assert from_sequence([1, 2, 3]).fingerprint.startswith("sequence:")
 
 
-def test_unpicklable_items_fall_back_to_identity() -> None:
+def test_unpicklable_items_need_a_key_instead_of_a_guess() -> None:
     items = [threading.Lock()]
     src = from_sequence(items)
-    assert src.fingerprint == f"sequence-id:{id(items):x}"
-    assert from_sequence(items).fingerprint == src.fingerprint
+    assert src[0] is items[0]  # reading needs no fingerprint
+    with pytest.raises(FingerprintError, match="cannot be pickled.*key="):
+        src.fingerprint
+    keyed = from_sequence(items, key="locks-v1")
+    assert keyed.fingerprint == from_sequence([threading.Lock()], key="locks-v1").fingerprint
+    assert keyed.fingerprint != from_sequence(items, key="locks-v2").fingerprint
 
 
 def test_pickles() -> None:

@@ -206,21 +206,21 @@ class Plan:
         items: np.ndarray | list[Any],
         skip_errors: bool = False,
         timer: Timer | None = None,
-        first_map: int = 0,
+        first_map: int | None = None,
         deferred: bool = False,
     ) -> TaskResult:
         """Build task `task` from source indices, or from (index, record) pairs whose records
-        already went through the first `first_map` maps (stream records: `first_map=0`; records
-        served by the global loader: the shared prefix). `deferred`: leave the default
+        already went through the first `first_map` maps (stream records; records served by the
+        global loader: the shared prefix, possibly no map at all). `deferred`: leave the default
         collate's stacks for the shared-memory transport to fill."""
         timer = {} if timer is None else timer
         result = TaskResult(None)
         samples = []
-        pairs = self.is_stream or first_map > 0
+        pairs = self.is_stream or first_map is not None
         for item in items:
             index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
             try:
-                start = 0 if record is MISSING else first_map
+                start = 0 if record is MISSING else first_map or 0
                 samples.append(self._sample(epoch, index, record, timer, start))
             except SAMPLE_ERRORS as exc:  # only a sample's own fault is skipped, never the machinery's
                 if not skip_errors:

@@ -124,24 +124,24 @@ class Loader:
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> EpochRun:
         self._abandon_run()
+        epoch, task, offset, consumed = self._position
+        if self.share and consumed is None:  # a local position: the samples it had consumed
+            consumed = self.plan.indices(epoch, 0, task * self.plan.task_size + offset).tolist()
+        if self.share and self._session is None:  # before any worker starts: a bad chain fails here
+            try:
+                self._session = SharedSession(self.plan, self.server, self.server_memory, self.name, self.timeout)
+            except UNAVAILABLE as exc:
+                self.fall_back(exc, epoch, consumed or [])
         if self.pool is None:
             self.pool = self._start_pool()
-        epoch, task, offset, consumed = self._position
-        if self.share:
-            if consumed is None:  # a local position: the samples it had consumed
-                consumed = self.plan.indices(epoch, 0, task * self.plan.task_size + offset).tolist()
-            self._run = self._shared_run(epoch, consumed)
+        if self._session is not None:
+            try:
+                self._run = SharedRun(self, self._session, epoch, consumed or [])
+            except UNAVAILABLE as exc:
+                self._run = self.fall_back(exc, epoch, consumed or [])
         else:
             self._run = LocalRun(self, epoch, task, offset, consumed)
         return self._run
-
-    def _shared_run(self, epoch: int, consumed: list[int]) -> EpochRun:
-        try:
-            if self._session is None:
-                self._session = SharedSession(self.plan, self.server, self.server_memory, self.name, self.timeout)
-            return SharedRun(self, self._session, epoch, consumed)
-        except UNAVAILABLE as exc:
-            return self.fall_back(exc, epoch, consumed)
 
     def fall_back(self, exc: BaseException, epoch: int, consumed: list[int]) -> EpochRun:
         """The server is not there: raise, or with share="auto" go on alone from the same position."""
@@ -152,6 +152,8 @@ class Loader:
         if self._session is not None:
             self._session.close()
             self._session = None
+        if self.pool is None:
+            self.pool = self._start_pool()
         self._run = LocalRun(self, epoch, 0, 0, consumed)
         return self._run
 

@@ -21,6 +21,7 @@ import os
 import sys
 import sysconfig
 from collections import deque
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -46,14 +47,15 @@ class SharedSession:
         prefix = Dataset(plan.source, tuple(plan.maps[: plan.split])).plan
         for op in prefix.maps:
             _by_value_if_local(cloudpickle, op.fn)
+        hello = {  # the key first: a chain that cannot be keyed fails before any server starts
+            "prefix_fp": prefix.fingerprint, "prefix": cloudpickle.dumps(prefix),
+            "name": name or f"{os.path.basename(sys.argv[0] or 'python')}[{os.getpid()}]",
+            "seed": plan.seed, "timeout": timeout,
+        }
         self.timeout = timeout
         self.client = Client(server or protocol.default_socket(), memory=memory)
         try:
-            self.client.send("hello", {
-                "name": name or f"{os.path.basename(sys.argv[0] or 'python')}[{os.getpid()}]",
-                "prefix_fp": prefix.fingerprint, "prefix": cloudpickle.dumps(prefix),
-                "seed": plan.seed, "timeout": timeout,
-            })
+            self.client.send("hello", hello)
             msg = self.client.get(timeout, "its welcome")
         except BaseException:
             self.client.close()
@@ -73,13 +75,19 @@ class SharedSession:
 
 
 def _by_value_if_local(cloudpickle: Any, fn: Any) -> None:
-    """Ship the user's own modules' code with the chain: the server may not import them (a
-    script's folder, a test module), while installed packages it imports like we do."""
-    module = sys.modules.get(getattr(fn, "__module__", None) or type(fn).__module__)
-    path = getattr(module, "__file__", None) or ""
-    installed = any(part in path for part in ("site-packages", "dist-packages", sysconfig.get_paths()["stdlib"]))
-    if module is not None and path and not installed and not module.__name__.startswith("globalloader"):
-        cloudpickle.register_pickle_by_value(module)
+    """Ship the user's own modules with the chain, by value: the server may not import them (a
+    script's folder, a test module), and a module the map reads (`cfg.SIZE`) must reach it as
+    this job sees it, not as its file says. Installed packages it imports like we do."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    code = getattr(fn, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    candidates = [sys.modules.get(getattr(fn, "__module__", None) or type(fn).__module__)]
+    candidates += [v for k, v in getattr(fn, "__globals__", {}).items() if k in names and isinstance(v, ModuleType)]
+    for module in candidates:
+        path = getattr(module, "__file__", None) or ""
+        installed = any(part in path for part in ("site-packages", "dist-packages", sysconfig.get_paths()["stdlib"]))
+        if module is not None and path and not installed and not module.__name__.startswith("globalloader"):
+            cloudpickle.register_pickle_by_value(module)
 
 
 class SharedRun(EpochRun):

@@ -37,7 +37,7 @@ class Task(NamedTuple):
     epoch: int
     number: int
     items: Any  # source indices (ndarray), or (index, record) pairs (see Plan.run_task)
-    first_map: int = 0  # maps the records in `items` already went through
+    first_map: int | None = None  # items are (index, record) pairs whose records went through these maps
     arena: str | None = None  # items are (index, offset, layout) tickets into this arena
 
 

@@ -67,6 +67,7 @@ class Job:
     timeout: float
     seed: int = 0
     run: int = -1  # the current pass; messages of earlier passes are stale
+    open: bool = False  # the current pass still holds or awaits samples (not ended)
     size: int = 0  # samples in this pass's set
     set_digest: bytes = b""  # of this epoch's set: an unchanged set just starts a new epoch
     epoch: int = 0
@@ -308,7 +309,7 @@ class Server:
             if job.id in sampler.stats():
                 sampler.remove_job(job.id)
             sampler.add_job(job.id, indices, seed=job.seed, epoch=int(epoch))
-        job.set_digest, job.run = digest, int(run)
+        job.set_digest, job.run, job.open = digest, int(run), True
         job.epoch, job.size, job.wanted = int(epoch), len(indices), 0
         job.drawn = job.delivered = job.consumed = 0
         job.rate = [(time.monotonic(), 0)]
@@ -328,15 +329,15 @@ class Server:
     def _on_want(self, conn: Connection, run: int, count: int) -> None:
         job = conn.job
         assert job is not None
-        if run == job.run:
+        if run == job.run and job.open:
             job.wanted += max(0, int(count))
             self._pump(job)
 
     def _on_release(self, conn: Connection, run: int, indices: Any) -> None:
         job = conn.job
         assert job is not None
-        if run != job.run:
-            return  # that pass's references went when the next began
+        if run != job.run or not job.open:
+            return  # that pass's references went when it ended
         fp = job.group.fingerprint
         for index in indices:
             self.pool.release((fp, int(index)), job.id)
@@ -347,7 +348,7 @@ class Server:
         assert job is not None
         if run == job.run:
             self._forget_pass(job)
-            job.run = -1  # what is still on its way to the job belongs to no pass
+            job.open = False  # what is still on its way to the job belongs to no live pass
 
     def _on_heartbeat(self, conn: Connection, progress: Any) -> None:
         job = conn.job
