@@ -163,10 +163,14 @@ class DecoderPool:
     def pool(self) -> BufferPool:
         return self._events.pool
 
+    def loading(self, key: Key) -> bool:
+        """Whether a worker is loading `key` now (a second load of it must not start)."""
+        return any(key in worker.loads for worker in self._workers)
+
     def load(self, fp: str, index: int, timeout: float, attempts: int = 0) -> None:
         """Start loading sample `index` of prefix `fp`; `timeout` bounds how long it may run."""
         prefix = self._events.prefix_of(fp)
-        if prefix is None:  # its last job left while this was queued
+        if prefix is None or self.loading((fp, index)):  # its jobs left; or it is on its way
             return
         worker = min(self._workers, key=lambda w: len(w.loads))
         # Reserve the largest size this chain produced so far, so the worker can write without
@@ -190,6 +194,13 @@ class DecoderPool:
         except (EOFError, OSError):
             self._replace(worker, f"exited ({_exit_reason(worker.process)})")
             return
+        try:
+            self._handle(worker, msg)
+        except Exception:  # a bug here must not leave the worker waiting for an answer forever
+            self._replace(worker, "was restarted after a server error (see the log)")
+            raise
+
+    def _handle(self, worker: _Worker, msg: tuple) -> None:
         kind, fp, index = msg[:3]
         key = (fp, index)
         if kind == "reserve":

@@ -388,7 +388,7 @@ class Server:
                 self._deliver(job, seq, index)
             else:
                 group.waiters[index].append((job, job.run, seq))
-                if entry is None and len(group.waiters[index]) == 1:
+                if entry is None:  # not even reserved: start a load unless one is on its way
                     self.decoders.load(group.fingerprint, index, group.timeout())
 
     def _deliver(self, job: Job, seq: int, index: int) -> None:
