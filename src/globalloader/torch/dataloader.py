@@ -21,7 +21,7 @@ import warnings
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from globalloader.errors import ArgumentError, StateError
-from globalloader.torch.iterators import InProcessIter, WorkerIter, restore_rng, rng_snapshot
+from globalloader.torch.iterators import InProcessIter, Progress, WorkerIter, restore_rng, rng_snapshot
 from globalloader.torch.shared import SharedChain
 from globalloader.torch.tensors import torch
 
@@ -166,7 +166,7 @@ class DataLoader(Generic[T_co]):
         self._dataset_kind_iterable = iterable
         self._IterableDataset_len_called: int | None = None
         self._iterator = None
-        self._latest: Any = None  # the iterator of the current pass (stats, state_dict)
+        self._progress: Progress | None = None  # of the current pass (stats, state_dict)
         self._resume: dict[str, Any] | None = None
         self._shared = SharedChain.build(self, share) if share else None
         _warn_if_too_many_workers(num_workers)
@@ -234,18 +234,18 @@ class DataLoader(Generic[T_co]):
         if resume is not None:
             restore_rng(self, resume["rng"])
             skip = resume["batches"]
-        snapshot = rng_snapshot(self)
+        progress = Progress(rng_snapshot(self))
         if self.persistent_workers and self.num_workers > 0:
             if self._iterator is None:
-                self._iterator = WorkerIter(self, skip)
+                self._iterator = WorkerIter(self, progress, skip)
             else:
-                self._iterator._reset(self, skip=skip)
+                self._iterator._reset(self, progress, skip=skip)
             iterator: Any = self._iterator
         elif self.num_workers > 0:
-            iterator = WorkerIter(self, skip)
+            iterator = WorkerIter(self, progress, skip)
         else:
-            iterator = InProcessIter(self, skip)
-        self._latest = (iterator, snapshot)
+            iterator = InProcessIter(self, progress, skip)
+        self._progress = progress
         return iterator
 
     def set_epoch(self, epoch: int) -> None:
@@ -263,10 +263,8 @@ class DataLoader(Generic[T_co]):
         from the next batch, with the same order and seeds."""
         if self._shared is not None:
             return {"kind": _STATE_KIND, "shared": self._shared.state_dict()}
-        if self._latest is None:
-            return {"kind": _STATE_KIND, "batches": 0, "rng": rng_snapshot(self), "epoch": self._sampler_epoch()}
-        iterator, snapshot = self._latest
-        return {"kind": _STATE_KIND, "batches": iterator.position, "rng": snapshot, "epoch": self._sampler_epoch()}
+        progress = self._progress or Progress(rng_snapshot(self))
+        return {"kind": _STATE_KIND, "batches": progress.batches, "rng": progress.snapshot, "epoch": self._sampler_epoch()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next `iter()` continue the pass `state` was taken from."""
@@ -287,9 +285,9 @@ class DataLoader(Generic[T_co]):
         """Batches delivered this pass, seconds the loop waited for them, seconds workers were busy."""
         if self._shared is not None:
             return self._shared.stats()
-        if self._latest is None:
-            return {"batches": 0, "wait_s": 0.0, "worker_busy_s": 0.0, "workers": self.num_workers}
-        return self._latest[0].stats()
+        progress = self._progress or Progress({})
+        return {"batches": progress.batches, "wait_s": progress.wait_s, "worker_busy_s": progress.busy_s,
+                "workers": self.num_workers}
 
     def close(self) -> None:
         """Stop persistent workers now (they also stop when the DataLoader is collected)."""

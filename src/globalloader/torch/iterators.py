@@ -65,29 +65,35 @@ def restore_rng(loader: DataLoader, snapshot: dict[str, Any]) -> None:
             generator.set_state(state)
 
 
-class _BaseIter:
-    """What both iterators share: the sampler walk, counting, the length warning, pinning, stats."""
+class Progress:
+    """Where one pass stands, kept by the DataLoader (not the iterator, which may be dropped)."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    __slots__ = ("snapshot", "batches", "wait_s", "busy_s")
+
+    def __init__(self, snapshot: dict[str, Any]) -> None:
+        self.snapshot = snapshot  # RNG states the pass started from
+        self.batches = 0  # delivered so far
+        self.wait_s = 0.0  # the consumer waiting for workers
+        self.busy_s = 0.0  # workers (or the main process) loading
+
+
+class _BaseIter:
+    """What both iterators share: the sampler walk, counting, the length warning, pinning."""
+
+    def __init__(self, loader: DataLoader, progress: Progress) -> None:
         self._loader = loader
+        self._progress = progress
         self._dataset = loader.dataset
         self._iterable = loader._dataset_kind_iterable
         self._auto_collation = loader._auto_collation
         self._pin = loader.pin_memory and _pin_available()
         self._pin_device = loader.pin_memory_device
         self._datapipe = isinstance(loader.dataset, torch.utils.data.IterDataPipe)
-        self.wait_s = 0.0
-        self.busy_s = 0.0
 
     def _start_pass(self, loader: DataLoader) -> None:
         self._sampler_iter = iter(loader._index_sampler)
         self._num_yielded = 0
         self._len_called = loader._IterableDataset_len_called
-
-    @property
-    def position(self) -> int:
-        """Batches delivered in this pass."""
-        return self._num_yielded
 
     def __iter__(self) -> _BaseIter:
         return self
@@ -97,6 +103,7 @@ class _BaseIter:
 
     def _deliver(self, batch: Any) -> Any:
         self._num_yielded += 1
+        self._progress.batches = self._num_yielded
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             warnings.warn(
                 f"Length of IterableDataset {self._dataset} was reported to be {self._len_called} "
@@ -108,20 +115,12 @@ class _BaseIter:
             )
         return pin(batch, self._pin_device) if self._pin else batch
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "batches": self._num_yielded,
-            "wait_s": self.wait_s,
-            "worker_busy_s": self.busy_s,
-            "workers": self._loader.num_workers,
-        }
-
 
 class InProcessIter(_BaseIter):
     """num_workers=0: samples are loaded in the calling thread, when a batch is asked for."""
 
-    def __init__(self, loader: DataLoader, skip: int = 0) -> None:
-        super().__init__(loader)
+    def __init__(self, loader: DataLoader, progress: Progress, skip: int = 0) -> None:
+        super().__init__(loader, progress)
         dataset = self._dataset
         if self._datapipe:
             rng = torch.Generator()
@@ -143,16 +142,16 @@ class InProcessIter(_BaseIter):
     def __next__(self) -> Any:
         start = time.perf_counter()
         batch = self._advance()
-        self.busy_s += time.perf_counter() - start
+        self._progress.busy_s += time.perf_counter() - start
         return self._deliver(batch)
 
 
 class WorkerIter(_BaseIter):
     """num_workers>0: a pool of worker processes, started per iterator or kept (persistent_workers)."""
 
-    def __init__(self, loader: DataLoader, skip: int = 0) -> None:
+    def __init__(self, loader: DataLoader, progress: Progress, skip: int = 0) -> None:
         self._pool: WorkerPool | None = None
-        super().__init__(loader)
+        super().__init__(loader, progress)
         self._num_workers = loader.num_workers
         self._prefetch = loader.prefetch_factor * loader.num_workers
         self._in_order = loader.in_order
@@ -165,12 +164,13 @@ class WorkerIter(_BaseIter):
         self._pool: WorkerPool | None = WorkerPool(_spec(loader, loader.dataset), context, self._base_seed, shared_seed)
         self._workers = self._pool.procs
         self._generation = 0
-        self._reset(loader, first=True, skip=skip)
+        self._reset(loader, progress, first=True, skip=skip)
 
-    def _reset(self, loader: DataLoader, first: bool = False, skip: int = 0) -> None:
+    def _reset(self, loader: DataLoader, progress: Progress, first: bool = False, skip: int = 0) -> None:
         """Start a pass: a new sampler walk, and (persistent workers) fresh dataset iterators."""
         if self._pool is None:
             raise StopIteration
+        self._progress = progress
         self._start_pass(loader)
         self._generation += 1
         self._active = [True] * self._num_workers
@@ -232,15 +232,17 @@ class WorkerIter(_BaseIter):
                 return self._take(number, *self._ready.pop(number))
             start = time.perf_counter()
             worker, (generation, number, kind, payload, busy) = self._pool.receive(self._timeout)
-            self.wait_s += time.perf_counter() - start
+            self._progress.wait_s += time.perf_counter() - start
             if generation != self._generation:  # a reply to an earlier pass: drop it
                 if kind == BATCH:
                     self._drop(worker, payload)
                 continue
-            self.busy_s += busy
+            self._progress.busy_s += busy
             self._outstanding -= 1
             self._waiting.pop(number, None)
-            if kind == EXHAUSTED:
+            if kind == BATCH:  # map it now: once mapped, its worker may stop without taking it away
+                payload = self._pool.reader.read(payload, self._pool.freed[worker].append)
+            elif kind == EXHAUSTED:
                 self._active[worker] = False
                 if not self._persistent:
                     self._pool.stop(worker)
@@ -259,8 +261,7 @@ class WorkerIter(_BaseIter):
             if tb:
                 exc.__cause__ = _RemoteTraceback(f"in DataLoader worker {worker}:\n{tb}")
             raise exc
-        batch = self._pool.reader.read(payload, self._pool.freed[worker].append)
-        return as_torch_batch(batch) if self._default_collate else batch
+        return as_torch_batch(payload) if self._default_collate else payload
 
     def _drop(self, worker: int, payload: Any) -> None:
         name = self._pool.reader.discard(payload)
