@@ -21,10 +21,13 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.pool import WorkerPool
 from globalloader.torch.tensors import pin, torch
-from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, Fetcher, WorkerSpec
+from globalloader.execution.shm import decode_tree
+from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, INLINE, Fetcher, WorkerSpec
 
 if TYPE_CHECKING:
     from globalloader.torch.dataloader import DataLoader
@@ -81,7 +84,9 @@ class _BaseIter:
     """What both iterators share: the sampler walk, counting, the length warning, pinning."""
 
     def __init__(self, loader: DataLoader, progress: Progress) -> None:
-        self._loader = loader
+        # No reference to the loader: dropping a loader and its iterator must stop the workers at once.
+        self._index_sampler = loader._index_sampler
+        self._uses_workers = loader.num_workers > 0
         self._progress = progress
         self._dataset = loader.dataset
         self._iterable = loader._dataset_kind_iterable
@@ -91,7 +96,7 @@ class _BaseIter:
         self._datapipe = isinstance(loader.dataset, torch.utils.data.IterDataPipe)
 
     def _start_pass(self, loader: DataLoader) -> None:
-        self._sampler_iter = iter(loader._index_sampler)
+        self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
         self._len_called = loader._IterableDataset_len_called
 
@@ -99,7 +104,7 @@ class _BaseIter:
         return self
 
     def __len__(self) -> int:
-        return len(self._loader)
+        return len(self._index_sampler)
 
     def _deliver(self, batch: Any) -> Any:
         self._num_yielded += 1
@@ -110,7 +115,7 @@ class _BaseIter:
                 f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. "
                 + ("For multiprocessing data-loading, this could be caused by not properly configuring the "
                    "IterableDataset replica at each worker (shard it with get_worker_info())."
-                   if self._loader.num_workers > 0 else ""),
+                   if self._uses_workers else ""),
                 stacklevel=3,
             )
         return pin(batch, self._pin_device) if self._pin else batch
@@ -242,6 +247,9 @@ class WorkerIter(_BaseIter):
             self._waiting.pop(number, None)
             if kind == BATCH:  # map it now: once mapped, its worker may stop without taking it away
                 payload = self._pool.reader.read(payload, self._pool.freed[worker].append)
+            elif kind == INLINE:
+                tree, data = payload
+                payload = decode_tree(tree, np.frombuffer(data, np.uint8))
             elif kind == EXHAUSTED:
                 self._active[worker] = False
                 if not self._persistent:

@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from globalloader.errors import WorkerError
-from globalloader.execution.shm import BatchWriter, remove_leftovers
+from globalloader.execution.shm import BatchWriter, copy_arrays, encode_tree, remove_leftovers
 from globalloader.execution.workers import _tune_allocator
 from globalloader.torch.collate import stack_collate
 from globalloader.torch.tensors import torch
@@ -36,6 +36,11 @@ from globalloader.torch.tensors import torch
 BATCH = 0  # payload: a BatchMessage
 FAILED = 1  # payload: (exception, traceback text)
 EXHAUSTED = 2  # an iterable dataset's copy in this worker has no more items
+INLINE = 3  # payload: (encoded tree, bytearray of its arrays): a batch too small for a segment
+
+# Batches with fewer array bytes travel inside the message: cheaper than a segment round trip, and
+# a loop that keeps many small batches alive holds no mapping (nor file descriptor) per batch.
+INLINE_BYTES = 64 << 10
 
 _WATCHDOG_PERIOD = 0.5  # seconds between checks that the parent is alive
 
@@ -113,8 +118,8 @@ def worker_main(spec: WorkerSpec, conn: Connection, worker_id: int, base_seed: i
                 failure = None
             else:
                 try:
-                    batch = fetch(payload)
-                    reply = (generation, number, BATCH, writer.write(batch), time.perf_counter() - start)
+                    kind, message = _pack(fetch(payload), writer)
+                    reply = (generation, number, kind, message, time.perf_counter() - start)
                 except StopIteration:
                     reply = (generation, number, EXHAUSTED, None, 0.0)
                 except Exception as exc:
@@ -157,6 +162,16 @@ class Fetcher:
             return self.collate(self.dataset[index])
         data = self.getitems(index) if self.getitems else [self.dataset[i] for i in index]
         return self.collate(data)
+
+
+def _pack(batch: Any, writer: BatchWriter) -> tuple[int, Any]:
+    """(INLINE, (tree, bytes)) for a small batch, else (BATCH, message) with its arrays in shared memory."""
+    tree, placed, nbytes = encode_tree(batch)
+    if nbytes > INLINE_BYTES:
+        return BATCH, writer.write(batch)
+    data = bytearray(nbytes)
+    copy_arrays(data, 0, placed)
+    return INLINE, (tree, data)
 
 
 def _seed_datapipe(dataset: Any, shared_seed: int | None) -> Any:
