@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DistributedSampler, WeightedRandomSampler, get_worker_info
 from helpers import check_resume
+from torch.utils.data import BatchSampler, DistributedSampler, WeightedRandomSampler, get_worker_info
 
 import globalloader as gl
 import globalloader.torch as gt
@@ -356,6 +356,11 @@ def test_every_iter_starts_a_new_pass():
     assert len(list(loader)) == 5  # breaking out of a loop does not resume mid-pass
     a, b = iter(loader), iter(loader)
     assert [x.tolist() for x in a] == [x.tolist() for x in b] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_in_order_false_delivers_every_batch_once():
+    batches = [b.tolist() for b in gt.DataLoader(Slow(0.0), batch_size=1, num_workers=2, in_order=False)]
+    assert sorted(batches) == [[0], [1]]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -18,7 +18,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import warnings
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, StateError
 from globalloader.torch.iterators import InProcessIter, Progress, WorkerIter, restore_rng, rng_snapshot
@@ -300,7 +301,7 @@ class DataLoader(Generic[T_co]):
     def __enter__(self) -> DataLoader[T_co]:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _sampler_epoch(self) -> int | None:

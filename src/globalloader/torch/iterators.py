@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from globalloader.execution.shm import decode_tree
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.pool import WorkerPool
 from globalloader.torch.tensors import pin, torch
-from globalloader.execution.shm import decode_tree
 from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, INLINE, Fetcher, WorkerSpec
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def _draw_seed(generator: Any) -> int:
 
 def _samplers(loader: DataLoader) -> list[Any]:
     """The loader's sampler objects (batch sampler first), for their generators and epochs."""
-    found = []
+    found: list[Any] = []
     for obj in (loader.batch_sampler, loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
         if obj is not None and all(obj is not f for f in found):
             found.append(obj)
@@ -71,7 +71,7 @@ def restore_rng(loader: DataLoader, snapshot: dict[str, Any]) -> None:
 class Progress:
     """Where one pass stands, kept by the DataLoader (not the iterator, which may be dropped)."""
 
-    __slots__ = ("snapshot", "batches", "wait_s", "busy_s")
+    __slots__ = ("batches", "busy_s", "snapshot", "wait_s")
 
     def __init__(self, snapshot: dict[str, Any]) -> None:
         self.snapshot = snapshot  # RNG states the pass started from
@@ -154,11 +154,12 @@ class InProcessIter(_BaseIter):
 class WorkerIter(_BaseIter):
     """num_workers>0: a pool of worker processes, started per iterator or kept (persistent_workers)."""
 
+    _pool: WorkerPool | None = None  # None once shut down
+
     def __init__(self, loader: DataLoader, progress: Progress, skip: int = 0) -> None:
-        self._pool: WorkerPool | None = None
         super().__init__(loader, progress)
         self._num_workers = loader.num_workers
-        self._prefetch = loader.prefetch_factor * loader.num_workers
+        self._prefetch = (loader.prefetch_factor or 2) * loader.num_workers
         self._in_order = loader.in_order
         self._timeout = loader.timeout
         self._persistent = loader.persistent_workers
@@ -166,15 +167,14 @@ class WorkerIter(_BaseIter):
         shared_seed = _draw_seed(loader.generator) if self._datapipe else None
         self._base_seed = _draw_seed(loader.generator)
         context = loader.multiprocessing_context or torch.multiprocessing.get_context()
-        self._pool: WorkerPool | None = WorkerPool(_spec(loader, loader.dataset), context, self._base_seed, shared_seed)
+        self._pool = WorkerPool(_spec(loader, loader.dataset), context, self._base_seed, shared_seed)
         self._workers = self._pool.procs
         self._generation = 0
         self._reset(loader, progress, first=True, skip=skip)
 
     def _reset(self, loader: DataLoader, progress: Progress, first: bool = False, skip: int = 0) -> None:
         """Start a pass: a new sampler walk, and (persistent workers) fresh dataset iterators."""
-        if self._pool is None:
-            raise StopIteration
+        pool = self._live_pool()
         self._progress = progress
         self._start_pass(loader)
         self._generation += 1
@@ -186,7 +186,7 @@ class WorkerIter(_BaseIter):
         if not first:
             shared_seed = _draw_seed(loader.generator) if self._datapipe else None
             for w in range(self._num_workers):
-                self._pool.send(w, "reset", self._generation, 0, shared_seed)
+                pool.send(w, "reset", self._generation, 0, shared_seed)
         if not self._iterable:  # skip delivered batches without loading them
             for _ in range(skip):
                 next(self._sampler_iter, None)
@@ -210,7 +210,7 @@ class WorkerIter(_BaseIter):
                 break
         else:
             return  # every worker is exhausted
-        self._pool.send(worker, "task", self._generation, self._sent, index)
+        self._live_pool().send(worker, "task", self._generation, self._sent, index)
         self._waiting[self._sent] = worker
         self._outstanding += 1
         self._sent += 1
@@ -236,7 +236,8 @@ class WorkerIter(_BaseIter):
                 number = self._received
                 return self._take(number, *self._ready.pop(number))
             start = time.perf_counter()
-            worker, (generation, number, kind, payload, busy) = self._pool.receive(self._timeout)
+            pool = self._live_pool()
+            worker, (generation, number, kind, payload, busy) = pool.receive(self._timeout)
             self._progress.wait_s += time.perf_counter() - start
             if generation != self._generation:  # a reply to an earlier pass: drop it
                 if kind == BATCH:
@@ -246,14 +247,14 @@ class WorkerIter(_BaseIter):
             self._outstanding -= 1
             self._waiting.pop(number, None)
             if kind == BATCH:  # map it now: once mapped, its worker may stop without taking it away
-                payload = self._pool.reader.read(payload, self._pool.freed[worker].append)
+                payload = pool.reader.read(payload, pool.freed[worker].append)
             elif kind == INLINE:
                 tree, data = payload
                 payload = decode_tree(tree, np.frombuffer(data, np.uint8))
             elif kind == EXHAUSTED:
                 self._active[worker] = False
                 if not self._persistent:
-                    self._pool.stop(worker)
+                    pool.stop(worker)
                 self._put_task()
                 continue
             if number == self._received or not self._in_order:
@@ -272,9 +273,15 @@ class WorkerIter(_BaseIter):
         return as_torch_batch(payload) if self._default_collate else payload
 
     def _drop(self, worker: int, payload: Any) -> None:
-        name = self._pool.reader.discard(payload)
+        pool = self._live_pool()
+        name = pool.reader.discard(payload)
         if name is not None:
-            self._pool.freed[worker].append(name)
+            pool.freed[worker].append(name)
+
+    def _live_pool(self) -> WorkerPool:
+        if self._pool is None:
+            raise StopIteration  # shut down: the pass is over
+        return self._pool
 
     def __next__(self) -> Any:
         return self._deliver(self._next_batch())

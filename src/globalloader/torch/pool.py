@@ -85,10 +85,9 @@ class WorkerPool:
                 remaining = _POLL if deadline is None else min(_POLL, deadline - time.monotonic())
                 ready = wait(live, timeout=max(0.0, remaining))
             if ready:
-                conn = ready[0]
-                worker = self.conns.index(conn)
+                worker = self.conns.index(ready[0])  # type: ignore[arg-type]
                 try:
-                    return worker, pickle.loads(conn.recv_bytes())
+                    return worker, pickle.loads(self.conns[worker].recv_bytes())
                 except (EOFError, OSError):
                     self.raise_if_dead(wait_for=worker)
                     raise WorkerDied(f"DataLoader worker (pid {self.procs[worker].pid}) closed its pipe")

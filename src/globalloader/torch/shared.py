@@ -8,7 +8,8 @@ anything else is refused by name rather than run with different semantics.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.collate import collate as numpy_collate
@@ -50,8 +51,8 @@ class SharedChain:
             seed = 0 if dl.generator is None else dl.generator.initial_seed()
             chain = chain.shuffle(seed)
         default = dl.collate_fn is torch.utils.data.default_collate
-        chain = chain.batch(dl.batch_size, drop_last=dl.drop_last, collate=numpy_collate if default else dl.collate_fn)
-        prefetch = dl.prefetch_factor * dl.num_workers if dl.num_workers else None
+        chain = chain.batch(dl.batch_size or 1, drop_last=dl.drop_last, collate=numpy_collate if default else dl.collate_fn)
+        prefetch = (dl.prefetch_factor or 2) * dl.num_workers if dl.num_workers else None
         timeout = dl.timeout if dl.timeout > 0 else 300.0
         return cls(Loader(chain, workers=dl.num_workers, prefetch=prefetch, timeout=timeout, share=share))
 

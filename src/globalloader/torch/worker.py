@@ -21,8 +21,9 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -113,6 +114,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, worker_id: int, base_seed: i
                     failure = (exc, traceback.format_exc())
                 continue
             start = time.perf_counter()
+            reply: tuple[int, int, int, Any, float]
             if failure is not None or fetch is None:
                 reply = (generation, number, FAILED, _sendable(*(failure or _no_fetcher())), 0.0)
                 failure = None
@@ -150,12 +152,12 @@ class Fetcher:
         if self.items is not None:
             if not spec.auto_collation:
                 return self.collate(next(self.items))  # StopIteration ends this worker's share
-            data = []
+            data, size = [], spec.batch_size or 1
             for item in self.items:
                 data.append(item)
-                if len(data) == spec.batch_size:
+                if len(data) == size:
                     break
-            if not data or (spec.drop_last and len(data) < spec.batch_size):
+            if not data or (spec.drop_last and len(data) < size):
                 raise StopIteration
             return self.collate(data)
         if not spec.auto_collation:
