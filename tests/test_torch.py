@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import check_resume
+from helpers import Server, check_resume
 from torch.utils.data import BatchSampler, DistributedSampler, WeightedRandomSampler, get_worker_info
 
 import globalloader as gl
@@ -104,6 +104,14 @@ def tag_worker(worker_id: int) -> None:
     get_worker_info().dataset.tag = 100 + worker_id
 
 
+class Tagged(Squares):
+    """A dataset that says what it holds, so share=True may key its samples by it."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__(10)
+        self.fingerprint = f"squares-10-{tag}"
+
+
 class Changing(torch.utils.data.Dataset):
     def __init__(self) -> None:
         self.offset = 0
@@ -183,7 +191,7 @@ def test_constructor_has_torchs_signature_then_the_extras():
     assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
         (p.name, p.kind, p.default) for p in theirs
     ]
-    assert [p.name for p in ours[len(theirs):]] == ["share"]
+    assert [p.name for p in ours[len(theirs):]] == ["share", "server"]
     assert gt.DataLoader[list] is not None  # subscriptable like DataLoader[T]
 
 
@@ -497,18 +505,27 @@ def test_stats_count_batches_and_waiting():
 
 
 def test_torch_source_fingerprint_is_the_datasets_own_or_none():
-    class Tagged(Squares):
-        def __init__(self, tag: str) -> None:
-            super().__init__(10)
-            self.fingerprint = tag
-
     assert gt.TorchSource(Tagged("a")).fingerprint != gt.TorchSource(Tagged("b")).fingerprint
     with pytest.raises(AttributeError, match="no `fingerprint` attribute"):
-        gt.TorchSource(Squares(10)).fingerprint
+        _ = gt.TorchSource(Squares(10)).fingerprint
     with pytest.raises(ArgumentError, match="no `fingerprint` attribute"):
         gt.DataLoader(Squares(10), batch_size=2, share=True)
     with pytest.raises(ArgumentError, match="worker_init_fn="):
         gt.DataLoader(Tagged("a"), batch_size=2, share=True, num_workers=1, worker_init_fn=tag_worker)
+
+
+@pytest.mark.slow
+def test_share_true_feeds_the_job_from_a_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the server imports this module's dataset
+    server = Server(tmp_path / "s.sock")
+    try:
+        loader = gt.DataLoader(Tagged("a"), batch_size=4, shuffle=True, num_workers=1, share=True,
+                               server=str(server.socket))
+        labels = [int(y) for x, y in loader for y in y]
+        assert sorted(labels) == [i * i for i in range(10)] and len(loader) == 3
+        loader.close()
+    finally:
+        server.stop()
 
 
 def test_iterable_dataset_and_collate_give_tensors():

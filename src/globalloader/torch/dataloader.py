@@ -49,7 +49,7 @@ class DataLoader(Generic[T_co]):
 
     Extra keyword arguments: `share` (False, True or "auto": load through the global loader
     server; map-style datasets with a `fingerprint` attribute, batch_size/shuffle/drop_last/
-    collate_fn/num_workers/timeout only).
+    collate_fn/num_workers/timeout only) and `server` (its socket path; default: the user's own).
     """
 
     dataset: Any
@@ -83,6 +83,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         share: bool | str = False,
+        server: str | None = None,
     ) -> None:
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ArgumentError(
@@ -169,7 +170,7 @@ class DataLoader(Generic[T_co]):
         self._iterator = None
         self._progress: Progress | None = None  # of the current pass (stats, state_dict)
         self._resume: dict[str, Any] | None = None
-        self._shared = SharedChain.build(self, share) if share else None
+        self._shared = SharedChain.build(self, share, server) if share else None
         _warn_if_too_many_workers(num_workers)
         object.__setattr__(self, "_initialized", True)
 

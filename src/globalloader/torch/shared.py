@@ -29,7 +29,7 @@ class SharedChain:
         self.loader = loader
 
     @classmethod
-    def build(cls, dl: DataLoader, share: bool | str) -> SharedChain:
+    def build(cls, dl: DataLoader, share: bool | str, server: str | None) -> SharedChain:
         unsupported = {
             "an IterableDataset": dl._dataset_kind_iterable,
             "sampler=": not isinstance(dl.sampler, (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)),
@@ -50,11 +50,12 @@ class SharedChain:
         if isinstance(dl.sampler, torch.utils.data.RandomSampler):
             seed = 0 if dl.generator is None else dl.generator.initial_seed()
             chain = chain.shuffle(seed)
+        chain = chain.map(_as_loaded, shared=True, name="dataset[i]")  # the server loads each sample once
         default = dl.collate_fn is torch.utils.data.default_collate
         chain = chain.batch(dl.batch_size or 1, drop_last=dl.drop_last, collate=numpy_collate if default else dl.collate_fn)
         prefetch = (dl.prefetch_factor or 2) * dl.num_workers if dl.num_workers else None
         timeout = dl.timeout if dl.timeout > 0 else 300.0
-        return cls(Loader(chain, workers=dl.num_workers, prefetch=prefetch, timeout=timeout, share=share))
+        return cls(Loader(chain, workers=dl.num_workers, prefetch=prefetch, timeout=timeout, share=share, server=server))
 
     def __iter__(self) -> Iterator[Any]:
         return (to_tensors(batch) for batch in self.loader)
@@ -76,3 +77,8 @@ class SharedChain:
 
     def close(self) -> None:
         self.loader.close()
+
+
+def _as_loaded(sample: Any) -> Any:
+    """The sample as `dataset[i]` returned it: the shared part of the chain is the loading itself."""
+    return sample
