@@ -398,9 +398,9 @@ def test_persistent_workers_keep_their_dataset_copy_others_do_not():
 
 
 def test_timeout_zero_waits_and_a_positive_timeout_raises():
-    assert [b.tolist() for b in gt.DataLoader(Slow(1.5), batch_size=2, num_workers=1)] == [[0, 1]]
+    assert [b.tolist() for b in gt.DataLoader(Slow(1.5), batch_size=1, num_workers=2)] == [[0], [1]]
     with pytest.raises(RuntimeError, match="timed out after 1 seconds"):
-        next(iter(gt.DataLoader(Slow(3), batch_size=2, num_workers=1, timeout=1)))
+        next(iter(gt.DataLoader(Slow(2), batch_size=1, num_workers=1, timeout=1)))
 
 
 def test_pin_memory_is_accepted_and_pins_only_with_an_accelerator():

@@ -163,11 +163,12 @@ class WorkerIter(_BaseIter):
         self._in_order = loader.in_order
         self._timeout = loader.timeout
         self._persistent = loader.persistent_workers
-        self._default_collate = _spec(loader, loader.dataset).collate_fn is None and self._auto_collation
+        spec = _spec(loader, loader.dataset)
+        self._default_collate = spec.collate_fn is None and self._auto_collation
         shared_seed = _draw_seed(loader.generator) if self._datapipe else None
         self._base_seed = _draw_seed(loader.generator)
         context = loader.multiprocessing_context or torch.multiprocessing.get_context()
-        self._pool = WorkerPool(_spec(loader, loader.dataset), context, self._base_seed, shared_seed)
+        self._pool = WorkerPool(spec, context, self._base_seed, shared_seed)
         self._workers = self._pool.procs
         self._generation = 0
         self._reset(loader, progress, first=True, skip=skip)
@@ -182,7 +183,6 @@ class WorkerIter(_BaseIter):
         self._cycle = itertools.cycle(range(self._num_workers))
         self._waiting: dict[int, int] = {}  # task -> worker, no reply yet
         self._ready: dict[int, tuple[int, int, Any]] = {}  # task -> (worker, kind, payload)
-        self._outstanding = 0
         if not first:
             shared_seed = _draw_seed(loader.generator) if self._datapipe else None
             for w in range(self._num_workers):
@@ -212,7 +212,6 @@ class WorkerIter(_BaseIter):
             return  # every worker is exhausted
         self._live_pool().send(worker, "task", self._generation, self._sent, index)
         self._waiting[self._sent] = worker
-        self._outstanding += 1
         self._sent += 1
 
     def _next_batch(self) -> Any:
@@ -244,7 +243,6 @@ class WorkerIter(_BaseIter):
                     self._drop(worker, payload)
                 continue
             self._progress.busy_s += busy
-            self._outstanding -= 1
             self._waiting.pop(number, None)
             if kind == BATCH:  # map it now: once mapped, its worker may stop without taking it away
                 payload = pool.reader.read(payload, pool.freed[worker].append)
