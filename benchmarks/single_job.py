@@ -26,12 +26,7 @@ RESULTS = Path(__file__).parent / "results" / "single_job.json"
 
 def run_dropin(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0) -> dict[str, float]:
     """One epoch through the drop-in DataLoader, built exactly as `demo.run_torch` builds torch's."""
-    import torch
-
-    data = demo._TorchImages(root, seed=0, epoch=epoch)
-    generator = torch.Generator().manual_seed(epoch)
-    loader = DropInDataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers, generator=generator)
-    return demo._epoch(loader, len(data), "globalloader.torch.DataLoader", True)
+    return demo.run_torch(root, workers, batch_size, epoch, progress=True, loader_class=DropInDataLoader)
 
 
 def main() -> None:

@@ -86,12 +86,14 @@ def run_globalloader(root: Path, workers: int = 2, batch_size: int = 64, epoch: 
 
 
 def run_torch(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0,
-              progress: bool = True) -> dict[str, float]:
-    """One epoch through `torch.utils.data.DataLoader` with the same functions."""
+              progress: bool = True, loader_class: Any = None) -> dict[str, float]:
+    """One epoch through `torch.utils.data.DataLoader` (or `loader_class`, a drop-in for it) with
+    the same functions."""
     import torch
 
     data = _TorchImages(root, seed=0, epoch=epoch)
     generator = torch.Generator().manual_seed(epoch)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers,
-                                         generator=generator)
-    return _epoch(loader, len(data), "torch DataLoader", progress)
+    cls = loader_class or torch.utils.data.DataLoader
+    loader = cls(data, batch_size=batch_size, shuffle=True, num_workers=workers, generator=generator)
+    label = "torch DataLoader" if loader_class is None else f"{cls.__module__}.{cls.__name__}"
+    return _epoch(loader, len(data), label, progress)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader.execution.shm import decode_tree
+from globalloader.transport.codec import decode_tree
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.pool import WorkerPool
 from globalloader.torch.tensors import pin, torch

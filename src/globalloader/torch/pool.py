@@ -1,7 +1,7 @@
 """The worker processes of one DataLoader iterator: start, send tasks, receive batches, stop.
 
 Each worker has a duplex pipe: index batches go out, few-hundred-byte messages come back, and
-the batches themselves come through shared memory (`execution.shm`). Segments the consumer has
+the batches themselves come through shared memory (`transport.segments`). Segments the consumer has
 released travel back to their writer with that worker's next task. A worker that dies is noticed
 through its process sentinel within a second and reported as `WorkerDied`, naming its pid and
 signal; `close` stops workers politely, kills those that do not stop, and unlinks any segment
@@ -19,7 +19,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from globalloader.errors import WorkerError
-from globalloader.execution.shm import BatchReader, remove_leftovers
+from globalloader.transport.names import remove_leftovers
+from globalloader.transport.segments import BatchReader
 from globalloader.torch.worker import WorkerSpec, worker_main
 
 _POLL = 1.0  # seconds between liveness checks while waiting

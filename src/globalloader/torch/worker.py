@@ -2,7 +2,7 @@
 
 A worker gets its copy of the dataset once, at start; then, for each task (an index batch of a
 map-style dataset, or "next batch" of an iterable one) it fetches, collates and writes the batch
-into a shared-memory segment (`execution.shm`), sending back a message of a few hundred bytes.
+into a shared-memory segment (`transport.segments`), sending back a message of a few hundred bytes.
 
 What a dataset sees is what torch documents: `torch.utils.data.get_worker_info()` gives the
 worker's id, count, seed and dataset copy; `torch`, `random` and `numpy` are seeded from the
@@ -28,8 +28,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from globalloader.errors import WorkerError
-from globalloader.execution.shm import BatchWriter, copy_arrays, encode_tree, remove_leftovers
-from globalloader.execution.workers import _tune_allocator
+from globalloader.transport.codec import copy_arrays, encode_tree
+from globalloader.transport.names import remove_leftovers
+from globalloader.transport.process import tune_allocator
+from globalloader.transport.segments import BatchWriter
 from globalloader.torch.collate import stack_collate
 from globalloader.torch.tensors import torch
 
@@ -74,7 +76,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, worker_id: int, base_seed: i
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     torch.set_num_threads(1)
     _watch_parent(main_pid, prefix)
-    _tune_allocator()
+    tune_allocator()
     seed, numpy_state = worker_seeds(base_seed, worker_id)
     random.seed(seed)
     torch.manual_seed(seed)
