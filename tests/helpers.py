@@ -26,8 +26,11 @@ def same(a: Any, b: Any) -> bool:
         a, b = a.numpy(), b.numpy()
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
-            isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-            and a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(np.array_equal(a, b))
         )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
@@ -136,7 +139,9 @@ class Server:
         with open(socket.with_suffix(".log"), "w") as log:
             self.proc = subprocess.Popen(
                 [*CLI, "serve", "--socket", str(socket), "--memory", memory, "--workers", str(workers)],
-                stdout=log, stderr=subprocess.STDOUT, text=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, socket)
         deadline = time.monotonic() + 20
@@ -151,8 +156,12 @@ class Server:
 
     def job(self, out: Path, *args: str) -> subprocess.Popen:
         """Start tests/service/job.py against this server."""
-        return subprocess.Popen([sys.executable, str(JOB), str(self.socket), str(out), *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, str(JOB), str(self.socket), str(out), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def _stop_process(proc: subprocess.Popen, path: Path) -> None:

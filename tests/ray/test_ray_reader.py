@@ -15,17 +15,17 @@ from globalloader.sources import TarWriter
 def write_typed(path, rows: int = 10) -> None:
     key = np.arange(rows, dtype=np.int64)
     blob = np.repeat(key[:, None], 4, axis=1).astype(np.uint8)
-    table = pa.table({
-        "key": key,
-        "f32": key.astype(np.float32) / 2,
-        "flag": key % 2 == 0,
-        "blob": pa.FixedSizeBinaryArray.from_buffers(pa.binary(4), rows,
-                                                     [None, pa.py_buffer(blob.tobytes())]),
-        "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows * 3, dtype=np.float64)),
-                                                 3),
-        "text": [f"row {i}" for i in range(rows)],
-        "raw": [bytes([i]) * (i + 1) for i in range(rows)],
-    })
+    table = pa.table(
+        {
+            "key": key,
+            "f32": key.astype(np.float32) / 2,
+            "flag": key % 2 == 0,
+            "blob": pa.FixedSizeBinaryArray.from_buffers(pa.binary(4), rows, [None, pa.py_buffer(blob.tobytes())]),
+            "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows * 3, dtype=np.float64)), 3),
+            "text": [f"row {i}" for i in range(rows)],
+            "raw": [bytes([i]) * (i + 1) for i in range(rows)],
+        }
+    )
     pq.write_table(table, path, row_group_size=4)  # several row groups: chunked columns
 
 

@@ -434,8 +434,7 @@ class _Schedules(RuleBasedStateMachine):
         del self.sets[job], self.taken[job]
 
     @precondition(lambda self: self.sets)
-    @rule(data=st.data(), report=st.sampled_from(["now", "later", "never"]),
-          count=st.integers(1, 6))
+    @rule(data=st.data(), report=st.sampled_from(["now", "later", "never"]), count=st.integers(1, 6))
     def request(self, data: st.DataObject, report: str, count: int) -> None:
         job = data.draw(st.sampled_from(sorted(self.sets)))
         for _ in range(count):
@@ -505,7 +504,9 @@ class _Schedules(RuleBasedStateMachine):
 
 TestSchedules = _Schedules.TestCase
 TestSchedules.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 

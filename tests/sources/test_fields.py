@@ -28,11 +28,20 @@ def _png(i: int) -> bytes:
 def shards(tmp_path: pathlib.Path) -> list[str]:
     with gl.TarWriter(str(tmp_path / "fields-%06d.tar"), maxcount=4) as writer:
         for i in range(10):
-            writer.write({
-                "__key__": f"s{i:03d}", "png": _png(i), "seg.png": _png(i + 1), "cls": i % 3, "index": i,
-                "json": {"caption": f"a {i}", "tags": [i]}, "txt": f"text {i} é", "npy": np.arange(i, i + 3.0),
-                "bin": bytes([i, 255]), "pyd": b"\x80\x04K\x01.",
-            })
+            writer.write(
+                {
+                    "__key__": f"s{i:03d}",
+                    "png": _png(i),
+                    "seg.png": _png(i + 1),
+                    "cls": i % 3,
+                    "index": i,
+                    "json": {"caption": f"a {i}", "tags": [i]},
+                    "txt": f"text {i} é",
+                    "npy": np.arange(i, i + 3.0),
+                    "bin": bytes([i, 255]),
+                    "pyd": b"\x80\x04K\x01.",
+                }
+            )
     return writer.paths
 
 
@@ -72,14 +81,22 @@ def test_deterministic_shared_and_cached_in_a_chain(shards: list[str], tmp_path:
     first, again = list(chain), list(chain)
     assert same(first, again)
     assert first[0]["png"].shape == (5, 6, 8, 3) and first[1]["cls"].tolist() == [2, 0, 1, 2, 0]
-    assert chain.fingerprint == gl.Dataset(gl.TarShards(shards)).map(DecodeFields(), shared=True).cache(
-        tmp_path / "c").batch(5).fingerprint
+    assert (
+        chain.fingerprint
+        == gl.Dataset(gl.TarShards(shards)).map(DecodeFields(), shared=True).cache(tmp_path / "c").batch(5).fingerprint
+    )
 
 
-@pytest.mark.parametrize(("field", "data", "kind"), [
-    ("json", b"{not json", "JSON"), ("txt", b"\xff\xfe\xfa", "utf-8 text"), ("cls", b"cat", "an int"),
-    ("npy", b"\x93NUMPY garbage", "a .npy array"), ("jpg", b"\xff\xd8\xff\xe0broken", "image"),
-])
+@pytest.mark.parametrize(
+    ("field", "data", "kind"),
+    [
+        ("json", b"{not json", "JSON"),
+        ("txt", b"\xff\xfe\xfa", "utf-8 text"),
+        ("cls", b"cat", "an int"),
+        ("npy", b"\x93NUMPY garbage", "a .npy array"),
+        ("jpg", b"\xff\xd8\xff\xe0broken", "image"),
+    ],
+)
 def test_a_field_that_does_not_decode_names_the_key_and_the_field(field: str, data: bytes, kind: str) -> None:
     record = {"__key__": "bad7", "__url__": "shard-000002.tar", field: data}
     names_all = rf"(?=.*'bad7' in shard-000002\.tar)(?=.*field '{field}')(?=.*{kind})"

@@ -100,8 +100,7 @@ def test_pickle_and_fork(root: pathlib.Path) -> None:
     clone = pickle.loads(pickle.dumps(src))
     assert clone[1] == src[1] and clone.classes == src.classes
     reader, writer = multiprocessing.Pipe(duplex=False)
-    proc = multiprocessing.get_context("fork").Process(
-        target=lambda: writer.send([src[i] for i in range(len(src))]))
+    proc = multiprocessing.get_context("fork").Process(target=lambda: writer.send([src[i] for i in range(len(src))]))
     proc.start()
     assert reader.recv() == [src[i] for i in range(len(src))]
     proc.join(30)

@@ -26,8 +26,15 @@ def test_numpy_array_and_range() -> None:
     assert len(from_sequence(range(10))) == 10 and from_sequence(range(10))[9] == 9
 
 
-@pytest.mark.parametrize("items", [list(range(7)), [(f"f{i}.jpg", i % 2) for i in range(7)],
-                                   [{"__key__": str(i), "v": i} for i in range(7)], np.arange(7) * 3])
+@pytest.mark.parametrize(
+    "items",
+    [
+        list(range(7)),
+        [(f"f{i}.jpg", i % 2) for i in range(7)],
+        [{"__key__": str(i), "v": i} for i in range(7)],
+        np.arange(7) * 3,
+    ],
+)
 def test_a_dataset_over_from_sequence_yields_what_one_over_the_bare_sequence_yields(items) -> None:
     bare = list(gl.Dataset(items).shuffle(seed=3))
     wrapped = list(gl.Dataset(from_sequence(items)).shuffle(seed=3))

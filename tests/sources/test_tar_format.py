@@ -90,14 +90,17 @@ def test_garbage_is_not_a_tar() -> None:
         _walk(b"this is not a tar file" * 40)
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    ("a/b.JPG", ("a/b", "jpg")),
-    ("a.b/c.seg.png", ("a.b/c", "seg.png")),
-    ("noext", None),
-    ("__meta__", None),
-    ("__index__/x.txt", None),
-    ("__k.txt", ("__k", "txt")),
-])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("a/b.JPG", ("a/b", "jpg")),
+        ("a.b/c.seg.png", ("a.b/c", "seg.png")),
+        ("noext", None),
+        ("__meta__", None),
+        ("__index__/x.txt", None),
+        ("__k.txt", ("__k", "txt")),
+    ],
+)
 def test_split_key_follows_webdataset(name: str, expected: tuple[str, str] | None) -> None:
     from webdataset.tariterators import base_plus_ext
 

@@ -57,4 +57,3 @@ class CacheOp:
 
     def describe(self) -> tuple:
         return ("cache",)
-

@@ -30,9 +30,7 @@ class Dataset:
     """
 
     def __init__(self, source: Any, _ops: tuple[Any, ...] = ()) -> None:
-        if not isinstance(source, StreamSource) and not (
-            hasattr(source, "__len__") and hasattr(source, "__getitem__")
-        ):
+        if not isinstance(source, StreamSource) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
             raise ArgumentError(
                 f"Dataset needs a source with len() and [i], got {type(source).__name__}; "
                 "use Dataset.stream(...) for iterables without random access"

@@ -57,8 +57,10 @@ def _collate(items: list[Any], where: str, deferred: bool = False) -> Any:
     if isinstance(first, np.ndarray) and first.dtype != object:
         shapes = {it.shape for it in items}
         if len(shapes) > 1:
-            raise ArgumentError(f"collate: arrays in {where} have different shapes {sorted(shapes)}; "
-                                "resize them in a map or pass collate=")
+            raise ArgumentError(
+                f"collate: arrays in {where} have different shapes {sorted(shapes)}; "
+                "resize them in a map or pass collate="
+            )
         return Stacked(items) if deferred and first.nbytes else np.stack(items)
     if isinstance(first, (Number, np.generic)) and not isinstance(first, bool | np.bool_):
         return np.asarray(items)

@@ -39,8 +39,13 @@ _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 # like __slotnames__, added lazily by pickle), and so is abc's registry.
 _CLASS_SKIP = frozenset({"_abc_impl"})
 _METHOD_TYPES = (types.FunctionType, staticmethod, classmethod, property)
-_DESCRIPTORS = (types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType,
-                types.GetSetDescriptorType, types.MemberDescriptorType)
+_DESCRIPTORS = (
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    types.ClassMethodDescriptorType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+)
 _REDUCE_PARTS = ("constructor", "arguments", "state", "items", "entries", "state setter")
 KEY_LENGTH = 32  # hex digits of SHA-256 kept: 128 bits
 
@@ -299,8 +304,22 @@ class _Walk:
                         self.child(f"{name}.{attr}", getattr(value, attr))
 
     def code(self, code: types.CodeType) -> None:
-        self.put("code", repr((code.co_name, code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount,
-                               code.co_flags, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars)))
+        self.put(
+            "code",
+            repr(
+                (
+                    code.co_name,
+                    code.co_argcount,
+                    code.co_posonlyargcount,
+                    code.co_kwonlyargcount,
+                    code.co_flags,
+                    code.co_names,
+                    code.co_varnames,
+                    code.co_freevars,
+                    code.co_cellvars,
+                )
+            ),
+        )
         self.put("bytecode", code.co_code)
         self.put("exception table", getattr(code, "co_exceptiontable", b""))
         self.child(f"constants of {code.co_name}", code.co_consts)

@@ -27,9 +27,7 @@ def takes_rng(fn: Callable[..., Any]) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(
-        p.name == "rng" and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD for p in params
-    )
+    return any(p.name == "rng" and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD for p in params)
 
 
 def sample_rng(seed: int, epoch: int, index: int, position: int) -> np.random.Generator:

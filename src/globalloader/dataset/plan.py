@@ -107,8 +107,10 @@ class Plan:
         try:
             maps = [m.identity() for m in self.maps[: self.cache_at]]
         except FingerprintError as exc:
-            raise FingerprintError(f'cache({str(self.cache.path)!r}) cannot key its files: {exc}; '
-                                   f'or key the cache itself: .cache(path, key="my-cache-v1")') from None
+            raise FingerprintError(
+                f"cache({str(self.cache.path)!r}) cannot key its files: {exc}; "
+                f'or key the cache itself: .cache(path, key="my-cache-v1")'
+            ) from None
         return digest(self._source_identity(True), maps)
 
     def _add(self, op: Any) -> None:
@@ -250,7 +252,9 @@ class Plan:
         first = task * self.task_size
         return [(first + k, record) for k, record in enumerate(records)]
 
-    def _sample(self, epoch: int, index: int, record: Any, timer: Timer, start: int = 0, stop: int | None = None) -> Any:
+    def _sample(
+        self, epoch: int, index: int, record: Any, timer: Timer, start: int = 0, stop: int | None = None
+    ) -> Any:
         if record is MISSING:
             if self.cache is not None:
                 t0 = time.perf_counter()

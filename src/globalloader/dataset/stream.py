@@ -153,5 +153,3 @@ class StreamReader:
                 break
         self.taken += len(out)
         return out
-
-

@@ -76,8 +76,9 @@ def _epoch(batches: Iterable[Any], total: int, label: str, progress: bool) -> di
     return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds, "first_batch_s": first or 0.0}
 
 
-def run_globalloader(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0,
-                     progress: bool = True) -> dict[str, float]:
+def run_globalloader(
+    root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0, progress: bool = True
+) -> dict[str, float]:
     """One epoch through `gl.Loader`, workers started inside the timed region (like torch's)."""
     chain = train_chain(root, batch_size)
     with Loader(chain, workers=workers, prefetch=2 * workers) as loader:
@@ -85,13 +86,15 @@ def run_globalloader(root: Path, workers: int = 2, batch_size: int = 64, epoch: 
         return _epoch(loader, len(chain.source), "globalloader", progress)
 
 
-def run_torch(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0,
-              progress: bool = True) -> dict[str, float]:
+def run_torch(
+    root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0, progress: bool = True
+) -> dict[str, float]:
     """One epoch through `torch.utils.data.DataLoader` with the same functions."""
     import torch
 
     data = _TorchImages(root, seed=0, epoch=epoch)
     generator = torch.Generator().manual_seed(epoch)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers,
-                                         generator=generator)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=batch_size, shuffle=True, num_workers=workers, generator=generator
+    )
     return _epoch(loader, len(data), "torch DataLoader", progress)

@@ -60,9 +60,7 @@ class RegionMap:
         kept = np.flatnonzero(present)
         table = np.cumsum(present, dtype=np.int64) - 1
         ids[:] = table[keys]
-        self.jobs = [
-            self.jobs[key >> 1] + ((member,) if key & 1 else ()) for key in kept.tolist()
-        ]
+        self.jobs = [self.jobs[key >> 1] + ((member,) if key & 1 else ()) for key in kept.tolist()]
         if not self.jobs:
             self.jobs = [()]
 

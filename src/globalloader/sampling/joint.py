@@ -296,9 +296,7 @@ class JointSampler:
             "consumed": base64.b64encode(bitmap).decode("ascii"),
         }
 
-    def restore_job(
-        self, job: Hashable, indices: Sequence[int] | np.ndarray, state: dict[str, Any]
-    ) -> None:
+    def restore_job(self, job: Hashable, indices: Sequence[int] | np.ndarray, state: dict[str, Any]) -> None:
         """Register `job` (replacing a job of that name) and continue the epoch saved in `state`.
 
         The rest of the epoch is a uniform order of the indices not yet consumed. A job that is
@@ -468,11 +466,7 @@ class JointSampler:
 
 def _compact(cell: _Cell, seen: bytearray, live: dict[int, int]) -> None:
     """Drop the log entries no request can follow any more (passed, seen or evicted)."""
-    cell.log = [
-        (seq, index)
-        for seq, index in cell.log[cell.next_log :]
-        if not seen[index] and live.get(index) == seq
-    ]
+    cell.log = [(seq, index) for seq, index in cell.log[cell.next_log :] if not seen[index] and live.get(index) == seq]
     cell.next_log = 0
 
 
@@ -538,9 +532,7 @@ def _check_epoch(epoch: object) -> int:
     return int(epoch)
 
 
-def _read_state(
-    job: Hashable, indices: np.ndarray, state: dict[str, Any]
-) -> tuple[int, int, np.ndarray]:
+def _read_state(job: Hashable, indices: np.ndarray, state: dict[str, Any]) -> tuple[int, int, np.ndarray]:
     """Check a `job_state` dict against `indices`: (epoch, seed, consumed mask over indices)."""
     if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
         raise StateError(f"state for job {job!r} is not a version-{_STATE_VERSION} job_state dict")

@@ -20,8 +20,7 @@ from globalloader.sources._braces import expand_braces
 
 _GLOB_CHARS = frozenset("*?[")
 # fsspec `info()` fields that change when an object's content changes, most specific first.
-_VERSION_FIELDS = ("ETag", "etag", "md5", "generation", "mtime", "LastModified", "last_modified",
-                   "updated", "created")
+_VERSION_FIELDS = ("ETag", "etag", "md5", "generation", "mtime", "LastModified", "last_modified", "updated", "created")
 
 
 class FileStat(NamedTuple):
@@ -145,8 +144,7 @@ def expand_urls(urls: Any, argument: str) -> list[str]:
     if isinstance(urls, (str, os.PathLike)):
         urls = [urls]
     elif not isinstance(urls, Iterable) or isinstance(urls, (bytes, dict)):
-        raise ArgumentError(f"{argument} must be a str, a path or a list of them, "
-                            f"got {type(urls).__name__}")
+        raise ArgumentError(f"{argument} must be a str, a path or a list of them, got {type(urls).__name__}")
     expanded: list[str] = []
     for item in urls:
         if not isinstance(item, (str, os.PathLike)):
