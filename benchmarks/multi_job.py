@@ -47,7 +47,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from globalloader import demo
-from globalloader.errors import WorkerError
 from globalloader.demo.jobs import (
     SAMPLE_BYTES,
     JobSpec,
@@ -55,6 +54,7 @@ from globalloader.demo.jobs import (
     overlapping_sets,
     run_jobs,
 )
+from globalloader.errors import WorkerError
 
 RESULTS = Path(__file__).parent / "results" / "multi_job.json"
 BATCH = 32
@@ -117,7 +117,7 @@ def main() -> None:
     targets = _targets(scenarios)
     summary = {
         "benchmark": "multi_job",
-        "command": "python " + " ".join(["benchmarks/multi_job.py"] + sys.argv[1:]),
+        "command": "python " + " ".join(["benchmarks/multi_job.py", *sys.argv[1:]]),
         "split": SPLIT,
         "images": n,
         "image_size": [500, 375],

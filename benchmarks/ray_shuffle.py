@@ -200,7 +200,7 @@ def run_on_ray(name: str, files: list[str], cfg: dict[str, Any]) -> dict[str, An
 
         ray.data.DataContext.get_current().enable_progress_bars = False
         splits = ray.data.read_parquet(files).random_shuffle().streaming_split(cfg["trainers"], equal=True)
-        runs = ray.get([t.run.remote(split, cfg) for t, split in zip(trainers, splits)])
+        runs = ray.get([t.run.remote(split, cfg) for t, split in zip(trainers, splits, strict=True)])
     elapsed = time.perf_counter() - start
     peak = sampler.stop()
     ray.get([t.close.remote() for t in trainers[::-1]])
@@ -368,7 +368,7 @@ def summarize(
         positions.append(position)
         per_rank = [abs(_pearson(np.argsort(np.argsort(k)), np.arange(len(k)))) for k in keys]
         files_per_batch = []
-        for k, s in zip(keys, sizes):
+        for k, s in zip(keys, sizes, strict=True):
             file_ids = np.searchsorted(file_starts, k, side="right") - 1
             cuts = np.cumsum([0, *s])
             files_per_batch += [
@@ -387,7 +387,7 @@ def summarize(
     for e in range(1, len(positions)):
         both = (positions[e - 1] >= 0) & (positions[e] >= 0)
         quality[e]["corr_with_previous_epoch"] = _pearson(positions[e - 1][both], positions[e][both])
-    for epoch, q in zip(epochs, quality):
+    for epoch, q in zip(epochs, quality, strict=True):
         epoch.update(q)
     return {"rows_per_s": delivered / elapsed, "elapsed_s": elapsed, "rows_delivered": delivered, "epochs": epochs}
 

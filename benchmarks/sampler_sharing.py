@@ -85,12 +85,12 @@ class _Jobs:
         if joint:
             shared = JointSampler(seed)
             self.samplers = [shared] * len(sets)
-            for name, indices in zip(self.names, sets):
+            for name, indices in zip(self.names, sets, strict=True):
                 shared.add_job(name, indices)
             reported = [shared]
         else:
             self.samplers = [JointSampler(seed + k) for k in range(len(sets))]
-            for name, sampler, indices in zip(self.names, self.samplers, sets):
+            for name, sampler, indices in zip(self.names, self.samplers, sets, strict=True):
                 sampler.add_job(name, indices)
             reported = []  # alone, a job never follows: it needs no residency reports
             if policy == "wanted":
@@ -225,15 +225,15 @@ def main() -> None:
     cs = (0.1, 0.25, 0.5, 1.0, 2.0)
     speed_runs = [(10_000, r, c, p, small_epochs) for r in (1, 2, 4) for c in cs for p in POLICIES]
     speed_runs += [(100_000, r, c, p, large_epochs) for r in (2, 4) for c in (0.25, 1.0) for p in POLICIES]
-    overlap2 = [range(0, 1000), range(500, 1500)]
-    nested2 = [range(0, 1000), range(0, 500)]
+    overlap2 = [range(1000), range(500, 1500)]
+    nested2 = [range(1000), range(500)]
     scenarios = {
         "identical K=2": [range(10_000)] * 2,
         "identical K=4": [range(10_000)] * 4,
         "overlap50 K=2": overlap2,
         "overlap50 K=4": [range(500 * k, 500 * k + 1000) for k in range(4)],
         "nested K=2": nested2,
-        "nested K=4": [range(0, 1000), range(0, 500), range(0, 250), range(0, 125)],
+        "nested K=4": [range(1000), range(500), range(250), range(125)],
     }
     lock_runs = [(name, p) for name in scenarios for p in POLICIES]
     bar = tqdm(total=2 * len(speed_runs) + len(lock_runs) + 2, desc="sampler_sharing")
@@ -274,34 +274,33 @@ def main() -> None:
     bar.update(2)
     bar.close()
 
-    targets = []
-    for row in speed:
-        if row["r"] in TARGET_FOLLOWED and row["c"] == 0.25:
-            targets.append(
-                {
-                    "target": f"followed share >= {TARGET_FOLLOWED[row['r']]} "
-                    f"(r={row['r']}, n={row['n']}, C={row['capacity']}, {row['policy']})",
-                    "value": row["followed_share"],
-                    "met": row["followed_share"] >= TARGET_FOLLOWED[row["r"]],
-                }
-            )
-    for row in lock:
-        if row["scenario"] == "identical K=4":
-            targets.append(
-                {
-                    "target": f"identical K=4 lock-step loads/epoch <= {TARGET_IDENTICAL_LOADS} n ({row['policy']})",
-                    "value": row["loads_per_epoch_over_union"],
-                    "met": row["loads_per_epoch_over_union"] <= TARGET_IDENTICAL_LOADS,
-                }
-            )
-    for row in rate:
-        targets.append(
-            {
-                "target": f"next >= {TARGET_DECISIONS_PER_S:.0f} decisions/s (K=4, n=1e6, {row['sets']})",
-                "value": row["decisions_per_s"],
-                "met": row["decisions_per_s"] >= TARGET_DECISIONS_PER_S,
-            }
-        )
+    targets = [
+        {
+            "target": f"followed share >= {TARGET_FOLLOWED[row['r']]} "
+            f"(r={row['r']}, n={row['n']}, C={row['capacity']}, {row['policy']})",
+            "value": row["followed_share"],
+            "met": row["followed_share"] >= TARGET_FOLLOWED[row["r"]],
+        }
+        for row in speed
+        if row["r"] in TARGET_FOLLOWED and row["c"] == 0.25
+    ]
+    targets += [
+        {
+            "target": f"identical K=4 lock-step loads/epoch <= {TARGET_IDENTICAL_LOADS} n ({row['policy']})",
+            "value": row["loads_per_epoch_over_union"],
+            "met": row["loads_per_epoch_over_union"] <= TARGET_IDENTICAL_LOADS,
+        }
+        for row in lock
+        if row["scenario"] == "identical K=4"
+    ]
+    targets += [
+        {
+            "target": f"next >= {TARGET_DECISIONS_PER_S:.0f} decisions/s (K=4, n=1e6, {row['sets']})",
+            "value": row["decisions_per_s"],
+            "met": row["decisions_per_s"] >= TARGET_DECISIONS_PER_S,
+        }
+        for row in rate
+    ]
 
     print(
         "\nspeed ratio: slow job's followed share (hit share) | independent hit share | "

@@ -3,6 +3,7 @@ servers started and always stopped through the command line of this interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -86,10 +87,8 @@ def server_pid(path: Path) -> int | None:
 
 def _gone(pid: int) -> bool:
     """True once `pid` has exited (reaping it if it is our child, as an auto-started server is)."""
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
@@ -114,10 +113,8 @@ def stop_server(path: Path, pid: int | None = None, timeout: float = 20.0) -> in
         path.unlink(missing_ok=True)  # no one listens: what a dead server left
         return None
     if not _gone(pid):
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             subprocess.run([*CLI, "stop", "--socket", str(path)], capture_output=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
     deadline = time.monotonic() + timeout
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -26,12 +26,12 @@ RUN_AS_WRITTEN = ("getting-started.md", "chain.md", "resume.md", "errors.md", "t
 
 
 def _examples(page: Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
 
 
 def _sections(page: Path, level: str = "## ") -> dict[str, str]:
     """Heading text -> the text up to the next heading of the same level."""
-    parts = re.split(rf"^{level}(.+)$", page.read_text(), flags=re.M)
+    parts = re.split(rf"^{level}(.+)$", page.read_text(), flags=re.MULTILINE)
     return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
 
 
@@ -130,14 +130,14 @@ def test_the_joint_sampler_is_specified_in_the_docs_and_referenced_there():
 
 
 def test_nav_lists_every_page_and_only_existing_ones():
-    nav = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", MKDOCS, flags=re.M))
+    nav = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", MKDOCS, flags=re.MULTILINE))
     assert nav == {str(p.relative_to(DOCS)) for p in PAGES}
 
 
 def test_api_reference_covers_the_public_modules_and_they_exist():
     targets = set()
     for page in (DOCS / "api").glob("*.md"):
-        targets |= set(re.findall(r"^::: ([\w.]+)$", page.read_text(), flags=re.M))
+        targets |= set(re.findall(r"^::: ([\w.]+)$", page.read_text(), flags=re.MULTILINE))
     assert {
         "globalloader",
         "globalloader.errors",

@@ -68,7 +68,7 @@ def test_decode_converts_mode_and_keeps_png_exact():
 
 @pytest.mark.parametrize("data", [b"", b"not an image at all", b"\xff\xd8\xff\xe0garbage"])
 def test_decode_garbage_names_the_sample(data):
-    with pytest.raises(CorruptSampleError, match="cat/0042.jpg"):
+    with pytest.raises(CorruptSampleError, match=r"cat/0042\.jpg"):
         vision.decode_image(data, "cat/0042.jpg")
 
 
@@ -191,7 +191,7 @@ def test_random_resized_crop_box_respects_scale_and_ratio():
     width, height = 500, 375
     for _ in range(500):
         left, top, w, h = vision.random_resized_crop_box(width, height, rng)
-        assert 0 <= left and left + w <= width and 0 <= top and top + h <= height
+        assert left >= 0 and left + w <= width and top >= 0 and top + h <= height
         # Rounding w and h moves area and aspect a little past the sampled ranges.
         assert 0.08 * 0.95 <= w * h / (width * height) <= 1.0
         assert 3 / 4 * 0.97 <= w / h <= 4 / 3 * 1.03
@@ -382,8 +382,8 @@ def test_transforms_run_in_a_worker_process():
     record = {"__key__": "k", "image": data}
     decoded = {"__key__": "k", "image": Decode(resize=64)(record)["image"]}
     inputs = [record, record, decoded]
-    expected = [_apply(t, r, 3) for t, r in zip(TRANSFORMS, inputs)]
+    expected = [_apply(t, r, 3) for t, r in zip(TRANSFORMS, inputs, strict=True)]
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = list(pool.map(_apply, TRANSFORMS, inputs, [3, 3, 3]))
-    for got, want in zip(results, expected):
+    for got, want in zip(results, expected, strict=True):
         assert np.array_equal(got, want)

@@ -81,14 +81,14 @@ def _make_pil(rng: np.random.Generator, size: tuple[int, int], label: int, class
             y0, y1 = sorted(xy[1:4:2])
             draw.ellipse((x0, y0, x1, y1), fill=colours[k])
         else:
-            draw.polygon(list(zip(xy[0::2], xy[1::2])), fill=colours[k])
+            draw.polygon(list(zip(xy[0::2], xy[1::2], strict=True)), fill=colours[k])
     img = small.resize((width, height), pil.Resampling.BILINEAR)
 
     # Sharp-edged triangles at full resolution, like objects in focus.
     draw = ImageDraw.Draw(img)
     for k in range(n_soft, n_soft + n_sharp):
         xy = (params[k, 4:10] * np.array([width, height] * 3)).astype(int).tolist()
-        draw.polygon(list(zip(xy[0::2], xy[1::2])), fill=colours[k])
+        draw.polygon(list(zip(xy[0::2], xy[1::2], strict=True)), fill=colours[k])
 
     # Luminance texture (value noise with 3-pixel cells) plus grain; its strength varies per
     # image, which spreads file sizes the way scene content does.

@@ -101,10 +101,10 @@ def _decode_errors() -> tuple[type[BaseException], ...]:
 
 def _open(data: Any, name: str) -> PILImage.Image:
     """Parse only the header, so the size is known before paying for the decode."""
-    if not isinstance(data, _ENCODED + (np.ndarray,)):
+    if not isinstance(data, (*_ENCODED, np.ndarray)):
         raise ArgumentError(f"{name}: expected encoded image bytes, got {type(data).__name__}")
     if isinstance(data, np.ndarray):
-        data = memoryview(np.ascontiguousarray(data))
+        data = np.ascontiguousarray(data).data
     pil = _pil()
     try:
         return pil.open(io.BytesIO(data))
@@ -153,12 +153,9 @@ def decode_image(
     return img
 
 
-def to_array(img: PILImage.Image) -> np.ndarray:
+def to_array(img: PILImage.Image | np.ndarray) -> np.ndarray:
     """A uint8 HWC array (HxWx1 for one-channel images); read-only, as Pillow exports it."""
-    if isinstance(img, np.ndarray):
-        array = img
-    else:
-        array = np.asarray(img)
+    array = img if isinstance(img, np.ndarray) else np.asarray(img)
     if array.ndim == 2:
         array = array[:, :, None]
     if array.dtype != np.uint8 or array.ndim != 3:
@@ -243,8 +240,8 @@ def center_crop(img: Any, size: int | Sequence[int]) -> Any:
     crop_hw = _hw(size)
     img_hw = _image_hw(img)
     _check_fits(img_hw, crop_hw, "center_crop")
-    top = int(round((img_hw[0] - crop_hw[0]) / 2.0))
-    left = int(round((img_hw[1] - crop_hw[1]) / 2.0))
+    top = round((img_hw[0] - crop_hw[0]) / 2.0)
+    left = round((img_hw[1] - crop_hw[1]) / 2.0)
     return _crop(img, top, left, *crop_hw)
 
 
@@ -281,17 +278,18 @@ def random_resized_crop_box(
     for _ in range(10):
         target_area = area * rng.uniform(scale[0], scale[1])
         aspect = math.exp(rng.uniform(log_lo, log_hi))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
         if 0 < w <= width and 0 < h <= height:
             top = int(rng.integers(0, height - h + 1))
             left = int(rng.integers(0, width - w + 1))
             return left, top, w, h
     aspect = width / height
+    # `ratio` (or the size) may hold NumPy scalars, whose round() need not give a Python int.
     if aspect < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
+        w, h = width, int(round(width / ratio[0]))  # noqa: RUF046
     elif aspect > ratio[1]:
-        w, h = int(round(height * ratio[1])), height
+        w, h = int(round(height * ratio[1])), height  # noqa: RUF046
     else:
         w, h = width, height
     return (width - w) // 2, (height - h) // 2, w, h

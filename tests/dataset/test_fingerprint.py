@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import check_resume
 
 import globalloader as gl
 from globalloader.dataset.fingerprint import fingerprint
 from globalloader.errors import ArgumentError, FingerprintError, StateError
 from globalloader.sources.sequence import SequenceSource
+from helpers import check_resume
 
 SIZE = 4
 SCALE = 2

@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import ray.cloudpickle
-from helpers import check_resume
 
 from globalloader.errors import (
     ArgumentError,
@@ -24,6 +23,7 @@ from globalloader.errors import (
 )
 from globalloader.ray import ShufflingDataset
 from globalloader.sources import TarWriter
+from helpers import check_resume
 
 FILE_ROWS = [301, 250, 0, 417, 123, 509]  # uneven, and one empty file
 TOTAL = sum(FILE_ROWS)
@@ -132,7 +132,7 @@ def run(trainers, files, epochs: int, **kwargs) -> list[list[list[np.ndarray]]]:
         out = ray.get([t.read.remote(list(range(epochs))) for t in trainers])
     finally:  # rank 0 last: closing it stops the batch queue
         ray.get([t.close.remote() for t in trainers[::-1]])
-    for rank_out, n in zip(out, lengths):
+    for rank_out, n in zip(out, lengths, strict=True):
         assert isinstance(rank_out, list), rank_out
         assert all(len(batches) == n for batches in rank_out)
     return out
@@ -175,7 +175,7 @@ def test_same_seed_same_batches_other_seed_other_batches(trainers, files, three_
     again = run(trainers, files, 3, num_reducers=4, seed=11)
     for rank in range(2):
         for e in range(3):
-            assert all(np.array_equal(a, b) for a, b in zip(three_epochs[rank][e], again[rank][e]))
+            assert all(np.array_equal(a, b) for a, b in zip(three_epochs[rank][e], again[rank][e], strict=True))
     other = run(trainers, files, 1, num_reducers=4, seed=12)
     assert not np.array_equal(np.concatenate(other[0][0]), np.concatenate(three_epochs[0][0]))
 
@@ -204,7 +204,7 @@ class TestFailures:
     def test_unreadable_file_at_construction_names_it(self, cluster, files, tmp_path):
         bad = tmp_path / "bad.parquet"
         bad.write_bytes(b"not parquet")
-        with pytest.raises(SourceError, match="bad.parquet"):
+        with pytest.raises(SourceError, match=r"bad\.parquet"):
             ShufflingDataset([*files, str(bad)], 1, 1, BATCH, 0)
 
     def test_file_broken_after_planning_names_it_when_read(self, cluster, files, tmp_path):
@@ -212,7 +212,7 @@ class TestFailures:
         broken.write_bytes(pathlib.Path(files[0]).read_bytes())
         with ShufflingDataset([files[1], str(broken)], 1, 1, BATCH, 0, name=uuid.uuid4().hex) as ds:
             broken.write_bytes(b"garbage now")
-            with pytest.raises(SourceError, match="broken.parquet"):
+            with pytest.raises(SourceError, match=r"broken\.parquet"):
                 list(ds)
 
     def test_dead_trainer_fails_the_others_within_the_timeout(self, cluster, files):

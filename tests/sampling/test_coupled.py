@@ -110,7 +110,8 @@ def _epochs(pair: CoupledPair, sizes: tuple[int, int], steps: int) -> tuple[np.n
         streams[0].append(e1)
         streams[1].append(e2)
     return tuple(
-        np.array(stream[: len(stream) // size * size]).reshape(-1, size) for stream, size in zip(streams, sizes)
+        np.array(stream[: len(stream) // size * size]).reshape(-1, size)
+        for stream, size in zip(streams, sizes, strict=True)
     )
 
 

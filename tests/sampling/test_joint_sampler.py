@@ -528,7 +528,7 @@ def _drain(sampler: JointSampler, job: str, pool: _Pool | None = None) -> list[i
 
 def test_restored_job_finishes_exactly_what_it_had_not_seen() -> None:
     sampler = JointSampler(seed=5)
-    sampler.add_job("f", range(0, 300))
+    sampler.add_job("f", range(300))
     sampler.add_job("k", range(100, 400))
     pool = _Pool(sampler, 30)
     seen = []
@@ -599,7 +599,7 @@ def test_restore_rejects_a_state_of_another_set() -> None:
     sampler = JointSampler()
     sampler.add_job("k", range(10))
     state = sampler.job_state("k")
-    with pytest.raises(StateError, match="'k'.*another index set"):
+    with pytest.raises(StateError, match=r"'k'.*another index set"):
         sampler.restore_job("k", range(11), state)
     with pytest.raises(StateError, match="another index set"):
         sampler.restore_job("k", range(1, 11), state)
@@ -718,7 +718,7 @@ def test_empty_set_and_unknown_jobs() -> None:
     sampler.add_job("empty", [])
     with pytest.raises(StopIteration):
         sampler.next("empty")
-    with pytest.raises(ArgumentError, match="'nope'.*add_job"):
+    with pytest.raises(ArgumentError, match=r"'nope'.*add_job"):
         sampler.next("nope")
     with pytest.raises(ArgumentError, match="'nope'"):
         sampler.remove_job("nope")

@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 import webdataset
-from helpers import same
 from PIL import Image
 
 import globalloader as gl
 from globalloader.errors import ArgumentError, CorruptSampleError
 from globalloader.sources import DecodeFields
+from helpers import same
 
 
 def _png(i: int) -> bytes:
@@ -60,7 +60,7 @@ def test_the_same_values_as_webdataset_decode(shards: list[str]) -> None:
     theirs = list(webdataset.WebDataset(shards, shardshuffle=False).decode("rgb8"))
     ours = [DecodeFields()(r) for r in gl.TarShards(shards)]
     assert len(ours) == len(theirs) == 10
-    for mine, reference in zip(ours, theirs):
+    for mine, reference in zip(ours, theirs, strict=True):
         for field in ("png", "seg.png", "cls", "index", "json", "txt", "npy"):
             assert same(mine[field], reference[field]), (mine["__key__"], field, mine[field], reference[field])
 
@@ -107,7 +107,7 @@ def test_a_field_that_does_not_decode_names_the_key_and_the_field(field: str, da
 def test_an_object_npy_is_refused_not_unpickled() -> None:
     buffer = io.BytesIO()
     np.save(buffer, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    with pytest.raises(CorruptSampleError, match="'obj'.*field 'npy'.*allow_pickle"):
+    with pytest.raises(CorruptSampleError, match=r"'obj'.*field 'npy'.*allow_pickle"):
         DecodeFields()({"__key__": "obj", "npy": buffer.getvalue()})
 
 

@@ -87,7 +87,7 @@ def test_deleted_file_names_it(root: pathlib.Path) -> None:
 
 def test_index_errors(root: pathlib.Path) -> None:
     src = ImageFolder(root)
-    with pytest.raises(SampleIndexError, match="index 4 is out of range .* length 4"):
+    with pytest.raises(SampleIndexError, match=r"index 4 is out of range .* length 4"):
         src[4]
     with pytest.raises(SampleIndexError, match="negative"):
         src[-1]

@@ -181,7 +181,7 @@ def test_errors_name_file_column_and_index(files: list[str], tmp_path: pathlib.P
     with pytest.raises(ArgumentError, match="paths"):
         Parquet(7)
     src = Parquet(files)
-    with pytest.raises(SampleIndexError, match="index 70 .*length 70"):
+    with pytest.raises(SampleIndexError, match=r"index 70 .*length 70"):
         src[70]
     with pytest.raises(SampleIndexError, match="index -1"):
         src[-1]

@@ -7,11 +7,11 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import same
 
 import globalloader as gl
 from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sources import Source, from_sequence
+from helpers import same
 
 
 def test_items_are_the_records_as_they_are() -> None:
@@ -69,7 +69,7 @@ def test_rejects_non_sequences(bad: object) -> None:
 
 def test_index_errors() -> None:
     src = from_sequence([1, 2])
-    with pytest.raises(SampleIndexError, match="index 2 is out of range .* length 2"):
+    with pytest.raises(SampleIndexError, match=r"index 2 is out of range .* length 2"):
         src[2]
     with pytest.raises(SampleIndexError, match="index -1 is negative"):
         src[-1]

@@ -34,7 +34,8 @@ def test_offsets_and_names_match_tarfile(fmt: int) -> None:
     if fmt != tarfile.USTAR_FORMAT:
         names.append("long/" + "q" * 300 + ".bin")  # needs a GNU long name or a pax path
     blob = _tar([(n, n.encode() * 3) for n in names], fmt)
-    expected = [(m.name, m.offset_data, m.size) for m in tarfile.open(fileobj=io.BytesIO(blob))]
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        expected = [(m.name, m.offset_data, m.size) for m in tar]
     assert [tuple(m) for m in _walk(blob)] == expected
 
 

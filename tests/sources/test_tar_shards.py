@@ -100,12 +100,12 @@ def test_brace_pattern_and_list_of_patterns(make_shards: Callable[..., list[str]
     assert mixed.shards == paths and _all(mixed) == _all(src)
 
 
-def test_index_is_cached_and_reused(make_shards: Callable[..., list[str]], _isolated_cache: pathlib.Path) -> None:
+def test_index_is_cached_and_reused(make_shards: Callable[..., list[str]], isolated_cache: pathlib.Path) -> None:
     paths = make_shards(10, per_shard=4)
     first = TarShards(paths)
     first.build_index()
     assert first.scanned == 3
-    files = sorted((_isolated_cache / "tar-index").glob("*.npz"))
+    files = sorted((isolated_cache / "tar-index").glob("*.npz"))
     assert len(files) == 3
     mtimes = [f.stat().st_mtime_ns for f in files]
     second = TarShards(paths)
@@ -204,7 +204,8 @@ def test_truncated_shard_names_shard_and_offset(make_shards: Callable[..., list[
 
 def test_corrupt_header_names_shard_and_offset(make_shards: Callable[..., list[str]]) -> None:
     (path,) = make_shards(3, per_shard=3)
-    offsets = [m.offset_data - 512 for m in tarfile.open(path)]
+    with tarfile.open(path) as tar:
+        offsets = [m.offset_data - 512 for m in tar]
     data = bytearray(pathlib.Path(path).read_bytes())
     data[offsets[2] + 3] ^= 0x55
     pathlib.Path(path).write_bytes(bytes(data))

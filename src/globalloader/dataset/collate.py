@@ -8,8 +8,9 @@ adapter turns batches back into tensors in the consumer, after shared-memory tra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from numbers import Number
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,7 @@ class Stacked:
     stacks it straight into its segment, saving a full copy of the batch (and the page faults
     of a fresh multi-megabyte buffer) in every worker."""
 
-    __slots__ = ("items", "shape", "dtype", "nbytes")
+    __slots__ = ("dtype", "items", "nbytes", "shape")
 
     def __init__(self, items: list[np.ndarray]) -> None:
         self.items = items

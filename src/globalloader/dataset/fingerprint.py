@@ -253,7 +253,7 @@ class _Walk:
         else:
             keys = []
             for x in items:
-                sub = _Walk(self.strict, self.path + ["{item}"])
+                sub = _Walk(self.strict, [*self.path, "{item}"])
                 sub.value(x)
                 keys.append(sub.hash.hexdigest())
             keys.sort()
@@ -279,7 +279,7 @@ class _Walk:
         self.globals_read(fn)
 
     def closure(self, fn: types.FunctionType) -> None:
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
             try:
                 contents = cell.cell_contents
             except ValueError:
@@ -365,7 +365,8 @@ class _Walk:
             return
         self.put("object", str(len(reduced)))
         self.child("class", type(v))
-        for label, part in zip(_REDUCE_PARTS, reduced):
+        # __reduce__ gives 2 to 6 parts; the labels name the longest form.
+        for label, part in zip(_REDUCE_PARTS, reduced, strict=False):
             if label in ("items", "entries") and part is not None:
                 part = list(part)
             self.child(label, part)

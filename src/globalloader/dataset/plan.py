@@ -10,8 +10,9 @@ number of workers, in threads or processes, and after a resume. Everything that 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -177,13 +178,15 @@ class Plan:
     # -- what a task covers -------------------------------------------------------------------
     def task_indices(self, epoch: int, task: int) -> np.ndarray:
         """Source indices of task `task` (random-access chains)."""
+        samples = self.samples
+        assert samples is not None, "a random-access chain knows its length"
         start = task * self.task_size
-        return self.indices(epoch, start, min(start + self.task_size, self.samples))
+        return self.indices(epoch, start, min(start + self.task_size, samples))
 
     def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Source indices at epoch positions [start, stop) (random-access chains)."""
         positions = np.arange(start, self.samples if stop is None else stop, dtype=np.int64)
-        for op, parent_len in zip(reversed(self.index_ops), reversed(self.lengths[:-1])):
+        for op, parent_len in zip(reversed(self.index_ops), reversed(self.lengths[:-1]), strict=True):
             positions = op.parents(positions, parent_len, epoch)
         return positions
 

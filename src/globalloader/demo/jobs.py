@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -418,6 +418,7 @@ def _loader_job(
         if share:  # read before closing: the server forgets a job when it leaves
             from globalloader.service import launcher
 
+            assert socket is not None, "a shared run always has its server's socket"
             mine = [j for j in launcher.request(Path(socket), "status")[1]["jobs"] if j["pid"] == os.getpid()]
             result["followed_share"] = mine[0]["followed_share"] if mine else None
         else:
@@ -462,7 +463,7 @@ def _torch_job(
         # spawned, and spawned workers would re-import torch every epoch.
         context = "fork" if workers else None
         loader = torch.utils.data.DataLoader(
-            data,
+            cast("torch.utils.data.Dataset[dict[str, Any]]", data),  # duck-typed: torch is imported lazily
             batch_size=batch_size,
             shuffle=True,
             num_workers=workers,

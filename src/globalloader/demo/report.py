@@ -31,7 +31,7 @@ def _show(values: Sequence[float], fmt: str) -> str:
 
 
 def _ratios(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str) -> list[float]:
-    return [a[key] / b[key] for a, b in zip(mine, theirs)]
+    return [a[key] / b[key] for a, b in zip(mine, theirs, strict=True)]
 
 
 def main(
@@ -90,9 +90,9 @@ def act_two(
     """Three jobs with overlapping sets at different speeds, run independently then through one
     server, `runs` times; prints both side by side and returns the summaries of every run."""
     specs = [
-        JobSpec("A", range(images)),
-        JobSpec("B", range(images * 7 // 10), sleep=0.01),
-        JobSpec("C", range(images - images * 6 // 10, images), sleep=0.03),
+        JobSpec("A", tuple(range(images))),
+        JobSpec("B", tuple(range(images * 7 // 10)), sleep=0.01),
+        JobSpec("C", tuple(range(images - images * 6 // 10, images)), sleep=0.03),
     ]
     print(
         f"\nact 2: three training jobs at once, each its own process: A all {images} images, "
@@ -123,7 +123,7 @@ def act_two(
         mine = _show([r["jobs"][j]["samples_per_s"] for r in alone], "{:.1f}")
         theirs = _show([r["jobs"][j]["samples_per_s"] for r in together], "{:.1f}")
         print(f"{'job ' + spec.name + ' samples/s':<22}{mine:>24}{theirs:>24}{note}")
-    saved = spread([a["decodes"] - s["decodes"] for a, s in zip(alone, together)])
+    saved = spread([a["decodes"] - s["decodes"] for a, s in zip(alone, together, strict=True)])
     time_ratio = spread(_ratios(together, alone, "wall_s"))
     print(
         f"\nshared: {saved['median']:.0f} decodes saved (median; {saved['median'] / alone[0]['decodes']:.0%}; "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -95,6 +95,10 @@ def run_torch(
     data = _TorchImages(root, seed=0, epoch=epoch)
     generator = torch.Generator().manual_seed(epoch)
     loader = torch.utils.data.DataLoader(
-        data, batch_size=batch_size, shuffle=True, num_workers=workers, generator=generator
+        cast("torch.utils.data.Dataset[dict[str, Any]]", data),  # duck-typed: torch is imported lazily
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        generator=generator,
     )
     return _epoch(loader, len(data), "torch DataLoader", progress)

@@ -136,7 +136,9 @@ class ShufflingDataset:
         deadline = time.monotonic() + 10.0
         while True:
             try:
-                handle = BatchQueue.options(name=self.name, namespace=NAMESPACE).remote(self.spec, rows)
+                # mypy does not apply class decorators: @ray.remote made BatchQueue an ActorClass.
+                queue = BatchQueue.options(name=self.name, namespace=NAMESPACE)  # type: ignore[attr-defined]
+                handle = queue.remote(self.spec, rows)
                 break
             except ValueError as exc:
                 if "taken" not in str(exc) and not isinstance(exc, _NAME_TAKEN):
@@ -167,7 +169,8 @@ class ShufflingDataset:
         why = "rank 0 has not created it"
         while deadline is None or time.monotonic() < deadline:
             try:
-                handle = ray.get_actor(self.name, namespace=NAMESPACE)
+                # Any: Ray resolves actor methods at run time and types them as Never.
+                handle: Any = ray.get_actor(self.name, namespace=NAMESPACE)
                 info = ray.get(handle.attach.remote(self.rank, self.spec.key, self._node))
             except (ValueError, rex.RayActorError):
                 time.sleep(_ATTACH_POLL_S)

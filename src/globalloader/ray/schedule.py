@@ -106,7 +106,8 @@ class ShuffleScheduler:
             count[n] = places[-1] + 1
         keys: dict[Any, int] = {}
         group_of = np.array(
-            [keys.setdefault((n, place * runs // count[n]), len(keys)) for n, place in zip(nodes, places)], np.int64
+            [keys.setdefault((n, place * runs // count[n]), len(keys)) for n, place in zip(nodes, places, strict=True)],
+            np.int64,
         )
         offset = np.zeros_like(table)
         for g in range(len(keys)):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -37,8 +37,12 @@ def submit_map(
 ) -> tuple[list[ray.ObjectRef], ray.ObjectRef]:
     """Start one map task: (one object per reducer group, a small ref that resolves when it
     ends). `group_rows[g]` rows go to group g, whose reducers slice their own rows out of it."""
-    refs = _map_file.options(num_returns=len(group_rows) + 1).remote(
-        url, file_index, columns, group_rows, file_rows, seed, epoch
+    # With num_returns > 1 Ray returns a list of refs; its type hints know a single ref only.
+    refs = cast(
+        "list[ray.ObjectRef[Any]]",
+        _map_file.options(num_returns=len(group_rows) + 1).remote(
+            url, file_index, columns, group_rows, file_rows, seed, epoch
+        ),
     )
     return list(refs[:-1]), refs[-1]
 
@@ -100,7 +104,10 @@ def _reduce(
     *groups: dict[str, np.ndarray],
 ) -> tuple[dict[str, np.ndarray], int]:
     """Place the received rows at seeded random positions: one reducer's run of batches."""
-    parts = [{name: column[a : a + n] for name, column in group.items()} for (a, n), group in zip(slices, groups)]
+    parts = [
+        {name: column[a : a + n] for name, column in group.items()}
+        for (a, n), group in zip(slices, groups, strict=True)
+    ]
     total = sum(n for _, n in slices)
     slots = rng_for(seed, epoch, REDUCE, reducer_index).permutation(total)
     first_part = parts[0]
@@ -110,7 +117,7 @@ def _reduce(
         first = parts[0][name]
         column = np.empty((total, *first.shape[1:]), first.dtype)
         offset = 0
-        for url, part in zip(urls, parts):
+        for url, part in zip(urls, parts, strict=True):
             if part.keys() != first_part.keys():
                 raise SourceError(
                     f"{url} has columns {list(part)} but {urls[0]} has {names}: "

@@ -8,7 +8,7 @@ are read-only views of Ray's shared memory), which also lets Ray free that memor
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -16,10 +16,13 @@ from globalloader._extras import require
 from globalloader.errors import ArgumentError
 from globalloader.ray.dataset import ShufflingDataset
 
-torch = require("torch", "torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = require("torch", "torch")
 
 
-class TorchShufflingDataset(torch.utils.data.IterableDataset):  # type: ignore[misc]
+class TorchShufflingDataset(torch.utils.data.IterableDataset):
     """Globally shuffled batches as tensors, for one data-parallel PyTorch trainer.
 
     Arguments up to `drop_last`, and the keyword arguments after the spec, are those of
@@ -55,7 +58,7 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):  # type: ignore[m
     ) -> None:
         super().__init__()
         single = isinstance(feature_columns, str)
-        names = [feature_columns] if single else list(feature_columns)
+        names = [feature_columns] if isinstance(feature_columns, str) else list(feature_columns)
         if not names or not all(isinstance(n, str) for n in names):
             raise ArgumentError(
                 f"feature_columns must be a column name or a non-empty list of them, got {feature_columns!r}"
@@ -74,7 +77,7 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):  # type: ignore[m
         if label_type is not None and not isinstance(label_type, torch.dtype):
             raise ArgumentError(f"label_type must be a torch dtype or None, got {label_type!r}")
         self._single = single
-        self._features = list(zip(names, types))
+        self._features = list(zip(names, types, strict=True))
         self._label = (label_column, label_type)
         columns = names + ([label_column] if label_column and label_column not in names else [])
         kwargs.setdefault("columns", columns)

@@ -7,6 +7,7 @@ One small table maps a URL scheme to an opener. Local paths (no `scheme://`) get
 
 from __future__ import annotations
 
+import contextlib
 import glob as _glob
 import os
 import threading
@@ -57,7 +58,7 @@ class _LocalOpener:
             parent = os.path.dirname(url)
             if "w" in mode and parent:
                 os.makedirs(parent, exist_ok=True)
-            return open(url, mode)  # noqa: SIM115 - the caller owns the file object
+            return open(url, mode)
         except OSError as exc:
             raise SourceError(f"cannot open {url}: {exc.strerror}") from None
 
@@ -113,10 +114,10 @@ class _FsspecOpener:
         return url
 
 
-_OPENERS: dict[str, type[_LocalOpener] | type[_FsspecOpener]] = {"": _LocalOpener}
+_OPENERS: dict[str, type[_LocalOpener | _FsspecOpener]] = {"": _LocalOpener}
 
 
-def _opener(url: str) -> type[_LocalOpener] | type[_FsspecOpener]:
+def _opener(url: str) -> type[_LocalOpener | _FsspecOpener]:
     return _OPENERS.get(scheme_of(url), _FsspecOpener)
 
 
@@ -234,10 +235,8 @@ class RangeReader:
     def _after_fork(self) -> None:
         # The inherited descriptors are the parent's bookkeeping; close the child's copies only.
         for fd in self._fds.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._reset()
 
     def close(self) -> None:

@@ -79,7 +79,7 @@ def walk(read_at: Callable[[int, int], bytes], url: str, size: int | None) -> It
         data_at = offset + BLOCK
         if typeflag in _NO_DATA:
             member_size = 0
-        if typeflag == _LONG_NAME or typeflag == _LONG_LINK or typeflag in _PAX or typeflag == _PAX_GLOBAL:
+        if typeflag in (_LONG_NAME, _LONG_LINK, _PAX_GLOBAL) or typeflag in _PAX:
             data = _read_exact(read_at, data_at, member_size, url)
             if typeflag == _LONG_NAME:
                 long_name = _decode(data.split(b"\0", 1)[0])

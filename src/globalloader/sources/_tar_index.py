@@ -88,7 +88,8 @@ def scan(read: Callable[[int, int], bytes], url: str, size: int, remote: bool) -
             "(decompress it, or read it with iter_records())"
         )
     reader = BlockReader(read, size, _SCAN_BLOCK_REMOTE if remote else _SCAN_BLOCK_LOCAL)
-    member_start, key_start, members = [0], [0], []
+    member_start, key_start = [0], [0]
+    members: list[tuple[int, int, int]] = []  # (data offset, size, extension id)
     keys: list[bytes] = []
     ext_ids: dict[str, int] = {}
     current: str | None = None
@@ -137,7 +138,7 @@ class BlockReader:
     def read_at(self, offset: int, length: int) -> bytes:
         length = max(0, min(length, self._size - offset))
         rel = offset - self._start
-        if 0 <= rel and rel + length <= len(self._data):
+        if rel >= 0 and rel + length <= len(self._data):
             return self._data[rel : rel + length]
         if length >= self._block:
             return self._read(offset, length)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -68,7 +69,11 @@ class Parquet:
         self._len = self._group_start[-1]
         self.int_columns_as_float: frozenset[str] = _exact_columns_with_nulls(metas, self.columns)
         self.fingerprint: str = fingerprint_of(
-            "Parquet", [f"columns={self.columns}", *(f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats))]
+            "Parquet",
+            [
+                f"columns={self.columns}",
+                *(f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats, strict=True)),
+            ],
         )
 
     def _reset_handles(self) -> None:
@@ -128,15 +133,14 @@ class Parquet:
         if cached is None:
             cached = self._decode_and_cache(group)
         else:
-            try:
+            # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
+            with contextlib.suppress(KeyError):
                 self._groups.move_to_end(group)
-            except KeyError:  # another thread evicted it meanwhile; the local copy is fine
-                pass
         names, values = cached
         row = index - self._group_start[group]
         f, _, first_row = self._group_owner[group]
         record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-        for name, column in zip(names, values):
+        for name, column in zip(names, values, strict=True):
             record[name] = column[row]
         return record
 
@@ -166,9 +170,9 @@ class Parquet:
         """Yield every record in file order, one row group at a time (no cache pollution)."""
         for group, (f, _, first_row) in enumerate(self._group_owner):
             names, values = self._decode_group(group)
-            for row, items in enumerate(zip(*values)):
+            for row, items in enumerate(zip(*values, strict=True)):
                 record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-                record.update(zip(names, items))
+                record.update(zip(names, items, strict=True))
                 yield record
 
     def _decode_group(self, group: int) -> tuple[list[str], list[list[Any]]]:
@@ -179,13 +183,13 @@ class Parquet:
             raise SourceError(f"cannot read row group {g} of {self.files[f]}: {exc}") from None
         names = table.column_names
         as_float = [name in self.int_columns_as_float for name in names]
-        for name, column in zip(names, table.columns):
+        for name, column in zip(names, table.columns, strict=True):
             if column.null_count and _is_exact(column.type) and name not in self.int_columns_as_float:
                 raise SourceError(
                     f"row group {g} of {self.files[f]}: column {name!r} holds nulls its file's "
                     "footer does not count; rewrite the file with statistics"
                 )
-        return names, [_to_python(column, float_) for column, float_ in zip(table.columns, as_float)]
+        return names, [_to_python(column, float_) for column, float_ in zip(table.columns, as_float, strict=True)]
 
     def __repr__(self) -> str:
         return f"Parquet({len(self.files)} files, {self._len} rows)"

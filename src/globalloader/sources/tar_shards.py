@@ -65,7 +65,7 @@ class TarShards:
         with ThreadPoolExecutor(self._threads) as pool:
             self._stats = list(pool.map(_files.stat, self.shards))
         self.fingerprint: str = fingerprint_of(
-            "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats))
+            "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
         )
         self.scanned = 0  # shards whose index had to be built by a scan (not read from cache)
         self._len = 0

@@ -7,7 +7,7 @@ import json
 import os
 import tarfile
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import numpy as np
 
@@ -97,8 +97,9 @@ class TarWriter:
         path = self.pattern % len(self.paths) if self._numbered else self.pattern
         if not self._numbered and self.paths:
             raise ArgumentError(f"pattern {self.pattern!r} names one shard only")
+        # Both stay open across write() calls until the shard is full; _finish_shard closes them.
         self._file = _files.open_file(path, "wb")
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115
         self.paths.append(path)
         self._count = self._size = 0
         self._last_key = None
@@ -115,7 +116,7 @@ class TarWriter:
             self._finish_shard()
             self._closed = True
 
-    def __enter__(self) -> TarWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
