@@ -47,7 +47,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from globalloader import demo
-from globalloader.errors import WorkerError
 from globalloader.demo.jobs import (
     SAMPLE_BYTES,
     JobSpec,
@@ -55,6 +54,7 @@ from globalloader.demo.jobs import (
     overlapping_sets,
     run_jobs,
 )
+from globalloader.errors import WorkerError
 
 RESULTS = Path(__file__).parent / "results" / "multi_job.json"
 BATCH = 32
@@ -69,8 +69,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=None, help="dataset size (default 5000; 500 with --quick)")
     parser.add_argument("--workers", type=int, default=2, help="workers per job (W)")
-    parser.add_argument("--pool", type=float, default=0.10,
-                        help="server pool for the single/identical/overlap runs, as a share of the dataset")
+    parser.add_argument(
+        "--pool",
+        type=float,
+        default=0.10,
+        help="server pool for the single/identical/overlap runs, as a share of the dataset",
+    )
     parser.add_argument("--quick", action="store_true", help="a small development run: 500 images, fewer runs")
     parser.add_argument("--no-tensorsocket", dest="tensorsocket", action="store_false")
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -113,18 +117,31 @@ def main() -> None:
     targets = _targets(scenarios)
     summary = {
         "benchmark": "multi_job",
-        "command": "python " + " ".join(["benchmarks/multi_job.py"] + sys.argv[1:]),
+        "command": "python " + " ".join(["benchmarks/multi_job.py", *sys.argv[1:]]),
         "split": SPLIT,
-        "images": n, "image_size": [500, 375], "jpeg_quality": 90, "batch_size": BATCH,
+        "images": n,
+        "image_size": [500, 375],
+        "jpeg_quality": 90,
+        "batch_size": BATCH,
         "decoded_sample_bytes": SAMPLE_BYTES,
-        "workers": {"per_job": args.workers, "shared_mode": f"server with K*{args.workers} decode workers, "
-                    "jobs with workers=0 (their crop, collate and step in their main thread)"},
+        "workers": {
+            "per_job": args.workers,
+            "shared_mode": f"server with K*{args.workers} decode workers, "
+            "jobs with workers=0 (their crop, collate and step in their main thread)",
+        },
         "pool_bytes": {"single/identical/overlap50": pool, "2x speed": small_pool},
-        "pool_share_of_dataset": {"single/identical/overlap50": pool / SAMPLE_BYTES / n,
-                                  "2x speed": small_pool / SAMPLE_BYTES / n},
-        "scenarios": scenarios, "targets": targets, "tensorsocket": peer,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "note": "2 cores shared with other work: one run per configuration"},
+        "pool_share_of_dataset": {
+            "single/identical/overlap50": pool / SAMPLE_BYTES / n,
+            "2x speed": small_pool / SAMPLE_BYTES / n,
+        },
+        "scenarios": scenarios,
+        "targets": targets,
+        "tensorsocket": peer,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "note": "2 cores shared with other work: one run per configuration",
+        },
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(summary, indent=2))
@@ -132,8 +149,10 @@ def main() -> None:
     for name, entry in scenarios.items():
         if "shared_vs_torch" in entry:
             r = entry["shared_vs_torch"]
-            print(f"{name:<30} shared / torch: wall time {r['wall_time_ratio']:.2f}x, "
-                  f"samples/s {r['samples_per_s_ratio']:.2f}x")
+            print(
+                f"{name:<30} shared / torch: wall time {r['wall_time_ratio']:.2f}x, "
+                f"samples/s {r['samples_per_s_ratio']:.2f}x"
+            )
     print()
     for t in targets:
         value = "not measured" if t["value"] is None else f"{t['value']:.3f}"
@@ -151,8 +170,15 @@ class _Bench:
 
     def run(self, name: str, specs: list[JobSpec], mode: str, pool: int) -> dict[str, Any] | None:
         """Run one configuration; record its summary (or its error) under scenarios[name][mode]."""
-        entry = self.scenarios.setdefault(name, {"k": len(specs), "sets": [len(s.indices) for s in specs],
-                                                 "union": len(set().union(*(s.indices for s in specs))), "runs": {}})
+        entry = self.scenarios.setdefault(
+            name,
+            {
+                "k": len(specs),
+                "sets": [len(s.indices) for s in specs],
+                "union": len(set().union(*(s.indices for s in specs))),
+                "runs": {},
+            },
+        )
         try:
             result = run_jobs(self.root, specs, mode, workers=self.workers, batch_size=BATCH, memory=pool)
         except WorkerError as exc:  # a hang or a crash is a result to record; the other runs go on
@@ -182,8 +208,9 @@ def _two_x(bench: _Bench, everything: list[int], pool: int, n: int) -> float:
             break
         jobs = {j["name"]: j for j in result["jobs"]}
         ratio = jobs["fast"]["samples_per_s"] / jobs["slow"]["samples_per_s"]
-        attempts.append({"sleep_per_batch_s": sleep, "speed_ratio": ratio,
-                         "slow_followed_share": jobs["slow"]["followed_share"]})
+        attempts.append(
+            {"sleep_per_batch_s": sleep, "speed_ratio": ratio, "slow_followed_share": jobs["slow"]["followed_share"]}
+        )
         if abs(ratio - 2.0) <= 0.2 or attempt == 2:
             break
         # The slow job's batch takes BATCH / its speed; make it 2 / ratio times as long.
@@ -191,8 +218,14 @@ def _two_x(bench: _Bench, everything: list[int], pool: int, n: int) -> float:
         bench.bar.total += 1
     bench.run(name, specs, "torch", pool)
     entry = bench.scenarios[name]
-    entry.update({"slow_sleep_per_batch_s": sleep, "calibration": attempts,
-                  "pool_samples": pool // SAMPLE_BYTES, "pool_share_of_dataset": pool / SAMPLE_BYTES / n})
+    entry.update(
+        {
+            "slow_sleep_per_batch_s": sleep,
+            "calibration": attempts,
+            "pool_samples": pool // SAMPLE_BYTES,
+            "pool_share_of_dataset": pool / SAMPLE_BYTES / n,
+        }
+    )
     shared = entry["runs"].get("shared")
     if _ok(shared):
         jobs = {j["name"]: j for j in shared["jobs"]}
@@ -213,8 +246,10 @@ def _line(name: str, r: dict[str, Any]) -> str:
     follow = ""
     if r["mode"] == "shared":
         follow = "  followed " + "/".join(f"{j['followed_share']:.2f}" for j in r["jobs"])
-    return (f"{name:<30} {r['mode']:<12} wall {r['wall_s']:7.2f} s  {r['samples_per_s']:8.1f} samples/s  "
-            f"decodes/union {r['decodes_per_union']:.2f}{follow}")
+    return (
+        f"{name:<30} {r['mode']:<12} wall {r['wall_s']:7.2f} s  {r['samples_per_s']:8.1f} samples/s  "
+        f"decodes/union {r['decodes_per_union']:.2f}{follow}"
+    )
 
 
 def _targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -235,8 +270,10 @@ def _targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         ("2x speed, pool 5% of the dataset: slower job's followed share", slow, ">= 0.9", lambda v: v >= 0.9),
         ("single job: through the server / in-process Loader samples/s", ratio, ">= 0.9", lambda v: v >= 0.9),
     ]
-    return [{"name": name, "value": value, "want": want, "met": value is not None and ok(value)}
-            for name, value, want, ok in rows]
+    return [
+        {"name": name, "value": value, "want": want, "met": value is not None and ok(value)}
+        for name, value, want, ok in rows
+    ]
 
 
 # -- TensorSocket 0.0.5 (optional peer) -------------------------------------------------------
@@ -247,15 +284,18 @@ def _tensorsocket(root: Path, n: int, workers: int, wanted: bool, scenarios: dic
         import tensorsocket
     except ImportError:
         return {"used": False, "reason": "not installed (pip install tensorsocket==0.0.5)"}
-    out: dict[str, Any] = {"used": True, "version": tensorsocket.__version__,
-                           "setup": f"one producer DataLoader with K*{workers} workers, batch {BATCH}, "
-                                    "producer_batch_size=2, K consumers with batch_size 32; identical sets "
-                                    "(it broadcasts one stream: same order and augmentation for all); one epoch; "
-                                    "runs stopped after max(120 s, 6x the torch DataLoaders' wall time)",
-                           "why_producer_batch_size_2": "with the default 8 a broadcast took 4-37 s here (on CPU "
-                                    "each consumer's slice pickles the whole 8-batch storage) and 1 raises "
-                                    "IndexError in its collate",
-                           "runs": {}}
+    out: dict[str, Any] = {
+        "used": True,
+        "version": tensorsocket.__version__,
+        "setup": f"one producer DataLoader with K*{workers} workers, batch {BATCH}, "
+        "producer_batch_size=2, K consumers with batch_size 32; identical sets "
+        "(it broadcasts one stream: same order and augmentation for all); one epoch; "
+        "runs stopped after max(120 s, 6x the torch DataLoaders' wall time)",
+        "why_producer_batch_size_2": "with the default 8 a broadcast took 4-37 s here (on CPU "
+        "each consumer's slice pickles the whole 8-batch storage) and 1 raises "
+        "IndexError in its collate",
+        "runs": {},
+    }
     for k in (1, 2, 4):
         torch_run = scenarios["single" if k == 1 else f"identical K={k}"]["runs"]["torch"]
         timeout = max(120.0, 6 * torch_run["wall_s"]) if _ok(torch_run) else 600.0
@@ -312,13 +352,20 @@ def _tensorsocket_run(root: str, n: int, k: int, workers: int, timeout: float) -
                 p.terminate()
                 p.join(timeout=5)
     names = [f"consumer{i}" for i in range(k)]
-    consumers = [results.get(c) or {"unfinished": True, "samples": progress.get(c, (0, 0))[0],
-                                    "distinct": progress.get(c, (0, 0))[1]} for c in names]
+    consumers = [
+        results.get(c)
+        or {"unfinished": True, "samples": progress.get(c, (0, 0))[0], "distinct": progress.get(c, (0, 0))[1]}
+        for c in names
+    ]
     done = [c for c in consumers if "end" in c]
     producer = results.get("producer") or {}
-    report: dict[str, Any] = {"producer": producer, "consumers": consumers, "finished_consumers": len(done),
-                              "expected_samples_per_consumer": n,
-                              "delivered_samples": sum(c.get("distinct", 0) for c in consumers)}
+    report: dict[str, Any] = {
+        "producer": producer,
+        "consumers": consumers,
+        "finished_consumers": len(done),
+        "expected_samples_per_consumer": n,
+        "delivered_samples": sum(c.get("distinct", 0) for c in consumers),
+    }
     report["dropped_samples"] = k * n - report["delivered_samples"]
     report["dropped_share"] = report["dropped_samples"] / (k * n)
     if len(done) == k:
@@ -327,8 +374,10 @@ def _tensorsocket_run(root: str, n: int, k: int, workers: int, timeout: float) -
         report["samples"] = sum(c["samples"] for c in done)
         report["samples_per_s"] = report["samples"] / report["wall_s"]
     else:
-        report["unfinished"] = (f"{k - len(done)} of {k} consumers had not finished after {timeout:.0f} s; "
-                                "the counts are what they had received by then")
+        report["unfinished"] = (
+            f"{k - len(done)} of {k} consumers had not finished after {timeout:.0f} s; "
+            "the counts are what they had received by then"
+        )
     return report
 
 
@@ -355,9 +404,14 @@ def _ts_producer(root: str, n: int, k: int, workers: int, ports: list[int], out:
         from tensorsocket import TensorProducer
 
         data = _IndexedImages(root)
-        loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, num_workers=k * workers,
-                                             generator=torch.Generator().manual_seed(0),
-                                             multiprocessing_context="fork")
+        loader = torch.utils.data.DataLoader(
+            data,
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=k * workers,
+            generator=torch.Generator().manual_seed(0),
+            multiprocessing_context="fork",
+        )
         # One loader batch per broadcast: on CPU each consumer slice pickles its whole storage.
         producer = TensorProducer(loader, ports[0], ports[1], (ports[2], ports[3]), producer_batch_size=2)
         deadline = time.monotonic() + 120
@@ -388,8 +442,18 @@ def _ts_consumer(ports: list[int], name: str, out: Any) -> None:
             samples += len(indices)
             batches += 1
             out.put(("progress", name, (samples, len(seen))))
-        out.put((name, {"start": start, "end": time.monotonic(), "batches": batches,
-                        "samples": samples, "distinct": len(seen)}))
+        out.put(
+            (
+                name,
+                {
+                    "start": start,
+                    "end": time.monotonic(),
+                    "batches": batches,
+                    "samples": samples,
+                    "distinct": len(seen),
+                },
+            )
+        )
     except BaseException:  # noqa: BLE001 - reported to the parent as this run's result
         out.put((name, {"error": traceback.format_exc()[-2000:]}))
 

@@ -52,8 +52,13 @@ from tqdm import tqdm
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_CACHE = pathlib.Path(tempfile.gettempdir()) / "globalloader-bench" / "ray_shuffle"
 PAYLOAD = 100
-TARGETS = {"vs_ray_data": 3.0, "vs_numpy_ceiling": 0.5, "later_first_batch_s": 1.0,
-           "abs_spearman": 0.01, "files_per_batch": 60}
+TARGETS = {
+    "vs_ray_data": 3.0,
+    "vs_numpy_ceiling": 0.5,
+    "later_first_batch_s": 1.0,
+    "abs_spearman": 0.01,
+    "files_per_batch": 60,
+}
 
 
 def main() -> None:
@@ -71,12 +76,19 @@ def main() -> None:
     args = parser.parse_args()
 
     files = ensure_data(args.cache, args.rows, args.files)
-    cfg = {"rows": args.rows, "files": args.files, "epochs": args.epochs,
-           "trainers": args.trainers, "batch_size": args.batch_size, "cpus": args.cpus,
-           "object_store_gb": args.object_store_gb, "payload_bytes": PAYLOAD,
-           "parquet_compression": "snappy (pyarrow default)",
-           "notes": "numpy_ceiling runs one untimed warm-up epoch; Ray methods share a warm "
-                    "worker pool but a cold object store; ray_data reads pyarrow batches"}
+    cfg = {
+        "rows": args.rows,
+        "files": args.files,
+        "epochs": args.epochs,
+        "trainers": args.trainers,
+        "batch_size": args.batch_size,
+        "cpus": args.cpus,
+        "object_store_gb": args.object_store_gb,
+        "payload_bytes": PAYLOAD,
+        "parquet_compression": "snappy (pyarrow default)",
+        "notes": "numpy_ceiling runs one untimed warm-up epoch; Ray methods share a warm "
+        "worker pool but a cold object store; ray_data reads pyarrow batches",
+    }
     methods = ["numpy_ceiling", "globalloader_ray"] + ([] if args.skip_ray_data else ["ray_data"])
     results: dict[str, Any] = {}
     with tqdm(methods, desc="methods", unit="method") as bar:
@@ -91,6 +103,7 @@ def main() -> None:
 
 # --- data -----------------------------------------------------------------------------------
 
+
 def ensure_data(cache: pathlib.Path, rows: int, n_files: int) -> list[str]:
     """Write the data set once (a marker file says it is complete); return the file paths."""
     folder = cache / f"rows{rows}-files{n_files}"
@@ -104,17 +117,19 @@ def ensure_data(cache: pathlib.Path, rows: int, n_files: int) -> list[str]:
     for i in tqdm(range(n_files), desc="writing parquet", unit="file"):
         n = int(bounds[i + 1] - bounds[i])
         payload = rng.integers(0, 256, size=n * PAYLOAD, dtype=np.uint8)
-        table = pa.table({
-            "key": np.arange(bounds[i], bounds[i + 1], dtype=np.int64),
-            "payload": pa.FixedSizeBinaryArray.from_buffers(pa.binary(PAYLOAD), n,
-                                                            [None, pa.py_buffer(payload)]),
-        })
+        table = pa.table(
+            {
+                "key": np.arange(bounds[i], bounds[i + 1], dtype=np.int64),
+                "payload": pa.FixedSizeBinaryArray.from_buffers(pa.binary(PAYLOAD), n, [None, pa.py_buffer(payload)]),
+            }
+        )
         pq.write_table(table, paths[i])
     marker.write_text(json.dumps({"rows": rows, "files": n_files}))
     return paths
 
 
 # --- NumPy ceiling --------------------------------------------------------------------------
+
 
 def run_numpy_ceiling(files: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
     """Run in a fresh process, so its peak RSS is its own."""
@@ -147,8 +162,7 @@ def _ceiling_process(files: list[str], cfg: dict[str, Any], conn: Any) -> None:
         first = time.perf_counter() - t0
         delivered = [[] for _ in range(trainers)]  # batches dealt round robin to trainers
         for b, i in enumerate(range(0, n, batch)):
-            delivered[b % trainers].append({"key": key[i:i + batch],
-                                            "payload": payload[i:i + batch]})
+            delivered[b % trainers].append({"key": key[i : i + batch], "payload": payload[i : i + batch]})
         keys = [np.concatenate([d["key"] for d in rank]) for rank in delivered]
         sizes = [[len(d["key"]) for d in rank] for rank in delivered]
         epochs.append({"first_batch_s": first, "epoch_s": time.perf_counter() - t0})
@@ -162,12 +176,17 @@ def _ceiling_process(files: list[str], cfg: dict[str, Any], conn: Any) -> None:
 
 # --- Ray methods ----------------------------------------------------------------------------
 
+
 def run_on_ray(name: str, files: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=cfg["cpus"], object_store_memory=int(cfg["object_store_gb"] * 2**30),
-                 include_dashboard=False, log_to_driver=False)
+        ray.init(
+            num_cpus=cfg["cpus"],
+            object_store_memory=int(cfg["object_store_gb"] * 2**30),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     _warm_workers(ray, cfg["cpus"])
     trainer_cls = _GlobalLoaderTrainer if name == "globalloader_ray" else _RayDataTrainer
     trainers = [ray.remote(num_cpus=0)(trainer_cls).remote() for _ in range(cfg["trainers"])]
@@ -180,20 +199,22 @@ def run_on_ray(name: str, files: list[str], cfg: dict[str, Any]) -> dict[str, An
         import ray.data
 
         ray.data.DataContext.get_current().enable_progress_bars = False
-        splits = ray.data.read_parquet(files).random_shuffle().streaming_split(
-            cfg["trainers"], equal=True)
-        runs = ray.get([t.run.remote(split, cfg) for t, split in zip(trainers, splits)])
+        splits = ray.data.read_parquet(files).random_shuffle().streaming_split(cfg["trainers"], equal=True)
+        runs = ray.get([t.run.remote(split, cfg) for t, split in zip(trainers, splits, strict=True)])
     elapsed = time.perf_counter() - start
     peak = sampler.stop()
     ray.get([t.close.remote() for t in trainers[::-1]])
     for t in trainers:
         ray.kill(t)
-    epochs = [{"first_batch_s": max(r["epochs"][e]["first_batch_s"] for r in runs),
-               "epoch_s": max(r["epochs"][e]["epoch_s"] for r in runs),
-               "batches_per_trainer": [len(r["sizes"][e]) for r in runs]}
-              for e in range(cfg["epochs"])]
-    orders = [([r["keys"][e] for r in runs], [r["sizes"][e] for r in runs])
-              for e in range(cfg["epochs"])]
+    epochs = [
+        {
+            "first_batch_s": max(r["epochs"][e]["first_batch_s"] for r in runs),
+            "epoch_s": max(r["epochs"][e]["epoch_s"] for r in runs),
+            "batches_per_trainer": [len(r["sizes"][e]) for r in runs],
+        }
+        for e in range(cfg["epochs"])
+    ]
+    orders = [([r["keys"][e] for r in runs], [r["sizes"][e] for r in runs]) for e in range(cfg["epochs"])]
     result = summarize(epochs, orders, elapsed, cfg)
     result.update(peak)
     result["spilled_mib"] = _spilled_mib()
@@ -285,8 +306,11 @@ class _MemorySampler:
     def stop(self) -> dict[str, int]:
         self._stop.set()
         self._thread.join()
-        return {"peak_memory_bytes": self.peak_total, "peak_object_store_bytes": self.peak_store,
-                "peak_process_anon_bytes": self.peak_anon}
+        return {
+            "peak_memory_bytes": self.peak_total,
+            "peak_object_store_bytes": self.peak_store,
+            "peak_process_anon_bytes": self.peak_anon,
+        }
 
 
 def _anon_bytes(root: int) -> int:
@@ -328,8 +352,10 @@ def _spilled_mib() -> int:
 
 # --- metrics --------------------------------------------------------------------------------
 
-def summarize(epochs: list[dict[str, Any]], orders: list[tuple[list[np.ndarray], list[Any]]],
-              elapsed: float, cfg: dict[str, Any]) -> dict[str, Any]:
+
+def summarize(
+    epochs: list[dict[str, Any]], orders: list[tuple[list[np.ndarray], list[Any]]], elapsed: float, cfg: dict[str, Any]
+) -> dict[str, Any]:
     """rows/s and shuffle quality from each epoch's delivered keys (rank 0's stream first)."""
     n = cfg["rows"]
     delivered = sum(len(k) for keys, _ in orders for k in keys)
@@ -342,26 +368,28 @@ def summarize(epochs: list[dict[str, Any]], orders: list[tuple[list[np.ndarray],
         positions.append(position)
         per_rank = [abs(_pearson(np.argsort(np.argsort(k)), np.arange(len(k)))) for k in keys]
         files_per_batch = []
-        for k, s in zip(keys, sizes):
+        for k, s in zip(keys, sizes, strict=True):
             file_ids = np.searchsorted(file_starts, k, side="right") - 1
             cuts = np.cumsum([0, *s])
-            files_per_batch += [len(np.unique(file_ids[a:b])) for a, b in itertools.pairwise(cuts)
-                                if b - a == cfg["batch_size"]]
-        quality.append({
-            "rows": len(order), "distinct_rows": len(np.unique(order)),
-            "spearman_input_vs_output": _pearson(order, np.arange(len(order))),
-            "max_abs_spearman_within_trainer": max(per_rank),
-            "files_per_full_batch_mean": float(np.mean(files_per_batch)),
-            "files_per_full_batch_min": int(np.min(files_per_batch)),
-        })
+            files_per_batch += [
+                len(np.unique(file_ids[a:b])) for a, b in itertools.pairwise(cuts) if b - a == cfg["batch_size"]
+            ]
+        quality.append(
+            {
+                "rows": len(order),
+                "distinct_rows": len(np.unique(order)),
+                "spearman_input_vs_output": _pearson(order, np.arange(len(order))),
+                "max_abs_spearman_within_trainer": max(per_rank),
+                "files_per_full_batch_mean": float(np.mean(files_per_batch)),
+                "files_per_full_batch_min": int(np.min(files_per_batch)),
+            }
+        )
     for e in range(1, len(positions)):
         both = (positions[e - 1] >= 0) & (positions[e] >= 0)
-        quality[e]["corr_with_previous_epoch"] = _pearson(positions[e - 1][both],
-                                                          positions[e][both])
-    for epoch, q in zip(epochs, quality):
+        quality[e]["corr_with_previous_epoch"] = _pearson(positions[e - 1][both], positions[e][both])
+    for epoch, q in zip(epochs, quality, strict=True):
         epoch.update(q)
-    return {"rows_per_s": delivered / elapsed, "elapsed_s": elapsed, "rows_delivered": delivered,
-            "epochs": epochs}
+    return {"rows_per_s": delivered / elapsed, "elapsed_s": elapsed, "rows_delivered": delivered, "epochs": epochs}
 
 
 def _pearson(a: np.ndarray, b: np.ndarray) -> float:
@@ -373,11 +401,13 @@ def _pearson(a: np.ndarray, b: np.ndarray) -> float:
 
 # --- report ---------------------------------------------------------------------------------
 
+
 def report(cfg: dict[str, Any], results: dict[str, Any], out: pathlib.Path) -> None:
     ours = results["globalloader_ray"]
     later = [e["first_batch_s"] for e in ours["epochs"][1:]]
-    worst_rho = max(max(abs(e["spearman_input_vs_output"]), e["max_abs_spearman_within_trainer"])
-                    for e in ours["epochs"])
+    worst_rho = max(
+        max(abs(e["spearman_input_vs_output"]), e["max_abs_spearman_within_trainer"]) for e in ours["epochs"]
+    )
     checks = {
         "vs_numpy_ceiling": ours["rows_per_s"] / results["numpy_ceiling"]["rows_per_s"],
         "later_first_batch_s": max(later) if later else 0.0,
@@ -386,31 +416,45 @@ def report(cfg: dict[str, Any], results: dict[str, Any], out: pathlib.Path) -> N
     }
     if "ray_data" in results:
         checks["vs_ray_data"] = ours["rows_per_s"] / results["ray_data"]["rows_per_s"]
-    met = {k: (v <= TARGETS[k] if k in ("later_first_batch_s", "abs_spearman")
-               else v >= TARGETS[k]) for k, v in checks.items()}
-    summary = {"benchmark": "ray_shuffle", "config": cfg,
-               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "mem_gib": round(os.sysconf("SC_PAGE_SIZE")
-                                            * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
-               "results": results, "ratios": checks, "targets": TARGETS, "targets_met": met}
+    met = {
+        k: (v <= TARGETS[k] if k in ("later_first_batch_s", "abs_spearman") else v >= TARGETS[k])
+        for k, v in checks.items()
+    }
+    summary = {
+        "benchmark": "ray_shuffle",
+        "config": cfg,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        },
+        "results": results,
+        "ratios": checks,
+        "targets": TARGETS,
+        "targets_met": met,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2, default=float) + "\n")
 
-    print(f"\n{cfg['rows']:,} rows x {cfg['epochs']} epochs, {cfg['files']} files, "
-          f"{cfg['trainers']} trainers, batch {cfg['batch_size']}, {cfg['cpus']} CPUs")
-    print(f"{'method':18s} {'rows/s':>12s} {'first batch per epoch (s)':>30s} "
-          f"{'peak mem GiB':>13s} {'|rho| max':>10s} {'files/batch':>12s}")
+    print(
+        f"\n{cfg['rows']:,} rows x {cfg['epochs']} epochs, {cfg['files']} files, "
+        f"{cfg['trainers']} trainers, batch {cfg['batch_size']}, {cfg['cpus']} CPUs"
+    )
+    print(
+        f"{'method':18s} {'rows/s':>12s} {'first batch per epoch (s)':>30s} "
+        f"{'peak mem GiB':>13s} {'|rho| max':>10s} {'files/batch':>12s}"
+    )
     for name, r in results.items():
         firsts = " ".join(f"{e['first_batch_s']:.2f}" for e in r["epochs"])
-        rho = max(max(abs(e["spearman_input_vs_output"]), e["max_abs_spearman_within_trainer"])
-                  for e in r["epochs"])
+        rho = max(max(abs(e["spearman_input_vs_output"]), e["max_abs_spearman_within_trainer"]) for e in r["epochs"])
         fpb = min(e["files_per_full_batch_mean"] for e in r["epochs"])
-        print(f"{name:18s} {r['rows_per_s']:12,.0f} {firsts:>30s} "
-              f"{r['peak_memory_bytes'] / 2**30:13.2f} {rho:10.4f} {fpb:12.1f}")
+        print(
+            f"{name:18s} {r['rows_per_s']:12,.0f} {firsts:>30s} "
+            f"{r['peak_memory_bytes'] / 2**30:13.2f} {rho:10.4f} {fpb:12.1f}"
+        )
     for k, v in checks.items():
         sign = "<=" if k in ("later_first_batch_s", "abs_spearman") else ">="
-        print(f"  {k:22s} {v:8.3f}  target {sign} {TARGETS[k]:<6}  "
-              f"{'met' if met[k] else 'NOT met'}")
+        print(f"  {k:22s} {v:8.3f}  target {sign} {TARGETS[k]:<6}  {'met' if met[k] else 'NOT met'}")
     print(f"results written to {out}")
 
 

@@ -85,12 +85,12 @@ class _Jobs:
         if joint:
             shared = JointSampler(seed)
             self.samplers = [shared] * len(sets)
-            for name, indices in zip(self.names, sets):
+            for name, indices in zip(self.names, sets, strict=True):
                 shared.add_job(name, indices)
             reported = [shared]
         else:
             self.samplers = [JointSampler(seed + k) for k in range(len(sets))]
-            for name, sampler, indices in zip(self.names, self.samplers, sets):
+            for name, sampler, indices in zip(self.names, self.samplers, sets, strict=True):
                 sampler.add_job(name, indices)
             reported = []  # alone, a job never follows: it needs no residency reports
             if policy == "wanted":
@@ -123,7 +123,12 @@ def speed_ratio(n: int, r: int, c: float, policy: str, epochs: int, joint: bool)
         jobs.request(0)
     slow = jobs.requests[0]
     return {
-        "n": n, "r": r, "c": c, "capacity": capacity, "policy": policy, "slow_epochs": epochs,
+        "n": n,
+        "r": r,
+        "c": c,
+        "capacity": capacity,
+        "policy": policy,
+        "slow_epochs": epochs,
         "followed_share": round(jobs.followed(0) / slow, 4),
         "hit_share": round(jobs.hits[0] / slow, 4),
         "loads_per_slow_request": round(jobs.pool.loads / slow, 4),
@@ -200,11 +205,15 @@ def decisions_per_second(n: int, identical: bool, total: int) -> dict:
     elapsed = time.perf_counter() - start
     stats = sampler.stats()
     return {
-        "n": n, "jobs": 4, "sets": "identical" if identical else "random 75% each",
-        "decisions": done, "seconds": round(elapsed, 3),
+        "n": n,
+        "jobs": 4,
+        "sets": "identical" if identical else "random 75% each",
+        "decisions": done,
+        "seconds": round(elapsed, 3),
         "decisions_per_s": round(done / elapsed),
         "followed_share": round(sum(s["followed"] for s in stats.values()) / done, 4),
-        "add_4_jobs_s": round(setup, 3), "new_epoch_s": round(epoch_start, 4),
+        "add_4_jobs_s": round(setup, 3),
+        "new_epoch_s": round(epoch_start, 4),
     }
 
 
@@ -215,17 +224,16 @@ def main() -> None:
     small_epochs, large_epochs = (3, 1) if args.quick else (10, 2)
     cs = (0.1, 0.25, 0.5, 1.0, 2.0)
     speed_runs = [(10_000, r, c, p, small_epochs) for r in (1, 2, 4) for c in cs for p in POLICIES]
-    speed_runs += [(100_000, r, c, p, large_epochs) for r in (2, 4) for c in (0.25, 1.0)
-                   for p in POLICIES]
-    overlap2 = [range(0, 1000), range(500, 1500)]
-    nested2 = [range(0, 1000), range(0, 500)]
+    speed_runs += [(100_000, r, c, p, large_epochs) for r in (2, 4) for c in (0.25, 1.0) for p in POLICIES]
+    overlap2 = [range(1000), range(500, 1500)]
+    nested2 = [range(1000), range(500)]
     scenarios = {
         "identical K=2": [range(10_000)] * 2,
         "identical K=4": [range(10_000)] * 4,
         "overlap50 K=2": overlap2,
         "overlap50 K=4": [range(500 * k, 500 * k + 1000) for k in range(4)],
         "nested K=2": nested2,
-        "nested K=4": [range(0, 1000), range(0, 500), range(0, 250), range(0, 125)],
+        "nested K=4": [range(1000), range(500), range(250), range(125)],
     }
     lock_runs = [(name, p) for name in scenarios for p in POLICIES]
     bar = tqdm(total=2 * len(speed_runs) + len(lock_runs) + 2, desc="sampler_sharing")
@@ -238,9 +246,7 @@ def main() -> None:
         bar.update()
         row["independent_hit_share"] = alone["hit_share"]
         row["independent_loads_per_slow_request"] = alone["loads_per_slow_request"]
-        row["loads_saved_ratio"] = round(
-            alone["loads_per_slow_request"] / row["loads_per_slow_request"], 3
-        )
+        row["loads_saved_ratio"] = round(alone["loads_per_slow_request"] / row["loads_per_slow_request"], 3)
         speed.append(row)
 
     lock = []
@@ -249,8 +255,11 @@ def main() -> None:
         capacity = max(1, max(len(s) for s in sets) // 10)
         epochs = 3 if len(sets[0]) > 1000 else 20
         row = {
-            "scenario": name, "sizes": [len(s) for s in sets],
-            "union": len(set().union(*sets)), "capacity": capacity, "policy": policy,
+            "scenario": name,
+            "sizes": [len(s) for s in sets],
+            "union": len(set().union(*sets)),
+            "capacity": capacity,
+            "policy": policy,
             "epochs": epochs,
             "loads_per_epoch_over_union": lockstep(sets, capacity, policy, epochs, True),
             "independent": lockstep(sets, capacity, policy, epochs, False),
@@ -265,72 +274,90 @@ def main() -> None:
     bar.update(2)
     bar.close()
 
-    targets = []
-    for row in speed:
-        if row["r"] in TARGET_FOLLOWED and row["c"] == 0.25:
-            targets.append({
-                "target": f"followed share >= {TARGET_FOLLOWED[row['r']]} "
-                          f"(r={row['r']}, n={row['n']}, C={row['capacity']}, {row['policy']})",
-                "value": row["followed_share"],
-                "met": row["followed_share"] >= TARGET_FOLLOWED[row["r"]],
-            })
-    for row in lock:
-        if row["scenario"] == "identical K=4":
-            targets.append({
-                "target": f"identical K=4 lock-step loads/epoch <= {TARGET_IDENTICAL_LOADS} n "
-                          f"({row['policy']})",
-                "value": row["loads_per_epoch_over_union"],
-                "met": row["loads_per_epoch_over_union"] <= TARGET_IDENTICAL_LOADS,
-            })
-    for row in rate:
-        targets.append({
-            "target": f"next >= {TARGET_DECISIONS_PER_S:.0f} decisions/s (K=4, n=1e6, "
-                      f"{row['sets']})",
+    targets = [
+        {
+            "target": f"followed share >= {TARGET_FOLLOWED[row['r']]} "
+            f"(r={row['r']}, n={row['n']}, C={row['capacity']}, {row['policy']})",
+            "value": row["followed_share"],
+            "met": row["followed_share"] >= TARGET_FOLLOWED[row["r"]],
+        }
+        for row in speed
+        if row["r"] in TARGET_FOLLOWED and row["c"] == 0.25
+    ]
+    targets += [
+        {
+            "target": f"identical K=4 lock-step loads/epoch <= {TARGET_IDENTICAL_LOADS} n ({row['policy']})",
+            "value": row["loads_per_epoch_over_union"],
+            "met": row["loads_per_epoch_over_union"] <= TARGET_IDENTICAL_LOADS,
+        }
+        for row in lock
+        if row["scenario"] == "identical K=4"
+    ]
+    targets += [
+        {
+            "target": f"next >= {TARGET_DECISIONS_PER_S:.0f} decisions/s (K=4, n=1e6, {row['sets']})",
             "value": row["decisions_per_s"],
             "met": row["decisions_per_s"] >= TARGET_DECISIONS_PER_S,
-        })
+        }
+        for row in rate
+    ]
 
-    print("\nspeed ratio: slow job's followed share (hit share) | independent hit share | "
-          "loads ratio independent/joint (r=1: loads per step of the pair instead)")
+    print(
+        "\nspeed ratio: slow job's followed share (hit share) | independent hit share | "
+        "loads ratio independent/joint (r=1: loads per step of the pair instead)"
+    )
     for row in speed:
-        head = (f"  n={row['n']:>6} r={row['r']} C={row['capacity']:>4} ({row['c']:>4}) "
-                f"{row['policy']:>6}: ")
+        head = f"  n={row['n']:>6} r={row['r']} C={row['capacity']:>4} ({row['c']:>4}) {row['policy']:>6}: "
         if row["r"] == 1:
-            print(f"{head}loads/step {row['loads_per_slow_request']:.4f} | independent "
-                  f"{row['independent_loads_per_slow_request']:.4f} | "
-                  f"ratio {row['loads_saved_ratio']:.2f}")
+            print(
+                f"{head}loads/step {row['loads_per_slow_request']:.4f} | independent "
+                f"{row['independent_loads_per_slow_request']:.4f} | "
+                f"ratio {row['loads_saved_ratio']:.2f}"
+            )
             continue
-        print(f"{head}followed {row['followed_share']:.4f} (hits {row['hit_share']:.4f}) | "
-              f"independent {row['independent_hit_share']:.4f} | "
-              f"ratio {row['loads_saved_ratio']:.2f}")
+        print(
+            f"{head}followed {row['followed_share']:.4f} (hits {row['hit_share']:.4f}) | "
+            f"independent {row['independent_hit_share']:.4f} | "
+            f"ratio {row['loads_saved_ratio']:.2f}"
+        )
     print("\nlock-step: loads per epoch / union (joint | independent | coupled reference)")
     for row in lock:
         ref = row.get("coupled_reference")
         ref_text = ""
         if ref:
             ref_text = f" | coupled {ref['no_pool']} no pool, {ref['with_pool']} with pool"
-        print(f"  {row['scenario']:<14} C={row['capacity']:>4} {row['policy']:>6}: "
-              f"{row['loads_per_epoch_over_union']:.4f} | {row['independent']:.4f} "
-              f"(ratio {row['independent'] / row['loads_per_epoch_over_union']:.2f}){ref_text}")
+        print(
+            f"  {row['scenario']:<14} C={row['capacity']:>4} {row['policy']:>6}: "
+            f"{row['loads_per_epoch_over_union']:.4f} | {row['independent']:.4f} "
+            f"(ratio {row['independent'] / row['loads_per_epoch_over_union']:.2f}){ref_text}"
+        )
     print("\ndecisions per second (whole loop, one core)")
     for row in rate:
-        print(f"  {row['sets']}: {row['decisions_per_s']:,}/s, followed {row['followed_share']}, "
-              f"add_job x4 {row['add_4_jobs_s']} s, new_epoch {row['new_epoch_s']} s")
+        print(
+            f"  {row['sets']}: {row['decisions_per_s']:,}/s, followed {row['followed_share']}, "
+            f"add_job x4 {row['add_4_jobs_s']} s, new_epoch {row['new_epoch_s']} s"
+        )
     print("\ntargets")
     for t in targets:
         print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']}")
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "sampler_sharing",
-        "quick": args.quick,
-        "python": sys.version.split()[0],
-        "machine": platform.machine(),
-        "speed_ratio": speed,
-        "lockstep": lock,
-        "decisions": rate,
-        "targets": targets,
-    }, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "sampler_sharing",
+                "quick": args.quick,
+                "python": sys.version.split()[0],
+                "machine": platform.machine(),
+                "speed_ratio": speed,
+                "lockstep": lock,
+                "decisions": rate,
+                "targets": targets,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {RESULTS}")
 
 

@@ -83,9 +83,7 @@ def _queue_worker(queue: Any, batch_size: int, count: int) -> None:
         queue.put({**batch, "seq": seq})
 
 
-def _timed_windows(
-    receive: Callable[[int], None], batches: int, warmup: int, repeats: int
-) -> list[float]:
+def _timed_windows(receive: Callable[[int], None], batches: int, warmup: int, repeats: int) -> list[float]:
     """Seconds taken by each of `repeats` windows of `batches` calls to `receive(seq)`."""
     seq = 0
     for _ in range(warmup):
@@ -101,8 +99,7 @@ def _timed_windows(
     return windows
 
 
-def run_shm(ctx: Any, batch_size: int, batches: int, warmup: int, repeats: int,
-            prefetch: int) -> list[float]:
+def run_shm(ctx: Any, batch_size: int, batches: int, warmup: int, repeats: int, prefetch: int) -> list[float]:
     """Time the shared-memory transport; returns seconds per window."""
     prefix = f"gl-bench-{os.getpid()}-{batch_size}-"
     parent, child = ctx.Pipe()
@@ -133,8 +130,7 @@ def run_shm(ctx: Any, batch_size: int, batches: int, warmup: int, repeats: int,
             raise RuntimeError(f"{leftovers} shared-memory segments left behind by {prefix!r}")
 
 
-def run_queue(ctx: Any, batch_size: int, batches: int, warmup: int, repeats: int,
-              prefetch: int) -> list[float]:
+def run_queue(ctx: Any, batch_size: int, batches: int, warmup: int, repeats: int, prefetch: int) -> list[float]:
     """Time the pickled multiprocessing.Queue baseline; returns seconds per window."""
     queue = ctx.Queue(maxsize=prefetch)
     total = warmup + batches * repeats
@@ -151,9 +147,7 @@ def run_queue(ctx: Any, batch_size: int, batches: int, warmup: int, repeats: int
         worker.join()
 
 
-def measure(
-    batch_size: int, samples: int, repeats: int, prefetch: int, bar: tqdm | None = None
-) -> dict[str, Any]:
+def measure(batch_size: int, samples: int, repeats: int, prefetch: int, bar: tqdm | None = None) -> dict[str, Any]:
     """Both transports for one batch size, as a result row (us per sample, medians).
 
     The two alternate, one window each per round, so a load change on a shared machine hits
@@ -196,12 +190,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     total = len(args.batch_sizes) * args.repeats
     with tqdm(total=total, desc="transport rounds", unit="round") as bar:
-        rows = [measure(b, args.samples, args.repeats, args.prefetch, bar)
-                for b in args.batch_sizes]
+        rows = [measure(b, args.samples, args.repeats, args.prefetch, bar) for b in args.batch_sizes]
     report = {
         "benchmark": "transport",
-        "sample": {"shape": list(SAMPLE_SHAPE), "dtype": "uint8",
-                   "bytes": int(np.prod(SAMPLE_SHAPE))},
+        "sample": {"shape": list(SAMPLE_SHAPE), "dtype": "uint8", "bytes": int(np.prod(SAMPLE_SHAPE))},
         "prefetch": args.prefetch,
         "target_us_per_sample": TARGET_US_PER_SAMPLE,
         "results": rows,

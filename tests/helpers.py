@@ -3,6 +3,7 @@ servers started and always stopped through the command line of this interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -26,13 +27,16 @@ def same(a: Any, b: Any) -> bool:
         a, b = a.numpy(), b.numpy()
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
-            isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-            and a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(np.array_equal(a, b))
         )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -83,10 +87,8 @@ def server_pid(path: Path) -> int | None:
 
 def _gone(pid: int) -> bool:
     """True once `pid` has exited (reaping it if it is our child, as an auto-started server is)."""
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
@@ -111,10 +113,8 @@ def stop_server(path: Path, pid: int | None = None, timeout: float = 20.0) -> in
         path.unlink(missing_ok=True)  # no one listens: what a dead server left
         return None
     if not _gone(pid):
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             subprocess.run([*CLI, "stop", "--socket", str(path)], capture_output=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
     deadline = time.monotonic() + timeout
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -136,7 +136,9 @@ class Server:
         with open(socket.with_suffix(".log"), "w") as log:
             self.proc = subprocess.Popen(
                 [*CLI, "serve", "--socket", str(socket), "--memory", memory, "--workers", str(workers)],
-                stdout=log, stderr=subprocess.STDOUT, text=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, socket)
         deadline = time.monotonic() + 20
@@ -151,8 +153,12 @@ class Server:
 
     def job(self, out: Path, *args: str) -> subprocess.Popen:
         """Start tests/service/job.py against this server."""
-        return subprocess.Popen([sys.executable, str(JOB), str(self.socket), str(out), *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, str(JOB), str(self.socket), str(out), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def _stop_process(proc: subprocess.Popen, path: Path) -> None:

@@ -13,8 +13,9 @@ from globalloader import cli
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "globalloader", *args],
-                          capture_output=True, text=True, check=check, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "globalloader", *args], capture_output=True, text=True, check=check, timeout=600
+    )
 
 
 @pytest.mark.slow
@@ -25,8 +26,11 @@ def test_demo_compares_loaders_then_jobs_independent_and_shared_as_medians_of_ru
     assert out.count("median (min-max) of 3 run(s)") == 2, out
     number = r"\d+\.\d+ \(\d+\.\d+-\d+\.\d+\)"
     assert re.search(rf"globalloader\s+{number}", out) and re.search(rf"torch DataLoader\s+{number}", out)
-    assert re.search(r"globalloader / torch DataLoader: \d+\.\d\dx samples/s \(median of 3 paired runs; "
-                     r"min \d+\.\d\dx, max \d+\.\d\dx\)", out), out
+    assert re.search(
+        r"globalloader / torch DataLoader: \d+\.\d\dx samples/s \(median of 3 paired runs; "
+        r"min \d+\.\d\dx, max \d+\.\d\dx\)",
+        out,
+    ), out
     assert re.search(r"decodes\s+\d+ \(\d+-\d+\)\s+\d+ \(\d+-\d+\)", out), out
     assert re.search(r"all jobs done in \d+\.\d\dx the time \(median of 3 paired runs; min \d+\.\d\dx, max", out)
 
@@ -44,8 +48,13 @@ def test_help_shows_every_default_and_the_environment():
     assert "(default: 2G)" in serve and "GLOBALLOADER_SOCKET" in serve and "GLOBALLOADER_CACHE_DIR" in serve
     assert "server.sock" in serve and "one per core" in serve
     demo = " ".join(run("demo", "--help").stdout.split())
-    for shown in ("worker processes per loader (and per job) (default: 2)", "samples per batch of the first act "
-                  "(default: 64)", "(default: 1000)", "(default: 256M)", "(default: 3)"):
+    for shown in (
+        "worker processes per loader (and per job) (default: 2)",
+        "samples per batch of the first act (default: 64)",
+        "(default: 1000)",
+        "(default: 256M)",
+        "(default: 3)",
+    ):
         assert shown in demo, shown
     for command in ("stop", "status"):
         assert "GLOBALLOADER_SOCKET" in run(command, "--help").stdout

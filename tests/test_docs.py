@@ -26,12 +26,12 @@ RUN_AS_WRITTEN = ("getting-started.md", "chain.md", "resume.md", "errors.md", "t
 
 
 def _examples(page: Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
 
 
 def _sections(page: Path, level: str = "## ") -> dict[str, str]:
     """Heading text -> the text up to the next heading of the same level."""
-    parts = re.split(rf"^{level}(.+)$", page.read_text(), flags=re.M)
+    parts = re.split(rf"^{level}(.+)$", page.read_text(), flags=re.MULTILINE)
     return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
 
 
@@ -44,9 +44,11 @@ def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 # -- errors -----------------------------------------------------------------------------------
 
+
 def test_every_error_class_has_its_section_and_no_other():
     classes = {
-        name for name, obj in inspect.getmembers(errors, inspect.isclass)
+        name
+        for name, obj in inspect.getmembers(errors, inspect.isclass)
         if issubclass(obj, Exception) and obj.__module__ == errors.__name__
     }
     assert "GlobalLoaderError" in classes and len(classes) >= 10
@@ -58,6 +60,7 @@ def test_every_error_class_has_its_section_and_no_other():
 
 # -- command line ------------------------------------------------------------------------------
 
+
 def test_every_subcommand_and_option_is_on_the_cli_page(capsys):
     listed = re.search(r"\{([a-z,]+)\}", _help(capsys))
     assert listed, "the top-level help lists no subcommands"
@@ -68,7 +71,9 @@ def test_every_subcommand_and_option_is_on_the_cli_page(capsys):
         assert heading in sections, f"cli.md has no section {heading}"
         options = set(re.findall(r"--[a-z][a-z-]*", _help(capsys, command))) - {"--help"}
         documented = set(re.findall(r"`(--[a-z][a-z-]*)", sections[heading]))
-        assert options == documented, f"globalloader {command}: options {sorted(options)}, documented {sorted(documented)}"
+        assert options == documented, (
+            f"globalloader {command}: options {sorted(options)}, documented {sorted(documented)}"
+        )
 
 
 def test_every_environment_variable_the_code_reads_is_on_the_cli_page():
@@ -82,6 +87,7 @@ def test_every_environment_variable_the_code_reads_is_on_the_cli_page():
 
 
 # -- examples ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 def test_every_python_example_compiles(page):
@@ -107,6 +113,7 @@ def test_getting_started_has_a_training_loop():
 
 # -- the joint sampler's specification ---------------------------------------------------------
 
+
 def test_the_joint_sampler_is_specified_in_the_docs_and_referenced_there():
     assert "The joint sampler" in _sections(DOCS / "shared.md")
     rule = _sections(DOCS / "shared.md", "### ")
@@ -121,17 +128,24 @@ def test_the_joint_sampler_is_specified_in_the_docs_and_referenced_there():
 
 # -- the site's configuration ------------------------------------------------------------------
 
+
 def test_nav_lists_every_page_and_only_existing_ones():
-    nav = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", MKDOCS, flags=re.M))
+    nav = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", MKDOCS, flags=re.MULTILINE))
     assert nav == {str(p.relative_to(DOCS)) for p in PAGES}
 
 
 def test_api_reference_covers_the_public_modules_and_they_exist():
     targets = set()
     for page in (DOCS / "api").glob("*.md"):
-        targets |= set(re.findall(r"^::: ([\w.]+)$", page.read_text(), flags=re.M))
-    assert {"globalloader", "globalloader.errors", "globalloader.vision", "globalloader.torch",
-            "globalloader.ray", "globalloader.sampling"} <= targets
+        targets |= set(re.findall(r"^::: ([\w.]+)$", page.read_text(), flags=re.MULTILINE))
+    assert {
+        "globalloader",
+        "globalloader.errors",
+        "globalloader.vision",
+        "globalloader.torch",
+        "globalloader.ray",
+        "globalloader.sampling",
+    } <= targets
     for target in targets:  # found in the source without importing it (torch, ray stay unloaded)
         base = ROOT / "src" / Path(*target.split("."))
         assert base.with_suffix(".py").is_file() or (base / "__init__.py").is_file(), target

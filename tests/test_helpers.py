@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import Server, pool_segments, server_pid, stop_server
 
 import globalloader as gl
+from helpers import Server, pool_segments, server_pid, stop_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

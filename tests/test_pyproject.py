@@ -43,3 +43,10 @@ def test_markers_are_registered_and_strict():
     options = PROJECT["tool"]["pytest"]["ini_options"]
     assert "--strict-markers" in options["addopts"].split()
     assert {m.split(":")[0] for m in options["markers"]} == {"slow", "integration"}
+
+
+def test_the_lint_extra_brings_the_gate_tools_and_never_torch():
+    lint = _names(PROJECT["project"]["optional-dependencies"]["lint"])
+    assert {"ruff", "mypy", "import-linter", "pre-commit"} <= lint.keys()
+    # The gates run without the heavy extras; mypy reads their own hints only where installed.
+    assert not {"torch", "ray", "pillow", "pyarrow"} & lint.keys()

@@ -8,11 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from helpers import pool_segments, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
 # Examples that start Ray or a server; the rest are quick.
 HEAVY = {i for i, text in enumerate(EXAMPLES) if "share=True" in text or "ray.init" in text}
 
@@ -48,7 +49,7 @@ def test_example_runs_as_written(index, example_dir):
 
 
 def test_ci_runs_the_readme_test_command():
-    commands = re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)
+    commands = re.findall(r"```bash\n(.*?)\n```", README, flags=re.DOTALL)
     test_command = next(c for c in commands if "pytest" in c)
     assert test_command in (ROOT / ".ci" / "run").read_text()
 

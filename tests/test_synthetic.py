@@ -19,8 +19,7 @@ SMALL = {"n": 10, "size": (64, 48), "classes": 3, "quality": 85, "seed": 1, "pro
 def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
     """Relative path -> (mtime_ns, content) of every file under root."""
     return {
-        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes())
-        for p in sorted(root.rglob("*")) if p.is_file()
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()
     }
 
 
@@ -35,7 +34,10 @@ def test_folder_layout_and_labels(tmp_path):
     assert folders == ["class_00", "class_01", "class_02"]
     # Round-robin labels: image i is in class i % 3.
     assert sorted(p.name for p in (root / "class_01").iterdir()) == [
-        "img_000001.jpg", "img_000004.jpg", "img_000007.jpg"]
+        "img_000001.jpg",
+        "img_000004.jpg",
+        "img_000007.jpg",
+    ]
     assert len(images(root)) == 10
     with Image.open(root / "class_00" / "img_000000.jpg") as img:
         assert img.format == "JPEG" and img.size == (64, 48) and img.mode == "RGB"
@@ -62,8 +64,11 @@ def test_changed_parameters_rebuild(tmp_path):
     (root / "README.txt").write_text("not ours")
     make_jpeg_folder(root, **{**SMALL, "n": 4, "classes": 2})
     assert sorted(images(root)) == [
-        "class_00/img_000000.jpg", "class_00/img_000002.jpg",
-        "class_01/img_000001.jpg", "class_01/img_000003.jpg"]
+        "class_00/img_000000.jpg",
+        "class_00/img_000002.jpg",
+        "class_01/img_000001.jpg",
+        "class_01/img_000003.jpg",
+    ]
     assert not (root / "class_02").exists()
     assert (root / "README.txt").read_text() == "not ours"
     # Back to the first parameters: the same images as a fresh build.
@@ -125,14 +130,16 @@ def test_make_image_is_deterministic_and_tinted_per_class():
     b = make_image(np.random.default_rng([3, 0]), (120, 90), label=0, classes=3)
     assert a.shape == (90, 120, 3) and a.dtype == np.uint8 and np.array_equal(a, b)
     # Average colour over many images differs by class (the labels carry signal).
-    means = [np.mean([make_image(np.random.default_rng([s, k]), (32, 32), k, 3).mean(axis=(0, 1))
-                      for s in range(20)], axis=0) for k in range(3)]
+    means = [
+        np.mean(
+            [make_image(np.random.default_rng([s, k]), (32, 32), k, 3).mean(axis=(0, 1)) for s in range(20)], axis=0
+        )
+        for k in range(3)
+    ]
     assert all(np.abs(means[i] - means[j]).max() > 15 for i in range(3) for j in range(i + 1, 3))
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"n": 0}, {"classes": 0}, {"quality": 101}, {"size": (4, 4)}, {"seed": -1}]
-)
+@pytest.mark.parametrize("kwargs", [{"n": 0}, {"classes": 0}, {"quality": 101}, {"size": (4, 4)}, {"seed": -1}])
 def test_bad_arguments(tmp_path, kwargs):
     with pytest.raises(ArgumentError, match=next(iter(kwargs))):
         make_jpeg_folder(tmp_path / "x", **{**SMALL, **kwargs})

@@ -31,9 +31,9 @@ def coordinate_image(height: int = 200, width: int = 240) -> np.ndarray:
 def smooth_image(height: int, width: int) -> np.ndarray:
     """A smooth gradient, which JPEG keeps accurately (within a few levels)."""
     y, x = np.mgrid[0:height, 0:width]
-    return np.stack(
-        [255 * y / height, 255 * x / width, 128 + 60 * np.sin(x / 50.0) * np.cos(y / 70.0)], axis=2
-    ).astype(np.uint8)
+    return np.stack([255 * y / height, 255 * x / width, 128 + 60 * np.sin(x / 50.0) * np.cos(y / 70.0)], axis=2).astype(
+        np.uint8
+    )
 
 
 def encode(array: np.ndarray, fmt: str = "JPEG", **options: object) -> bytes:
@@ -47,6 +47,7 @@ def reference_normalize(array: np.ndarray, mean=IMAGENET_MEAN, std=IMAGENET_STD)
 
 
 # ------------------------------------------------------------------------------------ decoding
+
 
 def test_decode_jpeg_bytes_gives_the_encoded_picture():
     original = smooth_image(120, 160)
@@ -67,14 +68,13 @@ def test_decode_converts_mode_and_keeps_png_exact():
 
 @pytest.mark.parametrize("data", [b"", b"not an image at all", b"\xff\xd8\xff\xe0garbage"])
 def test_decode_garbage_names_the_sample(data):
-    with pytest.raises(CorruptSampleError, match="cat/0042.jpg"):
+    with pytest.raises(CorruptSampleError, match=r"cat/0042\.jpg"):
         vision.decode_image(data, "cat/0042.jpg")
 
 
 def test_decode_truncated_jpeg_names_key_and_url():
     data = encode(smooth_image(200, 300), quality=90)
-    record = {"__key__": "n0153/img_7", "__url__": "shard-000003.tar",
-              "image": data[: len(data) // 2]}
+    record = {"__key__": "n0153/img_7", "__url__": "shard-000003.tar", "image": data[: len(data) // 2]}
     with pytest.raises(CorruptSampleError, match=r"n0153/img_7.*shard-000003\.tar"):
         Decode(resize=64)(record)
     with pytest.raises(CorruptSampleError, match="n0153/img_7"):
@@ -143,6 +143,7 @@ def test_draft_decode_matches_full_decode():
 
 # ------------------------------------------------------------------------------- geometry
 
+
 def test_resize_shorter_sizes_and_types():
     img = Image.fromarray(coordinate_image(200, 240))
     assert vision.resize_shorter(img, 100).size == (120, 100)
@@ -171,7 +172,7 @@ def test_random_crop_lies_inside_and_is_uniformish(as_pil):
         assert crop.shape == (50, 60, 3) and crop.dtype == np.uint8
         top, left = int(crop[0, 0, 0]), int(crop[0, 0, 1])
         assert 0 <= top <= 150 and 0 <= left <= 180
-        assert np.array_equal(crop, array[top:top + 50, left:left + 60])
+        assert np.array_equal(crop, array[top : top + 50, left : left + 60])
         tops.append(top)
         lefts.append(left)
     # Every position is possible: the extremes' neighbourhoods are reached.
@@ -190,7 +191,7 @@ def test_random_resized_crop_box_respects_scale_and_ratio():
     width, height = 500, 375
     for _ in range(500):
         left, top, w, h = vision.random_resized_crop_box(width, height, rng)
-        assert 0 <= left and left + w <= width and 0 <= top and top + h <= height
+        assert left >= 0 and left + w <= width and top >= 0 and top + h <= height
         # Rounding w and h moves area and aspect a little past the sampled ranges.
         assert 0.08 * 0.95 <= w * h / (width * height) <= 1.0
         assert 3 / 4 * 0.97 <= w / h <= 4 / 3 * 1.03
@@ -198,9 +199,11 @@ def test_random_resized_crop_box_respects_scale_and_ratio():
 
 @pytest.mark.parametrize(
     ("width", "height", "expected"),
-    [(400, 100, (133, 0, 133, 100)),   # too wide: widest 4:3 box, centred
-     (100, 400, (0, 133, 100, 133)),   # too tall: full width, h = w / (3/4), centred
-     (300, 280, (0, 0, 300, 280))],    # within range: the whole image
+    [
+        (400, 100, (133, 0, 133, 100)),  # too wide: widest 4:3 box, centred
+        (100, 400, (0, 133, 100, 133)),  # too tall: full width, h = w / (3/4), centred
+        (300, 280, (0, 0, 300, 280)),
+    ],  # within range: the whole image
 )
 def test_random_resized_crop_box_falls_back_to_centre(width, height, expected):
     # scale > 1 never fits, so all 10 tries fail.
@@ -243,6 +246,7 @@ def test_to_array_layouts():
 
 # ----------------------------------------------------------------------------------- normalize
 
+
 @pytest.mark.parametrize("layout", ["contiguous", "crop_view", "flipped"])
 @pytest.mark.parametrize("chw", [False, True])
 def test_normalize_matches_float64_reference(layout, chw):
@@ -276,6 +280,7 @@ def test_normalize_rejects_wrong_input():
 
 # ----------------------------------------------------------------------- record transforms
 
+
 def test_random_crop_flip_normalize_matches_its_parts():
     array = coordinate_image(256, 250)
     transform = RandomCropFlipNormalize(size=(100, 120))
@@ -284,7 +289,7 @@ def test_random_crop_flip_normalize_matches_its_parts():
         out = transform(record, rng=np.random.default_rng(seed))
         rng = np.random.default_rng(seed)
         top, left = rng.integers(0, 157), rng.integers(0, 131)
-        crop = array[top:top + 100, left:left + 120]
+        crop = array[top : top + 100, left : left + 120]
         if rng.random() < 0.5:
             crop = crop[:, ::-1]
         assert out["label"] == 1
@@ -293,9 +298,7 @@ def test_random_crop_flip_normalize_matches_its_parts():
 
 def test_random_crop_flip_normalize_refuses_bytes_and_small_images():
     with pytest.raises(ArgumentError, match="Decode"):
-        RandomCropFlipNormalize()(
-            {"__key__": "k", "image": b"\xff\xd8"}, rng=np.random.default_rng(0)
-        )
+        RandomCropFlipNormalize()({"__key__": "k", "image": b"\xff\xd8"}, rng=np.random.default_rng(0))
     with pytest.raises(ArgumentError, match="'small'"):
         RandomCropFlipNormalize(size=224)(
             {"__key__": "small", "image": coordinate_image(100, 300)}, rng=np.random.default_rng(0)
@@ -305,8 +308,7 @@ def test_random_crop_flip_normalize_refuses_bytes_and_small_images():
 @pytest.mark.parametrize("kind", ["bytes", "pil", "array"])
 def test_random_resized_crop_flip_normalize_inputs(kind):
     array = smooth_image(375, 500)
-    value = {"bytes": encode(array, quality=95), "pil": Image.fromarray(array),
-             "array": array}[kind]
+    value = {"bytes": encode(array, quality=95), "pil": Image.fromarray(array), "array": array}[kind]
     transform = RandomResizedCropFlipNormalize(size=64, chw=True)
     out = transform({"__key__": "k", "image": value}, rng=np.random.default_rng(5))["image"]
     assert out.shape == (3, 64, 64) and out.dtype == np.float32
@@ -321,8 +323,7 @@ def test_random_resized_crop_flip_normalize_inputs(kind):
 def test_random_resized_crop_flip_normalize_is_seed_driven():
     data = encode(smooth_image(375, 500), quality=90)
     transform = RandomResizedCropFlipNormalize(size=48)
-    outputs = [transform({"__key__": "k", "image": data}, rng=np.random.default_rng(s))["image"]
-               for s in range(6)]
+    outputs = [transform({"__key__": "k", "image": data}, rng=np.random.default_rng(s))["image"] for s in range(6)]
     assert all(o.shape == (48, 48, 3) for o in outputs)
     assert len({o.tobytes() for o in outputs}) == 6
 
@@ -367,8 +368,12 @@ def _apply(transform, record, seed):
 def test_transforms_pickle_and_keep_behaviour(transform):
     clone = pickle.loads(pickle.dumps(transform))
     assert clone == transform and repr(clone) == repr(transform) and hash(clone) == hash(transform)
-    record = {"__key__": "k", "image": coordinate_image(100, 120) if isinstance(
-        transform, RandomCropFlipNormalize) else encode(smooth_image(100, 120))}
+    record = {
+        "__key__": "k",
+        "image": coordinate_image(100, 120)
+        if isinstance(transform, RandomCropFlipNormalize)
+        else encode(smooth_image(100, 120)),
+    }
     assert np.array_equal(_apply(clone, record, 7), _apply(transform, record, 7))
 
 
@@ -377,8 +382,8 @@ def test_transforms_run_in_a_worker_process():
     record = {"__key__": "k", "image": data}
     decoded = {"__key__": "k", "image": Decode(resize=64)(record)["image"]}
     inputs = [record, record, decoded]
-    expected = [_apply(t, r, 3) for t, r in zip(TRANSFORMS, inputs)]
+    expected = [_apply(t, r, 3) for t, r in zip(TRANSFORMS, inputs, strict=True)]
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = list(pool.map(_apply, TRANSFORMS, inputs, [3, 3, 3]))
-    for got, want in zip(results, expected):
+    for got, want in zip(results, expected, strict=True):
         assert np.array_equal(got, want)

@@ -1,5 +1,7 @@
 """globalloader: a fast, resumable data loader that shares loading across training jobs.
 
+Typical use:
+
     import globalloader as gl
     ds = gl.Dataset(gl.ImageFolder("train")).shuffle(seed=0).map(decode).batch(256)
     with gl.Loader(ds, workers=8) as loader:

@@ -9,8 +9,10 @@ import sys
 from globalloader._version import __version__
 from globalloader.errors import GlobalLoaderError
 
-_SOCKET_HELP = ("the server's socket (default: $GLOBALLOADER_SOCKET if set, else server.sock in "
-                "$XDG_RUNTIME_DIR/globalloader, or in a per-user globalloader-<uid> folder of the temp dir)")
+_SOCKET_HELP = (
+    "the server's socket (default: $GLOBALLOADER_SOCKET if set, else server.sock in "
+    "$XDG_RUNTIME_DIR/globalloader, or in a per-user globalloader-<uid> folder of the temp dir)"
+)
 _ENVIRONMENT = """environment variables:
   GLOBALLOADER_SOCKET     the server's socket when --socket is not given (serve, stop, status,
                           and every Loader(share=True) without server=)
@@ -25,8 +27,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text or default is None or isinstance(default, bool) or default is argparse.SUPPRESS
-                or not action.option_strings):
+        if (
+            "default" in text
+            or default is None
+            or isinstance(default, bool)
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
             return text
         return f"{text} (default: {default})"
 
@@ -35,23 +42,33 @@ def _parser() -> argparse.ArgumentParser:
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, epilog=_ENVIRONMENT, formatter_class=_HelpFormatter)
 
-    parser = argparse.ArgumentParser(prog="globalloader", description=__doc__, epilog=_ENVIRONMENT,
-                                     formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="globalloader", description=__doc__, epilog=_ENVIRONMENT, formatter_class=_HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = command("demo", "epochs on a synthetic JPEG set, next to torch's DataLoader; then several jobs at once")
     demo.add_argument("--images", type=int, default=1000, help="synthetic images to make (once, in the cache folder)")
     demo.add_argument("--workers", type=int, default=2, help="worker processes per loader (and per job)")
     demo.add_argument("--batch-size", type=int, default=64, help="samples per batch of the first act")
-    demo.add_argument("--runs", type=int, default=3,
-                      help="runs of each measurement; the median is shown with the min and max")
-    demo.add_argument("--no-shared", dest="shared", action="store_false",
-                      help="skip the second act (three jobs, independent then through one server)")
+    demo.add_argument(
+        "--runs", type=int, default=3, help="runs of each measurement; the median is shown with the min and max"
+    )
+    demo.add_argument(
+        "--no-shared",
+        dest="shared",
+        action="store_false",
+        help="skip the second act (three jobs, independent then through one server)",
+    )
     demo.add_argument("--shared-memory", default="256M", help="the second act's server pool, e.g. 128M")
     serve = command("serve", "run the global loader server in the foreground")
     serve.add_argument("--memory", default="2G", help="buffer pool size, e.g. 512M, 4G")
-    serve.add_argument("--workers", type=int, default=None,
-                       help=f"decode worker processes (default: one per core, {os.cpu_count() or 1} here)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help=f"decode worker processes (default: one per core, {os.cpu_count() or 1} here)",
+    )
     serve.add_argument("--socket", default=None, help=_SOCKET_HELP)
     stop = command("stop", "stop the global loader server cleanly")
     stop.add_argument("--socket", default=None, help=_SOCKET_HELP)
@@ -67,8 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from globalloader import demo
 
-            demo.main(images=args.images, workers=args.workers, batch_size=args.batch_size, runs=args.runs,
-                      shared=args.shared, shared_memory=args.shared_memory)
+            demo.main(
+                images=args.images,
+                workers=args.workers,
+                batch_size=args.batch_size,
+                runs=args.runs,
+                shared=args.shared,
+                shared_memory=args.shared_memory,
+            )
         elif args.command == "serve":
             from globalloader.service import server
 

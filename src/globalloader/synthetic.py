@@ -54,9 +54,7 @@ def _class_tint(label: int, classes: int) -> np.ndarray:
     return 40.0 + 175.0 * weight
 
 
-def _make_pil(
-    rng: np.random.Generator, size: tuple[int, int], label: int, classes: int
-) -> Any:
+def _make_pil(rng: np.random.Generator, size: tuple[int, int], label: int, classes: int) -> Any:
     pil = _pil()
     from PIL import ImageChops, ImageDraw
 
@@ -65,9 +63,7 @@ def _make_pil(
 
     # Smooth gradients: a 3x4 grid of colours, pulled toward the class colour, blown up.
     grid = 0.6 * rng.uniform(0, 255, (3, 4, 3)) + 0.4 * _class_tint(label, classes)
-    small = pil.fromarray(grid.astype(np.uint8), "RGB").resize(
-        (small_w, small_h), pil.Resampling.BILINEAR
-    )
+    small = pil.fromarray(grid.astype(np.uint8), "RGB").resize((small_w, small_h), pil.Resampling.BILINEAR)
 
     # Shape parameters come from one draw: each Generator call costs microseconds of overhead.
     n_soft, n_sharp = int(rng.integers(3, 8)), int(rng.integers(1, 4))
@@ -85,14 +81,14 @@ def _make_pil(
             y0, y1 = sorted(xy[1:4:2])
             draw.ellipse((x0, y0, x1, y1), fill=colours[k])
         else:
-            draw.polygon(list(zip(xy[0::2], xy[1::2])), fill=colours[k])
+            draw.polygon(list(zip(xy[0::2], xy[1::2], strict=True)), fill=colours[k])
     img = small.resize((width, height), pil.Resampling.BILINEAR)
 
     # Sharp-edged triangles at full resolution, like objects in focus.
     draw = ImageDraw.Draw(img)
     for k in range(n_soft, n_soft + n_sharp):
         xy = (params[k, 4:10] * np.array([width, height] * 3)).astype(int).tolist()
-        draw.polygon(list(zip(xy[0::2], xy[1::2])), fill=colours[k])
+        draw.polygon(list(zip(xy[0::2], xy[1::2], strict=True)), fill=colours[k])
 
     # Luminance texture (value noise with 3-pixel cells) plus grain; its strength varies per
     # image, which spreads file sizes the way scene content does.
@@ -136,8 +132,7 @@ def make_jpeg_bytes(
 
 
 def _params(n: int, size: tuple[int, int], classes: int, quality: int, seed: int) -> dict[str, Any]:
-    return {"recipe": _RECIPE, "n": n, "size": list(size), "classes": classes,
-            "quality": quality, "seed": seed}
+    return {"recipe": _RECIPE, "n": n, "size": list(size), "classes": classes, "quality": quality, "seed": seed}
 
 
 def _layout(root: Path, n: int, classes: int) -> list[tuple[Path, int]]:
@@ -145,9 +140,7 @@ def _layout(root: Path, n: int, classes: int) -> list[tuple[Path, int]]:
     class_width = max(2, len(str(classes - 1)))
     image_width = max(6, len(str(n - 1)))
     return [
-        (root / f"class_{i % classes:0{class_width}d}" / f"img_{i:0{image_width}d}.jpg",
-         i % classes)
-        for i in range(n)
+        (root / f"class_{i % classes:0{class_width}d}" / f"img_{i:0{image_width}d}.jpg", i % classes) for i in range(n)
     ]
 
 
@@ -159,7 +152,8 @@ def _is_complete(root: Path, params: dict[str, Any], n: int) -> bool:
         return False
     found = sum(
         sum(1 for f in os.scandir(d.path) if f.name.endswith(".jpg"))
-        for d in os.scandir(root) if d.is_dir() and _CLASS_DIR.fullmatch(d.name)
+        for d in os.scandir(root)
+        if d.is_dir() and _CLASS_DIR.fullmatch(d.name)
     )
     return found == n
 
@@ -214,8 +208,9 @@ def make_jpeg_folder(
         layout = _layout(root, n, classes)
         for folder in sorted({path.parent for path, _ in layout}):
             folder.mkdir()
-        for i, (path, label) in enumerate(tqdm(layout, desc=f"synthetic JPEGs in {root.name}",
-                                                unit="img", disable=not progress)):
+        for i, (path, label) in enumerate(
+            tqdm(layout, desc=f"synthetic JPEGs in {root.name}", unit="img", disable=not progress)
+        ):
             rng = np.random.default_rng([seed, i])
             path.write_bytes(make_jpeg_bytes(rng, size, quality, label, classes))
         marker = root / (_MARKER + ".tmp")

@@ -60,7 +60,18 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 _ENCODED = (bytes, bytearray, memoryview)
 # The extensions of image members in WebDataset tar shards (the field names TarShards gives them).
 IMAGE_EXTENSIONS: tuple[str, ...] = (
-    "jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "pnm", "bmp", "tif", "tiff", "gif",
+    "jpg",
+    "jpeg",
+    "png",
+    "webp",
+    "ppm",
+    "pgm",
+    "pbm",
+    "pnm",
+    "bmp",
+    "tif",
+    "tiff",
+    "gif",
 )
 # Where a record keeps its image when no field is named, in this order: ImageFolder's "image",
 # then the image extensions.
@@ -75,21 +86,25 @@ def _decode_errors() -> tuple[type[BaseException], ...]:
     # What Pillow raises for bad bytes: unidentified or truncated files (OSError), malformed
     # headers (SyntaxError, ValueError, struct.error, EOFError, IndexError) and oversized images.
     return (
-        OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error,
+        OSError,
+        SyntaxError,
+        ValueError,
+        EOFError,
+        IndexError,
+        struct.error,
         _pil().DecompressionBombError,
     )
 
 
 # ---------------------------------------------------------------------------------------- decoding
 
+
 def _open(data: Any, name: str) -> PILImage.Image:
     """Parse only the header, so the size is known before paying for the decode."""
-    if not isinstance(data, _ENCODED + (np.ndarray,)):
-        raise ArgumentError(
-            f"{name}: expected encoded image bytes, got {type(data).__name__}"
-        )
+    if not isinstance(data, (*_ENCODED, np.ndarray)):
+        raise ArgumentError(f"{name}: expected encoded image bytes, got {type(data).__name__}")
     if isinstance(data, np.ndarray):
-        data = memoryview(np.ascontiguousarray(data))
+        data = np.ascontiguousarray(data).data
     pil = _pil()
     try:
         return pil.open(io.BytesIO(data))
@@ -138,12 +153,9 @@ def decode_image(
     return img
 
 
-def to_array(img: PILImage.Image) -> np.ndarray:
+def to_array(img: PILImage.Image | np.ndarray) -> np.ndarray:
     """A uint8 HWC array (HxWx1 for one-channel images); read-only, as Pillow exports it."""
-    if isinstance(img, np.ndarray):
-        array = img
-    else:
-        array = np.asarray(img)
+    array = img if isinstance(img, np.ndarray) else np.asarray(img)
     if array.ndim == 2:
         array = array[:, :, None]
     if array.dtype != np.uint8 or array.ndim != 3:
@@ -156,6 +168,7 @@ def to_array(img: PILImage.Image) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------- geometry
 
+
 def _hw(size: int | Sequence[int], name: str = "size") -> tuple[int, int]:
     """An int or (height, width) pair as a checked (height, width) tuple."""
     try:
@@ -166,9 +179,7 @@ def _hw(size: int | Sequence[int], name: str = "size") -> tuple[int, int]:
         else:
             height = width = operator.index(size)
     except TypeError:
-        raise ArgumentError(
-            f"{name} must be an int or a (height, width) pair, got {size!r}"
-        ) from None
+        raise ArgumentError(f"{name} must be an int or a (height, width) pair, got {size!r}") from None
     if height <= 0 or width <= 0:
         raise ArgumentError(f"{name} must be positive, got {size!r}")
     return height, width
@@ -180,9 +191,7 @@ def _image_hw(img: Any) -> tuple[int, int]:
             raise ArgumentError(f"expected an HWC array, got shape {img.shape}")
         return img.shape[0], img.shape[1]
     if not isinstance(img, _pil().Image):
-        raise ArgumentError(
-            f"expected a Pillow image or a uint8 HWC array, got {type(img).__name__}"
-        )
+        raise ArgumentError(f"expected a Pillow image or a uint8 HWC array, got {type(img).__name__}")
     return img.size[1], img.size[0]
 
 
@@ -196,7 +205,7 @@ def _check_fits(img_hw: tuple[int, int], crop_hw: tuple[int, int], what: str) ->
 
 def _crop(img: Any, top: int, left: int, height: int, width: int) -> Any:
     if isinstance(img, np.ndarray):
-        return img[top:top + height, left:left + width]  # a view: no copy
+        return img[top : top + height, left : left + width]  # a view: no copy
     return img.crop((left, top, left + width, top + height))
 
 
@@ -231,8 +240,8 @@ def center_crop(img: Any, size: int | Sequence[int]) -> Any:
     crop_hw = _hw(size)
     img_hw = _image_hw(img)
     _check_fits(img_hw, crop_hw, "center_crop")
-    top = int(round((img_hw[0] - crop_hw[0]) / 2.0))
-    left = int(round((img_hw[1] - crop_hw[1]) / 2.0))
+    top = round((img_hw[0] - crop_hw[0]) / 2.0)
+    left = round((img_hw[1] - crop_hw[1]) / 2.0)
     return _crop(img, top, left, *crop_hw)
 
 
@@ -269,17 +278,18 @@ def random_resized_crop_box(
     for _ in range(10):
         target_area = area * rng.uniform(scale[0], scale[1])
         aspect = math.exp(rng.uniform(log_lo, log_hi))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
         if 0 < w <= width and 0 < h <= height:
             top = int(rng.integers(0, height - h + 1))
             left = int(rng.integers(0, width - w + 1))
             return left, top, w, h
     aspect = width / height
+    # `ratio` (or the size) may hold NumPy scalars, whose round() need not give a Python int.
     if aspect < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
+        w, h = width, int(round(width / ratio[0]))  # noqa: RUF046
     elif aspect > ratio[1]:
-        w, h = int(round(height * ratio[1])), height
+        w, h = int(round(height * ratio[1])), height  # noqa: RUF046
     else:
         w, h = width, height
     return (width - w) // 2, (height - h) // 2, w, h
@@ -327,6 +337,7 @@ def _array_to_pil(array: np.ndarray) -> PILImage.Image:
 
 # ---------------------------------------------------------------------------------- normalize
 
+
 @lru_cache(maxsize=16)
 def _affine(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
     """float32 (scale, offset) per channel with x*scale + offset == (x/255 - mean) / std."""
@@ -340,9 +351,7 @@ def _affine(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[np.ndarray
 
 
 @lru_cache(maxsize=64)
-def _affine_rows(
-    mean: tuple[float, ...], std: tuple[float, ...], width: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _affine_rows(mean: tuple[float, ...], std: tuple[float, ...], width: int) -> tuple[np.ndarray, np.ndarray]:
     """(scale, offset) tiled along one image row, so an HWC image is a 2-D (H, W*C) problem."""
     scale, offset = _affine(mean, std)
     rows = np.tile(scale, width), np.tile(offset, width)
@@ -367,22 +376,17 @@ def normalize(
     if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 3:
         raise ArgumentError(
             "normalize: expected a uint8 HWC array, got "
-            + (f"dtype {array.dtype}, shape {array.shape}" if isinstance(array, np.ndarray)
-               else type(array).__name__)
+            + (f"dtype {array.dtype}, shape {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__)
         )
     height, width, channels = array.shape
     mean_t, std_t = tuple(float(m) for m in mean), tuple(float(s) for s in std)
     if len(mean_t) != channels or len(std_t) != channels:
-        raise ArgumentError(
-            f"normalize: {channels} channels but mean has {len(mean_t)} and std {len(std_t)} values"
-        )
+        raise ArgumentError(f"normalize: {channels} channels but mean has {len(mean_t)} and std {len(std_t)} values")
     shape = (channels, height, width) if chw else (height, width, channels)
     if out is None:
         out = np.empty(shape, np.float32)
     elif out.dtype != np.float32 or out.shape != shape:
-        raise ArgumentError(
-            f"normalize: out must be float32 of shape {shape}, got {out.dtype} {out.shape}"
-        )
+        raise ArgumentError(f"normalize: out must be float32 of shape {shape}, got {out.dtype} {out.shape}")
     scale, offset = _affine(mean_t, std_t)
     if chw:
         np.multiply(array.transpose(2, 0, 1), scale[:, None, None], out=out)
@@ -401,6 +405,7 @@ def normalize(
 
 
 # ---------------------------------------------------------------------- record-level transforms
+
 
 def sample_name(record: Mapping[str, Any]) -> str:
     """How errors name a record: its `__key__`, and its `__url__` when it has one."""
@@ -450,8 +455,7 @@ def _as_pil(value: Any, name: str, mode: str | None) -> PILImage.Image:
         img = value
     else:
         raise ArgumentError(
-            f"{name}: expected encoded bytes, a Pillow image or a uint8 array, "
-            f"got {type(value).__name__}"
+            f"{name}: expected encoded bytes, a Pillow image or a uint8 array, got {type(value).__name__}"
         )
     return img.convert(mode) if mode is not None and img.mode != mode else img
 
@@ -486,9 +490,7 @@ class Decode:
         if self.resize is not None and (
             not isinstance(self.resize, int) or isinstance(self.resize, bool) or self.resize <= 0
         ):
-            raise ArgumentError(
-                f"Decode: resize must be a positive int (the shorter side), got {self.resize!r}"
-            )
+            raise ArgumentError(f"Decode: resize must be a positive int (the shorter side), got {self.resize!r}")
 
     def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
         field = _image_field(record, self.field, "Decode")
@@ -542,8 +544,10 @@ class RandomResizedCropFlipNormalize:
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
         scale, ratio = _tuple2(self.scale, "scale"), _tuple2(self.ratio, "ratio")
         if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
-            raise ArgumentError(f"need 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], "
-                                f"got scale={self.scale!r}, ratio={self.ratio!r}")
+            raise ArgumentError(
+                f"need 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], "
+                f"got scale={self.scale!r}, ratio={self.ratio!r}"
+            )
         object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "ratio", ratio)
         object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))

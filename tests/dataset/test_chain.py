@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import same
 
 import globalloader as gl
-from globalloader.sources.sequence import SequenceSource
 from globalloader.errors import ArgumentError, SampleIndexError, TransformError
+from globalloader.sources.sequence import SequenceSource
+from helpers import same
 
 
 def records(n: int) -> list[dict]:
@@ -23,7 +23,7 @@ def test_plain_chain_yields_source_in_order():
 
 def test_select_keeps_given_indices_in_given_order_and_checks_range():
     assert keys(gl.Dataset(records(6)).select([4, 1, 1])) == ["s4", "s1", "s1"]
-    with pytest.raises(SampleIndexError, match="index 9 .* 6 samples"):
+    with pytest.raises(SampleIndexError, match=r"index 9 .* 6 samples"):
         gl.Dataset(records(6)).select([0, 9])
 
 
@@ -36,7 +36,7 @@ def test_shuffle_is_a_permutation_that_changes_per_epoch_and_is_reproducible():
     assert e0 != keys(gl.Dataset(records(100)).shuffle(seed=4).iterator(0))
 
 
-@pytest.mark.parametrize("uneven, lengths", [("pad", [4, 4, 4]), ("drop", [3, 3, 3]), ("none", [4, 3, 3])])
+@pytest.mark.parametrize(("uneven", "lengths"), [("pad", [4, 4, 4]), ("drop", [3, 3, 3]), ("none", [4, 3, 3])])
 def test_shard_policies(uneven, lengths):
     shards = [keys(gl.Dataset(records(10)).shuffle(1).shard(r, 3, uneven)) for r in range(3)]
     assert [len(s) for s in shards] == lengths
@@ -68,7 +68,7 @@ def test_random_map_rng_depends_on_seed_epoch_and_index_only():
     # Same sample, same epoch: same draw whatever the batching or sharding around it.
     sharded = gl.Dataset(records(20)).shuffle(7).shard(1, 2).map(noise).batch(3)
     for batch in sharded.iterator(0):
-        for k, v in zip(batch["__key__"], batch["noise"]):
+        for k, v in zip(batch["__key__"], batch["noise"], strict=True):
             assert by_key[k] == v
     assert {r["__key__"]: r["noise"] for r in ds.iterator(1)} != by_key
 
@@ -168,7 +168,7 @@ def test_stream_buffer_shuffle_and_strided_shard():
     assert keys(stream.iterator(1)) != out
     shards = [keys(gl.Dataset.stream(data).shard(r, 4, uneven="pad")) for r in range(4)]
     assert [len(s) for s in shards] == [13] * 4
-    assert set(k for s in shards for k in s) == set(keys(data))
+    assert {k for s in shards for k in s} == set(keys(data))
     assert [len(keys(gl.Dataset.stream(data).shard(r, 4, uneven="drop"))) for r in range(4)] == [12] * 4
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import check_resume
 
 import globalloader as gl
 from globalloader.dataset.fingerprint import fingerprint
 from globalloader.errors import ArgumentError, FingerprintError, StateError
 from globalloader.sources.sequence import SequenceSource
+from helpers import check_resume
 
 SIZE = 4
 SCALE = 2
@@ -89,11 +89,13 @@ def test_closures_defaults_and_keyword_defaults_decide_the_key():
     def default(k):
         def fn(x, k=k):
             return x + k
+
         return fn
 
     def keyword_default(k):
         def fn(x, *, k=k):
             return x + k
+
         return fn
 
     for make in (closure, default, keyword_default):
@@ -207,12 +209,17 @@ def load_module(tmp_path: Path, monkeypatch, name: str, text: str):
 def test_attributes_read_from_a_user_module_count(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     config = load_module(tmp_path, monkeypatch, "fp_config", "SIZE = 4\nOTHER = 1\n")
-    transforms = load_module(tmp_path, monkeypatch, "fp_transforms", """
+    transforms = load_module(
+        tmp_path,
+        monkeypatch,
+        "fp_transforms",
+        """
         import fp_config
 
         def decode(record):
             return [record] * fp_config.SIZE
-    """)
+    """,
+    )
     before = fingerprint(transforms.decode)
     monkeypatch.setattr(config, "OTHER", 2)
     assert fingerprint(transforms.decode) == before, "an attribute the code does not read"
@@ -222,7 +229,9 @@ def test_attributes_read_from_a_user_module_count(tmp_path, monkeypatch):
 
 def test_sources_count_by_their_fingerprint_or_content():
     assert gl.Dataset(source(6)).plan.fingerprint == gl.Dataset(source(6)).plan.fingerprint
-    assert gl.Dataset(gl.from_sequence([0, 1])).plan.fingerprint != gl.Dataset(gl.from_sequence([0, 2])).plan.fingerprint
+    assert (
+        gl.Dataset(gl.from_sequence([0, 1])).plan.fingerprint != gl.Dataset(gl.from_sequence([0, 2])).plan.fingerprint
+    )
     assert gl.Dataset([0, 1, 2]).plan.fingerprint != gl.Dataset([0, 1, 3]).plan.fingerprint, "same type and length"
 
 
@@ -262,13 +271,16 @@ def test_keys_are_stable_across_processes(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     module = load_module(tmp_path, monkeypatch, "fp_keys", KEYS_MODULE)
     here = {name: fingerprint(value) for name, value in module.VALUES.items()}
-    script = ("import json, sys; sys.path.insert(0, sys.argv[1]); import fp_keys; "
-              "from globalloader.dataset.fingerprint import fingerprint; "
-              "print(json.dumps({k: fingerprint(v) for k, v in fp_keys.VALUES.items()}))")
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import fp_keys; "
+        "from globalloader.dataset.fingerprint import fingerprint; "
+        "print(json.dumps({k: fingerprint(v) for k, v in fp_keys.VALUES.items()}))"
+    )
     for seed in ("1", "2"):  # set iteration order differs with the hash seed
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, check=True
+        ).stdout
         assert json.loads(out) == here
     assert len(set(here.values())) == len(here)
 
@@ -341,8 +353,9 @@ def test_a_plain_loader_with_an_unfingerprintable_map_runs_and_resumes():
 def test_share_true_refuses_an_unfingerprintable_map_in_the_training_process(tmp_path):
     socket = tmp_path / "never.sock"
     chain = gl.Dataset(source()).map(lambda r: (LOCK, r), shared=True, name="decode").batch(2)
-    with gl.Loader(chain, share=True, server=str(socket)) as loader, pytest.raises(
-        FingerprintError, match=r"map 'decode'.*_thread\.lock.*key="
+    with (
+        gl.Loader(chain, share=True, server=str(socket)) as loader,
+        pytest.raises(FingerprintError, match=r"map 'decode'.*_thread\.lock.*key="),
     ):
         iter(loader)
     assert not socket.exists(), "no server may be started for a job that cannot be keyed"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import check_resume
 
 import globalloader as gl
+from helpers import check_resume
 
 
 def records(n: int) -> list[dict]:

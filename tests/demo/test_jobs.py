@@ -42,8 +42,15 @@ def test_shared_jobs_decode_each_sample_once_and_independent_ones_once_per_job(r
 
 @pytest.mark.integration  # job processes, and in shared mode a server
 def test_a_job_with_two_epochs_sees_its_set_once_per_epoch(root):
-    result = run_jobs(root, [JobSpec("twice", range(0, 40, 3), epochs=2)], "shared", workers=1,
-                      batch_size=8, memory="16M", progress=False)
+    result = run_jobs(
+        root,
+        [JobSpec("twice", range(0, 40, 3), epochs=2)],
+        "shared",
+        workers=1,
+        batch_size=8,
+        memory="16M",
+        progress=False,
+    )
     (job,) = result["jobs"]
     assert job["samples"] == 2 * 14 and job["exact_once"]
     assert result["decodes"] <= 2 * 14 and result["server"]["requests"] == 2 * 14

@@ -5,10 +5,10 @@ import signal
 
 import numpy as np
 import pytest
-from helpers import check_resume, same
 
 import globalloader as gl
 from globalloader.errors import ArgumentError, TransformError, WorkerError
+from helpers import check_resume, same
 
 
 def records(n: int) -> list[dict]:
@@ -78,7 +78,7 @@ def pid(r):
 def test_workers_start_once_and_live_across_epochs():
     ds = gl.Dataset(records(40)).map(pid).batch(4)
     with gl.Loader(ds, workers=2) as loader:
-        epochs = [set(int(p) for b in loader for p in b["pid"]) for _ in range(3)]
+        epochs = [{int(p) for b in loader for p in b["pid"]} for _ in range(3)]
     assert len(epochs[0]) == 2 and epochs[0] == epochs[1] == epochs[2]
     assert os.getpid() not in epochs[0]
 
@@ -93,7 +93,7 @@ def kill_on_17(r):
 def test_a_killed_worker_is_an_error_not_a_hang():
     ds = gl.Dataset(records(40)).map(kill_on_17).batch(4)
     with gl.Loader(ds, workers=2) as loader:
-        with pytest.raises(WorkerError, match="SIGKILL.*task 4"):
+        with pytest.raises(WorkerError, match=r"SIGKILL.*task 4"):
             list(loader)
         # The loader recovers: a new iteration starts fresh workers from where it stopped.
         loader.load_state_dict({**loader.state_dict(), "task": 5})
@@ -108,9 +108,11 @@ def fail_on_3(r):
 
 def test_an_error_in_a_worker_names_the_map_and_sample_and_keeps_the_traceback():
     ds = gl.Dataset(records(10)).map(fail_on_3).batch(2)
-    with gl.Loader(ds, workers=2) as loader:
-        with pytest.raises(TransformError, match="map 'fail_on_3' failed on sample index 3 \\(key 's3'\\)") as info:
-            list(loader)
+    with (
+        gl.Loader(ds, workers=2) as loader,
+        pytest.raises(TransformError, match=r"map 'fail_on_3' failed on sample index 3 \(key 's3'\)") as info,
+    ):
+        list(loader)
     assert "bad pixels" in str(info.value.__cause__)
 
 

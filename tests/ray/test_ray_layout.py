@@ -15,8 +15,7 @@ sizes = st.lists(st.integers(0, 400), min_size=1, max_size=8)
 
 @settings(max_examples=200, deadline=None)
 @given(sizes, st.integers(1, 4), st.integers(1, 50), st.integers(1, 4), st.booleans())
-def test_every_trainer_gets_equal_batches_covering_the_epoch(file_rows, trainers, batch, per,
-                                                              drop_last):
+def test_every_trainer_gets_equal_batches_covering_the_epoch(file_rows, trainers, batch, per, drop_last):
     total = sum(file_rows)
     try:
         layout = make_layout(np.array(file_rows), trainers, batch, trainers * per, drop_last)
@@ -62,8 +61,7 @@ def test_reducers_come_round_by_round_across_trainers():
 
 @settings(max_examples=100, deadline=None)
 @given(sizes, st.integers(1, 3), st.integers(1, 20), st.booleans(), st.integers(0, 3))
-def test_scatter_table_margins_match_files_and_reducers(file_rows, trainers, batch, drop_last,
-                                                        epoch):
+def test_scatter_table_margins_match_files_and_reducers(file_rows, trainers, batch, drop_last, epoch):
     try:
         layout = make_layout(np.array(file_rows), trainers, batch, trainers * 2, drop_last)
     except ArgumentError:

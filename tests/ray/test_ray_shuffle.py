@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import ray.cloudpickle
-from helpers import check_resume
 
 from globalloader.errors import (
     ArgumentError,
@@ -24,6 +23,7 @@ from globalloader.errors import (
 )
 from globalloader.ray import ShufflingDataset
 from globalloader.sources import TarWriter
+from helpers import check_resume
 
 FILE_ROWS = [301, 250, 0, 417, 123, 509]  # uneven, and one empty file
 TOTAL = sum(FILE_ROWS)
@@ -36,9 +36,13 @@ pytestmark = pytest.mark.integration
 def cluster(tmp_path_factory):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors defined here
     cache = tmp_path_factory.mktemp("ray-cache")  # workers, like tests, keep out of user caches
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
-             log_to_driver=False,
-             runtime_env={"env_vars": {"GLOBALLOADER_CACHE_DIR": str(cache)}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=200 * 2**20,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"GLOBALLOADER_CACHE_DIR": str(cache)}},
+    )
     yield
     ray.shutdown()
 
@@ -51,12 +55,18 @@ def files(tmp_path_factory) -> list[str]:
     for i, rows in enumerate(FILE_ROWS):
         key = np.arange(start, start + rows, dtype=np.int64)
         payload = np.repeat((key % 251)[:, None], 8, axis=1).astype(np.uint8)
-        pq.write_table(pa.table({
-            "key": key,
-            "payload": pa.FixedSizeBinaryArray.from_buffers(
-                pa.binary(8), rows, [None, pa.py_buffer(payload.tobytes())]),
-            "score": key.astype(np.float32) / 2,
-        }), folder / f"part-{i}.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "key": key,
+                    "payload": pa.FixedSizeBinaryArray.from_buffers(
+                        pa.binary(8), rows, [None, pa.py_buffer(payload.tobytes())]
+                    ),
+                    "score": key.astype(np.float32) / 2,
+                }
+            ),
+            folder / f"part-{i}.parquet",
+        )
         paths.append(str(folder / f"part-{i}.parquet"))
         start += rows
     return paths
@@ -122,7 +132,7 @@ def run(trainers, files, epochs: int, **kwargs) -> list[list[list[np.ndarray]]]:
         out = ray.get([t.read.remote(list(range(epochs))) for t in trainers])
     finally:  # rank 0 last: closing it stops the batch queue
         ray.get([t.close.remote() for t in trainers[::-1]])
-    for rank_out, n in zip(out, lengths):
+    for rank_out, n in zip(out, lengths, strict=True):
         assert isinstance(rank_out, list), rank_out
         assert all(len(batches) == n for batches in rank_out)
     return out
@@ -157,8 +167,7 @@ def test_each_epoch_is_a_new_well_mixed_order(three_epochs):
                 rank_of[k] = r if e == 0 else rank_of[k] * 2 + r
     assert np.bincount(rank_of, minlength=4).min() > TOTAL / 4 * 0.8
     starts = np.cumsum([0, *FILE_ROWS])
-    files_per_batch = [len(np.unique(np.searchsorted(starts, k, side="right")))
-                       for k in three_epochs[0][0]]
+    files_per_batch = [len(np.unique(np.searchsorted(starts, k, side="right"))) for k in three_epochs[0][0]]
     assert np.mean(files_per_batch) > 4.5  # of the 5 non-empty files
 
 
@@ -166,7 +175,7 @@ def test_same_seed_same_batches_other_seed_other_batches(trainers, files, three_
     again = run(trainers, files, 3, num_reducers=4, seed=11)
     for rank in range(2):
         for e in range(3):
-            assert all(np.array_equal(a, b) for a, b in zip(three_epochs[rank][e], again[rank][e]))
+            assert all(np.array_equal(a, b) for a, b in zip(three_epochs[rank][e], again[rank][e], strict=True))
     other = run(trainers, files, 1, num_reducers=4, seed=12)
     assert not np.array_equal(np.concatenate(other[0][0]), np.concatenate(three_epochs[0][0]))
 
@@ -195,24 +204,28 @@ class TestFailures:
     def test_unreadable_file_at_construction_names_it(self, cluster, files, tmp_path):
         bad = tmp_path / "bad.parquet"
         bad.write_bytes(b"not parquet")
-        with pytest.raises(SourceError, match="bad.parquet"):
+        with pytest.raises(SourceError, match=r"bad\.parquet"):
             ShufflingDataset([*files, str(bad)], 1, 1, BATCH, 0)
 
     def test_file_broken_after_planning_names_it_when_read(self, cluster, files, tmp_path):
         broken = tmp_path / "broken.parquet"
         broken.write_bytes(pathlib.Path(files[0]).read_bytes())
-        with ShufflingDataset([files[1], str(broken)], 1, 1, BATCH, 0, name=uuid.uuid4().hex) \
-                as ds:
+        with ShufflingDataset([files[1], str(broken)], 1, 1, BATCH, 0, name=uuid.uuid4().hex) as ds:
             broken.write_bytes(b"garbage now")
-            with pytest.raises(SourceError, match="broken.parquet"):
+            with pytest.raises(SourceError, match=r"broken\.parquet"):
                 list(ds)
 
     def test_dead_trainer_fails_the_others_within_the_timeout(self, cluster, files):
         ranks = [ray.remote(num_cpus=0)(Trainer).remote() for _ in range(2)]
-        args = {"num_epochs": 3, "num_trainers": 2, "batch_size": BATCH,
-                "max_concurrent_epochs": 1, "timeout": 3.0, "name": uuid.uuid4().hex}
-        assert all(isinstance(n, int) for n in ray.get(
-            [t.open.remote(files, r, args) for r, t in enumerate(ranks)]))
+        args = {
+            "num_epochs": 3,
+            "num_trainers": 2,
+            "batch_size": BATCH,
+            "max_concurrent_epochs": 1,
+            "timeout": 3.0,
+            "name": uuid.uuid4().hex,
+        }
+        assert all(isinstance(n, int) for n in ray.get([t.open.remote(files, r, args) for r, t in enumerate(ranks)]))
         assert len(ray.get(ranks[1].read.remote([0], stop_after=1))[0]) == 1
         ray.kill(ranks[1])  # dies in the middle of epoch 0
         error = ray.get(ranks[0].read.remote([0, 1, 2]))
@@ -221,10 +234,8 @@ class TestFailures:
 
     def test_rank0_gone_fails_the_others(self, cluster, files):
         ranks = [ray.remote(num_cpus=0)(Trainer).remote() for _ in range(2)]
-        args = {"num_epochs": 2, "num_trainers": 2, "batch_size": BATCH, "timeout": 20.0,
-                "name": uuid.uuid4().hex}
-        assert all(isinstance(n, int) for n in ray.get(
-            [t.open.remote(files, r, args) for r, t in enumerate(ranks)]))
+        args = {"num_epochs": 2, "num_trainers": 2, "batch_size": BATCH, "timeout": 20.0, "name": uuid.uuid4().hex}
+        assert all(isinstance(n, int) for n in ray.get([t.open.remote(files, r, args) for r, t in enumerate(ranks)]))
         ray.kill(ranks[0])  # the batch queue lives in rank 0's process
         error = ray.get(ranks[1].read.remote([0, 1]))
         assert error[0] == "WorkerError" and "rank 0" in error[1], error
@@ -240,10 +251,18 @@ class TestFailures:
         finally:
             ray.get(trainers[0].close.remote())
 
-    @pytest.mark.parametrize("bad", [
-        {"num_epochs": 0}, {"rank": 2}, {"batch_size": "8"}, {"num_reducers": 1},
-        {"columns": "key"}, {"timeout": -1}, {"max_concurrent_epochs": 0},
-    ])
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            {"num_epochs": 0},
+            {"rank": 2},
+            {"batch_size": "8"},
+            {"num_reducers": 1},
+            {"columns": "key"},
+            {"timeout": -1},
+            {"max_concurrent_epochs": 0},
+        ],
+    )
     def test_bad_arguments_name_themselves(self, files, bad):
         args = {"num_epochs": 1, "num_trainers": 2, "batch_size": BATCH, "rank": 0, **bad}
         with pytest.raises(ArgumentError, match=next(iter(bad))):
@@ -260,31 +279,29 @@ class TestFailures:
 
 def test_mid_epoch_resume_continues_exactly(cluster, files):
     def make() -> ShufflingDataset:
-        return ShufflingDataset(files, 1, 1, BATCH, 0, seed=3, num_reducers=3,
-                                name=uuid.uuid4().hex)
+        return ShufflingDataset(files, 1, 1, BATCH, 0, seed=3, num_reducers=3, name=uuid.uuid4().hex)
 
     full = check_resume(make, at=13)  # 13 batches: past the first reducer's outputs
     assert len(full) == -(-TOTAL // BATCH)
 
 
 def test_fsspec_urls_and_iteration_without_set_epoch(cluster, files):
-    with ShufflingDataset([f"file://{f}" for f in files], 2, 1, 64, 0,
-                          name=uuid.uuid4().hex) as ds:
+    with ShufflingDataset([f"file://{f}" for f in files], 2, 1, 64, 0, name=uuid.uuid4().hex) as ds:
         first, second = (np.concatenate([b["key"] for b in ds]) for _ in range(2))
         stats = ds.epoch_stats
     assert sorted(first) == sorted(second) == list(range(TOTAL))
     assert not np.array_equal(first, second)
     assert sorted(stats) == [0, 1]  # where time went, per epoch
-    assert all(0 <= s["first_batch_s"] <= s["epoch_s"] and s["wait_s"] >= 0
-               for s in stats.values())
+    assert all(0 <= s["first_batch_s"] <= s["epoch_s"] and s["wait_s"] >= 0 for s in stats.values())
 
 
 def test_torch_form_yields_feature_and_label_tensors(cluster, files):
     torch = pytest.importorskip("torch")
     from globalloader.ray.torch import TorchShufflingDataset
 
-    with TorchShufflingDataset(files, 1, 1, BATCH, 0, feature_columns=["score", "payload"],
-                               label_column="key", name=uuid.uuid4().hex) as ds:
+    with TorchShufflingDataset(
+        files, 1, 1, BATCH, 0, feature_columns=["score", "payload"], label_column="key", name=uuid.uuid4().hex
+    ) as ds:
         seen = []
         for features, label in ds:
             assert features.dtype == torch.float32 and label.dtype == torch.int64
@@ -293,18 +310,22 @@ def test_torch_form_yields_feature_and_label_tensors(cluster, files):
             assert torch.equal(features[:, 1], (label % 251).float())
             seen.append(label)
     assert sorted(torch.cat(seen).tolist()) == list(range(TOTAL))
-    with TorchShufflingDataset(files, 1, 1, BATCH, 0, feature_columns="payload",
-                               feature_types=torch.int16, name=uuid.uuid4().hex) as ds:
+    with TorchShufflingDataset(
+        files, 1, 1, BATCH, 0, feature_columns="payload", feature_types=torch.int16, name=uuid.uuid4().hex
+    ) as ds:
         batch = next(iter(ds))
         assert batch.shape == (BATCH, 8) and batch.dtype == torch.int16
         with pytest.raises(ArgumentError, match="feature_types"):
-            TorchShufflingDataset(files, 1, 1, BATCH, 0, feature_columns="payload",
-                                  feature_types="int", name=uuid.uuid4().hex)
+            TorchShufflingDataset(
+                files, 1, 1, BATCH, 0, feature_columns="payload", feature_types="int", name=uuid.uuid4().hex
+            )
 
 
 def test_without_ray_the_import_names_the_extra():
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "try:\n    import globalloader.ray\n"
-            "except ImportError as exc:\n    print(type(exc).__name__, exc)\n")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "try:\n    import globalloader.ray\n"
+        "except ImportError as exc:\n    print(type(exc).__name__, exc)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("MissingExtraError") and "globalloader[ray]" in out.stdout

@@ -58,18 +58,15 @@ def test_one_step_is_uniform_for_both_and_agrees_as_often_as_possible(case: str)
 def test_slide_example_agrees_with_probability_0_6() -> None:
     rng = random.Random(2021)
     trials = 50_000
-    same = sum(a == b for a, b in (coupled_pair_step(range(1, 6), [1, 2, 3, 6, 7], rng)
-                                   for _ in range(trials)))
+    same = sum(a == b for a, b in (coupled_pair_step(range(1, 6), [1, 2, 3, 6, 7], rng) for _ in range(trials)))
     assert same / trials == pytest.approx(0.6, abs=0.01)
     assert _agreement_pvalue(same, trials, 0.6) > ALPHA
 
 
 def test_identical_sets_always_agree_and_disjoint_sets_never() -> None:
     rng = random.Random(1)
-    assert all(a == b for a, b in (coupled_pair_step({4, 5, 6}, {4, 5, 6}, rng)
-                                   for _ in range(500)))
-    assert all(a != b for a, b in (coupled_pair_step({1, 2}, {3, 4, 5}, rng)
-                                   for _ in range(500)))
+    assert all(a == b for a, b in (coupled_pair_step({4, 5, 6}, {4, 5, 6}, rng) for _ in range(500)))
+    assert all(a != b for a, b in (coupled_pair_step({1, 2}, {3, 4, 5}, rng) for _ in range(500)))
 
 
 def _copy_when_shared(s1: set[int], s2: set[int], rng: random.Random) -> tuple[int, int]:
@@ -114,7 +111,7 @@ def _epochs(pair: CoupledPair, sizes: tuple[int, int], steps: int) -> tuple[np.n
         streams[1].append(e2)
     return tuple(
         np.array(stream[: len(stream) // size * size]).reshape(-1, size)
-        for stream, size in zip(streams, sizes)
+        for stream, size in zip(streams, sizes, strict=True)
     )
 
 
@@ -138,8 +135,7 @@ def test_each_epoch_of_each_job_is_a_uniform_permutation(s1: set[int], s2: set[i
         assert _orders_pvalue(second) > ALPHA
     else:
         size = len(s2)
-        table = np.stack([np.bincount(np.searchsorted(sorted(s2), second[:, k]), minlength=size)
-                          for k in range(size)])
+        table = np.stack([np.bincount(np.searchsorted(sorted(s2), second[:, k]), minlength=size) for k in range(size)])
         expected = len(second) / size
         statistic = ((table - expected) ** 2 / expected).sum() * (size - 1) / size
         assert stats.chi2.sf(statistic, (size - 1) ** 2) > ALPHA

@@ -434,8 +434,7 @@ class _Schedules(RuleBasedStateMachine):
         del self.sets[job], self.taken[job]
 
     @precondition(lambda self: self.sets)
-    @rule(data=st.data(), report=st.sampled_from(["now", "later", "never"]),
-          count=st.integers(1, 6))
+    @rule(data=st.data(), report=st.sampled_from(["now", "later", "never"]), count=st.integers(1, 6))
     def request(self, data: st.DataObject, report: str, count: int) -> None:
         job = data.draw(st.sampled_from(sorted(self.sets)))
         for _ in range(count):
@@ -505,7 +504,9 @@ class _Schedules(RuleBasedStateMachine):
 
 TestSchedules = _Schedules.TestCase
 TestSchedules.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 
@@ -527,7 +528,7 @@ def _drain(sampler: JointSampler, job: str, pool: _Pool | None = None) -> list[i
 
 def test_restored_job_finishes_exactly_what_it_had_not_seen() -> None:
     sampler = JointSampler(seed=5)
-    sampler.add_job("f", range(0, 300))
+    sampler.add_job("f", range(300))
     sampler.add_job("k", range(100, 400))
     pool = _Pool(sampler, 30)
     seen = []
@@ -598,7 +599,7 @@ def test_restore_rejects_a_state_of_another_set() -> None:
     sampler = JointSampler()
     sampler.add_job("k", range(10))
     state = sampler.job_state("k")
-    with pytest.raises(StateError, match="'k'.*another index set"):
+    with pytest.raises(StateError, match=r"'k'.*another index set"):
         sampler.restore_job("k", range(11), state)
     with pytest.raises(StateError, match="another index set"):
         sampler.restore_job("k", range(1, 11), state)
@@ -717,7 +718,7 @@ def test_empty_set_and_unknown_jobs() -> None:
     sampler.add_job("empty", [])
     with pytest.raises(StopIteration):
         sampler.next("empty")
-    with pytest.raises(ArgumentError, match="'nope'.*add_job"):
+    with pytest.raises(ArgumentError, match=r"'nope'.*add_job"):
         sampler.next("nope")
     with pytest.raises(ArgumentError, match="'nope'"):
         sampler.remove_job("nope")

@@ -26,7 +26,7 @@ def test_large_domain_is_a_bijection_and_maps_any_block():
 
 
 def test_small_sets_draw_every_order_uniformly():
-    counts = {p: 0 for p in itertools.permutations(range(4))}
+    counts = dict.fromkeys(itertools.permutations(range(4)), 0)
     for epoch in range(24_000):
         counts[tuple(Permutation(4, seed=1, epoch=epoch).array())] += 1
     assert chisquare(list(counts.values())).pvalue > 0.001

@@ -15,12 +15,15 @@ def test_check_index_accepts_integers_in_range() -> None:
     assert type(check_index(np.int64(0), 3, "src")) is int
 
 
-@pytest.mark.parametrize(("index", "error", "message"), [
-    (3, SampleIndexError, "index 3 is out of range for 'src' of length 3"),
-    (-1, SampleIndexError, "index -1 is negative; 'src' has length 3"),
-    (1.5, ArgumentError, "index must be an int, got float"),
-    (False, ArgumentError, "got bool"),
-])
+@pytest.mark.parametrize(
+    ("index", "error", "message"),
+    [
+        (3, SampleIndexError, "index 3 is out of range for 'src' of length 3"),
+        (-1, SampleIndexError, "index -1 is negative; 'src' has length 3"),
+        (1.5, ArgumentError, "index must be an int, got float"),
+        (False, ArgumentError, "got bool"),
+    ],
+)
 def test_check_index_errors(index: object, error: type, message: str) -> None:
     with pytest.raises(error, match=message) as info:
         check_index(index, 3, "src")

@@ -55,12 +55,15 @@ def test_zero_step_and_wrong_type() -> None:
         expand_braces(b"shard.tar")  # type: ignore[arg-type]
 
 
-_ranges = st.builds(lambda a, b, pad: f"{{{a:0{pad}d}..{b:0{pad}d}}}",
-                    st.integers(0, 12), st.integers(0, 12), st.integers(1, 3))
+_ranges = st.builds(
+    lambda a, b, pad: f"{{{a:0{pad}d}..{b:0{pad}d}}}", st.integers(0, 12), st.integers(0, 12), st.integers(1, 3)
+)
 _pattern = st.recursive(
     st.text("abc-_/.", max_size=3) | _ranges,
-    lambda inner: st.lists(inner, min_size=2, max_size=3).map(lambda xs: "{" + ",".join(xs) + "}")
-    | st.lists(inner, min_size=1, max_size=3).map("".join),
+    lambda inner: (
+        st.lists(inner, min_size=2, max_size=3).map(lambda xs: "{" + ",".join(xs) + "}")
+        | st.lists(inner, min_size=1, max_size=3).map("".join)
+    ),
     max_leaves=6,
 )
 

@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 import webdataset
-from helpers import same
 from PIL import Image
 
 import globalloader as gl
 from globalloader.errors import ArgumentError, CorruptSampleError
 from globalloader.sources import DecodeFields
+from helpers import same
 
 
 def _png(i: int) -> bytes:
@@ -28,11 +28,20 @@ def _png(i: int) -> bytes:
 def shards(tmp_path: pathlib.Path) -> list[str]:
     with gl.TarWriter(str(tmp_path / "fields-%06d.tar"), maxcount=4) as writer:
         for i in range(10):
-            writer.write({
-                "__key__": f"s{i:03d}", "png": _png(i), "seg.png": _png(i + 1), "cls": i % 3, "index": i,
-                "json": {"caption": f"a {i}", "tags": [i]}, "txt": f"text {i} é", "npy": np.arange(i, i + 3.0),
-                "bin": bytes([i, 255]), "pyd": b"\x80\x04K\x01.",
-            })
+            writer.write(
+                {
+                    "__key__": f"s{i:03d}",
+                    "png": _png(i),
+                    "seg.png": _png(i + 1),
+                    "cls": i % 3,
+                    "index": i,
+                    "json": {"caption": f"a {i}", "tags": [i]},
+                    "txt": f"text {i} é",
+                    "npy": np.arange(i, i + 3.0),
+                    "bin": bytes([i, 255]),
+                    "pyd": b"\x80\x04K\x01.",
+                }
+            )
     return writer.paths
 
 
@@ -51,7 +60,7 @@ def test_the_same_values_as_webdataset_decode(shards: list[str]) -> None:
     theirs = list(webdataset.WebDataset(shards, shardshuffle=False).decode("rgb8"))
     ours = [DecodeFields()(r) for r in gl.TarShards(shards)]
     assert len(ours) == len(theirs) == 10
-    for mine, reference in zip(ours, theirs):
+    for mine, reference in zip(ours, theirs, strict=True):
         for field in ("png", "seg.png", "cls", "index", "json", "txt", "npy"):
             assert same(mine[field], reference[field]), (mine["__key__"], field, mine[field], reference[field])
 
@@ -72,14 +81,22 @@ def test_deterministic_shared_and_cached_in_a_chain(shards: list[str], tmp_path:
     first, again = list(chain), list(chain)
     assert same(first, again)
     assert first[0]["png"].shape == (5, 6, 8, 3) and first[1]["cls"].tolist() == [2, 0, 1, 2, 0]
-    assert chain.fingerprint == gl.Dataset(gl.TarShards(shards)).map(DecodeFields(), shared=True).cache(
-        tmp_path / "c").batch(5).fingerprint
+    assert (
+        chain.fingerprint
+        == gl.Dataset(gl.TarShards(shards)).map(DecodeFields(), shared=True).cache(tmp_path / "c").batch(5).fingerprint
+    )
 
 
-@pytest.mark.parametrize(("field", "data", "kind"), [
-    ("json", b"{not json", "JSON"), ("txt", b"\xff\xfe\xfa", "utf-8 text"), ("cls", b"cat", "an int"),
-    ("npy", b"\x93NUMPY garbage", "a .npy array"), ("jpg", b"\xff\xd8\xff\xe0broken", "image"),
-])
+@pytest.mark.parametrize(
+    ("field", "data", "kind"),
+    [
+        ("json", b"{not json", "JSON"),
+        ("txt", b"\xff\xfe\xfa", "utf-8 text"),
+        ("cls", b"cat", "an int"),
+        ("npy", b"\x93NUMPY garbage", "a .npy array"),
+        ("jpg", b"\xff\xd8\xff\xe0broken", "image"),
+    ],
+)
 def test_a_field_that_does_not_decode_names_the_key_and_the_field(field: str, data: bytes, kind: str) -> None:
     record = {"__key__": "bad7", "__url__": "shard-000002.tar", field: data}
     names_all = rf"(?=.*'bad7' in shard-000002\.tar)(?=.*field '{field}')(?=.*{kind})"
@@ -90,7 +107,7 @@ def test_a_field_that_does_not_decode_names_the_key_and_the_field(field: str, da
 def test_an_object_npy_is_refused_not_unpickled() -> None:
     buffer = io.BytesIO()
     np.save(buffer, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    with pytest.raises(CorruptSampleError, match="'obj'.*field 'npy'.*allow_pickle"):
+    with pytest.raises(CorruptSampleError, match=r"'obj'.*field 'npy'.*allow_pickle"):
         DecodeFields()({"__key__": "obj", "npy": buffer.getvalue()})
 
 

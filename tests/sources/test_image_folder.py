@@ -87,7 +87,7 @@ def test_deleted_file_names_it(root: pathlib.Path) -> None:
 
 def test_index_errors(root: pathlib.Path) -> None:
     src = ImageFolder(root)
-    with pytest.raises(SampleIndexError, match="index 4 is out of range .* length 4"):
+    with pytest.raises(SampleIndexError, match=r"index 4 is out of range .* length 4"):
         src[4]
     with pytest.raises(SampleIndexError, match="negative"):
         src[-1]
@@ -100,8 +100,7 @@ def test_pickle_and_fork(root: pathlib.Path) -> None:
     clone = pickle.loads(pickle.dumps(src))
     assert clone[1] == src[1] and clone.classes == src.classes
     reader, writer = multiprocessing.Pipe(duplex=False)
-    proc = multiprocessing.get_context("fork").Process(
-        target=lambda: writer.send([src[i] for i in range(len(src))]))
+    proc = multiprocessing.get_context("fork").Process(target=lambda: writer.send([src[i] for i in range(len(src))]))
     proc.start()
     assert reader.recv() == [src[i] for i in range(len(src))]
     proc.join(30)

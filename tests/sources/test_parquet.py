@@ -21,14 +21,16 @@ from globalloader.sources import Parquet, Source
 
 def _table(n: int, start: int = 0) -> pa.Table:
     ids = list(range(start, start + n))
-    return pa.table({
-        "id": ids,
-        "name": [f"row {i}" for i in ids],
-        "blob": [bytes([i % 256]) * 3 for i in ids],
-        "score": [None if i % 7 == 0 else i / 4 for i in ids],
-        "vec": [list(range(i % 4)) for i in ids],
-        "flag": [i % 2 == 0 for i in ids],
-    })
+    return pa.table(
+        {
+            "id": ids,
+            "name": [f"row {i}" for i in ids],
+            "blob": [bytes([i % 256]) * 3 for i in ids],
+            "score": [None if i % 7 == 0 else i / 4 for i in ids],
+            "vec": [list(range(i % 4)) for i in ids],
+            "flag": [i % 2 == 0 for i in ids],
+        }
+    )
 
 
 @pytest.fixture
@@ -60,18 +62,25 @@ def test_nullable_numeric_columns_batch_to_numeric_arrays_with_nan(tmp_path: pat
     import globalloader as gl
 
     path = str(tmp_path / "nulls.parquet")
-    pq.write_table(pa.table({
-        "score": [0.5, None, 2.5, 3.5],
-        "count": pa.array([1, 2, None, 4], pa.int32()),
-        "flag": [True, None, False, True],
-        "id": [10, 11, 12, 13],
-        "name": ["a", None, "c", "d"],
-    }), path, row_group_size=2)  # the int column's nulls are in the second group only
+    pq.write_table(
+        pa.table(
+            {
+                "score": [0.5, None, 2.5, 3.5],
+                "count": pa.array([1, 2, None, 4], pa.int32()),
+                "flag": [True, None, False, True],
+                "id": [10, 11, 12, 13],
+                "name": ["a", None, "c", "d"],
+            }
+        ),
+        path,
+        row_group_size=2,
+    )  # the int column's nulls are in the second group only
     src = Parquet(path)
     assert src.int_columns_as_float == {"count", "flag"}
     (batch,) = list(gl.Dataset(src).batch(4))
-    assert batch["score"].dtype == np.float64 and np.array_equal(batch["score"], [0.5, np.nan, 2.5, 3.5],
-                                                                 equal_nan=True)
+    assert batch["score"].dtype == np.float64 and np.array_equal(
+        batch["score"], [0.5, np.nan, 2.5, 3.5], equal_nan=True
+    )
     assert batch["count"].dtype == np.float64 and np.array_equal(batch["count"], [1, 2, np.nan, 4], equal_nan=True)
     assert batch["flag"].dtype == np.float64 and np.array_equal(batch["flag"], [1, np.nan, 0, 1], equal_nan=True)
     assert batch["id"].dtype == np.int64 and batch["id"].tolist() == [10, 11, 12, 13]
@@ -172,7 +181,7 @@ def test_errors_name_file_column_and_index(files: list[str], tmp_path: pathlib.P
     with pytest.raises(ArgumentError, match="paths"):
         Parquet(7)
     src = Parquet(files)
-    with pytest.raises(SampleIndexError, match="index 70 .*length 70"):
+    with pytest.raises(SampleIndexError, match=r"index 70 .*length 70"):
         src[70]
     with pytest.raises(SampleIndexError, match="index -1"):
         src[-1]

@@ -7,11 +7,11 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import same
 
 import globalloader as gl
 from globalloader.errors import ArgumentError, FingerprintError, SampleIndexError
 from globalloader.sources import Source, from_sequence
+from helpers import same
 
 
 def test_items_are_the_records_as_they_are() -> None:
@@ -26,8 +26,15 @@ def test_numpy_array_and_range() -> None:
     assert len(from_sequence(range(10))) == 10 and from_sequence(range(10))[9] == 9
 
 
-@pytest.mark.parametrize("items", [list(range(7)), [(f"f{i}.jpg", i % 2) for i in range(7)],
-                                   [{"__key__": str(i), "v": i} for i in range(7)], np.arange(7) * 3])
+@pytest.mark.parametrize(
+    "items",
+    [
+        list(range(7)),
+        [(f"f{i}.jpg", i % 2) for i in range(7)],
+        [{"__key__": str(i), "v": i} for i in range(7)],
+        np.arange(7) * 3,
+    ],
+)
 def test_a_dataset_over_from_sequence_yields_what_one_over_the_bare_sequence_yields(items) -> None:
     bare = list(gl.Dataset(items).shuffle(seed=3))
     wrapped = list(gl.Dataset(from_sequence(items)).shuffle(seed=3))
@@ -66,7 +73,7 @@ def test_rejects_non_sequences(bad: object) -> None:
 
 def test_index_errors() -> None:
     src = from_sequence([1, 2])
-    with pytest.raises(SampleIndexError, match="index 2 is out of range .* length 2"):
+    with pytest.raises(SampleIndexError, match=r"index 2 is out of range .* length 2"):
         src[2]
     with pytest.raises(SampleIndexError, match="index -1 is negative"):
         src[-1]

@@ -34,7 +34,8 @@ def test_offsets_and_names_match_tarfile(fmt: int) -> None:
     if fmt != tarfile.USTAR_FORMAT:
         names.append("long/" + "q" * 300 + ".bin")  # needs a GNU long name or a pax path
     blob = _tar([(n, n.encode() * 3) for n in names], fmt)
-    expected = [(m.name, m.offset_data, m.size) for m in tarfile.open(fileobj=io.BytesIO(blob))]
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        expected = [(m.name, m.offset_data, m.size) for m in tar]
     assert [tuple(m) for m in _walk(blob)] == expected
 
 
@@ -90,14 +91,17 @@ def test_garbage_is_not_a_tar() -> None:
         _walk(b"this is not a tar file" * 40)
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    ("a/b.JPG", ("a/b", "jpg")),
-    ("a.b/c.seg.png", ("a.b/c", "seg.png")),
-    ("noext", None),
-    ("__meta__", None),
-    ("__index__/x.txt", None),
-    ("__k.txt", ("__k", "txt")),
-])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("a/b.JPG", ("a/b", "jpg")),
+        ("a.b/c.seg.png", ("a.b/c", "seg.png")),
+        ("noext", None),
+        ("__meta__", None),
+        ("__index__/x.txt", None),
+        ("__k.txt", ("__k", "txt")),
+    ],
+)
 def test_split_key_follows_webdataset(name: str, expected: tuple[str, str] | None) -> None:
     from webdataset.tariterators import base_plus_ext
 

@@ -36,8 +36,15 @@ def _all(src: TarShards) -> list[dict]:
 def _write_with_webdataset(path: pathlib.Path, n: int) -> None:
     with wds.TarWriter(str(path)) as writer:
         for i in range(n):
-            writer.write({"__key__": f"dir.v1/s{i:04d}", "jpg": os.urandom(100 + 37 * i),
-                          "seg.png": b"p" * (i % 3), "TXT": f"text {i}", "cls": str(i)})
+            writer.write(
+                {
+                    "__key__": f"dir.v1/s{i:04d}",
+                    "jpg": os.urandom(100 + 37 * i),
+                    "seg.png": b"p" * (i % 3),
+                    "TXT": f"text {i}",
+                    "cls": str(i),
+                }
+            )
 
 
 def test_reads_webdataset_written_shards_identically(tmp_path: pathlib.Path) -> None:
@@ -55,9 +62,17 @@ def test_reads_webdataset_written_shards_identically(tmp_path: pathlib.Path) -> 
 def test_grouping_rules_match_webdataset(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "odd.tar"
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
-        entries = [("__meta__", b"m"), ("noext", b"z"), ("a.jpg", b"1"), ("a.cls", b"2"),
-                   ("b.jpg", b"3"), ("a.txt", b"4"), ("d/" + "L" * 200 + ".JPG", b"5"),
-                   ("__index__/a.txt", b"6"), ("d/.hidden.txt", b"7")]
+        entries = [
+            ("__meta__", b"m"),
+            ("noext", b"z"),
+            ("a.jpg", b"1"),
+            ("a.cls", b"2"),
+            ("b.jpg", b"3"),
+            ("a.txt", b"4"),
+            ("d/" + "L" * 200 + ".JPG", b"5"),
+            ("__index__/a.txt", b"6"),
+            ("d/.hidden.txt", b"7"),
+        ]
         for name, data in entries:
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -76,8 +91,7 @@ def test_records_of_generated_shards(make_shards: Callable[..., list[str]]) -> N
     assert src[5] == {"__key__": "k000005", "__url__": paths[1], "txt": b"sample 5", "cls": b"5"}
 
 
-def test_brace_pattern_and_list_of_patterns(make_shards: Callable[..., list[str]],
-                                            tmp_path: pathlib.Path) -> None:
+def test_brace_pattern_and_list_of_patterns(make_shards: Callable[..., list[str]], tmp_path: pathlib.Path) -> None:
     paths = make_shards(12, per_shard=3)
     folder = str(tmp_path)
     src = TarShards(folder + "/shard-{000000..000003}.tar")
@@ -86,13 +100,12 @@ def test_brace_pattern_and_list_of_patterns(make_shards: Callable[..., list[str]
     assert mixed.shards == paths and _all(mixed) == _all(src)
 
 
-def test_index_is_cached_and_reused(make_shards: Callable[..., list[str]],
-                                    _isolated_cache: pathlib.Path) -> None:
+def test_index_is_cached_and_reused(make_shards: Callable[..., list[str]], isolated_cache: pathlib.Path) -> None:
     paths = make_shards(10, per_shard=4)
     first = TarShards(paths)
     first.build_index()
     assert first.scanned == 3
-    files = sorted((_isolated_cache / "tar-index").glob("*.npz"))
+    files = sorted((isolated_cache / "tar-index").glob("*.npz"))
     assert len(files) == 3
     mtimes = [f.stat().st_mtime_ns for f in files]
     second = TarShards(paths)
@@ -114,8 +127,7 @@ def test_changed_shard_is_rescanned(make_shards: Callable[..., list[str]]) -> No
     assert after.fingerprint != before.fingerprint
 
 
-def test_unreadable_cached_index_is_rebuilt(make_shards: Callable[..., list[str]],
-                                            tmp_path: pathlib.Path) -> None:
+def test_unreadable_cached_index_is_rebuilt(make_shards: Callable[..., list[str]], tmp_path: pathlib.Path) -> None:
     paths = make_shards(4, per_shard=4)
     folder = tmp_path / "my-index"
     TarShards(paths, index_dir=folder).build_index()
@@ -125,8 +137,7 @@ def test_unreadable_cached_index_is_rebuilt(make_shards: Callable[..., list[str]
     assert len(src) == 4 and src.scanned == 1 and src[3]["txt"] == b"sample 3"
 
 
-def test_unwritable_cache_still_works(make_shards: Callable[..., list[str]],
-                                      tmp_path: pathlib.Path) -> None:
+def test_unwritable_cache_still_works(make_shards: Callable[..., list[str]], tmp_path: pathlib.Path) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the index folder should be")
     src = TarShards(make_shards(3), index_dir=blocker / "index")
@@ -150,8 +161,7 @@ def test_fsspec_urls(scheme: str, tmp_path: pathlib.Path) -> None:
     assert len(again) == 7 and again.scanned == 0
 
 
-def test_iter_records_single_shard_and_gzip(tmp_path: pathlib.Path,
-                                            make_shards: Callable[..., list[str]]) -> None:
+def test_iter_records_single_shard_and_gzip(tmp_path: pathlib.Path, make_shards: Callable[..., list[str]]) -> None:
     paths = make_shards(6, per_shard=3)
     src = TarShards(paths)
     assert [r["__key__"] for r in src.iter_records([1])] == ["k000003", "k000004", "k000005"]
@@ -173,13 +183,15 @@ def test_missing_shard_names_it(tmp_path: pathlib.Path) -> None:
         TarShards(str(tmp_path / "nope-*.tar"))
 
 
-@pytest.mark.parametrize(("cut", "message"), [
-    (2048 + 512 + 4, "member 'k000001.txt' at offset 2048 needs 8 bytes"),  # inside data
-    (2048 + 512 + 100, "the file ends at byte 2660, before offset 3072"),  # inside padding
-    (3072 + 100, "partial header at offset 3072"),
-])
-def test_truncated_shard_names_shard_and_offset(make_shards: Callable[..., list[str]],
-                                                cut: int, message: str) -> None:
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [
+        (2048 + 512 + 4, "member 'k000001.txt' at offset 2048 needs 8 bytes"),  # inside data
+        (2048 + 512 + 100, "the file ends at byte 2660, before offset 3072"),  # inside padding
+        (3072 + 100, "partial header at offset 3072"),
+    ],
+)
+def test_truncated_shard_names_shard_and_offset(make_shards: Callable[..., list[str]], cut: int, message: str) -> None:
     (path,) = make_shards(3, per_shard=3)  # members: 512-byte header + one data block each
     data = pathlib.Path(path).read_bytes()
     pathlib.Path(path).write_bytes(data[:cut])
@@ -192,12 +204,12 @@ def test_truncated_shard_names_shard_and_offset(make_shards: Callable[..., list[
 
 def test_corrupt_header_names_shard_and_offset(make_shards: Callable[..., list[str]]) -> None:
     (path,) = make_shards(3, per_shard=3)
-    offsets = [m.offset_data - 512 for m in tarfile.open(path)]
+    with tarfile.open(path) as tar:
+        offsets = [m.offset_data - 512 for m in tar]
     data = bytearray(pathlib.Path(path).read_bytes())
     data[offsets[2] + 3] ^= 0x55
     pathlib.Path(path).write_bytes(bytes(data))
-    with pytest.raises(SourceError, match=f"corrupt tar {path}: bad header checksum at offset "
-                                          f"{offsets[2]}"):
+    with pytest.raises(SourceError, match=f"corrupt tar {path}: bad header checksum at offset {offsets[2]}"):
         TarShards(path).build_index()
 
 

@@ -55,6 +55,5 @@ class CacheOp:
         # Workers start with an empty memory cache rather than a pickled copy of the parent's.
         return {**self.__dict__, "_memory": {}}
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[object, ...]:
         return ("cache",)
-

@@ -9,8 +9,9 @@ thread; `globalloader.Loader` runs the same chain in parallel with identical out
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from functools import cached_property
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from globalloader.dataset.batch import BatchOp
 from globalloader.dataset.cache import CacheOp
@@ -30,9 +31,7 @@ class Dataset:
     """
 
     def __init__(self, source: Any, _ops: tuple[Any, ...] = ()) -> None:
-        if not isinstance(source, StreamSource) and not (
-            hasattr(source, "__len__") and hasattr(source, "__getitem__")
-        ):
+        if not isinstance(source, StreamSource) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
             raise ArgumentError(
                 f"Dataset needs a source with len() and [i], got {type(source).__name__}; "
                 "use Dataset.stream(...) for iterables without random access"
@@ -41,24 +40,24 @@ class Dataset:
         self._ops = _ops
 
     @classmethod
-    def stream(cls, iterable: Any) -> "Dataset":
+    def stream(cls, iterable: Any) -> Dataset:
         """A chain over records with no random access: a list, a function returning an iterator,
         or a source with `iter_records()`. Shuffle with a buffer; shards are strided records."""
         return cls(StreamSource(iterable))
 
-    def _then(self, op: Any) -> "Dataset":
-        ds = Dataset(self.source, self._ops + (op,))
-        ds.plan  # validate operator order now, where the user wrote the mistake
+    def _then(self, op: Any) -> Dataset:
+        ds = Dataset(self.source, (*self._ops, op))
+        ds.plan  # noqa: B018 - building the plan validates operator order now, where the user wrote the mistake
         return ds
 
     # -- index operators ---------------------------------------------------------------------
-    def select(self, indices: Iterable[int]) -> "Dataset":
+    def select(self, indices: Iterable[int]) -> Dataset:
         """Keep only `indices` (positions of the current chain), in this order."""
         if self.plan.is_stream:
             raise ArgumentError("select() needs random access; a stream has none")
         return self._then(Select.of(indices))
 
-    def shuffle(self, seed: int = 0, buffer_size: int | None = None) -> "Dataset":
+    def shuffle(self, seed: int = 0, buffer_size: int | None = None) -> Dataset:
         """A fresh global permutation every epoch (random access), or for a stream a shuffle
         within a buffer of `buffer_size` records. The seed also seeds random maps."""
         if not isinstance(seed, int):
@@ -71,7 +70,7 @@ class Dataset:
             raise ArgumentError("shuffle(buffer_size=...) is for streams; random-access sources shuffle globally")
         return self._then(Shuffle(seed))
 
-    def shard(self, rank: int, world_size: int, uneven: str = "pad") -> "Dataset":
+    def shard(self, rank: int, world_size: int, uneven: str = "pad") -> Dataset:
         """This rank's share; `uneven` is "pad", "drop" or "none" (see globalloader.sampling.sharding)."""
         op = StreamShard if self.plan.is_stream else Shard
         return self._then(op(rank, world_size, uneven))
@@ -79,7 +78,7 @@ class Dataset:
     # -- record operators --------------------------------------------------------------------
     def map(
         self, fn: Callable[..., Any], shared: bool = False, name: str | None = None, key: str | None = None
-    ) -> "Dataset":
+    ) -> Dataset:
         """Apply `fn` to every sample (or every batch, after `batch()`).
 
         `fn(x, rng=...)` receives a per-sample Generator; without `rng` it must be deterministic.
@@ -93,12 +92,13 @@ class Dataset:
         if not callable(fn):
             raise ArgumentError(f"map: fn must be callable, got {type(fn).__name__}")
         _check_key("map", key)
-        op = MapOp(fn, bool(shared), name or getattr(fn, "__name__", type(fn).__name__), key)
+        fn_name: str = getattr(fn, "__name__", type(fn).__name__)
+        op = MapOp(fn, bool(shared), name or fn_name, key)
         if op.shared and op.random:
             raise ArgumentError(f"map {op.name!r}: shared=True needs a deterministic fn (it takes rng)")
         return self._then(op)
 
-    def cache(self, path: str | os.PathLike[str] | None = None, key: str | None = None) -> "Dataset":
+    def cache(self, path: str | os.PathLike[str] | None = None, key: str | None = None) -> Dataset:
         """Keep samples as computed so far (deterministic maps only): in memory, or on disk at
         `path` shared by every worker and run, in a folder named by the identity of the source and
         the maps before it (as for `map(shared=True)`). `key` names those maps instead: equal
@@ -108,7 +108,7 @@ class Dataset:
             raise ArgumentError("cache(key=...) names a disk cache's folder; give path= too")
         return self._then(CacheOp(path, key))
 
-    def batch(self, n: int, drop_last: bool = False, collate: Callable[[list[Any]], Any] | None = None) -> "Dataset":
+    def batch(self, n: int, drop_last: bool = False, collate: Callable[[list[Any]], Any] | None = None) -> Dataset:
         """Group `n` consecutive samples; `collate` defaults to stacking NumPy arrays per key."""
         return self._then(BatchOp(n, bool(drop_last), collate or default_collate))
 

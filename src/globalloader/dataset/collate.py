@@ -8,8 +8,9 @@ adapter turns batches back into tensors in the consumer, after shared-memory tra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from numbers import Number
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,7 @@ class Stacked:
     stacks it straight into its segment, saving a full copy of the batch (and the page faults
     of a fresh multi-megabyte buffer) in every worker."""
 
-    __slots__ = ("items", "shape", "dtype", "nbytes")
+    __slots__ = ("dtype", "items", "nbytes", "shape")
 
     def __init__(self, items: list[np.ndarray]) -> None:
         self.items = items
@@ -57,8 +58,10 @@ def _collate(items: list[Any], where: str, deferred: bool = False) -> Any:
     if isinstance(first, np.ndarray) and first.dtype != object:
         shapes = {it.shape for it in items}
         if len(shapes) > 1:
-            raise ArgumentError(f"collate: arrays in {where} have different shapes {sorted(shapes)}; "
-                                "resize them in a map or pass collate=")
+            raise ArgumentError(
+                f"collate: arrays in {where} have different shapes {sorted(shapes)}; "
+                "resize them in a map or pass collate="
+            )
         return Stacked(items) if deferred and first.nbytes else np.stack(items)
     if isinstance(first, (Number, np.generic)) and not isinstance(first, bool | np.bool_):
         return np.asarray(items)

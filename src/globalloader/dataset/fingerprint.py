@@ -39,8 +39,13 @@ _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 # like __slotnames__, added lazily by pickle), and so is abc's registry.
 _CLASS_SKIP = frozenset({"_abc_impl"})
 _METHOD_TYPES = (types.FunctionType, staticmethod, classmethod, property)
-_DESCRIPTORS = (types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType,
-                types.GetSetDescriptorType, types.MemberDescriptorType)
+_DESCRIPTORS = (
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    types.ClassMethodDescriptorType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+)
 _REDUCE_PARTS = ("constructor", "arguments", "state", "items", "entries", "state setter")
 KEY_LENGTH = 32  # hex digits of SHA-256 kept: 128 bits
 
@@ -248,7 +253,7 @@ class _Walk:
         else:
             keys = []
             for x in items:
-                sub = _Walk(self.strict, self.path + ["{item}"])
+                sub = _Walk(self.strict, [*self.path, "{item}"])
                 sub.value(x)
                 keys.append(sub.hash.hexdigest())
             keys.sort()
@@ -274,7 +279,7 @@ class _Walk:
         self.globals_read(fn)
 
     def closure(self, fn: types.FunctionType) -> None:
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
             try:
                 contents = cell.cell_contents
             except ValueError:
@@ -299,8 +304,22 @@ class _Walk:
                         self.child(f"{name}.{attr}", getattr(value, attr))
 
     def code(self, code: types.CodeType) -> None:
-        self.put("code", repr((code.co_name, code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount,
-                               code.co_flags, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars)))
+        self.put(
+            "code",
+            repr(
+                (
+                    code.co_name,
+                    code.co_argcount,
+                    code.co_posonlyargcount,
+                    code.co_kwonlyargcount,
+                    code.co_flags,
+                    code.co_names,
+                    code.co_varnames,
+                    code.co_freevars,
+                    code.co_cellvars,
+                )
+            ),
+        )
         self.put("bytecode", code.co_code)
         self.put("exception table", getattr(code, "co_exceptiontable", b""))
         self.child(f"constants of {code.co_name}", code.co_consts)
@@ -346,7 +365,8 @@ class _Walk:
             return
         self.put("object", str(len(reduced)))
         self.child("class", type(v))
-        for label, part in zip(_REDUCE_PARTS, reduced):
+        # __reduce__ gives 2 to 6 parts; the labels name the longest form.
+        for label, part in zip(_REDUCE_PARTS, reduced, strict=False):
             if label in ("items", "entries") and part is not None:
                 part = list(part)
             self.child(label, part)

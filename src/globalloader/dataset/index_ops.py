@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import numpy.typing as npt
 
 from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sampling.permutation import Permutation
@@ -21,10 +22,10 @@ from globalloader.sampling.sharding import check_shard_args, shard_length, shard
 class Select:
     """Keep `indices` (positions of the input, in this order): a job's own index set."""
 
-    indices: np.ndarray
+    indices: npt.NDArray[np.int64]
 
     @classmethod
-    def of(cls, indices: object) -> "Select":
+    def of(cls, indices: object) -> Select:
         try:
             arr = np.array(indices, dtype=np.int64).reshape(-1)
         except (TypeError, ValueError) as exc:
@@ -40,10 +41,10 @@ class Select:
             )
         return len(self.indices)
 
-    def parents(self, positions: np.ndarray, n: int, epoch: int) -> np.ndarray:
+    def parents(self, positions: npt.NDArray[np.int64], n: int, epoch: int) -> np.ndarray:
         return self.indices[positions]
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[object, ...]:
         return ("select", self.indices)
 
 
@@ -68,7 +69,7 @@ class Shuffle:
     def parents(self, positions: np.ndarray, n: int, epoch: int) -> np.ndarray:
         return _permutation(n, self.seed, epoch)[positions]
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[object, ...]:
         return ("shuffle", self.seed)
 
 
@@ -89,5 +90,5 @@ class Shard:
     def parents(self, positions: np.ndarray, n: int, epoch: int) -> np.ndarray:
         return shard_positions(positions, n, self.rank, self.world_size)
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[object, ...]:
         return ("shard", self.rank, self.world_size, self.uneven)

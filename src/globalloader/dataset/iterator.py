@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from globalloader.dataset.plan import Plan
 from globalloader.errors import StateError
 
@@ -56,18 +58,21 @@ class DatasetIterator:
                 self._pending.popleft()
             self._taken = offset
 
-    def __iter__(self) -> "DatasetIterator":
+    def __iter__(self) -> DatasetIterator:
         return self
 
     def _fill(self) -> bool:
         """Run the next task into `_pending`; False at the end of the epoch."""
         plan = self.plan
+        items: np.ndarray | list[tuple[int, Any]] | None
         if self._reader is not None:
             items = plan.stream_task(self._reader, self._next_task)
             if items is None:
                 return False
         else:
-            if self._next_task >= plan.num_tasks():
+            tasks = plan.num_tasks()
+            assert tasks is not None, "a random-access chain knows its length"
+            if self._next_task >= tasks:
                 return False
             items = plan.task_indices(self.epoch, self._next_task)
         output = plan.run_task(self.epoch, self._next_task, items).output

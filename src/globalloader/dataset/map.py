@@ -13,8 +13,9 @@ produce equal outputs, for functions whose state cannot be walked (or should not
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -27,9 +28,7 @@ def takes_rng(fn: Callable[..., Any]) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(
-        p.name == "rng" and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD for p in params
-    )
+    return any((p.name == "rng" and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD for p in params)
 
 
 def sample_rng(seed: int, epoch: int, index: int, position: int) -> np.random.Generator:

@@ -10,8 +10,9 @@ number of workers, in threads or processes, and after a resume. Everything that 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -107,8 +108,10 @@ class Plan:
         try:
             maps = [m.identity() for m in self.maps[: self.cache_at]]
         except FingerprintError as exc:
-            raise FingerprintError(f'cache({str(self.cache.path)!r}) cannot key its files: {exc}; '
-                                   f'or key the cache itself: .cache(path, key="my-cache-v1")') from None
+            raise FingerprintError(
+                f"cache({str(self.cache.path)!r}) cannot key its files: {exc}; "
+                f'or key the cache itself: .cache(path, key="my-cache-v1")'
+            ) from None
         return digest(self._source_identity(True), maps)
 
     def _add(self, op: Any) -> None:
@@ -175,13 +178,15 @@ class Plan:
     # -- what a task covers -------------------------------------------------------------------
     def task_indices(self, epoch: int, task: int) -> np.ndarray:
         """Source indices of task `task` (random-access chains)."""
+        samples = self.samples
+        assert samples is not None, "a random-access chain knows its length"
         start = task * self.task_size
-        return self.indices(epoch, start, min(start + self.task_size, self.samples))
+        return self.indices(epoch, start, min(start + self.task_size, samples))
 
     def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Source indices at epoch positions [start, stop) (random-access chains)."""
         positions = np.arange(start, self.samples if stop is None else stop, dtype=np.int64)
-        for op, parent_len in zip(reversed(self.index_ops), reversed(self.lengths[:-1])):
+        for op, parent_len in zip(reversed(self.index_ops), reversed(self.lengths[:-1]), strict=True):
             positions = op.parents(positions, parent_len, epoch)
         return positions
 
@@ -250,7 +255,9 @@ class Plan:
         first = task * self.task_size
         return [(first + k, record) for k, record in enumerate(records)]
 
-    def _sample(self, epoch: int, index: int, record: Any, timer: Timer, start: int = 0, stop: int | None = None) -> Any:
+    def _sample(
+        self, epoch: int, index: int, record: Any, timer: Timer, start: int = 0, stop: int | None = None
+    ) -> Any:
         if record is MISSING:
             if self.cache is not None:
                 t0 = time.perf_counter()

@@ -9,8 +9,9 @@ records (without running any map) before it continues. The buffer shuffle is see
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class BufferShuffle:
     def length(self, n: int | None) -> int | None:
         return n
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[object, ...]:
         return ("buffer_shuffle", self.buffer_size, self.seed)
 
 
@@ -125,14 +126,14 @@ class StreamShard:
         if target is not None and taken < target and head:
             yield head[(self.rank + taken * self.world_size) % len(head)]
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[object, ...]:
         return ("stream_shard", self.rank, self.world_size, self.uneven)
 
 
 class StreamReader:
     """Records of one epoch after the stream operators, counting what was taken (the state)."""
 
-    def __init__(self, source: StreamSource, ops: tuple, epoch: int, skip: int = 0) -> None:
+    def __init__(self, source: StreamSource, ops: tuple[Any, ...], epoch: int, skip: int = 0) -> None:
         length = source.length()
         records: Iterator[Any] = iter(source)
         for op in ops:
@@ -153,5 +154,3 @@ class StreamReader:
                 break
         self.taken += len(out)
         return out
-
-

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -80,8 +80,10 @@ class JobSpec:
         if not self.indices:
             raise ArgumentError(f"JobSpec {self.name!r}: indices must not be empty")
         if self.sleep < 0 or not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ArgumentError(f"JobSpec {self.name!r}: need sleep >= 0 and epochs >= 1, "
-                                f"got sleep={self.sleep!r}, epochs={self.epochs!r}")
+            raise ArgumentError(
+                f"JobSpec {self.name!r}: need sleep >= 0 and epochs >= 1, "
+                f"got sleep={self.sleep!r}, epochs={self.epochs!r}"
+            )
 
 
 def job_chain(root: Path | str, indices: Sequence[int], batch_size: int = 32, seed: int = 0) -> Dataset:
@@ -137,8 +139,7 @@ def run_jobs(
     try:
         socket = str(server.socket) if server else None
         describe = server.describe if server else (lambda: "")
-        results = _run_processes(str(root), specs, mode, workers, batch_size, seed, socket, progress, stall_s,
-                                 describe)
+        results = _run_processes(str(root), specs, mode, workers, batch_size, seed, socket, progress, stall_s, describe)
         status = server.status() if server else None
     finally:
         if server:
@@ -148,14 +149,28 @@ def run_jobs(
 
 
 # -- the parent: processes, progress, summary ------------------------------------------------
-def _run_processes(root: str, specs: Sequence[JobSpec], mode: str, workers: int, batch_size: int,
-                   seed: int, socket: str | None, progress: bool, stall_s: float,
-                   describe: Callable[[], str]) -> dict[str, dict[str, Any]]:
+def _run_processes(
+    root: str,
+    specs: Sequence[JobSpec],
+    mode: str,
+    workers: int,
+    batch_size: int,
+    seed: int,
+    socket: str | None,
+    progress: bool,
+    stall_s: float,
+    describe: Callable[[], str],
+) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     barrier, out, stop = ctx.Barrier(len(specs)), ctx.Queue(), ctx.Event()
-    procs = {s.name: ctx.Process(target=_job_main, name=f"job-{s.name}",
-                                 args=(mode, root, s, workers, batch_size, seed, socket, barrier, out, stop))
-             for s in specs}
+    procs = {
+        s.name: ctx.Process(
+            target=_job_main,
+            name=f"job-{s.name}",
+            args=(mode, root, s, workers, batch_size, seed, socket, barrier, out, stop),
+        )
+        for s in specs
+    }
     foreground = {s.name for s in specs if not s.background}
     for proc in procs.values():
         proc.start()
@@ -170,8 +185,10 @@ def _run_processes(root: str, specs: Sequence[JobSpec], mode: str, workers: int,
             except queue.Empty:
                 _check_alive(procs, results)
                 if time.monotonic() - last > stall_s:
-                    raise WorkerError(f"{mode} run: no job got a batch for {stall_s:.0f} s; unfinished: "
-                                      f"{sorted(set(procs) - set(results))}{describe()}") from None
+                    raise WorkerError(
+                        f"{mode} run: no job got a batch for {stall_s:.0f} s; unfinished: "
+                        f"{sorted(set(procs) - set(results))}{describe()}"
+                    ) from None
                 continue
             last = max(last, time.monotonic())
             if msg[0] == "progress":
@@ -199,8 +216,15 @@ def _check_alive(procs: dict[str, Any], results: dict[str, Any]) -> None:
             raise WorkerError(f"job {name!r} exited with code {proc.exitcode} before reporting")
 
 
-def _summary(root: Path | str, specs: Sequence[JobSpec], mode: str, workers: int, server_workers: int,
-             results: dict[str, dict[str, Any]], status: dict[str, Any] | None) -> dict[str, Any]:
+def _summary(
+    root: Path | str,
+    specs: Sequence[JobSpec],
+    mode: str,
+    workers: int,
+    server_workers: int,
+    results: dict[str, dict[str, Any]],
+    status: dict[str, Any] | None,
+) -> dict[str, Any]:
     keys = _keys(str(root))
     jobs, starts, ends = [], [], []
     for spec in specs:
@@ -209,15 +233,29 @@ def _summary(root: Path | str, specs: Sequence[JobSpec], mode: str, workers: int
         ends.append(r.pop("end"))
         r["exact_once"] = _exact_once(r.pop("keys"), [keys[i] for i in spec.indices], spec.background)
         r["epochs_done"] = r["samples"] / len(spec.indices)
-        jobs.append({"name": spec.name, "set_size": len(spec.indices), "epochs": spec.epochs,
-                     "background": spec.background, "sleep_per_batch_s": spec.sleep, **r})
+        jobs.append(
+            {
+                "name": spec.name,
+                "set_size": len(spec.indices),
+                "epochs": spec.epochs,
+                "background": spec.background,
+                "sleep_per_batch_s": spec.sleep,
+                **r,
+            }
+        )
     wall = max(ends) - min(starts)
     union = len(set().union(*(s.indices for s in specs)))
     samples = sum(r["samples"] for r in jobs)
     decodes = status["decodes"] if status else sum(r["decodes"] for r in jobs)
     summary: dict[str, Any] = {
-        "mode": mode, "jobs": jobs, "wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
-        "decodes": decodes, "union": union, "decodes_per_union": decodes / union,
+        "mode": mode,
+        "jobs": jobs,
+        "wall_s": wall,
+        "samples": samples,
+        "samples_per_s": samples / wall,
+        "decodes": decodes,
+        "union": union,
+        "decodes_per_union": decodes / union,
     }
     if status is None:
         summary["workers"] = {"per_job": workers, "total": workers * len(specs)}
@@ -256,9 +294,21 @@ class _Server:
         self.socket, self._log = folder / "server.sock", folder / "server.log"
         with open(self._log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "globalloader.service.server", "--socket", str(self.socket),
-                 "--memory", str(memory), "--workers", str(workers)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                [
+                    sys.executable,
+                    "-m",
+                    "globalloader.service.server",
+                    "--socket",
+                    str(self.socket),
+                    "--memory",
+                    str(memory),
+                    "--workers",
+                    str(workers),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
         deadline = time.monotonic() + 30
         while not launcher.is_running(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -299,13 +349,24 @@ class _Server:
 
 
 # -- a job process ---------------------------------------------------------------------------
-def _job_main(mode: str, root: str, spec: JobSpec, workers: int, batch_size: int, seed: int,
-              socket: str | None, barrier: Any, out: Any, stop: Any) -> None:
+def _job_main(
+    mode: str,
+    root: str,
+    spec: JobSpec,
+    workers: int,
+    batch_size: int,
+    seed: int,
+    socket: str | None,
+    barrier: Any,
+    out: Any,
+    stop: Any,
+) -> None:
     """One job: set up (imports, chain), wait for the others, run its epochs, report."""
     try:
         run = _torch_job if mode == "torch" else _loader_job
-        result = run(mode, root, _Job(spec, out, stop if spec.background else None), workers, batch_size,
-                     seed, socket, barrier)
+        result = run(
+            mode, root, _Job(spec, out, stop if spec.background else None), workers, batch_size, seed, socket, barrier
+        )
         out.put(("done", spec.name, result))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises WorkerError
         barrier.abort()
@@ -338,8 +399,9 @@ class _Job:
         return keys
 
 
-def _loader_job(mode: str, root: str, job: _Job, workers: int, batch_size: int, seed: int,
-                socket: str | None, barrier: Any) -> dict[str, Any]:
+def _loader_job(
+    mode: str, root: str, job: _Job, workers: int, batch_size: int, seed: int, socket: str | None, barrier: Any
+) -> dict[str, Any]:
     spec, share = job.spec, mode == "shared"
     chain = job_chain(root, spec.indices, batch_size, seed)
     w = 0 if share else workers
@@ -356,6 +418,7 @@ def _loader_job(mode: str, root: str, job: _Job, workers: int, batch_size: int, 
         if share:  # read before closing: the server forgets a job when it leaves
             from globalloader.service import launcher
 
+            assert socket is not None, "a shared run always has its server's socket"
             mine = [j for j in launcher.request(Path(socket), "status")[1]["jobs"] if j["pid"] == os.getpid()]
             result["followed_share"] = mine[0]["followed_share"] if mine else None
         else:
@@ -382,8 +445,9 @@ class _TorchSubset:
         return job_sample(self.source, self.indices[k], self.seed, self.epoch)
 
 
-def _torch_job(mode: str, root: str, job: _Job, workers: int, batch_size: int, seed: int,
-               socket: str | None, barrier: Any) -> dict[str, Any]:
+def _torch_job(
+    mode: str, root: str, job: _Job, workers: int, batch_size: int, seed: int, socket: str | None, barrier: Any
+) -> dict[str, Any]:
     import torch
 
     data = _TorchSubset(root, job.spec.indices, seed)
@@ -398,8 +462,14 @@ def _torch_job(mode: str, root: str, job: _Job, workers: int, batch_size: int, s
         # fork, as a training script started from a shell gets on Linux: this process was
         # spawned, and spawned workers would re-import torch every epoch.
         context = "fork" if workers else None
-        loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers,
-                                             generator=generator, multiprocessing_context=context)
+        loader = torch.utils.data.DataLoader(
+            cast("torch.utils.data.Dataset[dict[str, Any]]", data),  # duck-typed: torch is imported lazily
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=workers,
+            generator=generator,
+            multiprocessing_context=context,
+        )
         epochs.append(job.epoch(loader))
     result = _job_result(epochs, start, time.monotonic())
     result["decodes"] = result["samples"]  # each delivered sample was decoded in a worker (prefetch aside)
@@ -409,5 +479,11 @@ def _torch_job(mode: str, root: str, job: _Job, workers: int, batch_size: int, s
 def _job_result(epochs: list[list[str]], start: float, end: float) -> dict[str, Any]:
     samples = sum(len(keys) for keys in epochs)
     seconds = end - start
-    return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
-            "start": start, "end": end, "keys": epochs}
+    return {
+        "samples": samples,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds,
+        "start": start,
+        "end": end,
+        "keys": epochs,
+    }

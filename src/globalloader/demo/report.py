@@ -31,11 +31,17 @@ def _show(values: Sequence[float], fmt: str) -> str:
 
 
 def _ratios(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str) -> list[float]:
-    return [a[key] / b[key] for a, b in zip(mine, theirs)]
+    return [a[key] / b[key] for a, b in zip(mine, theirs, strict=True)]
 
 
-def main(images: int = 1000, workers: int = 2, batch_size: int = 64, runs: int = 3, shared: bool = True,
-         shared_memory: str = "256M") -> None:
+def main(
+    images: int = 1000,
+    workers: int = 2,
+    batch_size: int = 64,
+    runs: int = 3,
+    shared: bool = True,
+    shared_memory: str = "256M",
+) -> None:
     """Make the data once; act 1: one epoch with each loader, `runs` times, compared; act 2
     (unless `shared` is False): three concurrent jobs, independent then through one server,
     `runs` times."""
@@ -43,8 +49,10 @@ def main(images: int = 1000, workers: int = 2, batch_size: int = 64, runs: int =
         raise ArgumentError(f"demo: runs must be an int >= 1, got {runs!r}")
     root = demo_images(images)
     print(f"dataset: {images} synthetic JPEGs (500x375) in {root}")
-    print("work per sample: decode + random resized crop 224 + flip + normalize; "
-          f"batch {batch_size}, {workers} workers; a stand-in step reads every batch; {runs} run(s) of each\n")
+    print(
+        "work per sample: decode + random resized crop 224 + flip + normalize; "
+        f"batch {batch_size}, {workers} workers; a stand-in step reads every batch; {runs} run(s) of each\n"
+    )
     loaders: list[tuple[str, Callable[..., dict[str, float]]]] = [("globalloader", run_globalloader)]
     try:
         import torch  # noqa: F401 - only to know whether the comparison can run
@@ -59,34 +67,43 @@ def main(images: int = 1000, workers: int = 2, batch_size: int = 64, runs: int =
     print(f"median (min-max) of {runs} run(s)")
     print(f"{'loader':<18}{'samples/s':>22}{'epoch s':>20}{'first batch s':>24}")
     for name, rows in results.items():
-        print(f"{name:<18}{_show([r['samples_per_s'] for r in rows], '{:.1f}'):>22}"
-              f"{_show([r['seconds'] for r in rows], '{:.2f}'):>20}"
-              f"{_show([r['first_batch_s'] for r in rows], '{:.3f}'):>24}")
+        print(
+            f"{name:<18}{_show([r['samples_per_s'] for r in rows], '{:.1f}'):>22}"
+            f"{_show([r['seconds'] for r in rows], '{:.2f}'):>20}"
+            f"{_show([r['first_batch_s'] for r in rows], '{:.3f}'):>24}"
+        )
     if len(loaders) == 1:
         print("\n(torch is not installed: pip install 'globalloader[torch]' to compare)")
     else:
         ratio = spread(_ratios(results["globalloader"], results["torch DataLoader"], "samples_per_s"))
-        print(f"\ngloballoader / torch DataLoader: {ratio['median']:.2f}x samples/s (median of {runs} paired "
-              f"runs; min {ratio['min']:.2f}x, max {ratio['max']:.2f}x)")
+        print(
+            f"\ngloballoader / torch DataLoader: {ratio['median']:.2f}x samples/s (median of {runs} paired "
+            f"runs; min {ratio['min']:.2f}x, max {ratio['max']:.2f}x)"
+        )
     if shared:
         act_two(root, images, workers, shared_memory, runs)
 
 
-def act_two(root: Path | str, images: int, workers: int = 2, memory: str | int = "256M", runs: int = 3,
-            progress: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def act_two(
+    root: Path | str, images: int, workers: int = 2, memory: str | int = "256M", runs: int = 3, progress: bool = True
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Three jobs with overlapping sets at different speeds, run independently then through one
     server, `runs` times; prints both side by side and returns the summaries of every run."""
     specs = [
-        JobSpec("A", range(images)),
-        JobSpec("B", range(images * 7 // 10), sleep=0.01),
-        JobSpec("C", range(images - images * 6 // 10, images), sleep=0.03),
+        JobSpec("A", tuple(range(images))),
+        JobSpec("B", tuple(range(images * 7 // 10)), sleep=0.01),
+        JobSpec("C", tuple(range(images - images * 6 // 10, images)), sleep=0.03),
     ]
-    print(f"\nact 2: three training jobs at once, each its own process: A all {images} images, "
-          f"B the first {len(specs[1].indices)}, C the last {len(specs[2].indices)}; "
-          "a step of +0 / +0.01 / +0.03 s per batch")
+    print(
+        f"\nact 2: three training jobs at once, each its own process: A all {images} images, "
+        f"B the first {len(specs[1].indices)}, C the last {len(specs[2].indices)}; "
+        "a step of +0 / +0.01 / +0.03 s per batch"
+    )
     print("shared part: decode + resize to 256; each job's own: random crop 224 + flip + normalize, batch 32")
-    print(f"independent: {workers} workers per job; shared: one server with {3 * workers} decode workers "
-          f"and a {memory} pool, the jobs crop in their own process; {runs} run(s) of each\n")
+    print(
+        f"independent: {workers} workers per job; shared: one server with {3 * workers} decode workers "
+        f"and a {memory} pool, the jobs crop in their own process; {runs} run(s) of each\n"
+    )
     alone: list[dict[str, Any]] = []
     together: list[dict[str, Any]] = []
     for _ in range(runs):
@@ -94,8 +111,11 @@ def act_two(root: Path | str, images: int, workers: int = 2, memory: str | int =
         together.append(run_jobs(root, specs, "shared", workers=workers, memory=memory, progress=progress))
     print(f"median (min-max) of {runs} run(s)")
     print(f"{'':<22}{'independent':>24}{'shared':>24}")
-    for label, fmt, key in (("decodes", "{:.0f}", "decodes"), ("wall time s", "{:.2f}", "wall_s"),
-                            ("samples/s (all jobs)", "{:.1f}", "samples_per_s")):
+    for label, fmt, key in (
+        ("decodes", "{:.0f}", "decodes"),
+        ("wall time s", "{:.2f}", "wall_s"),
+        ("samples/s (all jobs)", "{:.1f}", "samples_per_s"),
+    ):
         print(f"{label:<22}{_show([r[key] for r in alone], fmt):>24}{_show([r[key] for r in together], fmt):>24}")
     for j, spec in enumerate(specs):
         followed = [r["jobs"][j]["followed_share"] for r in together]
@@ -103,9 +123,11 @@ def act_two(root: Path | str, images: int, workers: int = 2, memory: str | int =
         mine = _show([r["jobs"][j]["samples_per_s"] for r in alone], "{:.1f}")
         theirs = _show([r["jobs"][j]["samples_per_s"] for r in together], "{:.1f}")
         print(f"{'job ' + spec.name + ' samples/s':<22}{mine:>24}{theirs:>24}{note}")
-    saved = spread([a["decodes"] - s["decodes"] for a, s in zip(alone, together)])
+    saved = spread([a["decodes"] - s["decodes"] for a, s in zip(alone, together, strict=True)])
     time_ratio = spread(_ratios(together, alone, "wall_s"))
-    print(f"\nshared: {saved['median']:.0f} decodes saved (median; {saved['median'] / alone[0]['decodes']:.0%}; "
-          f"|union of the sets| = {together[0]['union']}), all jobs done in {time_ratio['median']:.2f}x the time "
-          f"(median of {runs} paired runs; min {time_ratio['min']:.2f}x, max {time_ratio['max']:.2f}x)")
+    print(
+        f"\nshared: {saved['median']:.0f} decodes saved (median; {saved['median'] / alone[0]['decodes']:.0%}; "
+        f"|union of the sets| = {together[0]['union']}), all jobs done in {time_ratio['median']:.2f}x the time "
+        f"(median of {runs} paired runs; min {time_ratio['min']:.2f}x, max {time_ratio['max']:.2f}x)"
+    )
     return alone, together

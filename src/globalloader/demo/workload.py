@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -76,8 +76,9 @@ def _epoch(batches: Iterable[Any], total: int, label: str, progress: bool) -> di
     return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds, "first_batch_s": first or 0.0}
 
 
-def run_globalloader(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0,
-                     progress: bool = True) -> dict[str, float]:
+def run_globalloader(
+    root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0, progress: bool = True
+) -> dict[str, float]:
     """One epoch through `gl.Loader`, workers started inside the timed region (like torch's)."""
     chain = train_chain(root, batch_size)
     with Loader(chain, workers=workers, prefetch=2 * workers) as loader:
@@ -94,6 +95,12 @@ def run_torch(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0
     data = _TorchImages(root, seed=0, epoch=epoch)
     generator = torch.Generator().manual_seed(epoch)
     cls = loader_class or torch.utils.data.DataLoader
-    loader = cls(data, batch_size=batch_size, shuffle=True, num_workers=workers, generator=generator)
+    loader = cls(
+        cast("torch.utils.data.Dataset[dict[str, Any]]", data),  # duck-typed: torch is imported lazily
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        generator=generator,
+    )
     label = "torch DataLoader" if loader_class is None else f"{cls.__module__}.{cls.__name__}"
     return _epoch(loader, len(data), label, progress)

@@ -9,7 +9,7 @@ from globalloader._extras import require
 require("ray", "ray")
 require("pyarrow", "ray")
 
-from globalloader.ray.dataset import ShufflingDataset
+from globalloader.ray.dataset import ShufflingDataset  # noqa: E402 - only once the extras are known to be there
 
 __all__ = ["ShufflingDataset"]
 assert __all__ == sorted(__all__)

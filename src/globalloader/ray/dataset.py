@@ -59,16 +59,31 @@ class ShufflingDataset:
     two jobs with identical arguments run at once.
     """
 
-    def __init__(self, files: Any, num_epochs: int, num_trainers: int, batch_size: int,
-                 rank: int, num_reducers: int | None = None, max_concurrent_epochs: int = 2,
-                 seed: int = 0, drop_last: bool = False, *, columns: Sequence[str] | None = None,
-                 prefetch: int = 2, timeout: float | None = 600.0,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        files: Any,
+        num_epochs: int,
+        num_trainers: int,
+        batch_size: int,
+        rank: int,
+        num_reducers: int | None = None,
+        max_concurrent_epochs: int = 2,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        columns: Sequence[str] | None = None,
+        prefetch: int = 2,
+        timeout: float | None = 600.0,
+        name: str | None = None,
+    ) -> None:
         urls = _files.expand_urls(files, "files")
-        for arg, value in (("num_epochs", num_epochs), ("num_trainers", num_trainers),
-                           ("batch_size", batch_size), ("max_concurrent_epochs",
-                                                        max_concurrent_epochs),
-                           ("prefetch", prefetch)):
+        for arg, value in (
+            ("num_epochs", num_epochs),
+            ("num_trainers", num_trainers),
+            ("batch_size", batch_size),
+            ("max_concurrent_epochs", max_concurrent_epochs),
+            ("prefetch", prefetch),
+        ):
             _check_int(arg, value, 1)
         _check_int("rank", rank, 0)
         _check_int("seed", seed, 0)
@@ -77,19 +92,25 @@ class ShufflingDataset:
         if num_reducers is None:
             num_reducers = default_num_reducers(len(urls), num_trainers)
         _check_int("num_reducers", num_reducers, num_trainers)
-        if columns is not None and (isinstance(columns, str) or not columns
-                                    or not all(isinstance(c, str) for c in columns)):
-            raise ArgumentError(f"columns must be a non-empty list of str or None, "
-                                f"got {columns!r}")
+        if columns is not None and (
+            isinstance(columns, str) or not columns or not all(isinstance(c, str) for c in columns)
+        ):
+            raise ArgumentError(f"columns must be a non-empty list of str or None, got {columns!r}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ArgumentError(f"timeout must be a positive number of seconds or None, "
-                                f"got {timeout!r}")
-        self.spec = ShuffleSpec(tuple(urls), tuple(columns) if columns is not None else None,
-                                num_epochs, num_trainers, batch_size, num_reducers,
-                                max_concurrent_epochs, seed, bool(drop_last))
+            raise ArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        self.spec = ShuffleSpec(
+            tuple(urls),
+            tuple(columns) if columns is not None else None,
+            num_epochs,
+            num_trainers,
+            batch_size,
+            num_reducers,
+            max_concurrent_epochs,
+            seed,
+            bool(drop_last),
+        )
         self.rank = rank
-        self.name = name or "globalloader-shuffle-" + hashlib.sha1(
-            self.spec.key.encode()).hexdigest()[:16]
+        self.name = name or "globalloader-shuffle-" + hashlib.sha1(self.spec.key.encode()).hexdigest()[:16]
         self._prefetch = prefetch
         self._timeout = timeout
         if not ray.is_initialized():
@@ -109,13 +130,15 @@ class ShufflingDataset:
         """Rank 0: count rows, check the plan, and start the queue (replacing a finished one)."""
         with ThreadPoolExecutor(min(16, len(self.spec.files))) as pool:
             rows = list(pool.map(count_rows, self.spec.files))
-        make_layout(np.array(rows), self.spec.num_trainers, self.spec.batch_size,
-                    self.spec.num_reducers, self.spec.drop_last)  # ArgumentError here, not remote
+        make_layout(
+            np.array(rows), self.spec.num_trainers, self.spec.batch_size, self.spec.num_reducers, self.spec.drop_last
+        )  # ArgumentError here, not remote
         deadline = time.monotonic() + 10.0
         while True:
             try:
-                handle = BatchQueue.options(name=self.name, namespace=NAMESPACE).remote(
-                    self.spec, rows)
+                # mypy does not apply class decorators: @ray.remote made BatchQueue an ActorClass.
+                queue = BatchQueue.options(name=self.name, namespace=NAMESPACE)  # type: ignore[attr-defined]
+                handle = queue.remote(self.spec, rows)
                 break
             except ValueError as exc:
                 if "taken" not in str(exc) and not isinstance(exc, _NAME_TAKEN):
@@ -123,7 +146,8 @@ class ShufflingDataset:
                 if not self._replace_finished() and time.monotonic() > deadline:
                     raise ArgumentError(
                         f"a shuffle named {self.name!r} is already running in this Ray "
-                        "cluster: close() it, or pass a distinct name=") from None
+                        "cluster: close() it, or pass a distinct name="
+                    ) from None
                 time.sleep(_ATTACH_POLL_S)
         info = ray.get(handle.attach.remote(0, self.spec.key, self._node))
         return handle, info
@@ -145,7 +169,8 @@ class ShufflingDataset:
         why = "rank 0 has not created it"
         while deadline is None or time.monotonic() < deadline:
             try:
-                handle = ray.get_actor(self.name, namespace=NAMESPACE)
+                # Any: Ray resolves actor methods at run time and types them as Never.
+                handle: Any = ray.get_actor(self.name, namespace=NAMESPACE)
                 info = ray.get(handle.attach.remote(self.rank, self.spec.key, self._node))
             except (ValueError, rex.RayActorError):
                 time.sleep(_ATTACH_POLL_S)
@@ -155,12 +180,14 @@ class ShufflingDataset:
             if info["error"] == "mismatch":
                 raise ArgumentError(
                     f"rank {self.rank}'s arguments differ from rank 0's for shuffle "
-                    f"{self.name!r}: {self.spec.key} vs {info['spec']}")
-            why = (f"rank {self.rank} is already attached to it (two trainers with one rank, or "
-                   "an earlier job with the same arguments still holds the name)")
+                    f"{self.name!r}: {self.spec.key} vs {info['spec']}"
+                )
+            why = (
+                f"rank {self.rank} is already attached to it (two trainers with one rank, or "
+                "an earlier job with the same arguments still holds the name)"
+            )
             time.sleep(_ATTACH_POLL_S)
-        raise WorkerError(f"rank {self.rank} could not join shuffle {self.name!r} within "
-                          f"{self._timeout:.0f} s: {why}")
+        raise WorkerError(f"rank {self.rank} could not join shuffle {self.name!r} within {self._timeout:.0f} s: {why}")
 
     def __len__(self) -> int:
         """Batches every trainer gets per epoch."""
@@ -182,8 +209,7 @@ class ShufflingDataset:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         epoch = self._epoch if self._epoch is not None else self._next_epoch
         if epoch >= self.spec.num_epochs:
-            raise StateError(f"all {self.spec.num_epochs} epochs of shuffle {self.name!r} "
-                             "were read")
+            raise StateError(f"all {self.spec.num_epochs} epochs of shuffle {self.name!r} were read")
         if self._active is not None:
             self._active.close()
         started = time.perf_counter()
@@ -195,17 +221,17 @@ class ShufflingDataset:
     def _take(self, epoch: int) -> None:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         while True:
-            wait = _TAKE_POLL_S if deadline is None else max(
-                0.0, min(_TAKE_POLL_S, deadline - time.monotonic()))
+            wait = _TAKE_POLL_S if deadline is None else max(0.0, min(_TAKE_POLL_S, deadline - time.monotonic()))
             try:
-                status, payload = ray.get(self._queue.take.remote(self.rank, epoch, wait),
-                                          timeout=wait + RPC_GRACE_S)
+                status, payload = ray.get(self._queue.take.remote(self.rank, epoch, wait), timeout=wait + RPC_GRACE_S)
             except rex.GetTimeoutError:
                 status, payload = "wait", "the batch queue does not answer"
             except rex.RayActorError as exc:
-                raise WorkerError(f"the batch queue of shuffle {self.name!r} is gone; it lives "
-                                  f"in rank 0's process (did rank 0 stop?): "
-                                  f"{type(exc).__name__}") from None
+                raise WorkerError(
+                    f"the batch queue of shuffle {self.name!r} is gone; it lives "
+                    f"in rank 0's process (did rank 0 stop?): "
+                    f"{type(exc).__name__}"
+                ) from None
             if status == "ok":
                 return
             if status == "error":
@@ -214,7 +240,8 @@ class ShufflingDataset:
                 raise WorkerError(
                     f"rank {self.rank} waited {self._timeout:.0f} s for epoch {epoch} of "
                     f"shuffle {self.name!r}: {payload} (a trainer may have died or stalled; "
-                    f"at most {self.spec.max_concurrent_epochs} epochs are shuffled ahead)")
+                    f"at most {self.spec.max_concurrent_epochs} epochs are shuffled ahead)"
+                )
 
     def _done(self, epoch: int) -> None:
         self._queue.done.remote(self.rank, epoch)  # fire and forget: only frees memory sooner
@@ -222,8 +249,7 @@ class ShufflingDataset:
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: the epoch and how many of its batches were consumed."""
         if self._active is not None and not self._active.finished:
-            return {"shuffle": self.spec.key, "epoch": self._active.epoch,
-                    "batches": self._active.position}
+            return {"shuffle": self.spec.key, "epoch": self._active.epoch, "batches": self._active.position}
         epoch = self._epoch if self._epoch is not None else self._next_epoch
         return {"shuffle": self.spec.key, "epoch": epoch, "batches": self._skip}
 
@@ -262,9 +288,11 @@ class ShufflingDataset:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"ShufflingDataset({self.name!r}, rank {self.rank}/{self.spec.num_trainers}, "
-                f"{len(self.spec.files)} files, {self.total_rows} rows, {len(self)} batches of "
-                f"{self.spec.batch_size} per epoch)")
+        return (
+            f"ShufflingDataset({self.name!r}, rank {self.rank}/{self.spec.num_trainers}, "
+            f"{len(self.spec.files)} files, {self.total_rows} rows, {len(self)} batches of "
+            f"{self.spec.batch_size} per epoch)"
+        )
 
 
 class _EpochIterator:
@@ -288,10 +316,11 @@ class _EpochIterator:
         queue, rank = owner._queue, owner.rank
         self._fetcher = OutputPrefetcher(
             len(runs) - first,
-            lambda i, wait: ray.get(queue.output.remote(rank, epoch, first + i, wait),
-                                    timeout=wait + RPC_GRACE_S),
-            owner._prefetch, owner._timeout,
-            lambda i: f"rank {rank}'s output {first + i} of epoch {epoch}")
+            lambda i, wait: ray.get(queue.output.remote(rank, epoch, first + i, wait), timeout=wait + RPC_GRACE_S),
+            owner._prefetch,
+            owner._timeout,
+            lambda i: f"rank {rank}'s output {first + i} of epoch {epoch}",
+        )
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -309,8 +338,7 @@ class _EpochIterator:
         b = a + int(self._sizes[self.position])
         batch = {name: column[a:b] for name, column in self._current.items()}
         if self.epoch not in self._owner.epoch_stats:
-            self._owner.epoch_stats[self.epoch] = {
-                "first_batch_s": time.perf_counter() - self._started}
+            self._owner.epoch_stats[self.epoch] = {"first_batch_s": time.perf_counter() - self._started}
         self.position += 1
         return batch
 

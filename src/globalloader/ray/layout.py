@@ -52,8 +52,9 @@ class ShuffleLayout:
     @property
     def reducer_rows(self) -> np.ndarray:
         """Rows each reducer outputs."""
-        cum = np.concatenate([np.zeros((len(self.batch_sizes), 1), np.int64),
-                              np.cumsum(self.batch_sizes, axis=1)], axis=1)
+        cum = np.concatenate(
+            [np.zeros((len(self.batch_sizes), 1), np.int64), np.cumsum(self.batch_sizes, axis=1)], axis=1
+        )
         start, stop = self.reducer_batches[:, 0], self.reducer_batches[:, 1]
         return cum[self.reducer_rank, stop] - cum[self.reducer_rank, start]
 
@@ -62,8 +63,9 @@ class ShuffleLayout:
         return np.flatnonzero(self.reducer_rank == rank)
 
 
-def make_layout(file_rows: np.ndarray, num_trainers: int, batch_size: int, num_reducers: int,
-                drop_last: bool) -> ShuffleLayout:
+def make_layout(
+    file_rows: np.ndarray, num_trainers: int, batch_size: int, num_reducers: int, drop_last: bool
+) -> ShuffleLayout:
     """Cut an epoch of `sum(file_rows)` rows into equal batch counts per trainer.
 
     drop_last=False: every row exactly once. All batches hold `batch_size` rows except each
@@ -80,14 +82,17 @@ def make_layout(file_rows: np.ndarray, num_trainers: int, batch_size: int, num_r
     if drop_last:
         num_batches = total // per_round
         if num_batches == 0:
-            raise ArgumentError(f"the files hold {total} rows, fewer than num_trainers * "
-                                f"batch_size = {per_round}: with drop_last=True no trainer "
-                                "would get a batch")
+            raise ArgumentError(
+                f"the files hold {total} rows, fewer than num_trainers * "
+                f"batch_size = {per_round}: with drop_last=True no trainer "
+                "would get a batch"
+            )
         sizes = np.full((num_trainers, num_batches), batch_size, np.int64)
     else:
         if total < num_trainers:
-            raise ArgumentError(f"the files hold {total} rows, fewer than num_trainers = "
-                                f"{num_trainers}: some trainer would get no rows")
+            raise ArgumentError(
+                f"the files hold {total} rows, fewer than num_trainers = {num_trainers}: some trainer would get no rows"
+            )
         num_batches = -(-total // per_round)
         tail = total - (num_batches - 1) * per_round
         if tail < num_trainers:  # too few to give each trainer a last batch: widen full ones
@@ -102,8 +107,7 @@ def make_layout(file_rows: np.ndarray, num_trainers: int, batch_size: int, num_r
     return ShuffleLayout(file_rows, sizes, ranks, batches, total - int(sizes.sum()))
 
 
-def _split_reducers(num_trainers: int, num_batches: int,
-                    num_reducers: int) -> tuple[np.ndarray, np.ndarray]:
+def _split_reducers(num_trainers: int, num_batches: int, num_reducers: int) -> tuple[np.ndarray, np.ndarray]:
     """Give each trainer about num_reducers / num_trainers reducers, each a run of batches.
 
     Reducers are ordered round by round (trainer 0's first, trainer 1's first, ...) so that,
@@ -118,8 +122,10 @@ def _split_reducers(num_trainers: int, num_batches: int,
                 ranks.append((j, t))
                 runs.append((bounds[j], bounds[j + 1]))
     order = sorted(range(len(ranks)), key=lambda i: ranks[i])
-    return (np.array([ranks[i][1] for i in order], np.int64),
-            np.array([runs[i] for i in order], np.int64).reshape(-1, 2))
+    return (
+        np.array([ranks[i][1] for i in order], np.int64),
+        np.array([runs[i] for i in order], np.int64).reshape(-1, 2),
+    )
 
 
 def scatter_table(layout: ShuffleLayout, seed: int, epoch: int) -> np.ndarray:

@@ -38,8 +38,9 @@ class OutputPrefetcher:
     consumer calls `next()`; `close()` stops the thread and drops what it fetched.
     """
 
-    def __init__(self, count: int, locate: Locate, depth: int, timeout: float | None,
-                 describe: Callable[[int], str]) -> None:
+    def __init__(
+        self, count: int, locate: Locate, depth: int, timeout: float | None, describe: Callable[[int], str]
+    ) -> None:
         self._count = count
         self._locate = locate
         self._timeout = timeout
@@ -47,8 +48,7 @@ class OutputPrefetcher:
         self._ready: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self.wait_s = 0.0  # time the consumer spent blocked in next()
-        self._thread = threading.Thread(target=self._run, name="globalloader-ray-prefetch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="globalloader-ray-prefetch", daemon=True)
         self._thread.start()
 
     def next(self) -> Any:
@@ -94,7 +94,8 @@ class OutputPrefetcher:
                     raise WorkerError(
                         f"{self._describe(i)} was not ready after {self._timeout:.0f} s: the "
                         "shuffle tasks may lack CPUs (do the trainers reserve them all?) or a "
-                        "node died; pass a larger timeout= for very large epochs") from None
+                        "node died; pass a larger timeout= for very large epochs"
+                    ) from None
             except rex.RayTaskError as exc:
                 raise task_error(exc, self._describe(i)) from None
             except (rex.OwnerDiedError, rex.ObjectLostError, rex.RayActorError) as exc:
@@ -105,16 +106,17 @@ class OutputPrefetcher:
 
     def _find(self, i: int, deadline: float | None) -> ray.ObjectRef:
         while True:
-            wait = _LOCATE_S if deadline is None else max(
-                0.0, min(_LOCATE_S, deadline - time.monotonic()))
+            wait = _LOCATE_S if deadline is None else max(0.0, min(_LOCATE_S, deadline - time.monotonic()))
             try:
                 status, payload = self._locate(i, wait)
             except rex.GetTimeoutError:
                 status, payload = "wait", "the batch queue does not answer"
             except rex.RayActorError as exc:
-                raise WorkerError(f"{self._describe(i)} cannot be located: the shuffle's batch "
-                                  "queue, which lives in rank 0's process, is gone (did rank 0 "
-                                  f"stop?): {type(exc).__name__}") from None
+                raise WorkerError(
+                    f"{self._describe(i)} cannot be located: the shuffle's batch "
+                    "queue, which lives in rank 0's process, is gone (did rank 0 "
+                    f"stop?): {type(exc).__name__}"
+                ) from None
             if status == "ok":
                 return payload
             if status == "error":
@@ -122,10 +124,12 @@ class OutputPrefetcher:
             if self._stop.is_set():
                 raise WorkerError("stopped")
             if deadline is not None and time.monotonic() >= deadline:
-                raise WorkerError(f"{self._describe(i)} was not started within "
-                                  f"{self._timeout:.0f} s: {payload}; the shuffle tasks may "
-                                  "lack CPUs or a node died; pass a larger timeout= for very "
-                                  "large epochs")
+                raise WorkerError(
+                    f"{self._describe(i)} was not started within "
+                    f"{self._timeout:.0f} s: {payload}; the shuffle tasks may "
+                    "lack CPUs or a node died; pass a larger timeout= for very "
+                    "large epochs"
+                )
 
     def _deliver(self, ok: bool, value: Any) -> bool:
         while not self._stop.is_set():

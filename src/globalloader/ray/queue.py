@@ -55,11 +55,10 @@ class BatchQueue:
     def __init__(self, spec: ShuffleSpec, file_rows: list[int]) -> None:
         self._spec = spec
         self._layout: ShuffleLayout = make_layout(
-            np.array(file_rows, np.int64), spec.num_trainers, spec.batch_size,
-            spec.num_reducers, spec.drop_last)
+            np.array(file_rows, np.int64), spec.num_trainers, spec.batch_size, spec.num_reducers, spec.drop_last
+        )
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        self._scheduler = ShuffleScheduler(spec.files, spec.columns, self._layout, spec.seed,
-                                           limit=max(2, cpus + 1))
+        self._scheduler = ShuffleScheduler(spec.files, spec.columns, self._layout, spec.seed, limit=max(2, cpus + 1))
         self._nodes = self._scheduler.nodes
         self._pos: dict[int, int] = {}  # rank -> lowest epoch it may still ask for
         self._taken: set[tuple[int, int]] = set()  # (rank, epoch) pairs already read
@@ -74,21 +73,25 @@ class BatchQueue:
         if rank in self._nodes:
             return {"error": "attached"}
         self._nodes[rank] = node_id
-        return {"batch_sizes": self._layout.batch_sizes[rank],
-                "reducer_batches": self._layout.reducer_batches[self._layout.rank_reducers(rank)],
-                "rows": int(self._layout.file_rows.sum()), "dropped": self._layout.dropped}
+        return {
+            "batch_sizes": self._layout.batch_sizes[rank],
+            "reducer_batches": self._layout.reducer_batches[self._layout.rank_reducers(rank)],
+            "rows": int(self._layout.file_rows.sum()),
+            "dropped": self._layout.dropped,
+        }
 
     def finished(self) -> bool:
         """True once every rank has moved past the last epoch (the queue can go)."""
-        return (len(self._pos) == self._spec.num_trainers
-                and min(self._pos.values()) >= self._spec.num_epochs)
+        return len(self._pos) == self._spec.num_trainers and min(self._pos.values()) >= self._spec.num_epochs
 
     async def take(self, rank: int, epoch: int, wait_s: float) -> tuple[str, Any]:
         """Rank `rank` moves to `epoch`: ("ok", None) once it is launched, else after `wait_s`
         ("wait", why it is held back); ("error", message) if it can never come."""
         if epoch < self._pos.get(rank, 0) or (rank, epoch) in self._taken:
-            return "error", (f"rank {rank} already read epoch {epoch} or moved past it (each "
-                             "epoch is shuffled once and read once per rank)")
+            return "error", (
+                f"rank {rank} already read epoch {epoch} or moved past it (each "
+                "epoch is shuffled once and read once per rank)"
+            )
         self._pos[rank] = epoch
         await self._advance()
         try:
@@ -96,8 +99,9 @@ class BatchQueue:
         except TimeoutError:
             return "wait", self._holdup()
         if epoch not in self._live:
-            return "error", (f"epoch {epoch} was skipped: the other ranks moved past it before "
-                             f"rank {rank} asked for it")
+            return "error", (
+                f"epoch {epoch} was skipped: the other ranks moved past it before rank {rank} asked for it"
+            )
         self._taken.add((rank, epoch))
         return "ok", None
 
@@ -120,8 +124,7 @@ class BatchQueue:
 
     async def _wait_launched(self, epoch: int) -> None:
         async with self._changed:
-            await self._changed.wait_for(
-                lambda: self._next_launch is not None and self._next_launch > epoch)
+            await self._changed.wait_for(lambda: self._next_launch is not None and self._next_launch > epoch)
 
     async def _advance(self) -> None:
         """Release epochs every rank has left, then launch while under the live limit."""
@@ -135,8 +138,7 @@ class BatchQueue:
             self._next_launch = min(self._pos.values())
         if everyone:
             self._next_launch = max(self._next_launch, low)
-        while (self._next_launch < spec.num_epochs
-               and len(self._live) < spec.max_concurrent_epochs):
+        while self._next_launch < spec.num_epochs and len(self._live) < spec.max_concurrent_epochs:
             self._live.add(self._next_launch)
             self._scheduler.launch(self._next_launch)
             self._next_launch += 1

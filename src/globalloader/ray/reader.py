@@ -61,11 +61,9 @@ def read_columns(url: str, columns: Sequence[str] | None) -> dict[str, np.ndarra
             names = handle.schema_arrow.names
             missing = [c for c in columns or () if c not in names]
             if missing:
-                raise SourceError(f"Parquet file {url} has no column(s) {missing}; "
-                                  f"it has {names}")
+                raise SourceError(f"Parquet file {url} has no column(s) {missing}; it has {names}")
             # One thread: a map task has one CPU, and several run side by side.
-            table = handle.read(columns=list(columns) if columns is not None else None,
-                                use_threads=False)
+            table = handle.read(columns=list(columns) if columns is not None else None, use_threads=False)
     except (OSError, ValueError) as exc:
         raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
     return {name: to_numpy(table.column(name)) for name in table.column_names}
@@ -94,10 +92,10 @@ def to_numpy(column: Any) -> np.ndarray:
             data = column.buffers()[1]
             if data is None:
                 return np.zeros((rows, width), np.uint8)
-            return np.frombuffer(data, np.uint8, rows * width,
-                                 column.offset * width).reshape(rows, width)
-        if pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type)
-                                                  or pa.types.is_floating(kind.value_type)):
+            return np.frombuffer(data, np.uint8, rows * width, column.offset * width).reshape(rows, width)
+        if pa.types.is_fixed_size_list(kind) and (
+            pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
+        ):
             values = column.flatten()
             if values.null_count == 0:
                 return values.to_numpy().reshape(rows, kind.list_size)

@@ -46,15 +46,17 @@ class _Epoch:
     outputs: list[asyncio.Future[ray.ObjectRef]] = field(default_factory=list)
 
     def group_rows(self, m: int) -> np.ndarray:
-        return np.bincount(self.group_of, weights=self.table[m],
-                           minlength=int(self.group_of.max()) + 1).astype(np.int64)
+        return np.bincount(self.group_of, weights=self.table[m], minlength=int(self.group_of.max()) + 1).astype(
+            np.int64
+        )
 
 
 class ShuffleScheduler:
     """Per-epoch map/reduce tasks, submitted by need and at most `limit` at a time."""
 
-    def __init__(self, files: Sequence[str], columns: Sequence[str] | None,
-                 layout: ShuffleLayout, seed: int, limit: int) -> None:
+    def __init__(
+        self, files: Sequence[str], columns: Sequence[str] | None, layout: ShuffleLayout, seed: int, limit: int
+    ) -> None:
         self._files = list(files)
         self._columns = list(columns) if columns is not None else None
         self._layout = layout
@@ -75,8 +77,9 @@ class ShuffleScheduler:
         mapped = [m for m in range(files) if layout.file_rows[m] > 0]
         loop = asyncio.get_running_loop()
         group_of, offset = self._groups(table)
-        state = _Epoch(table, group_of, offset, len(mapped), [None] * files,
-                       [loop.create_future() for _ in range(reducers)])
+        state = _Epoch(
+            table, group_of, offset, len(mapped), [None] * files, [loop.create_future() for _ in range(reducers)]
+        )
         self._epochs[epoch] = state
         span = max(1, reducers - len(layout.batch_sizes))  # the previous epoch minus last round
         for j, m in enumerate(mapped):
@@ -102,8 +105,10 @@ class ShuffleScheduler:
             places.append(count.get(n, 0))
             count[n] = places[-1] + 1
         keys: dict[Any, int] = {}
-        group_of = np.array([keys.setdefault((n, place * runs // count[n]), len(keys))
-                             for n, place in zip(nodes, places)], np.int64)
+        group_of = np.array(
+            [keys.setdefault((n, place * runs // count[n]), len(keys)) for n, place in zip(nodes, places, strict=True)],
+            np.int64,
+        )
         offset = np.zeros_like(table)
         for g in range(len(keys)):
             members = np.flatnonzero(group_of == g)
@@ -145,26 +150,35 @@ class ShuffleScheduler:
                 continue
             done = self._submit(epoch, state, kind, index)
             self._running += 1
-            watcher = asyncio.get_running_loop().create_task(
-                self._watch(done, epoch, state, kind))
+            watcher = asyncio.get_running_loop().create_task(self._watch(done, epoch, state, kind))
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
 
     def _submit(self, epoch: int, state: _Epoch, kind: int, index: int) -> ray.ObjectRef:
         layout = self._layout
         if kind == _MAP:
-            parts, done = submit_map(self._files[index], index, self._columns,
-                                     state.group_rows(index), int(layout.file_rows[index]),
-                                     self._seed, epoch)
+            parts, done = submit_map(
+                self._files[index],
+                index,
+                self._columns,
+                state.group_rows(index),
+                int(layout.file_rows[index]),
+                self._seed,
+                epoch,
+            )
             state.parts[index] = parts
             return done
         sources = [m for m in range(len(self._files)) if state.table[m, index] > 0]
         group = int(state.group_of[index])
         output, done = submit_reduce(
-            index, self._seed, epoch, [self._files[m] for m in sources],
+            index,
+            self._seed,
+            epoch,
+            [self._files[m] for m in sources],
             [(int(state.offset[m, index]), int(state.table[m, index])) for m in sources],
             [state.parts[m][group] for m in sources],  # type: ignore[index]
-            self.nodes.get(int(layout.reducer_rank[index])))
+            self.nodes.get(int(layout.reducer_rank[index])),
+        )
         state.outputs[index].set_result(output)
         if all(f.done() for f in state.outputs):
             state.parts = []  # the reducers hold the map outputs now
@@ -184,5 +198,4 @@ class ShuffleScheduler:
 
     def describe(self) -> dict[str, Any]:
         """Queue depth and running tasks, for status messages."""
-        return {"ready": len(self._ready), "running": self._running,
-                "epochs": sorted(self._epochs)}
+        return {"ready": len(self._ready), "running": self._running, "epochs": sorted(self._epochs)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -26,19 +26,36 @@ from globalloader.ray.layout import MAP, REDUCE, rng_for
 from globalloader.ray.reader import read_columns
 
 
-def submit_map(url: str, file_index: int, columns: Sequence[str] | None,
-               group_rows: np.ndarray, file_rows: int, seed: int,
-               epoch: int) -> tuple[list[ray.ObjectRef], ray.ObjectRef]:
+def submit_map(
+    url: str,
+    file_index: int,
+    columns: Sequence[str] | None,
+    group_rows: np.ndarray,
+    file_rows: int,
+    seed: int,
+    epoch: int,
+) -> tuple[list[ray.ObjectRef], ray.ObjectRef]:
     """Start one map task: (one object per reducer group, a small ref that resolves when it
     ends). `group_rows[g]` rows go to group g, whose reducers slice their own rows out of it."""
-    refs = _map_file.options(num_returns=len(group_rows) + 1).remote(
-        url, file_index, columns, group_rows, file_rows, seed, epoch)
+    # With num_returns > 1 Ray returns a list of refs; its type hints know a single ref only.
+    refs = cast(
+        "list[ray.ObjectRef[Any]]",
+        _map_file.options(num_returns=len(group_rows) + 1).remote(
+            url, file_index, columns, group_rows, file_rows, seed, epoch
+        ),
+    )
     return list(refs[:-1]), refs[-1]
 
 
-def submit_reduce(reducer_index: int, seed: int, epoch: int, urls: list[str],
-                  slices: list[tuple[int, int]], groups: list[ray.ObjectRef],
-                  node: str | None) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+def submit_reduce(
+    reducer_index: int,
+    seed: int,
+    epoch: int,
+    urls: list[str],
+    slices: list[tuple[int, int]],
+    groups: list[ray.ObjectRef],
+    node: str | None,
+) -> tuple[ray.ObjectRef, ray.ObjectRef]:
     """Start one reducer: (its output ref, a small ref that resolves when it ends).
 
     It reads rows `slices[i]` = (start, count) of map output `groups[i]`. `node`: the node of
@@ -48,35 +65,49 @@ def submit_reduce(reducer_index: int, seed: int, epoch: int, urls: list[str],
     options: dict[str, Any] = {"num_returns": 2}
     if node:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
-    output, done = _reduce.options(**options).remote(reducer_index, seed, epoch, urls, slices,
-                                                     *groups)
+    output, done = _reduce.options(**options).remote(reducer_index, seed, epoch, urls, slices, *groups)
     return output, done
 
 
 @ray.remote(num_cpus=1)
-def _map_file(url: str, file_index: int, columns: Sequence[str] | None, group_rows: np.ndarray,
-              expected_rows: int, seed: int, epoch: int) -> Any:
+def _map_file(
+    url: str,
+    file_index: int,
+    columns: Sequence[str] | None,
+    group_rows: np.ndarray,
+    expected_rows: int,
+    seed: int,
+    epoch: int,
+) -> Any:
     """Read one file and split a seeded permutation of its rows into `group_rows` per group."""
     data = read_columns(url, columns)
     rows = len(next(iter(data.values()))) if data else 0
     if rows != expected_rows:
-        raise SourceError(f"{url} holds {rows} rows but held {expected_rows} when the shuffle "
-                          "was planned: the file changed; start the shuffle again")
+        raise SourceError(
+            f"{url} holds {rows} rows but held {expected_rows} when the shuffle "
+            "was planned: the file changed; start the shuffle again"
+        )
     keep = rng_for(seed, epoch, MAP, file_index).permutation(rows)[: int(group_rows.sum())]
     taken = {name: np.take(column, keep, axis=0) for name, column in data.items()}
     bounds = np.concatenate([[0], np.cumsum(group_rows)]).tolist()
-    groups = [{name: column[a:b] for name, column in taken.items()}
-              for a, b in itertools.pairwise(bounds)]
+    groups = [{name: column[a:b] for name, column in taken.items()} for a, b in itertools.pairwise(bounds)]
     return (*groups, rows)  # the last, tiny value tells the scheduler the task has ended
 
 
 @ray.remote(num_cpus=1)
-def _reduce(reducer_index: int, seed: int, epoch: int, urls: list[str],
-            slices: list[tuple[int, int]],
-            *groups: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+def _reduce(
+    reducer_index: int,
+    seed: int,
+    epoch: int,
+    urls: list[str],
+    slices: list[tuple[int, int]],
+    *groups: dict[str, np.ndarray],
+) -> tuple[dict[str, np.ndarray], int]:
     """Place the received rows at seeded random positions: one reducer's run of batches."""
-    parts = [{name: column[a : a + n] for name, column in group.items()}
-             for (a, n), group in zip(slices, groups)]
+    parts = [
+        {name: column[a : a + n] for name, column in group.items()}
+        for (a, n), group in zip(slices, groups, strict=True)
+    ]
     total = sum(n for _, n in slices)
     slots = rng_for(seed, epoch, REDUCE, reducer_index).permutation(total)
     first_part = parts[0]
@@ -86,10 +117,12 @@ def _reduce(reducer_index: int, seed: int, epoch: int, urls: list[str],
         first = parts[0][name]
         column = np.empty((total, *first.shape[1:]), first.dtype)
         offset = 0
-        for url, part in zip(urls, parts):
+        for url, part in zip(urls, parts, strict=True):
             if part.keys() != first_part.keys():
-                raise SourceError(f"{url} has columns {list(part)} but {urls[0]} has {names}: "
-                                  "all files of a shuffle need the same columns")
+                raise SourceError(
+                    f"{url} has columns {list(part)} but {urls[0]} has {names}: "
+                    "all files of a shuffle need the same columns"
+                )
             rows = _conform(part[name], first, name, url, urls[0])
             _put_rows(column, slots[offset : offset + len(rows)], rows)
             offset += len(rows)
@@ -99,8 +132,9 @@ def _reduce(reducer_index: int, seed: int, epoch: int, urls: list[str],
 
 def _conform(rows: np.ndarray, like: np.ndarray, name: str, url: str, first_url: str) -> np.ndarray:
     if rows.shape[1:] != like.shape[1:]:
-        raise SourceError(f"column {name!r} has row shape {rows.shape[1:]} in {url} but "
-                          f"{like.shape[1:]} in {first_url}")
+        raise SourceError(
+            f"column {name!r} has row shape {rows.shape[1:]} in {url} but {like.shape[1:]} in {first_url}"
+        )
     return rows if rows.dtype == like.dtype else rows.astype(like.dtype)
 
 
@@ -114,7 +148,10 @@ def _put_rows(target: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:
         np.put(target, index, rows)
     elif target.dtype != object and target.flags.c_contiguous and rows.flags.c_contiguous:
         record = np.dtype((np.void, target.itemsize * int(np.prod(target.shape[1:]))))
-        np.put(target.reshape(len(target), -1).view(record).reshape(len(target)), index,
-               rows.reshape(len(rows), -1).view(record).reshape(len(rows)))
+        np.put(
+            target.reshape(len(target), -1).view(record).reshape(len(target)),
+            index,
+            rows.reshape(len(rows), -1).view(record).reshape(len(rows)),
+        )
     else:
         target[index] = rows

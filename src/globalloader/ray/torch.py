@@ -8,7 +8,7 @@ are read-only views of Ray's shared memory), which also lets Ray free that memor
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -16,10 +16,13 @@ from globalloader._extras import require
 from globalloader.errors import ArgumentError
 from globalloader.ray.dataset import ShufflingDataset
 
-torch = require("torch", "torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = require("torch", "torch")
 
 
-class TorchShufflingDataset(torch.utils.data.IterableDataset):  # type: ignore[misc]
+class TorchShufflingDataset(torch.utils.data.IterableDataset):
     """Globally shuffled batches as tensors, for one data-parallel PyTorch trainer.
 
     Arguments up to `drop_last`, and the keyword arguments after the spec, are those of
@@ -35,37 +38,61 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):  # type: ignore[m
     directly (or in `DataLoader(ds, batch_size=None)`): batches are already formed.
     """
 
-    def __init__(self, files: Any, num_epochs: int, num_trainers: int, batch_size: int,
-                 rank: int, num_reducers: int | None = None, max_concurrent_epochs: int = 2,
-                 seed: int = 0, drop_last: bool = False, *,
-                 feature_columns: str | Sequence[str],
-                 feature_types: Any = None, label_column: str | None = None,
-                 label_type: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        files: Any,
+        num_epochs: int,
+        num_trainers: int,
+        batch_size: int,
+        rank: int,
+        num_reducers: int | None = None,
+        max_concurrent_epochs: int = 2,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        feature_columns: str | Sequence[str],
+        feature_types: Any = None,
+        label_column: str | None = None,
+        label_type: Any = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
         single = isinstance(feature_columns, str)
-        names = [feature_columns] if single else list(feature_columns)
+        names = [feature_columns] if isinstance(feature_columns, str) else list(feature_columns)
         if not names or not all(isinstance(n, str) for n in names):
-            raise ArgumentError(f"feature_columns must be a column name or a non-empty list of "
-                                f"them, got {feature_columns!r}")
+            raise ArgumentError(
+                f"feature_columns must be a column name or a non-empty list of them, got {feature_columns!r}"
+            )
         if label_column is not None and not isinstance(label_column, str):
-            raise ArgumentError(f"label_column must be a column name or None, "
-                                f"got {label_column!r}")
-        types = feature_types if isinstance(feature_types, (list, tuple)) else (
-            [feature_types if feature_types is not None or single else torch.float32] * len(names))
-        if len(types) != len(names) or not all(t is None or isinstance(t, torch.dtype)
-                                               for t in types):
-            raise ArgumentError(f"feature_types must be a torch dtype or one per feature column "
-                                f"({len(names)}), got {feature_types!r}")
+            raise ArgumentError(f"label_column must be a column name or None, got {label_column!r}")
+        types = (
+            feature_types
+            if isinstance(feature_types, (list, tuple))
+            else ([feature_types if feature_types is not None or single else torch.float32] * len(names))
+        )
+        if len(types) != len(names) or not all(t is None or isinstance(t, torch.dtype) for t in types):
+            raise ArgumentError(
+                f"feature_types must be a torch dtype or one per feature column ({len(names)}), got {feature_types!r}"
+            )
         if label_type is not None and not isinstance(label_type, torch.dtype):
             raise ArgumentError(f"label_type must be a torch dtype or None, got {label_type!r}")
         self._single = single
-        self._features = list(zip(names, types))
+        self._features = list(zip(names, types, strict=True))
         self._label = (label_column, label_type)
         columns = names + ([label_column] if label_column and label_column not in names else [])
         kwargs.setdefault("columns", columns)
-        self.dataset = ShufflingDataset(files, num_epochs, num_trainers, batch_size, rank,
-                                        num_reducers, max_concurrent_epochs, seed, drop_last,
-                                        **kwargs)
+        self.dataset = ShufflingDataset(
+            files,
+            num_epochs,
+            num_trainers,
+            batch_size,
+            rank,
+            num_reducers,
+            max_concurrent_epochs,
+            seed,
+            drop_last,
+            **kwargs,
+        )
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.dataset:
@@ -78,8 +105,9 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):  # type: ignore[m
             features = _tensor(batch, name, dtype)
         else:
             rows = len(batch[self._features[0][0]])
-            features = torch.cat([_tensor(batch, name, dtype).reshape(rows, -1)
-                                  for name, dtype in self._features], dim=1)
+            features = torch.cat(
+                [_tensor(batch, name, dtype).reshape(rows, -1) for name, dtype in self._features], dim=1
+            )
         label_column, label_type = self._label
         if label_column is None:
             return features
@@ -112,7 +140,9 @@ def _tensor(batch: dict[str, np.ndarray], name: str, dtype: Any) -> Any:
         raise ArgumentError(f"column {name!r} is not in the batch (it has {sorted(batch)})")
     values = batch[name]
     if values.dtype == object or values.dtype.kind in "SUV":
-        raise ArgumentError(f"column {name!r} holds {values.dtype} values, which cannot become "
-                            "a tensor: pick numeric columns for features and labels")
+        raise ArgumentError(
+            f"column {name!r} holds {values.dtype} values, which cannot become "
+            "a tensor: pick numeric columns for features and labels"
+        )
     tensor = torch.tensor(values)  # a copy: the batch is read-only shared memory
     return tensor if dtype is None else tensor.to(dtype)

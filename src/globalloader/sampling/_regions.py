@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 import numpy as np
 
+Member = TypeVar("Member", bound=Hashable)
 
-class RegionMap:
+
+class RegionMap(Generic[Member]):
     """One region id per index of the universe [0, size), plus each region's member tuple.
 
     `ids` is an `array('i')` so single lookups on the hot path return plain ints; bulk work goes
@@ -27,7 +30,7 @@ class RegionMap:
 
     def __init__(self) -> None:
         self.ids = array("i")
-        self.jobs: list[tuple[Hashable, ...]] = [()]
+        self.jobs: list[tuple[Member, ...]] = [()]
 
     @property
     def size(self) -> int:
@@ -47,7 +50,7 @@ class RegionMap:
         grown[: len(self.ids)] = self.view()
         self.ids = array("i", grown.tobytes())
 
-    def add(self, member: Hashable, indices: np.ndarray) -> None:
+    def add(self, member: Member, indices: np.ndarray) -> None:
         """Add `member` as interested in `indices` (sorted, unique, inside the universe)."""
         ids = self.view()
         count = len(self.jobs)
@@ -60,15 +63,13 @@ class RegionMap:
         kept = np.flatnonzero(present)
         table = np.cumsum(present, dtype=np.int64) - 1
         ids[:] = table[keys]
-        self.jobs = [
-            self.jobs[key >> 1] + ((member,) if key & 1 else ()) for key in kept.tolist()
-        ]
+        self.jobs = [self.jobs[key >> 1] + ((member,) if key & 1 else ()) for key in kept.tolist()]
         if not self.jobs:
             self.jobs = [()]
 
-    def remove(self, member: Hashable) -> None:
+    def remove(self, member: Member) -> None:
         """Drop `member` everywhere and merge the regions that became equal."""
-        renumber: dict[tuple[Hashable, ...], int] = {}
+        renumber: dict[tuple[Member, ...], int] = {}
         table = np.empty(len(self.jobs), dtype=np.int32)
         for old, members in enumerate(self.jobs):
             left = tuple(m for m in members if m is not member)

@@ -48,9 +48,7 @@ class _Pool:
         return self.items[rng.randrange(len(self.items))]
 
 
-def coupled_pair_step(
-    remaining1: Iterable[int], remaining2: Iterable[int], rng: random.Random
-) -> tuple[int, int]:
+def coupled_pair_step(remaining1: Iterable[int], remaining2: Iterable[int], rng: random.Random) -> tuple[int, int]:
     """One lock-step draw (e1, e2) from the two jobs' remaining sets; neither set is changed.
 
     e1 is uniform over `remaining1` and e2 uniform over `remaining2`, and e1 == e2 with

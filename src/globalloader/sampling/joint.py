@@ -66,7 +66,7 @@ class _Cell:
 
     __slots__ = ("fresh", "log", "next_fresh", "next_log")
 
-    def __init__(self, fresh: array) -> None:
+    def __init__(self, fresh: array[int]) -> None:
         self.fresh = fresh  # the cell's elements, uniformly shuffled; seen ones are skipped
         self.next_fresh = 0
         self.log: list[tuple[int, int]] = []  # (load sequence number, index), oldest first
@@ -102,7 +102,7 @@ class _Job:
         self.seen = bytearray(universe)  # 1 for every index seen this epoch
         self.cell = array("i", bytes(4 * universe))  # cell id of each unseen index of the set
         self.cells: list[_Cell] = []
-        self.labels: array | None = None  # cell label of each request; None with one cell
+        self.labels: array[int] | None = None  # cell label of each request; None with one cell
         self.pos = 0  # requests served from the current arrangement
         self.length = 0  # requests the current arrangement holds
         self.base = 0  # requests served before the current arrangement
@@ -133,12 +133,14 @@ class JointSampler:
 
     def __init__(self, seed: int | None = None) -> None:
         if seed is None:
-            seed = int(np.random.SeedSequence().entropy) & (2**63 - 1)
+            entropy = np.random.SeedSequence().entropy
+            assert isinstance(entropy, int)  # drawn from the OS: an int when none is given
+            seed = entropy & (2**63 - 1)
         self._seed = _check_seed(seed, "seed")
         # Fresh randomness for orders drawn while jobs share: never replayed within one sampler.
         self._rng = np.random.default_rng(self._seed)
         self._jobs: dict[Hashable, _Job] = {}
-        self._regions = RegionMap()
+        self._regions: RegionMap[_Job] = RegionMap()
         self._version = 0  # bumped whenever the regions change
         self._registrations = 0  # makes default job seeds differ between registrations
         # index -> sequence number of the fresh draw that made it followable; dropped on eviction
@@ -250,10 +252,7 @@ class JointSampler:
         ids = regions.ids
         if not 0 <= index < len(ids):
             return False
-        for j in regions.jobs[ids[index]]:
-            if not j.seen[index]:
-                return True
-        return False
+        return any(not j.seen[index] for j in regions.jobs[ids[index]])
 
     # -- state and introspection ------------------------------------------------------------
 
@@ -296,9 +295,7 @@ class JointSampler:
             "consumed": base64.b64encode(bitmap).decode("ascii"),
         }
 
-    def restore_job(
-        self, job: Hashable, indices: Sequence[int] | np.ndarray, state: dict[str, Any]
-    ) -> None:
+    def restore_job(self, job: Hashable, indices: Sequence[int] | np.ndarray, state: dict[str, Any]) -> None:
         """Register `job` (replacing a job of that name) and continue the epoch saved in `state`.
 
         The rest of the epoch is a uniform order of the indices not yet consumed. A job that is
@@ -387,10 +384,7 @@ class JointSampler:
         j.epoch = epoch
         j.seen = bytearray(self._regions.size)
         _, cell_of, count, alone = self._layout_of(j)
-        if alone:
-            perm = _plain_order(j.seed, epoch, len(j.indices))
-        else:
-            perm = self._rng.permutation(len(j.indices))
+        perm = _plain_order(j.seed, epoch, len(j.indices)) if alone else self._rng.permutation(len(j.indices))
         self._arrange(j, j.indices[perm], cell_of[perm], count)
 
     def _layout_of(self, j: _Job) -> tuple[int, np.ndarray, int, bool]:
@@ -468,11 +462,7 @@ class JointSampler:
 
 def _compact(cell: _Cell, seen: bytearray, live: dict[int, int]) -> None:
     """Drop the log entries no request can follow any more (passed, seen or evicted)."""
-    cell.log = [
-        (seq, index)
-        for seq, index in cell.log[cell.next_log :]
-        if not seen[index] and live.get(index) == seq
-    ]
+    cell.log = [(seq, index) for seq, index in cell.log[cell.next_log :] if not seen[index] and live.get(index) == seq]
     cell.next_log = 0
 
 
@@ -493,7 +483,7 @@ def _dense(keys: np.ndarray) -> tuple[np.ndarray, int]:
     return inv, len(uniq)
 
 
-def _label_array(labels: np.ndarray, count: int) -> array:
+def _label_array(labels: np.ndarray, count: int) -> array[int]:
     """Cell labels as the narrowest `array` whose items index fast as plain ints."""
     if count <= 1 << 8:
         return array("B", labels.astype(np.uint8).tobytes())
@@ -502,7 +492,7 @@ def _label_array(labels: np.ndarray, count: int) -> array:
     return array("i", labels.astype(np.int32).tobytes())
 
 
-def _int_array(values: np.ndarray) -> array:
+def _int_array(values: np.ndarray) -> array[int]:
     return array("q", values.astype(np.int64, copy=False).tobytes())
 
 
@@ -538,9 +528,7 @@ def _check_epoch(epoch: object) -> int:
     return int(epoch)
 
 
-def _read_state(
-    job: Hashable, indices: np.ndarray, state: dict[str, Any]
-) -> tuple[int, int, np.ndarray]:
+def _read_state(job: Hashable, indices: np.ndarray, state: dict[str, Any]) -> tuple[int, int, np.ndarray]:
     """Check a `job_state` dict against `indices`: (epoch, seed, consumed mask over indices)."""
     if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
         raise StateError(f"state for job {job!r} is not a version-{_STATE_VERSION} job_state dict")

@@ -50,9 +50,7 @@ class Permutation:
         seq = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(epoch), 0x5EED])
         self._keys = [np.uint64(k) for k in seq.generate_state(_ROUNDS, np.uint64)]
         self._explicit = (
-            np.random.Generator(np.random.PCG64(seq)).permutation(self.n)
-            if self.n < _EXPLICIT_BELOW
-            else None
+            np.random.Generator(np.random.PCG64(seq)).permutation(self.n) if self.n < _EXPLICIT_BELOW else None
         )
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:

@@ -7,6 +7,7 @@ One small table maps a URL scheme to an opener. Local paths (no `scheme://`) get
 
 from __future__ import annotations
 
+import contextlib
 import glob as _glob
 import os
 import threading
@@ -20,8 +21,7 @@ from globalloader.sources._braces import expand_braces
 
 _GLOB_CHARS = frozenset("*?[")
 # fsspec `info()` fields that change when an object's content changes, most specific first.
-_VERSION_FIELDS = ("ETag", "etag", "md5", "generation", "mtime", "LastModified", "last_modified",
-                   "updated", "created")
+_VERSION_FIELDS = ("ETag", "etag", "md5", "generation", "mtime", "LastModified", "last_modified", "updated", "created")
 
 
 class FileStat(NamedTuple):
@@ -58,7 +58,7 @@ class _LocalOpener:
             parent = os.path.dirname(url)
             if "w" in mode and parent:
                 os.makedirs(parent, exist_ok=True)
-            return open(url, mode)  # noqa: SIM115 - the caller owns the file object
+            return open(url, mode)
         except OSError as exc:
             raise SourceError(f"cannot open {url}: {exc.strerror}") from None
 
@@ -114,10 +114,10 @@ class _FsspecOpener:
         return url
 
 
-_OPENERS: dict[str, type[_LocalOpener] | type[_FsspecOpener]] = {"": _LocalOpener}
+_OPENERS: dict[str, type[_LocalOpener | _FsspecOpener]] = {"": _LocalOpener}
 
 
-def _opener(url: str) -> type[_LocalOpener] | type[_FsspecOpener]:
+def _opener(url: str) -> type[_LocalOpener | _FsspecOpener]:
     return _OPENERS.get(scheme_of(url), _FsspecOpener)
 
 
@@ -145,8 +145,7 @@ def expand_urls(urls: Any, argument: str) -> list[str]:
     if isinstance(urls, (str, os.PathLike)):
         urls = [urls]
     elif not isinstance(urls, Iterable) or isinstance(urls, (bytes, dict)):
-        raise ArgumentError(f"{argument} must be a str, a path or a list of them, "
-                            f"got {type(urls).__name__}")
+        raise ArgumentError(f"{argument} must be a str, a path or a list of them, got {type(urls).__name__}")
     expanded: list[str] = []
     for item in urls:
         if not isinstance(item, (str, os.PathLike)):
@@ -236,10 +235,8 @@ class RangeReader:
     def _after_fork(self) -> None:
         # The inherited descriptors are the parent's bookkeeping; close the child's copies only.
         for fd in self._fds.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._reset()
 
     def close(self) -> None:

@@ -62,8 +62,10 @@ def walk(read_at: Callable[[int, int], bytes], url: str, size: int | None) -> It
     pax: dict[str, str] = {}
     while True:
         if size is not None and offset > size:
-            raise SourceError(f"truncated tar {url}: the file ends at byte {size}, before "
-                              f"offset {offset} where the next header belongs")
+            raise SourceError(
+                f"truncated tar {url}: the file ends at byte {size}, before "
+                f"offset {offset} where the next header belongs"
+            )
         header = read_at(offset, BLOCK)
         if not header:
             if offset == 0:
@@ -77,8 +79,7 @@ def walk(read_at: Callable[[int, int], bytes], url: str, size: int | None) -> It
         data_at = offset + BLOCK
         if typeflag in _NO_DATA:
             member_size = 0
-        if typeflag == _LONG_NAME or typeflag == _LONG_LINK or typeflag in _PAX or \
-                typeflag == _PAX_GLOBAL:
+        if typeflag in (_LONG_NAME, _LONG_LINK, _PAX_GLOBAL) or typeflag in _PAX:
             data = _read_exact(read_at, data_at, member_size, url)
             if typeflag == _LONG_NAME:
                 long_name = _decode(data.split(b"\0", 1)[0])
@@ -101,7 +102,8 @@ def walk(read_at: Callable[[int, int], bytes], url: str, size: int | None) -> It
                 if size is not None and data_at + member_size > size:
                     raise SourceError(
                         f"truncated tar {url}: member {name!r} at offset {offset} needs "
-                        f"{member_size} bytes but the file ends at byte {size}")
+                        f"{member_size} bytes but the file ends at byte {size}"
+                    )
                 yield Member(name, data_at, member_size)
         offset = data_at + -(-member_size // BLOCK) * BLOCK
 
@@ -110,8 +112,7 @@ def _parse_header(buf: bytes, url: str, offset: int) -> tuple[bytes, str, int]:
     stored = _number(buf[148:156], url, offset, "checksum")
     # The checksum counts its own field as 8 spaces; old writers summed signed bytes.
     unsigned = sum(buf[:148]) + 256 + sum(buf[156:])
-    if stored != unsigned and stored != unsigned - 256 * sum(
-            b >= 128 for b in buf[:148] + buf[156:]):
+    if stored != unsigned and stored != unsigned - 256 * sum(b >= 128 for b in buf[:148] + buf[156:]):
         raise SourceError(f"corrupt tar {url}: bad header checksum at offset {offset}")
     typeflag = buf[156:157]
     name = _decode(_cstring(buf[0:100]))
@@ -161,8 +162,7 @@ def _int_field(text: str, url: str, offset: int) -> int:
 def _read_exact(read_at: Callable[[int, int], bytes], offset: int, length: int, url: str) -> bytes:
     data = read_at(offset, length)
     if len(data) != length:
-        raise SourceError(f"truncated tar {url}: {length} bytes expected at offset {offset}, "
-                          f"got {len(data)}")
+        raise SourceError(f"truncated tar {url}: {length} bytes expected at offset {offset}, got {len(data)}")
     return data
 
 

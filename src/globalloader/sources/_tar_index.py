@@ -53,8 +53,7 @@ def load(path: pathlib.Path) -> ShardIndex | None:
         with np.load(path, allow_pickle=False) as z:
             exts_blob = z["exts"].tobytes()
             exts = exts_blob.decode().split("\0") if exts_blob else []
-            index = ShardIndex(z["member_start"], z["members"], z["key_start"],
-                               z["keys"].tobytes(), exts)
+            index = ShardIndex(z["member_start"], z["members"], z["key_start"], z["keys"].tobytes(), exts)
     except (OSError, KeyError, ValueError, zipfile.BadZipFile):
         return None
     if index.members.ndim != 2 or len(index.key_start) != len(index.member_start):
@@ -67,9 +66,14 @@ def save(path: pathlib.Path, index: ShardIndex) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, member_start=index.member_start, members=index.members,
-                     key_start=index.key_start, keys=np.frombuffer(index.keys, np.uint8),
-                     exts=np.frombuffer("\0".join(index.exts).encode(), np.uint8))
+            np.savez(
+                f,
+                member_start=index.member_start,
+                members=index.members,
+                key_start=index.key_start,
+                keys=np.frombuffer(index.keys, np.uint8),
+                exts=np.frombuffer("\0".join(index.exts).encode(), np.uint8),
+            )
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -79,10 +83,13 @@ def scan(read: Callable[[int, int], bytes], url: str, size: int, remote: bool) -
     """Build the index of one shard by walking its headers (data is skipped, not read)."""
     head = read(0, 2)
     if head == b"\x1f\x8b":
-        raise SourceError(f"{url} is gzip-compressed: random access needs an uncompressed tar "
-                          "(decompress it, or read it with iter_records())")
+        raise SourceError(
+            f"{url} is gzip-compressed: random access needs an uncompressed tar "
+            "(decompress it, or read it with iter_records())"
+        )
     reader = BlockReader(read, size, _SCAN_BLOCK_REMOTE if remote else _SCAN_BLOCK_LOCAL)
-    member_start, key_start, members = [0], [0], []
+    member_start, key_start = [0], [0]
+    members: list[tuple[int, int, int]] = []  # (data offset, size, extension id)
     keys: list[bytes] = []
     ext_ids: dict[str, int] = {}
     current: str | None = None
@@ -103,8 +110,10 @@ def scan(read: Callable[[int, int], bytes], url: str, size: int, remote: bool) -
             key_start.append(key_bytes)
             current, seen = key, set()
         elif ext_id in seen:
-            raise SourceError(f"duplicate member {member.name!r} in {url} at offset "
-                              f"{member.offset}: sample {key!r} already has a .{ext} field")
+            raise SourceError(
+                f"duplicate member {member.name!r} in {url} at offset "
+                f"{member.offset}: sample {key!r} already has a .{ext} field"
+            )
         seen.add(ext_id)
         members.append((member.offset, member.size, ext_id))
     if current is not None:
@@ -129,7 +138,7 @@ class BlockReader:
     def read_at(self, offset: int, length: int) -> bytes:
         length = max(0, min(length, self._size - offset))
         rel = offset - self._start
-        if 0 <= rel and rel + length <= len(self._data):
+        if rel >= 0 and rel + length <= len(self._data):
             return self._data[rel : rel + length]
         if length >= self._block:
             return self._read(offset, length)

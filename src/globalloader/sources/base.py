@@ -42,11 +42,9 @@ def check_index(index: Any, length: int, source: object) -> int:
     try:
         value = operator.index(index)
     except TypeError:
-        raise ArgumentError(
-            f"index must be an int, got {type(index).__name__} for {source!r}") from None
+        raise ArgumentError(f"index must be an int, got {type(index).__name__} for {source!r}") from None
     if value < 0:
-        raise SampleIndexError(
-            f"index {value} is negative; {source!r} has length {length} and takes 0..{length - 1}")
+        raise SampleIndexError(f"index {value} is negative; {source!r} has length {length} and takes 0..{length - 1}")
     if value >= length:
         raise SampleIndexError(f"index {value} is out of range for {source!r} of length {length}")
     return value

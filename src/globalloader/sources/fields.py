@@ -104,4 +104,5 @@ class DecodeFields:
             return decode(data)
         except (ValueError, EOFError, OSError) as exc:  # JSON, UTF-8, int() and np.load errors
             raise CorruptSampleError(
-                f"{sample_name(record)}, field {field!r}: cannot decode as {kind}: {exc}") from None
+                f"{sample_name(record)}, field {field!r}: cannot decode as {kind}: {exc}"
+            ) from None

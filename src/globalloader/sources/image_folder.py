@@ -28,19 +28,18 @@ class ImageFolder:
     file) and then kept. Holds no open files, so it pickles and forks freely.
     """
 
-    def __init__(self, root: str | os.PathLike[str],
-                 extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> None:
+    def __init__(self, root: str | os.PathLike[str], extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise ArgumentError(f"root must be a str or path, got {type(root).__name__}")
         if isinstance(extensions, str) or not all(isinstance(e, str) for e in extensions):
             raise ArgumentError(f"extensions must be a tuple of str, got {extensions!r}")
         self.root = os.fspath(root)
-        self.extensions = tuple(e.lower() if e.startswith(".") else "." + e.lower()
-                                for e in extensions)
+        self.extensions = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions)
         if not os.path.isdir(self.root):
             raise SourceError(f"image folder not found: {self.root}")
         self.classes: list[str] = sorted(
-            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
+            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
+        )
         paths: list[str] = []
         labels: list[int] = []
         for label, name in enumerate(self.classes):
@@ -48,8 +47,10 @@ class ImageFolder:
             paths.extend(found)
             labels.extend([label] * len(found))
         if not paths:
-            raise SourceError(f"no images with extensions {self.extensions} under {self.root}/"
-                              "<class>/ (expected the root/class_name/file layout)")
+            raise SourceError(
+                f"no images with extensions {self.extensions} under {self.root}/"
+                "<class>/ (expected the root/class_name/file layout)"
+            )
         self._paths = paths  # relative to root, with '/' separators
         self._labels = np.asarray(labels, np.int64)
         self._fingerprint: str | None = None
@@ -82,8 +83,7 @@ class ImageFolder:
             data = _read_whole(path)
         except OSError as exc:
             raise SourceError(f"cannot read image {path}: {exc.strerror}") from None
-        return {"__key__": rel.rsplit(".", 1)[0], "image": data,
-                "label": int(self._labels[index])}
+        return {"__key__": rel.rsplit(".", 1)[0], "image": data, "label": int(self._labels[index])}
 
     @property
     def labels(self) -> np.ndarray:
@@ -98,8 +98,7 @@ class ImageFolder:
                 try:
                     st = os.stat(os.path.join(self.root, rel))
                 except OSError:
-                    raise SourceError(f"image file vanished: {os.path.join(self.root, rel)}"
-                                      ) from None
+                    raise SourceError(f"image file vanished: {os.path.join(self.root, rel)}") from None
                 lines.append(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}")
             self._fingerprint = fingerprint_of("ImageFolder", [os.path.abspath(self.root), *lines])
         return self._fingerprint

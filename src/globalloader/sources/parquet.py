@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -41,15 +42,14 @@ class Parquet:
     Needs pyarrow (the `parquet` extra).
     """
 
-    def __init__(self, paths: Any, columns: list[str] | None = None, *,
-                 cached_row_groups: int = 4, threads: int = 8) -> None:
+    def __init__(
+        self, paths: Any, columns: list[str] | None = None, *, cached_row_groups: int = 4, threads: int = 8
+    ) -> None:
         self._pq = _extras.require("pyarrow.parquet", "parquet")
-        if columns is not None and (isinstance(columns, str)
-                                    or not all(isinstance(c, str) for c in columns)):
+        if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ArgumentError(f"columns must be a list of str or None, got {columns!r}")
         if not isinstance(cached_row_groups, int) or cached_row_groups < 1:
-            raise ArgumentError(f"cached_row_groups must be a positive int, "
-                                f"got {cached_row_groups!r}")
+            raise ArgumentError(f"cached_row_groups must be a positive int, got {cached_row_groups!r}")
         self.files: list[str] = _files.expand_urls(paths, "paths")
         self.columns: list[str] | None = list(columns) if columns is not None else None
         self.cached_row_groups = cached_row_groups
@@ -68,9 +68,13 @@ class Parquet:
                 in_file += rows
         self._len = self._group_start[-1]
         self.int_columns_as_float: frozenset[str] = _exact_columns_with_nulls(metas, self.columns)
-        self.fingerprint: str = fingerprint_of("Parquet", [
-            f"columns={self.columns}",
-            *(f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats))])
+        self.fingerprint: str = fingerprint_of(
+            "Parquet",
+            [
+                f"columns={self.columns}",
+                *(f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats, strict=True)),
+            ],
+        )
 
     def _reset_handles(self) -> None:
         # One ParquetFile per thread and file: a ParquetFile must not be read from two threads
@@ -115,8 +119,7 @@ class Parquet:
             names = set(handle.schema_arrow.names)
             missing = [c for c in self.columns if c not in names]
             if missing:
-                raise SourceError(f"Parquet file {self.files[f]} has no column(s) {missing}; "
-                                  f"it has {sorted(names)}")
+                raise SourceError(f"Parquet file {self.files[f]} has no column(s) {missing}; it has {sorted(names)}")
         return handle.metadata
 
     def __len__(self) -> int:
@@ -130,15 +133,14 @@ class Parquet:
         if cached is None:
             cached = self._decode_and_cache(group)
         else:
-            try:
+            # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
+            with contextlib.suppress(KeyError):
                 self._groups.move_to_end(group)
-            except KeyError:  # another thread evicted it meanwhile; the local copy is fine
-                pass
         names, values = cached
         row = index - self._group_start[group]
         f, _, first_row = self._group_owner[group]
         record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-        for name, column in zip(names, values):
+        for name, column in zip(names, values, strict=True):
             record[name] = column[row]
         return record
 
@@ -156,8 +158,9 @@ class Parquet:
         """The selected columns of one whole file (by index or URL) as a `pyarrow.Table`."""
         f = self.files.index(file) if isinstance(file, str) else file
         if not isinstance(f, int) or not 0 <= f < len(self.files):
-            raise ArgumentError(f"file must be an index in 0..{len(self.files) - 1} or one of "
-                                f"the source's files, got {file!r}")
+            raise ArgumentError(
+                f"file must be an index in 0..{len(self.files) - 1} or one of the source's files, got {file!r}"
+            )
         try:
             return self._file(f).read(columns=self.columns)
         except (OSError, ValueError) as exc:
@@ -167,9 +170,9 @@ class Parquet:
         """Yield every record in file order, one row group at a time (no cache pollution)."""
         for group, (f, _, first_row) in enumerate(self._group_owner):
             names, values = self._decode_group(group)
-            for row, items in enumerate(zip(*values)):
+            for row, items in enumerate(zip(*values, strict=True)):
                 record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-                record.update(zip(names, items))
+                record.update(zip(names, items, strict=True))
                 yield record
 
     def _decode_group(self, group: int) -> tuple[list[str], list[list[Any]]]:
@@ -180,11 +183,13 @@ class Parquet:
             raise SourceError(f"cannot read row group {g} of {self.files[f]}: {exc}") from None
         names = table.column_names
         as_float = [name in self.int_columns_as_float for name in names]
-        for name, column in zip(names, table.columns):
+        for name, column in zip(names, table.columns, strict=True):
             if column.null_count and _is_exact(column.type) and name not in self.int_columns_as_float:
-                raise SourceError(f"row group {g} of {self.files[f]}: column {name!r} holds nulls its file's "
-                                  "footer does not count; rewrite the file with statistics")
-        return names, [_to_python(column, float_) for column, float_ in zip(table.columns, as_float)]
+                raise SourceError(
+                    f"row group {g} of {self.files[f]}: column {name!r} holds nulls its file's "
+                    "footer does not count; rewrite the file with statistics"
+                )
+        return names, [_to_python(column, float_) for column, float_ in zip(table.columns, as_float, strict=True)]
 
     def __repr__(self) -> str:
         return f"Parquet({len(self.files)} files, {self._len} rows)"
@@ -203,8 +208,11 @@ def _exact_columns_with_nulls(metas: list[Any], columns: list[str] | None) -> fr
     found: set[str] = set()
     for meta in metas:
         schema = meta.schema.to_arrow_schema()
-        exact = {field.name: field.nullable for field in schema
-                 if _is_exact(field.type) and (columns is None or field.name in columns)}
+        exact = {
+            field.name: field.nullable
+            for field in schema
+            if _is_exact(field.type) and (columns is None or field.name in columns)
+        }
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
             for j in range(group.num_columns):

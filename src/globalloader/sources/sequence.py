@@ -29,10 +29,8 @@ class SequenceSource:
     def __init__(self, seq: Sequence[Any], key: str | None = None) -> None:
         # Duck-typed, so NumPy arrays and custom containers pass; text and mappings are
         # refused because indexing them by position is almost always a mistake.
-        if isinstance(seq, (str, bytes, dict)) or not (
-                hasattr(seq, "__len__") and hasattr(seq, "__getitem__")):
-            raise ArgumentError(f"seq must be a sequence (list, tuple, array...), "
-                                f"got {type(seq).__name__}")
+        if isinstance(seq, (str, bytes, dict)) or not (hasattr(seq, "__len__") and hasattr(seq, "__getitem__")):
+            raise ArgumentError(f"seq must be a sequence (list, tuple, array...), got {type(seq).__name__}")
         self.seq = seq
         self._len = len(seq)
         if key is not None and (not isinstance(key, str) or not key):

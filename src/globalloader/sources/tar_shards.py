@@ -48,8 +48,9 @@ class TarShards:
     memory (about 16 bytes per sample plus 24 per member) and travels with a pickled source.
     """
 
-    def __init__(self, urls: Any, *, index_dir: str | os.PathLike[str] | None = None,
-                 threads: int = 8, max_open: int = 256) -> None:
+    def __init__(
+        self, urls: Any, *, index_dir: str | os.PathLike[str] | None = None, threads: int = 8, max_open: int = 256
+    ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ArgumentError(f"threads must be a positive int, got {threads!r}")
         if not isinstance(max_open, int) or max_open < 0:
@@ -64,7 +65,8 @@ class TarShards:
         with ThreadPoolExecutor(self._threads) as pool:
             self._stats = list(pool.map(_files.stat, self.shards))
         self.fingerprint: str = fingerprint_of(
-            "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats)))
+            "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
+        )
         self.scanned = 0  # shards whose index had to be built by a scan (not read from cache)
         self._len = 0
         self._indexed = False
@@ -86,15 +88,22 @@ class TarShards:
                 return
             folder: pathlib.Path | None
             try:
-                folder = (pathlib.Path(self._index_dir) if self._index_dir is not None
-                          else _paths.cache_dir("tar-index"))
+                folder = pathlib.Path(self._index_dir) if self._index_dir is not None else _paths.cache_dir("tar-index")
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError:  # a read-only cache costs a scan per construction, not a failure
                 folder = None
             indexes = []
-            with ThreadPoolExecutor(self._threads) as pool, \
-                    tqdm(total=len(self.shards), desc="indexing tar shards", unit="shard",
-                         delay=2.0, disable=None, leave=False) as bar:
+            with (
+                ThreadPoolExecutor(self._threads) as pool,
+                tqdm(
+                    total=len(self.shards),
+                    desc="indexing tar shards",
+                    unit="shard",
+                    delay=2.0,
+                    disable=None,
+                    leave=False,
+                ) as bar,
+            ):
                 jobs = pool.map(lambda i: self._index_one(i, folder), range(len(self.shards)))
                 for index, scanned in jobs:
                     indexes.append(index)
@@ -103,15 +112,13 @@ class TarShards:
             self._combine(indexes)
             self._indexed = True
 
-    def _index_one(self, i: int, folder: pathlib.Path | None
-                   ) -> tuple[_tar_index.ShardIndex, bool]:
+    def _index_one(self, i: int, folder: pathlib.Path | None) -> tuple[_tar_index.ShardIndex, bool]:
         url, st = self.shards[i], self._stats[i]
         path = _tar_index.index_path(folder, url, st) if folder is not None else None
         index = _tar_index.load(path) if path is not None else None
         if index is not None:
             return index, False
-        index = _tar_index.scan(lambda start, n: self._reader.read(url, start, n),
-                                url, st.size, self._remote[i])
+        index = _tar_index.scan(lambda start, n: self._reader.read(url, start, n), url, st.size, self._remote[i])
         if path is not None:
             _tar_index.save(path, index)
         return index, True
@@ -133,8 +140,9 @@ class TarShards:
             n_keys += len(index.keys)
             self._shard_start.append(self._shard_start[-1] + len(index))
         # Row i holds sample i's first member and key position; row i + 1 ends them.
-        self._starts = np.stack([np.concatenate([*member_starts, [n_members]]),
-                                 np.concatenate([*key_starts, [n_keys]])], axis=1).astype(np.int64)
+        self._starts = np.stack(
+            [np.concatenate([*member_starts, [n_members]]), np.concatenate([*key_starts, [n_keys]])], axis=1
+        ).astype(np.int64)
         self._members = np.concatenate(members) if members else np.zeros((0, 3), np.int64)
         self._keys = b"".join(index.keys for index in indexes)
         self._exts = list(exts)
@@ -153,8 +161,7 @@ class TarShards:
         shard = bisect.bisect_right(self._shard_start, index) - 1
         url = self.shards[shard]
         (m0, k0), (m1, k1) = self._starts[index : index + 2].tolist()
-        record: dict[str, Any] = {"__key__": self._keys[k0:k1].decode("utf-8", "surrogateescape"),
-                                  "__url__": url}
+        record: dict[str, Any] = {"__key__": self._keys[k0:k1].decode("utf-8", "surrogateescape"), "__url__": url}
         exts = self._exts
         members = self._members[m0:m1].tolist()
         if not self._remote[shard]:
@@ -184,8 +191,7 @@ class TarShards:
         chosen = range(len(self.shards)) if shards is None else shards
         for i in chosen:
             if not isinstance(i, int) or not 0 <= i < len(self.shards):
-                raise ArgumentError(f"shards must hold indices in 0..{len(self.shards) - 1}, "
-                                    f"got {i!r}")
+                raise ArgumentError(f"shards must hold indices in 0..{len(self.shards) - 1}, got {i!r}")
             yield from _stream_shard(self.shards[i])
 
     def close(self) -> None:
@@ -198,8 +204,10 @@ class TarShards:
 
 
 def _changed(url: str, offset: int) -> SourceError:
-    return SourceError(f"{url} is shorter than its index says at offset {offset}: the file "
-                       "changed after it was indexed; construct the source again")
+    return SourceError(
+        f"{url} is shorter than its index says at offset {offset}: the file "
+        "changed after it was indexed; construct the source again"
+    )
 
 
 def _stream_shard(url: str) -> Iterator[dict[str, Any]]:
@@ -222,13 +230,17 @@ def _stream_shard(url: str) -> Iterator[dict[str, Any]]:
                     yield sample
                 sample = {"__key__": key, "__url__": url}
             elif ext in sample:
-                raise SourceError(f"duplicate member {member.name!r} in {url} at offset "
-                                  f"{member.offset}: sample {key!r} already has a .{ext} field")
+                raise SourceError(
+                    f"duplicate member {member.name!r} in {url} at offset "
+                    f"{member.offset}: sample {key!r} already has a .{ext} field"
+                )
             data = reader.read_at(member.offset, member.size)
             if len(data) != member.size:
-                raise SourceError(f"truncated tar {url}: member {member.name!r} at offset "
-                                  f"{member.offset - 512} needs {member.size} bytes, "
-                                  f"got {len(data)}")
+                raise SourceError(
+                    f"truncated tar {url}: member {member.name!r} at offset "
+                    f"{member.offset - 512} needs {member.size} bytes, "
+                    f"got {len(data)}"
+                )
             sample[ext] = data
         if sample is not None:
             yield sample
@@ -257,6 +269,7 @@ class _ForwardReader:
         while self._pos < offset:
             chunk = self._stream.read(min(offset - self._pos, _STREAM_BUFFER))
             if not chunk:
-                raise SourceError(f"truncated tar {self._url}: the file ends at byte "
-                                  f"{self._pos}, before offset {offset}")
+                raise SourceError(
+                    f"truncated tar {self._url}: the file ends at byte {self._pos}, before offset {offset}"
+                )
             self._pos += len(chunk)

@@ -7,7 +7,7 @@ import json
 import os
 import tarfile
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import numpy as np
 
@@ -34,19 +34,20 @@ class TarWriter:
     written so far.
     """
 
-    def __init__(self, pattern: str | os.PathLike[str], maxcount: int | None = None,
-                 maxsize: int | None = None) -> None:
+    def __init__(
+        self, pattern: str | os.PathLike[str], maxcount: int | None = None, maxsize: int | None = None
+    ) -> None:
         if not isinstance(pattern, (str, os.PathLike)):
             raise ArgumentError(f"pattern must be a str or path, got {type(pattern).__name__}")
         self.pattern = os.fspath(pattern)
         for name, value in (("maxcount", maxcount), ("maxsize", maxsize)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ArgumentError(f"{name} must be a positive int or None, got {value!r}")
         self._numbered = _has_printf_field(self.pattern)
         if (maxcount or maxsize) and not self._numbered:
-            raise ArgumentError(f"pattern {self.pattern!r} has no printf field such as %06d, so "
-                                "it cannot roll over at maxcount/maxsize")
+            raise ArgumentError(
+                f"pattern {self.pattern!r} has no printf field such as %06d, so it cannot roll over at maxcount/maxsize"
+            )
         self.maxcount, self.maxsize = maxcount, maxsize
         self.paths: list[str] = []
         self._file: IO[bytes] | None = None
@@ -65,18 +66,18 @@ class TarWriter:
         if not isinstance(key, str) or not key:
             raise ArgumentError(f"sample needs a non-empty str '__key__', got {key!r}")
         if "." in key.rsplit("/", 1)[-1] or key.startswith("__"):
-            raise ArgumentError(f"sample key {key!r}: no dot allowed in its last path part, and "
-                                "no leading '__' (readers would split or skip it)")
-        members = [(name, _encode(key, name, value)) for name, value in sample.items()
-                   if not name.startswith("__")]
+            raise ArgumentError(
+                f"sample key {key!r}: no dot allowed in its last path part, and "
+                "no leading '__' (readers would split or skip it)"
+            )
+        members = [(name, _encode(key, name, value)) for name, value in sample.items() if not name.startswith("__")]
         if not members:
             raise ArgumentError(f"sample {key!r} has no fields besides '__' entries")
         nbytes = sum(512 + -(-len(data) // 512) * 512 for _, data in members)
         if self._tar is None or self._full(nbytes):
             self._next_shard()
         elif key == self._last_key:
-            raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would "
-                                "merge the two samples")
+            raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would merge the two samples")
         for name, data in members:
             info = tarfile.TarInfo(f"{key}.{name}")
             info.size, info.mode, info.mtime = len(data), 0o444, 0
@@ -96,8 +97,9 @@ class TarWriter:
         path = self.pattern % len(self.paths) if self._numbered else self.pattern
         if not self._numbered and self.paths:
             raise ArgumentError(f"pattern {self.pattern!r} names one shard only")
+        # Both stay open across write() calls until the shard is full; _finish_shard closes them.
         self._file = _files.open_file(path, "wb")
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115
         self.paths.append(path)
         self._count = self._size = 0
         self._last_key = None
@@ -114,11 +116,12 @@ class TarWriter:
             self._finish_shard()
             self._closed = True
 
-    def __enter__(self) -> TarWriter:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -136,16 +139,16 @@ def _has_printf_field(pattern: str) -> bool:
 
 def _encode(key: str, name: str, value: Any) -> bytes:
     if not name or name != name.lower() or "/" in name:
-        raise ArgumentError(f"sample {key!r}: field name {name!r} must be non-empty lower-case "
-                            "without '/'")
+        raise ArgumentError(f"sample {key!r}: field name {name!r} must be non-empty lower-case without '/'")
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
         return value.encode("utf-8")
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
-            raise ArgumentError(f"sample {key!r}: field {name!r} is an object array; "
-                                ".npy without pickle cannot hold it")
+            raise ArgumentError(
+                f"sample {key!r}: field {name!r} is an object array; .npy without pickle cannot hold it"
+            )
         buffer = io.BytesIO()
         np.save(buffer, value, allow_pickle=False)
         return buffer.getvalue()
@@ -157,8 +160,8 @@ def _encode(key: str, name: str, value: Any) -> bytes:
         try:
             return json.dumps(value).encode("utf-8")
         except (TypeError, ValueError) as exc:
-            raise ArgumentError(f"sample {key!r}: field {name!r} is not JSON-serializable: "
-                                f"{exc}") from None
-    raise ArgumentError(f"sample {key!r}: field {name!r} has unsupported type "
-                        f"{type(value).__name__} (use bytes, str, int, float, ndarray, dict, list)")
-
+            raise ArgumentError(f"sample {key!r}: field {name!r} is not JSON-serializable: {exc}") from None
+    raise ArgumentError(
+        f"sample {key!r}: field {name!r} has unsupported type "
+        f"{type(value).__name__} (use bytes, str, int, float, ndarray, dict, list)"
+    )
