@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         help=f"decode worker processes (default: one per core, {os.cpu_count() or 1} here)",
     )
     serve.add_argument("--socket", default=None, help=_SOCKET_HELP)
+    serve.add_argument("--idle-exit", type=float, default=0.0,
+                       help="exit after this many seconds with no jobs (0: never; servers a Loader starts use 60)")
     stop = command("stop", "stop the global loader server cleanly")
     stop.add_argument("--socket", default=None, help=_SOCKET_HELP)
     status = command("status", "live table of the server's jobs, pool and savings")
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "serve":
             from globalloader.service import server
 
-            forwarded = ["--memory", args.memory] + (["--socket", args.socket] if args.socket else [])
+            forwarded = ["--memory", args.memory, "--idle-exit", str(args.idle_exit)]
+            forwarded += ["--socket", args.socket] if args.socket else []
             return server.main(forwarded + (["--workers", str(args.workers)] if args.workers else []))
         else:
             from pathlib import Path

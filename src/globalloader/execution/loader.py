@@ -162,7 +162,7 @@ class Loader:
         if self.workers == 0:
             return InlinePool(self.plan, skip)
         if self.mode == "thread":
-            return ThreadPool(self.plan, skip, self.workers)
+            return ThreadPool(self.plan, skip, self.workers, self.timeout)
         return ProcessPool(self.plan, skip, self.workers, self._start_method, self.timeout)
 
     def _abandon_run(self) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.errors import SAMPLE_ERRORS, ArgumentError, StateError
+from globalloader.errors import SAMPLE_ERRORS, ArgumentError, SharedPrefixError, StateError
 from globalloader.execution.run import UNAVAILABLE, EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
 from globalloader.service import protocol
@@ -47,8 +47,13 @@ class SharedSession:
         prefix = Dataset(plan.source, tuple(plan.maps[: plan.split])).plan
         for op in prefix.maps:
             _by_value_if_local(cloudpickle, op.fn)
-        hello = {  # the key first: a chain that cannot be keyed fails before any server starts
-            "prefix_fp": prefix.fingerprint, "prefix": cloudpickle.dumps(prefix),
+        try:  # the key first: a chain that cannot be keyed or sent fails before any server starts
+            shipped = cloudpickle.dumps(prefix)
+        except Exception as exc:
+            raise SharedPrefixError(f"the shared prefix cannot be sent to the server: {type(exc).__name__}: {exc}; "
+                                    "shared maps must be picklable (no locks, open files or sockets)") from exc
+        hello = {
+            "prefix_fp": prefix.fingerprint, "prefix": shipped,
             "name": name or f"{os.path.basename(sys.argv[0] or 'python')}[{os.getpid()}]",
             "seed": plan.seed, "timeout": timeout,
         }

@@ -29,7 +29,7 @@ from globalloader.dataset.plan import Plan, Timer
 from globalloader.errors import LoaderTimeoutError, TransformError, WorkerError
 from globalloader.transport.arena import attach
 from globalloader.transport.names import PREFIX, remove_leftovers
-from globalloader.transport.process import orphaned, tune_allocator
+from globalloader.transport.process import orphaned, single_threaded_torch, tune_allocator
 from globalloader.transport.segments import BatchReader, BatchWriter
 
 
@@ -91,7 +91,8 @@ class InlinePool:
 class ThreadPool:
     """mode="thread": one thread per worker; results are passed by reference (no copies)."""
 
-    def __init__(self, plan: Plan, skip_errors: bool, workers: int) -> None:
+    def __init__(self, plan: Plan, skip_errors: bool, workers: int, timeout: float = 300.0) -> None:
+        self._timeout = timeout
         self._inbox = [queue.SimpleQueue() for _ in range(workers)]
         self._outbox = [queue.SimpleQueue() for _ in range(workers)]
         self._threads = [
@@ -118,7 +119,13 @@ class ThreadPool:
         self._inbox[worker].put(task)
 
     def result(self, worker: int) -> Result:
-        out = self._outbox[worker].get()
+        try:
+            out = self._outbox[worker].get(timeout=self._timeout)
+        except queue.Empty:
+            raise LoaderTimeoutError(
+                f"worker thread {worker} produced nothing for {self._timeout:.0f} s (Loader(timeout=)); a thread "
+                "cannot be stopped, so this Loader's threads may still be busy: close it"
+            ) from None
         if isinstance(out, tuple) and not isinstance(out, Result):
             _raise_remote(*out)
         return out
@@ -134,6 +141,7 @@ def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, p
     """A worker process: run tasks from `conn`, write outputs to shared memory, send messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     tune_allocator()
+    single_threaded_torch()
     if isinstance(plan, bytes):
         plan = pickle.loads(plan)
     writer = BatchWriter(prefix)

@@ -106,6 +106,7 @@ class Client:
         if self._closed.is_set():
             return
         try:
+            self.send("heartbeat", self.progress)  # the last progress, for `status`
             self.send("bye")
         except ServerGoneError:
             pass

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SourceError
+from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SharedPrefixError, SourceError
 from globalloader.service.pool import BufferPool
 from globalloader.service.protocol import STALL_S, error_name
 from globalloader.transport import arena
@@ -42,6 +42,10 @@ def _run_prefix(prefix: Any, index: int) -> Any:
     try:
         return prefix.prefix_sample(index)
     except GlobalLoaderError:
+        raise
+    except ImportError as exc:  # a module the shared maps need is not importable here
+        raise SharedPrefixError(f"the server cannot import what the shared maps need: {exc}") from exc
+    except MemoryError:
         raise
     except Exception as exc:  # raised by the source's own read, not by a map
         raise SourceError(f"reading sample {index} failed: {type(exc).__name__}: {exc}") from exc

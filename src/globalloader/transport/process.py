@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 
 def tune_allocator() -> None:
@@ -19,6 +20,15 @@ def tune_allocator() -> None:
         libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: the default allocator is fine, only slower
+
+
+def single_threaded_torch() -> None:
+    """In a forked worker: if the parent had imported torch, use one intra-op thread. The parent's
+    OpenMP pool did not survive the fork, and a torch op sized for it can deadlock the child;
+    one thread per worker is also what the workers' parallelism wants."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def orphaned(parent: int) -> bool:
