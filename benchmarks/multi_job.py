@@ -11,7 +11,7 @@ decode workers and the jobs none (see `globalloader.demo.jobs`). Scenarios, each
 - identical: K = 2, 4 jobs over the whole set;
 - overlap: K = 2, 4 jobs, each set half common to all and half its own (50% overlap pairwise);
 - 2x speed: K = 2 over the whole set, one job with a sleep per batch that makes it about half
-  as fast (calibrated: corrected until the measured ratio is 2 +- 0.2, at most twice), a pool
+  as fast (calibrated: corrected until the measured ratio is 2 +- 0.1, at most three times), a pool
   of 5% of the dataset; the fast job keeps
   training (a background job: epoch after epoch until the slow one has done its epoch), as in
   the simulation behind docs/shared.md's sharing table; the "one epoch each" variant is also run (the fast job
@@ -195,13 +195,14 @@ class _Bench:
 def _two_x(bench: _Bench, everything: list[int], pool: int, n: int) -> float:
     """K = 2, the slow job about half as fast as the other, which keeps training (a background job,
     up to 4 epochs) until the slow one has done its epoch. The sleep starts at a lone job's batch
-    time through the server and is corrected (at most twice) until the measured speed ratio is
-    within 2 +- 0.2. Returns the sleep used."""
+    time through the server and is corrected (at most three times) until the measured speed ratio
+    is within 2 +- 0.1: the followed share depends steeply on the ratio (measured: 0.78 at 1.85,
+    0.96 at 2.02), so a looser tolerance would measure another scenario. Returns the sleep used."""
     name = "2x speed K=2"
     lone = [r for r in bench.scenarios["single"]["runs"].values() if _ok(r)]
     sleep = BATCH / (lone[-1]["samples_per_s"] if lone else 500.0)
     attempts = []
-    for attempt in range(3):
+    for attempt in range(4):
         specs = [JobSpec("fast", everything, epochs=4, background=True), JobSpec("slow", everything, sleep=sleep)]
         result = bench.run(name, specs, "shared", pool)
         if result is None:
@@ -211,7 +212,7 @@ def _two_x(bench: _Bench, everything: list[int], pool: int, n: int) -> float:
         attempts.append(
             {"sleep_per_batch_s": sleep, "speed_ratio": ratio, "slow_followed_share": jobs["slow"]["followed_share"]}
         )
-        if abs(ratio - 2.0) <= 0.2 or attempt == 2:
+        if abs(ratio - 2.0) <= 0.1 or attempt == 3:
             break
         # The slow job's batch takes BATCH / its speed; make it 2 / ratio times as long.
         sleep = max(0.0, sleep + BATCH / jobs["slow"]["samples_per_s"] * (2.0 / ratio - 1.0))
