@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import Server, check_resume
 from torch.utils.data import BatchSampler, DistributedSampler, WeightedRandomSampler, get_worker_info
 
 import globalloader as gl
 import globalloader.torch as gt
 from globalloader.errors import ArgumentError, StateError
+from helpers import Server, check_resume
 
 TorchLoader = torch.utils.data.DataLoader
 Pair = collections.namedtuple("Pair", "image label")

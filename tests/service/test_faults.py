@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import Server, pool_segments
 
 import globalloader as gl
 from globalloader import errors
 from globalloader.service import protocol
 from globalloader.service.launcher import connect, request, status
+from helpers import Server, pool_segments
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
 

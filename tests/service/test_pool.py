@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError
+from globalloader.errors import ProtocolError, SampleTooLargeError
 from globalloader.service.pool import BufferPool
 
 

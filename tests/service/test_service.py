@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import Server, pool_segments
 
 import globalloader as gl
 from globalloader.errors import ServerGone
 from globalloader.service.launcher import request
+from helpers import Server, pool_segments
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]
 

@@ -9,12 +9,8 @@ resumes in either mode.
 
 from __future__ import annotations
 
-import time
 import warnings
-from collections import deque
 from typing import Any
-
-import numpy as np
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.iterator import check_state, make_state
@@ -203,10 +199,10 @@ class Loader:
             self._session.close()
             self._session = None
 
-    def __enter__(self) -> "Loader":
+    def __enter__(self) -> Loader:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:

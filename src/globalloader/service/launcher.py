@@ -24,7 +24,7 @@ from globalloader.transport.arena import POOL_PREFIX
 from globalloader.transport.names import list_names, unlink
 from globalloader.transport.process import alive
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 MIN_MEMORY = 16 << 10  # a pool smaller than 16 KiB holds nothing useful
 LOST_RACE = 3  # a server's exit code when another server owns its socket
 IDLE_EXIT_S = 60.0  # an auto-started server with no jobs for this long exits ($GLOBALLOADER_IDLE_EXIT)

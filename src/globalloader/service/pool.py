@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError, ServerError
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader.transport.codec import decode_tree
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.pool import WorkerPool
 from globalloader.torch.tensors import pin, torch
 from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, INLINE, Fetcher, WorkerSpec
+from globalloader.transport.codec import decode_tree
 
 if TYPE_CHECKING:
     from globalloader.torch.dataloader import DataLoader

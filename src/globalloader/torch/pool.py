@@ -19,9 +19,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from globalloader.errors import WorkerError
+from globalloader.torch.worker import WorkerSpec, worker_main
 from globalloader.transport.names import remove_leftovers
 from globalloader.transport.segments import BatchReader
-from globalloader.torch.worker import WorkerSpec, worker_main
 
 _POLL = 1.0  # seconds between liveness checks while waiting
 _STOP_GRACE = 5.0  # seconds workers get to stop before they are killed

@@ -28,12 +28,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from globalloader.errors import WorkerError
+from globalloader.torch.collate import stack_collate
+from globalloader.torch.tensors import torch
 from globalloader.transport.codec import copy_arrays, encode_tree
 from globalloader.transport.names import remove_leftovers
 from globalloader.transport.process import tune_allocator
 from globalloader.transport.segments import BatchWriter
-from globalloader.torch.collate import stack_collate
-from globalloader.torch.tensors import torch
 
 # Result kinds a worker sends: (generation, task, kind, payload, busy seconds)
 BATCH = 0  # payload: a BatchMessage

@@ -8,11 +8,11 @@ exactly like a batch.
 
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 from typing import Any
 
-import _posixshmem
 import numpy as np
 
 from globalloader.errors import ServerGoneError, ServerStartError
@@ -21,7 +21,7 @@ from globalloader.transport.names import PREFIX, SHM_DIR, free_bytes, unlink
 
 POOL_PREFIX = PREFIX + "pool-"  # + the server's pid
 
-_attached: dict[str, "Arena"] = {}
+_attached: dict[str, Arena] = {}
 
 
 class Arena:

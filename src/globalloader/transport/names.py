@@ -8,9 +8,8 @@ warnings) when that process exits. POSIX only.
 
 from __future__ import annotations
 
-import os
-
 import _posixshmem
+import os
 
 from globalloader.errors import ArgumentError
 

@@ -24,13 +24,13 @@ Arrays are laid out by `transport.codec`; names are made and removed through `tr
 
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import _posixshmem
 import numpy as np
 
 from globalloader.errors import ArgumentError, SharedMemoryError
@@ -52,7 +52,7 @@ BatchMessage = tuple[str | None, tuple, tuple[str, ...]]
 class _Segment:
     """One shared-memory segment as the writer sees it."""
 
-    __slots__ = ("name", "capacity", "mapping")
+    __slots__ = ("capacity", "mapping", "name")
 
     def __init__(self, name: str, capacity: int, mapping: mmap.mmap) -> None:
         self.name = name
