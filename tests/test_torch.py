@@ -188,20 +188,34 @@ def both(dataset: Any, **kwargs: Any) -> tuple[list, list]:
 def test_constructor_has_torchs_signature_then_the_extras():
     theirs = list(inspect.signature(TorchLoader.__init__).parameters.values())
     ours = list(inspect.signature(gt.DataLoader.__init__).parameters.values())
-    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
-        (p.name, p.kind, p.default) for p in theirs
-    ]
-    assert [p.name for p in ours[len(theirs):]] == ["share", "server"]
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
+    assert [p.name for p in ours[len(theirs) :]] == ["share", "server"]
     assert gt.DataLoader[list] is not None  # subscriptable like DataLoader[T]
 
 
 def test_public_attributes_and_len_match_torch():
     dataset = Squares(10)
-    for kwargs in ({}, {"batch_size": 3}, {"batch_size": 3, "drop_last": True}, {"batch_size": None},
-                   {"batch_size": 4, "shuffle": True, "num_workers": 2, "prefetch_factor": 3, "timeout": 5}):
+    for kwargs in (
+        {},
+        {"batch_size": 3},
+        {"batch_size": 3, "drop_last": True},
+        {"batch_size": None},
+        {"batch_size": 4, "shuffle": True, "num_workers": 2, "prefetch_factor": 3, "timeout": 5},
+    ):
         theirs, ours = TorchLoader(dataset, **kwargs), gt.DataLoader(dataset, **kwargs)
-        for name in ("batch_size", "drop_last", "num_workers", "prefetch_factor", "timeout", "pin_memory",
-                     "pin_memory_device", "persistent_workers", "worker_init_fn", "generator", "in_order"):
+        for name in (
+            "batch_size",
+            "drop_last",
+            "num_workers",
+            "prefetch_factor",
+            "timeout",
+            "pin_memory",
+            "pin_memory_device",
+            "persistent_workers",
+            "worker_init_fn",
+            "generator",
+            "in_order",
+        ):
             assert getattr(ours, name) == getattr(theirs, name), name
         assert ours.dataset is dataset and ours.collate_fn is theirs.collate_fn
         assert type(ours.sampler) is type(theirs.sampler) and type(ours.batch_sampler) is type(theirs.batch_sampler)
@@ -251,7 +265,10 @@ def test_batches_equal_torchs_for_every_sampler_form(workers):
     forms = [
         dict(batch_size=4, shuffle=True, generator_seed=7),
         dict(batch_size=5, drop_last=True),
-        dict(batch_size=3, sampler=lambda: WeightedRandomSampler([1.0] * 23, 30, generator=torch.Generator().manual_seed(3))),
+        dict(
+            batch_size=3,
+            sampler=lambda: WeightedRandomSampler([1.0] * 23, 30, generator=torch.Generator().manual_seed(3)),
+        ),
         dict(batch_sampler=lambda: BatchSampler(range(20, 2, -3), 2, False)),
         dict(batch_size=None, sampler=[5, 1, 4]),
     ]
@@ -325,8 +342,13 @@ def test_iterable_dataset_sharded_by_worker_info():
 
 
 def test_worker_info_and_worker_init_fn():
-    loader = gt.DataLoader(WorkerIdentity(), batch_size=2, num_workers=2, worker_init_fn=tag_worker,
-                           generator=torch.Generator().manual_seed(3))
+    loader = gt.DataLoader(
+        WorkerIdentity(),
+        batch_size=2,
+        num_workers=2,
+        worker_init_fn=tag_worker,
+        generator=torch.Generator().manual_seed(3),
+    )
     it = iter(loader)
     rows = torch.cat(list(it)).tolist()
     pids = [w.pid for w in it._workers]
@@ -417,12 +439,14 @@ def test_a_killed_worker_is_reported_with_its_pid_and_signal():
 
 def run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_workers_forked_after_torch_ran_threads_do_not_deadlock():
-    done = run_script("""
+    done = run_script(
+        """
         import torch
         from globalloader.torch import DataLoader
 
@@ -436,14 +460,20 @@ def test_workers_forked_after_torch_ran_threads_do_not_deadlock():
         torch.set_num_threads(2)
         Conv()[0]  # the main process runs torch's thread pool before the workers fork
         print([b.tolist() for b in DataLoader(Conv(), batch_size=2, num_workers=2, timeout=20)])
-    """, timeout=60)
+    """,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[[47998.0, 47998.0], [47998.0, 47998.0]]"
 
 
 @pytest.mark.slow
 def test_no_worker_outlives_its_parent():
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import time, torch
         from globalloader.torch import DataLoader
 
@@ -456,7 +486,12 @@ def test_no_worker_outlives_its_parent():
         it = iter(DataLoader(Stuck(), num_workers=2))
         print(*[w.pid for w in it._workers], flush=True)
         next(it)
-    """)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == 2
     parent.kill()
@@ -483,8 +518,12 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_state_dict_resumes_a_pass_exactly(workers):
-    check_resume(lambda: gt.DataLoader(Squares(30), batch_size=4, shuffle=True, num_workers=workers,
-                                       generator=torch.Generator().manual_seed(1)), 3)
+    check_resume(
+        lambda: gt.DataLoader(
+            Squares(30), batch_size=4, shuffle=True, num_workers=workers, generator=torch.Generator().manual_seed(1)
+        ),
+        3,
+    )
 
 
 def test_state_dict_of_an_iterable_dataset_resumes_too():
@@ -519,8 +558,9 @@ def test_share_true_feeds_the_job_from_a_server(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the server imports this module's dataset
     server = Server(tmp_path / "s.sock")
     try:
-        loader = gt.DataLoader(Tagged("a"), batch_size=4, shuffle=True, num_workers=1, share=True,
-                               server=str(server.socket))
+        loader = gt.DataLoader(
+            Tagged("a"), batch_size=4, shuffle=True, num_workers=1, share=True, server=str(server.socket)
+        )
         labels = [int(y) for x, y in loader for y in y]
         assert sorted(labels) == [i * i for i in range(10)] and len(loader) == 3
         loader.close()

@@ -52,9 +52,12 @@ def main() -> None:
     args = p.parse_args()
     share = {"true": True, "auto": "auto"}[args.share]
     indices = [i for i in range(args.start, args.stop)]
-    with open(args.out, "w") as out, gl.Loader(
-        chain(indices, args.batch), workers=1, share=share, server=args.socket, on_error=args.on_error
-    ) as loader:
+    with (
+        open(args.out, "w") as out,
+        gl.Loader(
+            chain(indices, args.batch), workers=1, share=share, server=args.socket, on_error=args.on_error
+        ) as loader,
+    ):
         try:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)

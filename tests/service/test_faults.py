@@ -97,8 +97,9 @@ def test_samples_kept_by_the_consumer_are_never_overwritten(tmp_path, mode, tria
 
 def _servers_for(path: Path) -> list[int]:
     """Server processes for `path` (not counting their forked decode workers)."""
-    out = subprocess.run(["pgrep", "-f", f"globalloader.service.server --socket {path}"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["pgrep", "-f", f"globalloader.service.server --socket {path}"], capture_output=True, text=True
+    ).stdout
     pids = {int(p) for p in out.split()}
     return [pid for pid in pids if _parent(pid) not in pids]
 
@@ -126,10 +127,27 @@ def test_eight_jobs_started_together_share_one_server_and_leave_nothing(tmp_path
     sock = tmp_path / "race.sock"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     job = Path(__file__).with_name("job.py")
-    procs = [subprocess.Popen([sys.executable, str(job), str(sock), str(tmp_path / f"{k}.jsonl"),
-                               "--start", "20", "--stop", "80", "--batch", "6"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k in range(8)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(job),
+                str(sock),
+                str(tmp_path / f"{k}.jsonl"),
+                "--start",
+                "20",
+                "--stop",
+                "80",
+                "--batch",
+                "6",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k in range(8)
+    ]
     try:
         for proc in procs:
             out, _ = proc.communicate(timeout=120)
@@ -144,8 +162,12 @@ def test_eight_jobs_started_together_share_one_server_and_leave_nothing(tmp_path
         assert report["decodes"] < report["requests"], "the jobs did not share"
         pid = report["pid"]
     finally:
-        subprocess.run([sys.executable, "-m", "globalloader", "stop", "--socket", str(sock)], env=env,
-                       capture_output=True, timeout=30)
+        subprocess.run(
+            [sys.executable, "-m", "globalloader", "stop", "--socket", str(sock)],
+            env=env,
+            capture_output=True,
+            timeout=30,
+        )
     deadline = time.monotonic() + 10
     while _servers_for(sock):
         assert time.monotonic() < deadline, "a server outlived `globalloader stop`"
@@ -156,20 +178,29 @@ def test_eight_jobs_started_together_share_one_server_and_leave_nothing(tmp_path
 
 def test_a_second_server_on_a_live_socket_exits_and_touches_nothing(srv, tmp_path):
     before = pool_segments()
-    out = subprocess.run([sys.executable, "-m", "globalloader", "serve", "--socket", str(srv.socket),
-                          "--memory", "1M"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "globalloader", "serve", "--socket", str(srv.socket), "--memory", "1M"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode != 0 and "another server owns" in out.stderr
     assert srv.socket.exists() and status(srv.socket)["pid"] == srv.proc.pid
     assert pool_segments() == before and f"gl-pool-{srv.proc.pid}" in before
 
 
-@pytest.mark.parametrize("memory, says", [("0", "below the 16K minimum"), ("lots", "cannot read"),
-                                          ("100T", "/dev/shm")])
+@pytest.mark.parametrize(
+    "memory, says", [("0", "below the 16K minimum"), ("lots", "cannot read"), ("100T", "/dev/shm")]
+)
 def test_a_bad_memory_size_is_one_line_and_leaves_nothing(tmp_path, memory, says):
     sock = tmp_path / "m.sock"
     before = pool_segments()
-    out = subprocess.run([sys.executable, "-m", "globalloader", "serve", "--socket", str(sock), "--memory", memory],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "globalloader", "serve", "--socket", str(sock), "--memory", memory],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 1 and says in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert pool_segments() == before and not sock.exists()
@@ -178,8 +209,12 @@ def test_a_bad_memory_size_is_one_line_and_leaves_nothing(tmp_path, memory, says
 def test_a_server_that_cannot_bind_makes_no_pool(tmp_path):
     sock = tmp_path / ("x" * 120 + ".sock")  # longer than a Unix socket path may be
     before = pool_segments()
-    out = subprocess.run([sys.executable, "-m", "globalloader", "serve", "--socket", str(sock), "--memory", "1M"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "globalloader", "serve", "--socket", str(sock), "--memory", "1M"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 1 and "cannot bind" in out.stderr and pool_segments() == before
 
 
@@ -238,8 +273,12 @@ def test_status_and_stop_against_a_blocked_server_time_out(srv):
         started = time.monotonic()
         with pytest.raises(errors.ServerTimeoutError):
             request(srv.socket, "status", timeout=2)
-        out = subprocess.run([sys.executable, "-m", "globalloader", "status", "--once", "--socket",
-                              str(srv.socket)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "globalloader", "status", "--once", "--socket", str(srv.socket)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 1 and "did not answer" in out.stderr
         assert time.monotonic() - started < 2 * protocol.REQUEST_S + 10
     finally:
@@ -282,7 +321,8 @@ def test_a_prefix_the_server_cannot_import_is_not_a_skipped_sample(srv, tmp_path
     folder = tmp_path / "site-packages"
     folder.mkdir()
     (folder / "only_here_mod.py").write_text(
-        "import numpy as np\ndef fn(r):\n    return {'x': np.zeros(2), 'index': r}\n")
+        "import numpy as np\ndef fn(r):\n    return {'x': np.zeros(2), 'index': r}\n"
+    )
     sys.path.insert(0, str(folder))
     try:
         import only_here_mod
@@ -332,13 +372,16 @@ def _raw(srv: Server) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("payload, says", [
-    (struct.pack("!I", 5) + b"hello", "not a valid pickle"),
-    (protocol.HEADER.pack(len(p := pickle.dumps(("launch", 1)))) + p, "unknown message"),
-    (protocol.HEADER.pack(len(p := pickle.dumps(("hello",)))) + p, "needs fields"),
-    (protocol.HEADER.pack(len(p := pickle.dumps(("want", 0, 5)))) + p, "before 'hello'"),
-    (struct.pack("!I", 0xFFFFFFFF) + b"x" * 100, "over the"),
-])
+@pytest.mark.parametrize(
+    "payload, says",
+    [
+        (struct.pack("!I", 5) + b"hello", "not a valid pickle"),
+        (protocol.HEADER.pack(len(p := pickle.dumps(("launch", 1)))) + p, "unknown message"),
+        (protocol.HEADER.pack(len(p := pickle.dumps(("hello",)))) + p, "needs fields"),
+        (protocol.HEADER.pack(len(p := pickle.dumps(("want", 0, 5)))) + p, "before 'hello'"),
+        (struct.pack("!I", 0xFFFFFFFF) + b"x" * 100, "over the"),
+    ],
+)
 def test_a_malformed_frame_ends_only_its_connection(srv, payload, says):
     with _raw(srv) as bad, gl.Loader(chain(values), share=True, server=str(srv.socket)) as loader:
         it = iter(loader)
@@ -391,8 +434,12 @@ def test_running_out_of_file_descriptors_does_not_end_the_server(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 
     sock = tmp_path / "fd.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "globalloader", "serve", "--socket", str(sock), "--memory", "1M",
-                             "--workers", "1"], preexec_fn=few_fds, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "globalloader", "serve", "--socket", str(sock), "--memory", "1M", "--workers", "1"],
+        preexec_fn=few_fds,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 20
         while not sock.exists():

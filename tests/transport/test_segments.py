@@ -144,9 +144,11 @@ def _nested_batch() -> dict[str, Any]:
         "key": ["sample-0", "sample-1"],
         "count": 7,
         "missing": None,
-        "nested": {"pair": Pair(np.ones(3, dtype=np.int8), "right"),
-                   "tuple": (np.full((2, 2), 9.0), "text", 1),
-                   "list": [np.arange(4), [np.arange(2) * 5], "x"]},
+        "nested": {
+            "pair": Pair(np.ones(3, dtype=np.int8), "right"),
+            "tuple": (np.full((2, 2), 9.0), "text", 1),
+            "list": [np.arange(4), [np.arange(2) * 5], "x"],
+        },
     }
 
 

@@ -38,8 +38,9 @@ from globalloader.transport.arena import Arena, attach
 class SharedSession:
     """This Loader's registration with the server: one job, one numbered run per pass."""
 
-    def __init__(self, plan: Any, server: str | None, memory: str | int | None, name: str | None,
-                 timeout: float) -> None:
+    def __init__(
+        self, plan: Any, server: str | None, memory: str | int | None, name: str | None, timeout: float
+    ) -> None:
         import cloudpickle
 
         if plan.is_stream:
@@ -50,12 +51,16 @@ class SharedSession:
         try:  # the key first: a chain that cannot be keyed or sent fails before any server starts
             shipped = cloudpickle.dumps(prefix)
         except Exception as exc:
-            raise SharedPrefixError(f"the shared prefix cannot be sent to the server: {type(exc).__name__}: {exc}; "
-                                    "shared maps must be picklable (no locks, open files or sockets)") from exc
+            raise SharedPrefixError(
+                f"the shared prefix cannot be sent to the server: {type(exc).__name__}: {exc}; "
+                "shared maps must be picklable (no locks, open files or sockets)"
+            ) from exc
         hello = {
-            "prefix_fp": prefix.fingerprint, "prefix": shipped,
+            "prefix_fp": prefix.fingerprint,
+            "prefix": shipped,
             "name": name or f"{os.path.basename(sys.argv[0] or 'python')}[{os.getpid()}]",
-            "seed": plan.seed, "timeout": timeout,
+            "seed": plan.seed,
+            "timeout": timeout,
         }
         self.timeout = timeout
         self.client = Client(server or protocol.default_socket(), memory=memory)
@@ -147,7 +152,9 @@ class SharedRun(EpochRun):
         arrived). Messages of earlier runs are stale and dropped."""
         while self._next_seq < self._unique and self._next_seq not in self._tickets:
             if block:  # the server fails a load at `timeout` itself, naming the sample: give it time to
-                msg = self._client.get(self.host.timeout + 5, f"the next sample ({self._next_seq} of {self._unique} received)")
+                msg = self._client.get(
+                    self.host.timeout + 5, f"the next sample ({self._next_seq} of {self._unique} received)"
+                )
             else:
                 msg = self._client.get_nowait()
             if msg is None:
@@ -213,8 +220,10 @@ class SharedRun(EpochRun):
         if self._fallback is not None:
             return self._fallback._next()
         if self._failed is not None:
-            raise StateError(f"this pass ended with {type(self._failed).__name__}: {self._failed}; "
-                             "iterate the Loader again to go on from where it stopped") from self._failed
+            raise StateError(
+                f"this pass ended with {type(self._failed).__name__}: {self._failed}; "
+                "iterate the Loader again to go on from where it stopped"
+            ) from self._failed
         try:
             return self._next_item()
         except StopIteration:

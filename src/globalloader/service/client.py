@@ -22,8 +22,9 @@ from globalloader.transport.process import alive
 
 
 class Client:
-    def __init__(self, path: Path, start: bool = True, memory: str | int | None = None,
-                 workers: int | None = None) -> None:
+    def __init__(
+        self, path: Path, start: bool = True, memory: str | int | None = None, workers: int | None = None
+    ) -> None:
         self.path = Path(path)
         if start:
             ensure_server(self.path, memory, workers)
@@ -31,7 +32,8 @@ class Client:
             self.sock, self.server_pid = connect(self.path)
         except OSError as exc:
             raise (ServerStartError if start else ServerGoneError)(
-                f"no globalloader server answers at {self.path}") from exc
+                f"no globalloader server answers at {self.path}"
+            ) from exc
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._send_lock = threading.Lock()
         self._closed = threading.Event()

@@ -210,10 +210,11 @@ class Server:
             self._fail(conn, exc)
         except Exception as exc:  # a bug: the job hears of it, the server and other jobs go on
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            self._log(f"error while serving {kind!r}: {type(exc).__name__}: {exc} "
-                      f"({Path(where.filename).name}:{where.lineno})")
-            self._send(conn, "error", "ServerError",
-                       f"the server failed on {kind!r}: {type(exc).__name__}: {exc}")
+            self._log(
+                f"error while serving {kind!r}: {type(exc).__name__}: {exc} "
+                f"({Path(where.filename).name}:{where.lineno})"
+            )
+            self._send(conn, "error", "ServerError", f"the server failed on {kind!r}: {type(exc).__name__}: {exc}")
             self._end(conn, "ended after a server error")
 
     def _refuse(self, conn: Connection, exc: ProtocolError) -> None:
@@ -277,16 +278,25 @@ class Server:
 
     # -- messages ----------------------------------------------------------------------------
     def _on_hello(self, conn: Connection, info: Any) -> None:
-        if not isinstance(info, dict) or not isinstance(info.get("prefix_fp"), str) \
-                or not isinstance(info.get("prefix"), bytes):
+        if (
+            not isinstance(info, dict)
+            or not isinstance(info.get("prefix_fp"), str)
+            or not isinstance(info.get("prefix"), bytes)
+        ):
             raise ProtocolError("'hello' needs a dict with prefix_fp (str) and prefix (bytes)")
         group = self.groups.get(info["prefix_fp"])
         if group is None:
             group = Group(info["prefix_fp"], info["prefix"], JointSampler())  # fresh stream: see JointSampler
             self.groups[group.fingerprint] = group
         timeout = float(info.get("timeout") or 300.0)
-        job = Job(self._next_job, conn, str(info.get("name") or f"job-{self._next_job}"), group,
-                  timeout=timeout if timeout > 0 else 300.0, seed=int(info.get("seed", 0)))
+        job = Job(
+            self._next_job,
+            conn,
+            str(info.get("name") or f"job-{self._next_job}"),
+            group,
+            timeout=timeout if timeout > 0 else 300.0,
+            seed=int(info.get("seed", 0)),
+        )
         self._next_job += 1
         conn.job = job
         self.jobs[job.id] = job
@@ -471,8 +481,12 @@ class Server:
         s = job.group.sampler.stats().get(job.id, {})
         requests = s.get("requests", 0)
         return {
-            "name": job.name, "pid": job.conn.pid, "size": job.size, "epoch": job.epoch,
-            "consumed": job.consumed, "delivered": job.delivered,
+            "name": job.name,
+            "pid": job.conn.pid,
+            "size": job.size,
+            "epoch": job.epoch,
+            "consumed": job.consumed,
+            "delivered": job.delivered,
             "samples_per_s": round(job.samples_per_s(), 1),
             "followed_share": round(s.get("followed", 0) / requests, 3) if requests else 0.0,
             "state": "done" if job.size and job.consumed >= job.size else "loading",
@@ -481,10 +495,15 @@ class Server:
     def status(self) -> dict[str, Any]:
         requests, decodes = self.requests, self.decodes
         return {
-            "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
-            "jobs": [self._job_status(job) for job in self.jobs.values()], "finished": self.finished,
-            "pool": self.pool.stats(), "requests": requests, "decodes": decodes,
-            "decodes_saved": requests - decodes, "workers": self.decoders.size,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "jobs": [self._job_status(job) for job in self.jobs.values()],
+            "finished": self.finished,
+            "pool": self.pool.stats(),
+            "requests": requests,
+            "decodes": decodes,
+            "decodes_saved": requests - decodes,
+            "workers": self.decoders.size,
             "worker_restarts": self.decoders.restarts,
         }
 
@@ -541,10 +560,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="globalloader serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--memory", default="2G", help="buffer pool size in /dev/shm, e.g. 512M, 4G")
     parser.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 2), help="decode workers")
-    parser.add_argument("--socket", default=None,
-                        help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)")
-    parser.add_argument("--idle-exit", type=float, default=0.0,
-                        help="exit after this many seconds with no jobs (0: never)")
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)",
+    )
+    parser.add_argument(
+        "--idle-exit", type=float, default=0.0, help="exit after this many seconds with no jobs (0: never)"
+    )
     args = parser.parse_args(argv)
     path = Path(args.socket) if args.socket else protocol.default_socket()
     memory = launcher.parse_size(args.memory)
@@ -556,8 +579,11 @@ def main(argv: list[str] | None = None) -> int:
         return launcher.LOST_RACE
     launcher.clear_leftovers(path)
     server = Server(path, memory, args.workers, args.idle_exit)
-    print(f"globalloader server: pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers",
-          file=sys.stderr, flush=True)
+    print(
+        f"globalloader server: pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers",
+        file=sys.stderr,
+        flush=True,
+    )
     server.serve_forever()
     return 0
 

@@ -78,8 +78,15 @@ def _tensor_arrays(samples: list[Any]) -> list[np.ndarray] | None:
     shape, dtype = first.shape, first.dtype
     arrays = []
     for s in samples:
-        if type(s) is not torch.Tensor or s.shape != shape or s.dtype != dtype or s.requires_grad \
-                or s.device.type != "cpu" or s.is_conj() or s.is_neg():
+        if (
+            type(s) is not torch.Tensor
+            or s.shape != shape
+            or s.dtype != dtype
+            or s.requires_grad
+            or s.device.type != "cpu"
+            or s.is_conj()
+            or s.is_neg()
+        ):
             return None
         try:
             arrays.append(s.numpy())

@@ -266,7 +266,12 @@ class DataLoader(Generic[T_co]):
         if self._shared is not None:
             return {"kind": _STATE_KIND, "shared": self._shared.state_dict()}
         progress = self._progress or Progress(rng_snapshot(self))
-        return {"kind": _STATE_KIND, "batches": progress.batches, "rng": progress.snapshot, "epoch": self._sampler_epoch()}
+        return {
+            "kind": _STATE_KIND,
+            "batches": progress.batches,
+            "rng": progress.snapshot,
+            "epoch": self._sampler_epoch(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next `iter()` continue the pass `state` was taken from."""
@@ -288,8 +293,12 @@ class DataLoader(Generic[T_co]):
         if self._shared is not None:
             return self._shared.stats()
         progress = self._progress or Progress({})
-        return {"batches": progress.batches, "wait_s": progress.wait_s, "worker_busy_s": progress.busy_s,
-                "workers": self.num_workers}
+        return {
+            "batches": progress.batches,
+            "wait_s": progress.wait_s,
+            "worker_busy_s": progress.busy_s,
+            "workers": self.num_workers,
+        }
 
     def close(self) -> None:
         """Stop persistent workers now (they also stop when the DataLoader is collected)."""
@@ -325,5 +334,3 @@ def _warn_if_too_many_workers(num_workers: int) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-

@@ -113,9 +113,12 @@ class _BaseIter:
             warnings.warn(
                 f"Length of IterableDataset {self._dataset} was reported to be {self._len_called} "
                 f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. "
-                + ("For multiprocessing data-loading, this could be caused by not properly configuring the "
-                   "IterableDataset replica at each worker (shard it with get_worker_info())."
-                   if self._uses_workers else ""),
+                + (
+                    "For multiprocessing data-loading, this could be caused by not properly configuring the "
+                    "IterableDataset replica at each worker (shard it with get_worker_info())."
+                    if self._uses_workers
+                    else ""
+                ),
                 stacklevel=3,
             )
         return pin(batch, self._pin_device) if self._pin else batch

@@ -139,7 +139,11 @@ def _death(proc: Any) -> str:
             name = signal.strsignal(-code) or signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return (f"DataLoader worker (pid {proc.pid}) is killed by signal: {name}. The dataset code crashed "
-                "the worker (or it was killed, e.g. out of memory); run with num_workers=0 to see where")
-    return (f"DataLoader worker (pid {proc.pid}) exited unexpectedly with exit code {code}; "
-            "run with num_workers=0 to see where")
+        return (
+            f"DataLoader worker (pid {proc.pid}) is killed by signal: {name}. The dataset code crashed "
+            "the worker (or it was killed, e.g. out of memory); run with num_workers=0 to see where"
+        )
+    return (
+        f"DataLoader worker (pid {proc.pid}) exited unexpectedly with exit code {code}; "
+        "run with num_workers=0 to see where"
+    )

@@ -70,8 +70,15 @@ def worker_seeds(base_seed: int, worker_id: int) -> tuple[int, np.ndarray]:
     return base_seed + worker_id, np.random.SeedSequence([worker_id, base_seed]).generate_state(4)
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, worker_id: int, base_seed: int, shared_seed: int | None,
-                prefix: str, main_pid: int) -> None:
+def worker_main(
+    spec: WorkerSpec,
+    conn: Connection,
+    worker_id: int,
+    base_seed: int,
+    shared_seed: int | None,
+    prefix: str,
+    main_pid: int,
+) -> None:
     """Run tasks from `conn` until told to stop (None), the pipe closes, or the parent dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     torch.set_num_threads(1)

@@ -46,9 +46,7 @@ def remove_leftovers(prefix: str) -> int:
 
 def check_prefix(prefix: str) -> None:
     if not isinstance(prefix, str) or not prefix or "/" in prefix or "\0" in prefix:
-        raise ArgumentError(
-            f"prefix: {prefix!r} must be a non-empty str without '/', e.g. 'gl-1234-0-'"
-        )
+        raise ArgumentError(f"prefix: {prefix!r} must be a non-empty str without '/', e.g. 'gl-1234-0-'")
 
 
 def unlink(name: str) -> bool:
@@ -58,4 +56,3 @@ def unlink(name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-

@@ -260,4 +260,3 @@ class BatchReader:
         unlink(name)
         self._mappings[name] = mapping
         return mapping
-
