@@ -9,8 +9,9 @@ resumes in either mode.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any
+from typing import Any, Self
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.iterator import check_state, make_state
@@ -199,7 +200,7 @@ class Loader:
             self._session.close()
             self._session = None
 
-    def __enter__(self) -> Loader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -208,7 +209,5 @@ class Loader:
     def __del__(self) -> None:
         # A Loader dropped without close(): stop its workers (best effort; never raise here).
         if getattr(self, "pool", None) is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._close_pool()
-            except Exception:
-                pass

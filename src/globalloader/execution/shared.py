@@ -17,6 +17,7 @@ output into their own transport, and in-thread output is copied out before its r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import sysconfig
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.errors import SAMPLE_ERRORS, ArgumentError, SharedPrefixError, StateError
+from globalloader.errors import SAMPLE_ERRORS, ArgumentError, ServerGoneError, SharedPrefixError, StateError
 from globalloader.execution.run import UNAVAILABLE, EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
 from globalloader.service import protocol
@@ -118,9 +119,9 @@ class SharedRun(EpochRun):
         self.run = session.start_run(epoch, unique)
         self._window = (host.prefetch + 1) * size
         self._asked = 0
-        self._tickets: dict[int, tuple] = {}  # seq -> ticket, until taken in order
+        self._tickets: dict[int, tuple[Any, ...]] = {}  # seq -> ticket, until taken in order
         self._next_seq = 0
-        self._ready: deque[tuple] = deque()  # tickets in order, not yet in a task
+        self._ready: deque[tuple[Any, ...]] = deque()  # tickets in order, not yet in a task
         self._in_flight: deque[tuple[list[int], list[int]]] = deque()  # (all, shared) indices per task
         self._next_task = 0
         self._pending: deque[Any] = deque()
@@ -151,6 +152,7 @@ class SharedRun(EpochRun):
         """Take messages until the next ticket in order is here (or, not blocking, whatever has
         arrived). Messages of earlier runs are stale and dropped."""
         while self._next_seq < self._unique and self._next_seq not in self._tickets:
+            msg: tuple[Any, ...] | None
             if block:  # the server fails a load at `timeout` itself, naming the sample: give it time to
                 msg = self._client.get(
                     self.host.timeout + 5, f"the next sample ({self._next_seq} of {self._unique} received)"
@@ -165,7 +167,7 @@ class SharedRun(EpochRun):
             self._ready.append(self._tickets.pop(self._next_seq))
             self._next_seq += 1
 
-    def _take_items(self, block: bool) -> list[tuple] | None:
+    def _take_items(self, block: bool) -> list[tuple[Any, ...]] | None:
         """(index, offset, layout) items of the next task (offset None: computed locally).
 
         Not blocking (tasks are in flight), it takes a task only if its tickets are all here:
@@ -180,7 +182,7 @@ class SharedRun(EpochRun):
         more_coming = self._next_seq < self._unique
         if not block and more_coming and len(self._ready) < size:
             return None
-        items: list[tuple] = []
+        items: list[tuple[Any, ...]] = []
         while len(items) < size:
             if not self._ready and self._next_seq < self._unique:
                 self._ask(2 * size - len(items))
@@ -267,10 +269,8 @@ class SharedRun(EpochRun):
         """Tell the server this run holds nothing any more (after its tasks were collected)."""
         if not self._ended:
             self._ended = True
-            try:
+            with contextlib.suppress(ServerGoneError):  # the server is gone: it holds nothing of ours either
                 self._client.send("end", self.run)
-            except Exception:
-                pass  # the server is gone: it holds nothing of ours either
 
     def drain(self) -> None:
         """Collect results still in flight, then end the run (releasing everything it held)."""
@@ -280,7 +280,7 @@ class SharedRun(EpochRun):
             self._in_flight.popleft()
             try:
                 self._pool.result((self._next_task - len(self._in_flight) - 1) % self._width)
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - whatever a result raised, the pool is not to be trusted
                 self.host.broken()
                 self._in_flight.clear()
         self._pending.clear()
