@@ -9,6 +9,7 @@ load, a busy machine) is not taken for dead.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -23,7 +24,7 @@ from globalloader.transport.process import alive
 
 class Client:
     def __init__(
-        self, path: Path, start: bool = True, memory: str | int | None = None, workers: int | None = None
+        self, path: str | Path, start: bool = True, memory: str | int | None = None, workers: int | None = None
     ) -> None:
         self.path = Path(path)
         if start:
@@ -79,7 +80,9 @@ class Client:
                 msg = self._inbox.get(timeout=0.5)
             except queue.Empty:
                 if not alive(self.server_pid):
-                    raise ServerGoneError(f"the globalloader server at {self.path} (pid {self.server_pid}) died")
+                    raise ServerGoneError(
+                        f"the globalloader server at {self.path} (pid {self.server_pid}) died"
+                    ) from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise LoaderTimeoutError(
                         f"the globalloader server at {self.path} sent nothing for {timeout:.0f} s while this "
@@ -113,7 +116,5 @@ class Client:
         except ServerGoneError:
             pass
         self._closed.set()
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass

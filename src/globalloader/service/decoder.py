@@ -74,7 +74,7 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
         if msg[0] == "prefix":
             try:
                 prefixes[msg[1]] = pickle.loads(msg[2])
-            except Exception as exc:  # every load of this chain then fails with the reason
+            except Exception as exc:  # noqa: BLE001 - unpickling runs the job's code; every load of it then fails with this
                 prefixes[msg[1]] = (
                     f"the server cannot load this job's shared prefix ({type(exc).__name__}: {exc}); "
                     "the server must be able to import every module the shared maps use"
@@ -89,7 +89,7 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
         try:
             sample = _run_prefix(prefix, index)
             layout, placed = arena.encode(sample)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the user's maps raise is that sample's failure, sent back
             conn.send(("failed", fp, index, error_name(exc), str(exc)))
             continue
         if guess is not None and layout[0] <= guess[1]:
@@ -286,7 +286,7 @@ class DecoderPool:
     def _fail_stalled(self) -> None:
         """Nothing was released for STALL_S while a load waits for room: every job holds what it
         has and waits for more, which no release will ever bring. Fail that load loudly."""
-        worker, fp, index, nbytes = self._waiting_space.popleft()
+        worker, _fp, index, nbytes = self._waiting_space.popleft()
         capacity = self.pool.capacity
         self._tell(
             worker,

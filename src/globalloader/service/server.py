@@ -19,6 +19,7 @@ keeps its place.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import os
@@ -146,10 +147,8 @@ class Server:
         self._selector.register(conn, selectors.EVENT_READ, lambda _: callback())
 
     def _unregister(self, fileobj: Any) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(fileobj)
-        except (KeyError, ValueError):
-            pass
 
     def _accept(self, _: Any) -> None:
         try:
@@ -208,7 +207,7 @@ class Server:
             self._refuse(conn, exc)
         except GlobalLoaderError as exc:  # the request cannot be served: say why, end the job
             self._fail(conn, exc)
-        except Exception as exc:  # a bug: the job hears of it, the server and other jobs go on
+        except Exception as exc:  # noqa: BLE001 - a bug: the job hears of it, the server and other jobs go on
             where = traceback.extract_tb(exc.__traceback__)[-1]
             self._log(
                 f"error while serving {kind!r}: {type(exc).__name__}: {exc} "
@@ -456,7 +455,7 @@ class Server:
             group.sampler.remove_job(job.id)
         if not group.jobs:
             del self.groups[group.fingerprint]  # its samples stay in the LRU tier until evicted
-        self.finished = (self.finished + [{**self._job_status(job), "state": "left"}])[-20:]
+        self.finished = [*self.finished, {**self._job_status(job), "state": "left"}][-20:]
         if not self.jobs:
             self._idle_since = time.monotonic()
         if why:
@@ -474,7 +473,7 @@ class Server:
             elif now - conn.last_seen > protocol.SILENT_DEAD_S and not alive(conn.pid):
                 self._close(conn, f"is gone (silent {now - conn.last_seen:.0f} s, process ended)")
             else:
-                job.rate = (job.rate + [(now, job.consumed)])[-10:]
+                job.rate = [*job.rate, (now, job.consumed)][-10:]
 
     # -- status and main loop ----------------------------------------------------------------
     def _job_status(self, job: Job) -> dict[str, Any]:
@@ -516,7 +515,7 @@ class Server:
                 for key, mask in self._selector.select(timeout=0.25):
                     try:
                         key.data(mask)
-                    except Exception as exc:  # never let one event end the server
+                    except Exception as exc:  # noqa: BLE001 - never let one event end the server
                         self._log(f"internal error: {type(exc).__name__}: {exc}")
                         traceback.print_exc(file=sys.stderr)
                 now = time.monotonic()
@@ -536,10 +535,8 @@ class Server:
     def _close_listener(self) -> None:
         self._unregister(self._listener)
         self._listener.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()  # ours: we hold the socket's lock
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         self._close_listener()  # first: nobody new connects to a server going away

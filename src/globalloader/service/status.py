@@ -25,7 +25,7 @@ def _mib(n: int) -> str:
 
 def rows(status: dict[str, Any]) -> list[tuple[str, ...]]:
     """One row per job, running ones first, then those that left."""
-    out = []
+    out: list[tuple[str, ...]] = []
     for job in [*status["jobs"], *status.get("finished", [])]:
         progress = job["consumed"] / job["size"] if job["size"] else 0.0
         out.append(
