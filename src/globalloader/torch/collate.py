@@ -49,10 +49,9 @@ def stack_collate(samples: list[Any]) -> Any:
             return {key: stack_collate([s[key] for s in samples]) for key in elem}
     elif isinstance(elem, tuple) and hasattr(kind, "_fields"):
         if all(type(s) is kind for s in samples):
-            return kind(*(stack_collate(list(column)) for column in zip(*samples)))
-    elif kind is tuple or kind is list:
-        if all(type(s) is kind and len(s) == len(elem) for s in samples):
-            return [stack_collate(list(column)) for column in zip(*samples)]
+            return kind(*(stack_collate(list(column)) for column in zip(*samples, strict=True)))
+    elif (kind is tuple or kind is list) and all(type(s) is kind and len(s) == len(elem) for s in samples):
+        return [stack_collate(list(column)) for column in zip(*samples, strict=True)]
     return torch.utils.data.default_collate(samples)
 
 

@@ -19,12 +19,16 @@ import multiprocessing
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, StateError
 from globalloader.torch.iterators import InProcessIter, Progress, WorkerIter, restore_rng, rng_snapshot
 from globalloader.torch.shared import SharedChain
-from globalloader.torch.tensors import torch
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from globalloader.torch.tensors import torch
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -255,7 +259,8 @@ class DataLoader(Generic[T_co]):
         if self._shared is not None:
             self._shared.set_epoch(epoch)
             return
-        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
+        samplers: tuple[Any, ...] = (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler)
+        for sampler in samplers:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
                 return

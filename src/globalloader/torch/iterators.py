@@ -62,7 +62,8 @@ def restore_rng(loader: DataLoader, snapshot: dict[str, Any]) -> None:
     torch.set_rng_state(snapshot["torch"])
     if loader.generator is not None and snapshot["loader"] is not None:
         loader.generator.set_state(snapshot["loader"])
-    for sampler, state in zip(_samplers(loader), snapshot["samplers"]):
+    # not strict: a snapshot from a loader with fewer samplers restores those it has; the others are left alone
+    for sampler, state in zip(_samplers(loader), snapshot["samplers"], strict=False):
         generator = getattr(sampler, "generator", None)
         if isinstance(generator, torch.Generator) and state is not None:
             generator.set_state(state)

@@ -10,6 +10,7 @@ left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -89,9 +90,9 @@ class WorkerPool:
                 worker = self.conns.index(ready[0])  # type: ignore[arg-type]
                 try:
                     return worker, pickle.loads(self.conns[worker].recv_bytes())
-                except (EOFError, OSError):
+                except (EOFError, OSError) as exc:
                     self.raise_if_dead(wait_for=worker)
-                    raise WorkerDied(f"DataLoader worker (pid {self.procs[worker].pid}) closed its pipe")
+                    raise WorkerDied(f"DataLoader worker (pid {self.procs[worker].pid}) closed its pipe") from exc
             self.raise_if_dead()
             if deadline is not None and time.monotonic() >= deadline:
                 raise LoaderTimeout(
@@ -111,10 +112,8 @@ class WorkerPool:
         """Let one worker go (its iterable is exhausted); it exits cleanly."""
         if worker not in self.stopped:
             self.stopped.add(worker)
-            try:
+            with contextlib.suppress(OSError):
                 self.conns[worker].send(None)
-            except OSError:
-                pass
 
     def close(self) -> None:
         """Stop every worker (killing any that has not stopped in a few seconds), unlink leftovers."""

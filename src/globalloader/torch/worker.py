@@ -104,8 +104,8 @@ def worker_main(
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(worker_id)
         fetch = Fetcher(spec, dataset)
-    except Exception as exc:
-        failure = (exc, traceback.format_exc())  # reported as the first task's result, as torch does
+    except Exception as exc:  # noqa: BLE001 - the user's setup failed: reported as the first task's result, as torch does
+        failure = (exc, traceback.format_exc())
     try:
         while True:
             msg = conn.recv()
@@ -119,7 +119,7 @@ def worker_main(
                 try:
                     fetch = Fetcher(spec, dataset)
                     failure = None
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - the dataset's __iter__ failed: reported as the next result
                     failure = (exc, traceback.format_exc())
                 continue
             start = time.perf_counter()
@@ -133,7 +133,7 @@ def worker_main(
                     reply = (generation, number, kind, message, time.perf_counter() - start)
                 except StopIteration:
                     reply = (generation, number, EXHAUSTED, None, 0.0)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
                     reply = (generation, number, FAILED, _sendable(exc, traceback.format_exc()), 0.0)
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
@@ -200,7 +200,7 @@ def _sendable(exc: BaseException, tb: str) -> tuple[BaseException, str]:
     """The exception itself when it pickles, else a WorkerError naming its type and message."""
     try:
         pickle.loads(pickle.dumps(exc))
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to pickle or unpickle means it cannot cross the pipe
         exc = WorkerError(f"{type(exc).__name__}: {exc}")
     return exc, tb
 

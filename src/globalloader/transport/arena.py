@@ -9,6 +9,7 @@ exactly like a batch.
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import mmap
 import os
 from typing import Any
@@ -51,10 +52,8 @@ class Arena:
     def close(self) -> None:
         _attached.pop(self.name, None)
         self._bytes = None  # type: ignore[assignment]
-        try:
+        with contextlib.suppress(BufferError):  # views alive: the mapping goes when they do
             self.mapping.close()
-        except BufferError:
-            pass  # views alive: the mapping goes when they do
         if self._owner:
             unlink(self.name)
 

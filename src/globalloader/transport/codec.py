@@ -55,7 +55,7 @@ def decode_tree(node: tuple, base: np.ndarray) -> Any:
         _, kind, keys, items = node
         values = [decode_tree(item, base) for item in items]
         if kind == 0:
-            return dict(zip(keys, values))
+            return dict(zip(keys, values, strict=True))
         if kind == 1:
             return values
         if kind == 2:

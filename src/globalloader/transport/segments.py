@@ -25,6 +25,7 @@ Arrays are laid out by `transport.codec`; names are made and removed through `tr
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import mmap
 import os
 import weakref
@@ -239,10 +240,8 @@ class BatchReader:
         mappings = list(self._mappings.values())
         self._mappings.clear()
         for mapping in mappings:
-            try:
+            with contextlib.suppress(BufferError):  # views alive: the mapping goes when they do
                 mapping.close()
-            except BufferError:
-                pass  # views alive: the mapping goes when they do
 
     def _map(self, name: str) -> mmap.mmap:
         try:
