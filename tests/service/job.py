@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--pause-at", type=int, default=-1, help="after this batch, wait for OUT.go to exist")
     args = p.parse_args()
     share = {"true": True, "auto": "auto"}[args.share]
-    indices = [i for i in range(args.start, args.stop)]
+    indices = list(range(args.start, args.stop))
     with (
         open(args.out, "w") as out,
         gl.Loader(

@@ -87,7 +87,7 @@ def check_own_samples(rows: list[dict], size: int) -> None:
     assert seen == Counter(range(SAMPLES))
     shapes = {tuple(row["shape"]) for row in rows}
     assert shapes == {(5, size)}, f"a job whose map makes size-{size} samples received shapes {shapes}"
-    assert all(x == i for row in rows for x, i in zip(row["x"], row["index"]))
+    assert all(x == i for row in rows for x, i in zip(row["x"], row["index"], strict=True))
 
 
 @pytest.mark.parametrize("variant", ["global", "partial"])
