@@ -19,7 +19,7 @@ from globalloader.torch.source import TorchSource, missing_fingerprint
 from globalloader.torch.tensors import to_tensors, torch
 
 if TYPE_CHECKING:
-    from globalloader.torch.dataloader import DataLoader
+    from globalloader.torch.settings import LoaderSettings
 
 
 class SharedChain:
@@ -29,7 +29,7 @@ class SharedChain:
         self.loader = loader
 
     @classmethod
-    def build(cls, dl: DataLoader, share: bool | str, server: str | None) -> SharedChain:
+    def build(cls, dl: LoaderSettings, share: bool | str, server: str | None) -> SharedChain:
         unsupported = {
             "an IterableDataset": dl._dataset_kind_iterable,
             "sampler=": not isinstance(
