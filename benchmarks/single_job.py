@@ -43,32 +43,51 @@ def main() -> None:
         for name, run in (("globalloader", demo.run_globalloader), ("dropin", run_dropin), ("torch", demo.run_torch)):
             result = run(root, args.workers, args.batch_size, epoch=round_)
             runs[name].append(result)
-            print(f"round {round_} {name:<12} {result['samples_per_s']:8.1f} samples/s  "
-                  f"first batch {result['first_batch_s']:.3f} s")
+            print(
+                f"round {round_} {name:<12} {result['samples_per_s']:8.1f} samples/s  "
+                f"first batch {result['first_batch_s']:.3f} s"
+            )
 
     median = {name: statistics.median(r["samples_per_s"] for r in rs) for name, rs in runs.items()}
     first = {name: statistics.median(r["first_batch_s"] for r in rs) for name, rs in runs.items()}
     ratio = median["globalloader"] / median["torch"]
     dropin_ratio = median["dropin"] / median["torch"]
-    spread = {name: [min(r["samples_per_s"] for r in rs), max(r["samples_per_s"] for r in rs)] for name, rs in runs.items()}
+    spread = {
+        name: [min(r["samples_per_s"] for r in rs), max(r["samples_per_s"] for r in rs)] for name, rs in runs.items()
+    }
     summary = {
         "benchmark": "single_job",
         "workload": "decode + random resized crop 224 + flip + normalize (float32 HWC), stand-in step reads the batch",
-        "images": args.images, "image_size": [500, 375], "jpeg_quality": 90,
-        "batch_size": args.batch_size, "workers": args.workers, "rounds": args.rounds,
-        "median_samples_per_s": median, "min_max_samples_per_s": spread, "median_first_batch_s": first,
-        "ratio_vs_torch_dataloader": ratio, "dropin_ratio_vs_torch_dataloader": dropin_ratio,
-        "targets": {"ratio >= 1.15": ratio >= 1.15, "dropin ratio >= 1.15": dropin_ratio >= 1.15,
-                    "first batch <= 1 s": first["globalloader"] <= 1.0},
+        "images": args.images,
+        "image_size": [500, 375],
+        "jpeg_quality": 90,
+        "batch_size": args.batch_size,
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "median_samples_per_s": median,
+        "min_max_samples_per_s": spread,
+        "median_first_batch_s": first,
+        "ratio_vs_torch_dataloader": ratio,
+        "dropin_ratio_vs_torch_dataloader": dropin_ratio,
+        "targets": {
+            "ratio >= 1.15": ratio >= 1.15,
+            "dropin ratio >= 1.15": dropin_ratio >= 1.15,
+            "first batch <= 1 s": first["globalloader"] <= 1.0,
+        },
         "note": "a shared 2-core machine: other jobs ran at the same time, so figures are noisy",
-        "runs": runs, "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        "runs": runs,
+        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=2))
-    print(f"\nmedian samples/s: globalloader {median['globalloader']:.1f}, drop-in DataLoader "
-          f"{median['dropin']:.1f}, torch DataLoader {median['torch']:.1f}")
-    print(f"ratio {ratio:.2f}x, drop-in {dropin_ratio:.2f}x (target >= 1.15x); "
-          f"first batch {first['globalloader']:.3f} s (target <= 1 s)")
+    print(
+        f"\nmedian samples/s: globalloader {median['globalloader']:.1f}, drop-in DataLoader "
+        f"{median['dropin']:.1f}, torch DataLoader {median['torch']:.1f}"
+    )
+    print(
+        f"ratio {ratio:.2f}x, drop-in {dropin_ratio:.2f}x (target >= 1.15x); "
+        f"first batch {first['globalloader']:.3f} s (target <= 1 s)"
+    )
     print(f"written {RESULTS}")
 
 

@@ -49,7 +49,8 @@ def test_every_error_class_has_its_section_and_no_other():
     """One section per class, under its own name; an alias (an earlier name bound to the same
     class) is no class of its own, but the page must name it."""
     bound = {
-        name: obj for name, obj in inspect.getmembers(errors, inspect.isclass)
+        name: obj
+        for name, obj in inspect.getmembers(errors, inspect.isclass)
         if issubclass(obj, Exception) and obj.__module__ == errors.__name__
     }
     classes = {obj.__name__ for obj in bound.values()}

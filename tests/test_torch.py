@@ -6,7 +6,6 @@ order), so "same as torch" is measured, not assumed.
 
 from __future__ import annotations
 
-import collections
 import inspect
 import os
 import random
@@ -15,20 +14,24 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from helpers import Server, check_resume
 from torch.utils.data import BatchSampler, DistributedSampler, WeightedRandomSampler, get_worker_info
 
 import globalloader as gl
 import globalloader.torch as gt
 from globalloader.errors import ArgumentError, StateError
+from helpers import Server, check_resume
 
 TorchLoader = torch.utils.data.DataLoader
-Pair = collections.namedtuple("Pair", "image label")
+
+
+class Pair(NamedTuple):
+    image: Any
+    label: Any
 
 
 class Squares(torch.utils.data.Dataset):
@@ -164,7 +167,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -188,20 +191,34 @@ def both(dataset: Any, **kwargs: Any) -> tuple[list, list]:
 def test_constructor_has_torchs_signature_then_the_extras():
     theirs = list(inspect.signature(TorchLoader.__init__).parameters.values())
     ours = list(inspect.signature(gt.DataLoader.__init__).parameters.values())
-    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
-        (p.name, p.kind, p.default) for p in theirs
-    ]
-    assert [p.name for p in ours[len(theirs):]] == ["share", "server"]
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
+    assert [p.name for p in ours[len(theirs) :]] == ["share", "server"]
     assert gt.DataLoader[list] is not None  # subscriptable like DataLoader[T]
 
 
 def test_public_attributes_and_len_match_torch():
     dataset = Squares(10)
-    for kwargs in ({}, {"batch_size": 3}, {"batch_size": 3, "drop_last": True}, {"batch_size": None},
-                   {"batch_size": 4, "shuffle": True, "num_workers": 2, "prefetch_factor": 3, "timeout": 5}):
+    for kwargs in (
+        {},
+        {"batch_size": 3},
+        {"batch_size": 3, "drop_last": True},
+        {"batch_size": None},
+        {"batch_size": 4, "shuffle": True, "num_workers": 2, "prefetch_factor": 3, "timeout": 5},
+    ):
         theirs, ours = TorchLoader(dataset, **kwargs), gt.DataLoader(dataset, **kwargs)
-        for name in ("batch_size", "drop_last", "num_workers", "prefetch_factor", "timeout", "pin_memory",
-                     "pin_memory_device", "persistent_workers", "worker_init_fn", "generator", "in_order"):
+        for name in (
+            "batch_size",
+            "drop_last",
+            "num_workers",
+            "prefetch_factor",
+            "timeout",
+            "pin_memory",
+            "pin_memory_device",
+            "persistent_workers",
+            "worker_init_fn",
+            "generator",
+            "in_order",
+        ):
             assert getattr(ours, name) == getattr(theirs, name), name
         assert ours.dataset is dataset and ours.collate_fn is theirs.collate_fn
         assert type(ours.sampler) is type(theirs.sampler) and type(ours.batch_sampler) is type(theirs.batch_sampler)
@@ -225,13 +242,13 @@ def test_len_follows_a_growing_dataset():
 def test_invalid_combinations_raise_value_errors_naming_the_argument():
     dataset = Squares(10)
     cases = [
-        (dict(num_workers=-1), "num_workers"),
-        (dict(timeout=-1), "timeout"),
-        (dict(batch_size=None, drop_last=True), "drop_last"),
-        (dict(sampler=[0, 1], shuffle=True), "shuffle"),
-        (dict(batch_sampler=[[0, 1]], batch_size=2), "batch_sampler"),
-        (dict(multiprocessing_context="spawn"), "num_workers > 0"),
-        (dict(num_workers=1, multiprocessing_context="nope"), "valid start method"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"timeout": -1}, "timeout"),
+        ({"batch_size": None, "drop_last": True}, "drop_last"),
+        ({"sampler": [0, 1], "shuffle": True}, "shuffle"),
+        ({"batch_sampler": [[0, 1]], "batch_size": 2}, "batch_sampler"),
+        ({"multiprocessing_context": "spawn"}, "num_workers > 0"),
+        ({"num_workers": 1, "multiprocessing_context": "nope"}, "valid start method"),
     ]
     for kwargs, words in cases:
         with pytest.raises(ValueError, match=words):
@@ -249,11 +266,14 @@ def test_invalid_combinations_raise_value_errors_naming_the_argument():
 def test_batches_equal_torchs_for_every_sampler_form(workers):
     dataset = Squares(23)
     forms = [
-        dict(batch_size=4, shuffle=True, generator_seed=7),
-        dict(batch_size=5, drop_last=True),
-        dict(batch_size=3, sampler=lambda: WeightedRandomSampler([1.0] * 23, 30, generator=torch.Generator().manual_seed(3))),
-        dict(batch_sampler=lambda: BatchSampler(range(20, 2, -3), 2, False)),
-        dict(batch_size=None, sampler=[5, 1, 4]),
+        {"batch_size": 4, "shuffle": True, "generator_seed": 7},
+        {"batch_size": 5, "drop_last": True},
+        {
+            "batch_size": 3,
+            "sampler": lambda: WeightedRandomSampler([1.0] * 23, 30, generator=torch.Generator().manual_seed(3)),
+        },
+        {"batch_sampler": lambda: BatchSampler(range(20, 2, -3), 2, False)},
+        {"batch_size": None, "sampler": [5, 1, 4]},
     ]
     for form in forms:
         if workers:
@@ -287,7 +307,7 @@ def test_distributed_sampler_ranks_and_set_epoch():
                     sampler.set_epoch(epoch)
                 batches.append([b[1].tolist() for b in loader])
             assert batches[0] == batches[1]
-            seen[epoch, rank] = sum(batches[1], [])
+            seen[epoch, rank] = [i for batch in batches[1] for i in batch]
     squares = {i * i for i in range(10)}
     assert set(seen[0, 0]) | set(seen[0, 1]) == squares and not set(seen[0, 0]) & set(seen[0, 1])
     assert seen[0, 0] != seen[1, 0]
@@ -298,7 +318,7 @@ def test_distributed_sampler_ranks_and_set_epoch():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_default_collate_gives_torchs_types(workers):
-    for kwargs in (dict(batch_size=4), dict(batch_size=None)):
+    for kwargs in ({"batch_size": 4}, {"batch_size": None}):
         theirs, ours = both(Mixed(), num_workers=workers, **kwargs)
         assert same(ours, theirs), kwargs
     assert isinstance(ours[0]["pair"], Pair)
@@ -317,7 +337,7 @@ def test_custom_collate_output_is_returned_as_built():
 
 
 def test_iterable_dataset_sharded_by_worker_info():
-    for kwargs in (dict(batch_size=3), dict(batch_size=3, drop_last=True), dict(batch_size=None)):
+    for kwargs in ({"batch_size": 3}, {"batch_size": 3, "drop_last": True}, {"batch_size": None}):
         theirs, ours = both(Strided(20), num_workers=2, **kwargs)
         assert same(ours, theirs), kwargs
     flat = [int(x) for b in gt.DataLoader(Strided(20), batch_size=3, num_workers=3) for x in b]
@@ -325,8 +345,13 @@ def test_iterable_dataset_sharded_by_worker_info():
 
 
 def test_worker_info_and_worker_init_fn():
-    loader = gt.DataLoader(WorkerIdentity(), batch_size=2, num_workers=2, worker_init_fn=tag_worker,
-                           generator=torch.Generator().manual_seed(3))
+    loader = gt.DataLoader(
+        WorkerIdentity(),
+        batch_size=2,
+        num_workers=2,
+        worker_init_fn=tag_worker,
+        generator=torch.Generator().manual_seed(3),
+    )
     it = iter(loader)
     rows = torch.cat(list(it)).tolist()
     pids = [w.pid for w in it._workers]
@@ -357,7 +382,7 @@ def test_spawn_context_and_prefetch_factor():
 def test_every_iter_starts_a_new_pass():
     loader = gt.DataLoader(list(range(10)), batch_size=2, num_workers=2)
     assert next(iter(loader)).tolist() == [0, 1]
-    assert [b.tolist() for b in loader][0] == [0, 1]  # the peek above took nothing from this loop
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # the peek above took nothing
     for i, _ in enumerate(loader):
         if i == 2:
             break
@@ -388,11 +413,11 @@ def test_persistent_workers_keep_their_dataset_copy_others_do_not():
         dataset.offset = 0
         loader = gt.DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=persistent)
         first = iter(loader)
-        assert sum((b.tolist() for b in first), []) == [0, 1, 2, 3]
+        assert [x for b in first for x in b.tolist()] == [0, 1, 2, 3]
         pids = [w.pid for w in first._workers]
         dataset.offset = 10
         second = iter(loader)
-        assert sum((b.tolist() for b in second), []) == expected
+        assert [x for b in second for x in b.tolist()] == expected
         assert ([w.pid for w in second._workers] == pids) is persistent
         loader.close()
 
@@ -417,12 +442,14 @@ def test_a_killed_worker_is_reported_with_its_pid_and_signal():
 
 def run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_workers_forked_after_torch_ran_threads_do_not_deadlock():
-    done = run_script("""
+    done = run_script(
+        """
         import torch
         from globalloader.torch import DataLoader
 
@@ -436,14 +463,20 @@ def test_workers_forked_after_torch_ran_threads_do_not_deadlock():
         torch.set_num_threads(2)
         Conv()[0]  # the main process runs torch's thread pool before the workers fork
         print([b.tolist() for b in DataLoader(Conv(), batch_size=2, num_workers=2, timeout=20)])
-    """, timeout=60)
+    """,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[[47998.0, 47998.0], [47998.0, 47998.0]]"
 
 
 @pytest.mark.slow
 def test_no_worker_outlives_its_parent():
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import time, torch
         from globalloader.torch import DataLoader
 
@@ -456,7 +489,12 @@ def test_no_worker_outlives_its_parent():
         it = iter(DataLoader(Stuck(), num_workers=2))
         print(*[w.pid for w in it._workers], flush=True)
         next(it)
-    """)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == 2
     parent.kill()
@@ -483,8 +521,12 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_state_dict_resumes_a_pass_exactly(workers):
-    check_resume(lambda: gt.DataLoader(Squares(30), batch_size=4, shuffle=True, num_workers=workers,
-                                       generator=torch.Generator().manual_seed(1)), 3)
+    check_resume(
+        lambda: gt.DataLoader(
+            Squares(30), batch_size=4, shuffle=True, num_workers=workers, generator=torch.Generator().manual_seed(1)
+        ),
+        3,
+    )
 
 
 def test_state_dict_of_an_iterable_dataset_resumes_too():
@@ -492,7 +534,7 @@ def test_state_dict_of_an_iterable_dataset_resumes_too():
 
 
 def test_state_dict_refuses_a_foreign_state():
-    with pytest.raises(StateError, match="not a globalloader.torch.DataLoader state"):
+    with pytest.raises(StateError, match=r"not a globalloader.torch.DataLoader state"):
         gt.DataLoader(Squares(4)).load_state_dict({"epoch": 0})
 
 
@@ -519,8 +561,9 @@ def test_share_true_feeds_the_job_from_a_server(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the server imports this module's dataset
     server = Server(tmp_path / "s.sock")
     try:
-        loader = gt.DataLoader(Tagged("a"), batch_size=4, shuffle=True, num_workers=1, share=True,
-                               server=str(server.socket))
+        loader = gt.DataLoader(
+            Tagged("a"), batch_size=4, shuffle=True, num_workers=1, share=True, server=str(server.socket)
+        )
         labels = [int(y) for x, y in loader for y in y]
         assert sorted(labels) == [i * i for i in range(10)] and len(loader) == 3
         loader.close()

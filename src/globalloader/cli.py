@@ -70,8 +70,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"decode worker processes (default: one per core, {os.cpu_count() or 1} here)",
     )
     serve.add_argument("--socket", default=None, help=_SOCKET_HELP)
-    serve.add_argument("--idle-exit", type=float, default=0.0,
-                       help="exit after this many seconds with no jobs (0: never; servers a Loader starts use 60)")
+    serve.add_argument(
+        "--idle-exit",
+        type=float,
+        default=0.0,
+        help="exit after this many seconds with no jobs (0: never; servers a Loader starts use 60)",
+    )
     stop = command("stop", "stop the global loader server cleanly")
     stop.add_argument("--socket", default=None, help=_SOCKET_HELP)
     status = command("status", "live table of the server's jobs, pool and savings")

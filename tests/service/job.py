@@ -51,10 +51,13 @@ def main() -> None:
     p.add_argument("--pause-at", type=int, default=-1, help="after this batch, wait for OUT.go to exist")
     args = p.parse_args()
     share = {"true": True, "auto": "auto"}[args.share]
-    indices = [i for i in range(args.start, args.stop)]
-    with open(args.out, "w") as out, gl.Loader(
-        chain(indices, args.batch), workers=1, share=share, server=args.socket, on_error=args.on_error
-    ) as loader:
+    indices = list(range(args.start, args.stop))
+    with (
+        open(args.out, "w") as out,
+        gl.Loader(
+            chain(indices, args.batch), workers=1, share=share, server=args.socket, on_error=args.on_error
+        ) as loader,
+    ):
         try:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)

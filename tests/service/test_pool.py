@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError
+from globalloader.errors import ProtocolError, SampleTooLargeError
 from globalloader.service.pool import BufferPool
 
 
@@ -57,7 +59,7 @@ def test_loading_samples_are_never_evicted_and_aborts_free_space():
 
 
 def test_a_sample_larger_than_the_pool_is_an_error_naming_it():
-    with pytest.raises(SampleTooLargeError, match="'huge' needs 4096 bytes.*--memory"):
+    with pytest.raises(SampleTooLargeError, match=r"'huge' needs 4096 bytes.*--memory"):
         BufferPool(1024).reserve("huge", 4096)
 
 
@@ -80,7 +82,7 @@ def test_budget_holds_and_blocks_never_overlap(ops):
         else:
             pool.release(key, "job")
         spans = sorted((e.offset, e.offset + e.nbytes) for e in pool._entries.values())
-        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
         assert pool.used == sum(e.nbytes for e in pool._entries.values()) <= pool.capacity
 
 

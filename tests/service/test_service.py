@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import Server, pool_segments
 
 import globalloader as gl
 from globalloader.errors import ServerGone
 from globalloader.service.launcher import request
+from helpers import Server, pool_segments
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]
 
@@ -48,8 +48,10 @@ def wait_for_rows(path: Path, n: int) -> None:
 
 def test_three_concurrent_jobs_each_see_their_set_once_per_epoch_and_share_decodes(server, tmp_path):
     sets = {"a": (20, 300), "b": (20, 300), "c": (100, 250)}
-    procs = {name: server.job(tmp_path / f"{name}.jsonl", "--start", str(lo), "--stop", str(hi), "--epochs", "2")
-             for name, (lo, hi) in sets.items()}
+    procs = {
+        name: server.job(tmp_path / f"{name}.jsonl", "--start", str(lo), "--stop", str(hi), "--epochs", "2")
+        for name, (lo, hi) in sets.items()
+    }
     for proc in procs.values():
         finish(proc)
     for name, (lo, hi) in sets.items():
@@ -172,8 +174,13 @@ def test_shared_state_dict_resumes_exactly_what_remains(server):
 def test_status_command_shows_jobs_pool_and_savings(server, tmp_path):
     job = server.job(tmp_path / "slow.jsonl", "--start", "20", "--sleep", "0.3")
     wait_for_rows(tmp_path / "slow.jsonl", 1)
-    out = subprocess.run([sys.executable, "-m", "globalloader.cli", "status", "--once", "--socket", str(server.socket)],
-                         capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "globalloader.cli", "status", "--once", "--socket", str(server.socket)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "200"},
+    ).stdout
     job.kill()
     job.wait()
     assert "job.py" in out and "280" in out and "decodes saved" in out and "MiB" in out

@@ -46,8 +46,12 @@ def chain(variant: str) -> gl.Dataset:
 def job(socket: str, out: str, variant: str, sleep: float) -> None:
     with open(out, "w") as f, gl.Loader(chain(variant), workers=1, share=True, server=socket) as loader:
         for batch in loader:
-            f.write(json.dumps({"shape": list(batch["x"].shape), "index": batch["index"].tolist(),
-                                "x": batch["x"][:, 0].tolist()}) + "\n")
+            f.write(
+                json.dumps(
+                    {"shape": list(batch["x"].shape), "index": batch["index"].tolist(), "x": batch["x"][:, 0].tolist()}
+                )
+                + "\n"
+            )
             f.flush()
             time.sleep(sleep)
 
@@ -55,7 +59,9 @@ def job(socket: str, out: str, variant: str, sleep: float) -> None:
 def start(server, out: Path, variant: str, size: int, sleep: float) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, __file__, str(server.socket), str(out), variant, str(size), str(sleep)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -81,7 +87,7 @@ def check_own_samples(rows: list[dict], size: int) -> None:
     assert seen == Counter(range(SAMPLES))
     shapes = {tuple(row["shape"]) for row in rows}
     assert shapes == {(5, size)}, f"a job whose map makes size-{size} samples received shapes {shapes}"
-    assert all(x == i for row in rows for x, i in zip(row["x"], row["index"]))
+    assert all(x == i for row in rows for x, i in zip(row["x"], row["index"], strict=True))
 
 
 @pytest.mark.parametrize("variant", ["global", "partial"])

@@ -39,8 +39,12 @@ def test_progress_counts_what_the_job_consumed_not_what_it_asked_for(server):
 
 
 def test_status_prints_snapshots_when_piped(server):
-    proc = subprocess.Popen([sys.executable, "-m", "globalloader", "status", "--socket", str(server.socket)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "globalloader", "status", "--socket", str(server.socket)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(12)]
     finally:

@@ -10,7 +10,7 @@ import pickle
 import signal
 import threading
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -22,7 +22,10 @@ from globalloader.transport.segments import BatchReader, BatchWriter
 SHM_DIR = "/dev/shm"
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
 
-Pair = collections.namedtuple("Pair", "left right")
+
+class Pair(NamedTuple):
+    left: Any
+    right: Any
 
 
 def _serve(conn: Any) -> None:
@@ -45,7 +48,7 @@ def _serve(conn: Any) -> None:
                     conn.send(None)
                 else:
                     return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever the writer raised, the parent re-raises
                 conn.send(exc)
     finally:
         for writer in writers.values():
@@ -117,7 +120,7 @@ def _assert_same(actual: Any, expected: Any) -> None:
             _assert_same(actual[key], expected[key])
     elif isinstance(expected, (list, tuple)):
         assert len(actual) == len(expected)
-        for a, e in zip(actual, expected):
+        for a, e in zip(actual, expected, strict=True):
             _assert_same(a, e)
     else:
         assert actual == expected
@@ -144,9 +147,11 @@ def _nested_batch() -> dict[str, Any]:
         "key": ["sample-0", "sample-1"],
         "count": 7,
         "missing": None,
-        "nested": {"pair": Pair(np.ones(3, dtype=np.int8), "right"),
-                   "tuple": (np.full((2, 2), 9.0), "text", 1),
-                   "list": [np.arange(4), [np.arange(2) * 5], "x"]},
+        "nested": {
+            "pair": Pair(np.ones(3, dtype=np.int8), "right"),
+            "tuple": (np.full((2, 2), 9.0), "text", 1),
+            "list": [np.arange(4), [np.arange(2) * 5], "x"],
+        },
     }
 
 

@@ -86,8 +86,9 @@ def run_globalloader(
         return _epoch(loader, len(chain.source), "globalloader", progress)
 
 
-def run_torch(root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0,
-              progress: bool = True, loader_class: Any = None) -> dict[str, float]:
+def run_torch(
+    root: Path, workers: int = 2, batch_size: int = 64, epoch: int = 0, progress: bool = True, loader_class: Any = None
+) -> dict[str, float]:
     """One epoch through `torch.utils.data.DataLoader` (or `loader_class`, a drop-in for it) with
     the same functions."""
     import torch

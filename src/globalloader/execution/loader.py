@@ -9,12 +9,9 @@ resumes in either mode.
 
 from __future__ import annotations
 
-import time
+import contextlib
 import warnings
-from collections import deque
-from typing import Any
-
-import numpy as np
+from typing import Any, Self
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.iterator import check_state, make_state
@@ -203,16 +200,14 @@ class Loader:
             self._session.close()
             self._session = None
 
-    def __enter__(self) -> "Loader":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:
         # A Loader dropped without close(): stop its workers (best effort; never raise here).
         if getattr(self, "pool", None) is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._close_pool()
-            except Exception:
-                pass

@@ -32,7 +32,9 @@ class LocalRun(EpochRun):
 
     def _count_tasks(self) -> int:
         if self._order is None:
-            return self.plan.num_tasks()
+            total = self.plan.num_tasks()
+            assert total is not None, "a random-access chain knows its length"
+            return total
         n, batch = len(self._order), self.plan.batch
         return batch.count(n) if batch is not None else -(-n // self.plan.task_size)
 
@@ -58,15 +60,17 @@ class LocalRun(EpochRun):
         plan = self.plan
         while not self._exhausted and self._next_submit - self._next_result < self.host.prefetch:
             t = self._next_submit
+            items: list[tuple[int, Any]] | np.ndarray | None  # (index, record) pairs of a stream, else indices
             if self._reader is not None:
                 items = plan.stream_task(self._reader, t)
                 if items is None:
                     self._exhausted = True
                     return
-            elif t >= self._total:
-                self._exhausted = True
-                return
             else:
+                assert self._total is not None, "a random-access chain knows its length"
+                if t >= self._total:
+                    self._exhausted = True
+                    return
                 items = self._indices(t)
             self._submit_task(Task(self.epoch, t, items))
             self._next_submit += 1
@@ -95,6 +99,6 @@ class LocalRun(EpochRun):
             while self._next_result < self._next_submit:
                 self._pool.result(self._next_result % self._width)
                 self._next_result += 1
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - whatever a result raised, the pool is not to be trusted
             self.host.broken()
         self._pending.clear()

@@ -17,6 +17,7 @@ output into their own transport, and in-thread output is copied out before its r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import sysconfig
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.errors import SAMPLE_ERRORS, ArgumentError, SharedPrefixError, StateError
+from globalloader.errors import SAMPLE_ERRORS, ArgumentError, ServerGoneError, SharedPrefixError, StateError
 from globalloader.execution.run import UNAVAILABLE, EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
 from globalloader.service import protocol
@@ -38,8 +39,9 @@ from globalloader.transport.arena import Arena, attach
 class SharedSession:
     """This Loader's registration with the server: one job, one numbered run per pass."""
 
-    def __init__(self, plan: Any, server: str | None, memory: str | int | None, name: str | None,
-                 timeout: float) -> None:
+    def __init__(
+        self, plan: Any, server: str | None, memory: str | int | None, name: str | None, timeout: float
+    ) -> None:
         import cloudpickle
 
         if plan.is_stream:
@@ -50,12 +52,16 @@ class SharedSession:
         try:  # the key first: a chain that cannot be keyed or sent fails before any server starts
             shipped = cloudpickle.dumps(prefix)
         except Exception as exc:
-            raise SharedPrefixError(f"the shared prefix cannot be sent to the server: {type(exc).__name__}: {exc}; "
-                                    "shared maps must be picklable (no locks, open files or sockets)") from exc
+            raise SharedPrefixError(
+                f"the shared prefix cannot be sent to the server: {type(exc).__name__}: {exc}; "
+                "shared maps must be picklable (no locks, open files or sockets)"
+            ) from exc
         hello = {
-            "prefix_fp": prefix.fingerprint, "prefix": shipped,
+            "prefix_fp": prefix.fingerprint,
+            "prefix": shipped,
             "name": name or f"{os.path.basename(sys.argv[0] or 'python')}[{os.getpid()}]",
-            "seed": plan.seed, "timeout": timeout,
+            "seed": plan.seed,
+            "timeout": timeout,
         }
         self.timeout = timeout
         self.client = Client(server or protocol.default_socket(), memory=memory)
@@ -113,9 +119,9 @@ class SharedRun(EpochRun):
         self.run = session.start_run(epoch, unique)
         self._window = (host.prefetch + 1) * size
         self._asked = 0
-        self._tickets: dict[int, tuple] = {}  # seq -> ticket, until taken in order
+        self._tickets: dict[int, tuple[Any, ...]] = {}  # seq -> ticket, until taken in order
         self._next_seq = 0
-        self._ready: deque[tuple] = deque()  # tickets in order, not yet in a task
+        self._ready: deque[tuple[Any, ...]] = deque()  # tickets in order, not yet in a task
         self._in_flight: deque[tuple[list[int], list[int]]] = deque()  # (all, shared) indices per task
         self._next_task = 0
         self._pending: deque[Any] = deque()
@@ -146,8 +152,11 @@ class SharedRun(EpochRun):
         """Take messages until the next ticket in order is here (or, not blocking, whatever has
         arrived). Messages of earlier runs are stale and dropped."""
         while self._next_seq < self._unique and self._next_seq not in self._tickets:
+            msg: tuple[Any, ...] | None
             if block:  # the server fails a load at `timeout` itself, naming the sample: give it time to
-                msg = self._client.get(self.host.timeout + 5, f"the next sample ({self._next_seq} of {self._unique} received)")
+                msg = self._client.get(
+                    self.host.timeout + 5, f"the next sample ({self._next_seq} of {self._unique} received)"
+                )
             else:
                 msg = self._client.get_nowait()
             if msg is None:
@@ -158,7 +167,7 @@ class SharedRun(EpochRun):
             self._ready.append(self._tickets.pop(self._next_seq))
             self._next_seq += 1
 
-    def _take_items(self, block: bool) -> list[tuple] | None:
+    def _take_items(self, block: bool) -> list[tuple[Any, ...]] | None:
         """(index, offset, layout) items of the next task (offset None: computed locally).
 
         Not blocking (tasks are in flight), it takes a task only if its tickets are all here:
@@ -173,7 +182,7 @@ class SharedRun(EpochRun):
         more_coming = self._next_seq < self._unique
         if not block and more_coming and len(self._ready) < size:
             return None
-        items: list[tuple] = []
+        items: list[tuple[Any, ...]] = []
         while len(items) < size:
             if not self._ready and self._next_seq < self._unique:
                 self._ask(2 * size - len(items))
@@ -213,8 +222,10 @@ class SharedRun(EpochRun):
         if self._fallback is not None:
             return self._fallback._next()
         if self._failed is not None:
-            raise StateError(f"this pass ended with {type(self._failed).__name__}: {self._failed}; "
-                             "iterate the Loader again to go on from where it stopped") from self._failed
+            raise StateError(
+                f"this pass ended with {type(self._failed).__name__}: {self._failed}; "
+                "iterate the Loader again to go on from where it stopped"
+            ) from self._failed
         try:
             return self._next_item()
         except StopIteration:
@@ -258,10 +269,8 @@ class SharedRun(EpochRun):
         """Tell the server this run holds nothing any more (after its tasks were collected)."""
         if not self._ended:
             self._ended = True
-            try:
+            with contextlib.suppress(ServerGoneError):  # the server is gone: it holds nothing of ours either
                 self._client.send("end", self.run)
-            except Exception:
-                pass  # the server is gone: it holds nothing of ours either
 
     def drain(self) -> None:
         """Collect results still in flight, then end the run (releasing everything it held)."""
@@ -271,7 +280,7 @@ class SharedRun(EpochRun):
             self._in_flight.popleft()
             try:
                 self._pool.result((self._next_task - len(self._in_flight) - 1) % self._width)
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - whatever a result raised, the pool is not to be trusted
                 self.host.broken()
                 self._in_flight.clear()
         self._pending.clear()

@@ -12,6 +12,7 @@ whose parent died exits by itself.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -22,7 +23,7 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 from globalloader.dataset.cache import MISSING
 from globalloader.dataset.plan import Plan, Timer
@@ -31,6 +32,9 @@ from globalloader.transport.arena import attach
 from globalloader.transport.names import PREFIX, remove_leftovers
 from globalloader.transport.process import orphaned, single_threaded_torch, tune_allocator
 from globalloader.transport.segments import BatchReader, BatchWriter
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
 
 class Task(NamedTuple):
@@ -53,10 +57,10 @@ class _RemoteTraceback(Exception):
     """Carries a worker's traceback text as the cause of the re-raised error."""
 
     def __str__(self) -> str:
-        return "\n" + self.args[0]
+        return "\n" + str(self.args[0])
 
 
-def _raise_remote(exc: BaseException, tb: str) -> None:
+def _raise_remote(exc: BaseException, tb: str) -> NoReturn:
     exc.__cause__ = _RemoteTraceback(tb)
     raise exc
 
@@ -80,7 +84,8 @@ class InlinePool:
         self._tasks.append(task)
 
     def result(self, worker: int) -> Result:
-        task, timer = self._tasks.popleft(), {}
+        task = self._tasks.popleft()
+        timer: Timer = {}
         res = _run(self._plan, task, self._skip, timer)
         return Result(task.number, res.output, res.skipped, timer, 0.0)
 
@@ -93,8 +98,11 @@ class ThreadPool:
 
     def __init__(self, plan: Plan, skip_errors: bool, workers: int, timeout: float = 300.0) -> None:
         self._timeout = timeout
-        self._inbox = [queue.SimpleQueue() for _ in range(workers)]
-        self._outbox = [queue.SimpleQueue() for _ in range(workers)]
+        self._inbox: list[queue.SimpleQueue[Task | None]] = [queue.SimpleQueue() for _ in range(workers)]
+        # a result, or the exception a task raised with its traceback text
+        self._outbox: list[queue.SimpleQueue[Result | tuple[BaseException, str]]] = [
+            queue.SimpleQueue() for _ in range(workers)
+        ]
         self._threads = [
             threading.Thread(target=self._loop, args=(plan, skip_errors, w), daemon=True, name=f"globalloader-{w}")
             for w in range(workers)
@@ -108,11 +116,12 @@ class ThreadPool:
             task = self._inbox[w].get()
             if task is None:
                 return
-            idle, timer = time.perf_counter() - t0, {}
+            idle = time.perf_counter() - t0
+            timer: Timer = {}
             try:
                 res = _run(plan, task, skip_errors, timer)
                 self._outbox[w].put(Result(task.number, res.output, res.skipped, timer, idle))
-            except BaseException as exc:  # handed to the consumer, which re-raises it
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 self._outbox[w].put((exc, traceback.format_exc()))
 
     def submit(self, worker: int, task: Task) -> None:
@@ -156,18 +165,19 @@ def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, p
                 return
             task, freed = msg
             writer.free(freed)
-            idle, timer = time.perf_counter() - t0, {}
+            idle = time.perf_counter() - t0
+            timer: Timer = {}
             try:
                 res = _run(plan, task, skip_errors, timer, deferred=True)
                 t1 = time.perf_counter()
                 payload = None if res.output is None else writer.write(res.output)
                 timer["transport"] = [1, time.perf_counter() - t1]
                 conn.send(Result(task.number, payload, res.skipped, timer, idle))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever the chain raised is sent back to the consumer
                 tb = traceback.format_exc()
                 try:
                     pickle.dumps(exc)
-                except Exception:
+                except Exception:  # noqa: BLE001 - any failure to pickle means it cannot cross the pipe
                     exc = TransformError(f"{type(exc).__name__}: {exc}")
                 conn.send((exc, tb))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
@@ -189,11 +199,12 @@ class ProcessPool:
     """mode="process": persistent worker processes, batches returned through shared memory."""
 
     def __init__(self, plan: Plan, skip_errors: bool, workers: int, start_method: str, timeout: float) -> None:
-        ctx = mp.get_context(start_method)
+        # every start method's context has Process; typeshed's BaseContext (any `str`) does not declare it
+        ctx = cast("ForkContext | SpawnContext | ForkServerContext", mp.get_context(start_method))
         self._timeout = timeout
         self._reader = BatchReader()
         self._prefix = f"{PREFIX}{os.getpid()}-{id(self) & 0xFFFFFF:x}-"
-        self._freed = [deque() for _ in range(workers)]
+        self._freed: list[deque[str]] = [deque() for _ in range(workers)]  # segments the consumer released
         self._queued: list[deque[Task]] = [deque() for _ in range(workers)]  # sent, no result yet
         payload: Any = plan
         if start_method != "fork":
@@ -258,10 +269,8 @@ class ProcessPool:
 
     def close(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(None)
-            except OSError:
-                pass
         for proc in self._procs:
             proc.join(timeout=5)
             if proc.is_alive():

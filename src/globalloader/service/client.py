@@ -9,6 +9,7 @@ load, a busy machine) is not taken for dead.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -22,8 +23,9 @@ from globalloader.transport.process import alive
 
 
 class Client:
-    def __init__(self, path: Path, start: bool = True, memory: str | int | None = None,
-                 workers: int | None = None) -> None:
+    def __init__(
+        self, path: str | Path, start: bool = True, memory: str | int | None = None, workers: int | None = None
+    ) -> None:
         self.path = Path(path)
         if start:
             ensure_server(self.path, memory, workers)
@@ -31,7 +33,8 @@ class Client:
             self.sock, self.server_pid = connect(self.path)
         except OSError as exc:
             raise (ServerStartError if start else ServerGoneError)(
-                f"no globalloader server answers at {self.path}") from exc
+                f"no globalloader server answers at {self.path}"
+            ) from exc
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
@@ -77,7 +80,9 @@ class Client:
                 msg = self._inbox.get(timeout=0.5)
             except queue.Empty:
                 if not alive(self.server_pid):
-                    raise ServerGoneError(f"the globalloader server at {self.path} (pid {self.server_pid}) died")
+                    raise ServerGoneError(
+                        f"the globalloader server at {self.path} (pid {self.server_pid}) died"
+                    ) from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise LoaderTimeoutError(
                         f"the globalloader server at {self.path} sent nothing for {timeout:.0f} s while this "
@@ -111,7 +116,5 @@ class Client:
         except ServerGoneError:
             pass
         self._closed.set()
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass

@@ -74,7 +74,7 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
         if msg[0] == "prefix":
             try:
                 prefixes[msg[1]] = pickle.loads(msg[2])
-            except Exception as exc:  # every load of this chain then fails with the reason
+            except Exception as exc:  # noqa: BLE001 - unpickling runs the job's code; every load of it then fails with this
                 prefixes[msg[1]] = (
                     f"the server cannot load this job's shared prefix ({type(exc).__name__}: {exc}); "
                     "the server must be able to import every module the shared maps use"
@@ -89,7 +89,7 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
         try:
             sample = _run_prefix(prefix, index)
             layout, placed = arena.encode(sample)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the user's maps raise is that sample's failure, sent back
             conn.send(("failed", fp, index, error_name(exc), str(exc)))
             continue
         if guess is not None and layout[0] <= guess[1]:
@@ -138,9 +138,14 @@ class Events(Protocol):
 class DecoderPool:
     """Starts, feeds and watches the decode workers of a server."""
 
-    def __init__(self, size: int, arena_name: str, events: Events,
-                 register: Callable[[Connection, Callable[[], None]], None],
-                 unregister: Callable[[Connection], None]) -> None:
+    def __init__(
+        self,
+        size: int,
+        arena_name: str,
+        events: Events,
+        register: Callable[[Connection, Callable[[], None]], None],
+        unregister: Callable[[Connection], None],
+    ) -> None:
         self.size, self._arena, self._events = size, arena_name, events
         self._register, self._unregister = register, unregister
         self._ctx = mp.get_context("fork")
@@ -155,8 +160,9 @@ class DecoderPool:
 
     def _start(self) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_decoder_main, args=(theirs, self._arena, os.getpid()),
-                                 daemon=True, name="globalloader-decoder")
+        proc = self._ctx.Process(
+            target=_decoder_main, args=(theirs, self._arena, os.getpid()), daemon=True, name="globalloader-decoder"
+        )
         proc.start()
         theirs.close()
         worker = _Worker(proc, ours)
@@ -264,9 +270,15 @@ class DecoderPool:
                 for load in late:
                     worker.loads.pop(load.key)
                     self._abort_reservation(load.key)
-                    self._events.failed(load.key[0], load.key[1], "LoaderTimeoutError", (
-                        f"sample {load.key[1]}: the shared prefix ran for more than {load.timeout:.0f} s on it "
-                        "(Loader(timeout=)); its decode worker was restarted"))
+                    self._events.failed(
+                        load.key[0],
+                        load.key[1],
+                        "LoaderTimeoutError",
+                        (
+                            f"sample {load.key[1]}: the shared prefix ran for more than {load.timeout:.0f} s on it "
+                            "(Loader(timeout=)); its decode worker was restarted"
+                        ),
+                    )
                 self._replace(worker, "was killed after a load passed its deadline")
         if self._waiting_space and now - self._space_progress > STALL_S:
             self._fail_stalled()
@@ -274,13 +286,20 @@ class DecoderPool:
     def _fail_stalled(self) -> None:
         """Nothing was released for STALL_S while a load waits for room: every job holds what it
         has and waits for more, which no release will ever bring. Fail that load loudly."""
-        worker, fp, index, nbytes = self._waiting_space.popleft()
+        worker, _fp, index, nbytes = self._waiting_space.popleft()
         capacity = self.pool.capacity
-        self._tell(worker, ("abort", "PoolTooSmallError", (
-            f"the server's memory pool is too small: its {capacity:,} bytes are all held by the jobs' batches "
-            f"in progress and sample {index} ({nbytes:,} bytes) found no room for {STALL_S:.0f} s; start the "
-            "server with more --memory (at least batch size x sample bytes x jobs, times prefetch + 1)"
-        )))
+        self._tell(
+            worker,
+            (
+                "abort",
+                "PoolTooSmallError",
+                (
+                    f"the server's memory pool is too small: its {capacity:,} bytes are all held by the jobs' batches "
+                    f"in progress and sample {index} ({nbytes:,} bytes) found no room for {STALL_S:.0f} s; start the "
+                    "server with more --memory (at least batch size x sample bytes x jobs, times prefetch + 1)"
+                ),
+            ),
+        )
         self._space_progress = time.monotonic()
 
     def _tell(self, worker: _Worker, msg: tuple) -> None:
@@ -307,9 +326,15 @@ class DecoderPool:
             fp, index = load.key
             self._abort_reservation(load.key)
             if load.attempts + 1 >= MAX_ATTEMPTS:
-                self._events.failed(fp, index, "WorkerError", (
-                    f"sample {index}: the server's decode worker {why} while loading it, "
-                    f"{MAX_ATTEMPTS} times in a row; see the server log"))
+                self._events.failed(
+                    fp,
+                    index,
+                    "WorkerError",
+                    (
+                        f"sample {index}: the server's decode worker {why} while loading it, "
+                        f"{MAX_ATTEMPTS} times in a row; see the server log"
+                    ),
+                )
             else:
                 self.load(fp, index, load.timeout, load.attempts + 1)
 
@@ -336,4 +361,3 @@ def _exit_reason(process: Any) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-

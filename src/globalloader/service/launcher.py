@@ -24,7 +24,7 @@ from globalloader.transport.arena import POOL_PREFIX
 from globalloader.transport.names import list_names, unlink
 from globalloader.transport.process import alive
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 MIN_MEMORY = 16 << 10  # a pool smaller than 16 KiB holds nothing useful
 LOST_RACE = 3  # a server's exit code when another server owns its socket
 IDLE_EXIT_S = 60.0  # an auto-started server with no jobs for this long exits ($GLOBALLOADER_IDLE_EXIT)
@@ -94,8 +94,9 @@ def is_running(path: Path) -> bool:
         return False
 
 
-def ensure_server(path: Path, memory: str | int | None = None, workers: int | None = None,
-                  timeout: float = 30.0) -> None:
+def ensure_server(
+    path: Path, memory: str | int | None = None, workers: int | None = None, timeout: float = 30.0
+) -> None:
     """Start a detached server at `path` unless one answers already; wait until one answers.
 
     Several jobs may do this at once: each starts a candidate, one candidate wins the socket's
@@ -113,8 +114,9 @@ def ensure_server(path: Path, memory: str | int | None = None, workers: int | No
         cmd += ["--workers", str(workers)]
     log_path = protocol.runtime_dir() / "server.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+        )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if is_running(path):
@@ -146,8 +148,10 @@ def request(path: Path, kind: str, timeout: float = protocol.REQUEST_S) -> tuple
             protocol.send(sock, kind)
             reply = protocol.recv(sock)
         except TimeoutError:
-            raise ServerTimeoutError(f"the globalloader server at {path} did not answer {kind!r} within "
-                                     f"{timeout:.0f} s (it may be blocked; see its log)") from None
+            raise ServerTimeoutError(
+                f"the globalloader server at {path} did not answer {kind!r} within "
+                f"{timeout:.0f} s (it may be blocked; see its log)"
+            ) from None
         except OSError as exc:
             raise ServerGoneError(f"the globalloader server at {path} closed the connection: {exc}") from exc
     if reply[0] == "error":
@@ -170,8 +174,8 @@ def stop(path: Path, timeout: float = protocol.REQUEST_S) -> bool:
     deadline = time.monotonic() + timeout
     while alive(pid):
         if time.monotonic() > deadline:
-            raise ServerTimeoutError(f"the globalloader server at {path} said it stops but still runs "
-                                     f"after {timeout:.0f} s")
+            raise ServerTimeoutError(
+                f"the globalloader server at {path} said it stops but still runs after {timeout:.0f} s"
+            )
         time.sleep(0.05)
     return True
-

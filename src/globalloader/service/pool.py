@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError, ServerError
 
 _ALIGN = 64
 _SCAN = 64  # LRU entries looked at for an unwanted victim before taking the oldest
+
+K = TypeVar("K", bound=Hashable)  # a sample's key (the server's: (prefix fingerprint, index))
 
 
 @dataclass
@@ -31,7 +34,7 @@ class Entry:
     offset: int
     nbytes: int
     layout: Any = None  # set when the bytes are written (ready)
-    holders: Counter = field(default_factory=Counter)  # job -> references
+    holders: Counter[Hashable] = field(default_factory=Counter)  # job -> references
     served: int = 0  # acquisitions so far: all but the first are hits (no load needed)
 
     @property
@@ -43,36 +46,36 @@ class Entry:
         return sum(self.holders.values())
 
 
-class BufferPool:
+class BufferPool(Generic[K]):
     """Allocation, references and eviction for an arena of `capacity` bytes."""
 
     def __init__(
         self,
         capacity: int,
-        on_evict: Callable[[Hashable], None] | None = None,
-        wanted: Callable[[Hashable], bool] | None = None,
+        on_evict: Callable[[K], None] | None = None,
+        wanted: Callable[[K], bool] | None = None,
     ) -> None:
         if not isinstance(capacity, int) or capacity < _ALIGN:
             raise ArgumentError(f"BufferPool: capacity must be an int >= {_ALIGN} bytes, got {capacity!r}")
         self.capacity = capacity
         self._on_evict = on_evict or (lambda key: None)
         self._wanted = wanted or (lambda key: False)
-        self._entries: dict[Hashable, Entry] = {}
-        self._lru: OrderedDict[Hashable, None] = OrderedDict()  # ready, unreferenced; oldest first
+        self._entries: dict[K, Entry] = {}
+        self._lru: OrderedDict[K, None] = OrderedDict()  # ready, unreferenced; oldest first
         self._starts = [0]  # free blocks, sorted by offset
         self._sizes = {0: capacity}
         self.used = 0
-        self.counters = Counter()  # hits, misses, evictions, loads
+        self.counters: Counter[str] = Counter()  # hits, misses, evictions, loads
 
     # -- lookups -----------------------------------------------------------------------------
-    def get(self, key: Hashable) -> Entry | None:
+    def get(self, key: K) -> Entry | None:
         return self._entries.get(key)
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._entries
 
     # -- loading -----------------------------------------------------------------------------
-    def reserve(self, key: Hashable, nbytes: int) -> int | None:
+    def reserve(self, key: K, nbytes: int) -> int | None:
         """Space for `key`'s bytes: the offset, or None if it cannot fit until something is
         released. Evicts least-recently-used unreferenced samples as needed."""
         if key in self._entries:
@@ -94,7 +97,7 @@ class BufferPool:
         self.counters["loads"] += 1
         return offset
 
-    def shrink(self, key: Hashable, nbytes: int) -> None:
+    def shrink(self, key: K, nbytes: int) -> None:
         """A reservation made on a size guess: give back the tail the sample did not use."""
         entry = self._entries[key]
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
@@ -103,20 +106,20 @@ class BufferPool:
             self.used -= entry.nbytes - size
             entry.nbytes = size
 
-    def commit(self, key: Hashable, layout: Any) -> Entry:
+    def commit(self, key: K, layout: Any) -> Entry:
         """The bytes of `key` are written: it becomes readable (unreferenced, so in the LRU tier)."""
         entry = self._entries[key]
         entry.layout = layout
         self._lru[key] = None
         return entry
 
-    def abort(self, key: Hashable) -> None:
+    def abort(self, key: K) -> None:
         """Loading `key` failed: give its space back."""
         entry = self._entries.pop(key)
         self._free(entry)
 
     # -- references --------------------------------------------------------------------------
-    def acquire(self, key: Hashable, holder: Hashable) -> Entry:
+    def acquire(self, key: K, holder: Hashable) -> Entry:
         """`holder` takes a reference to a ready sample (a hit unless it was loaded for this one)."""
         entry = self._entries[key]
         if not entry.ready:
@@ -128,7 +131,7 @@ class BufferPool:
         entry.holders[holder] += 1
         return entry
 
-    def release(self, key: Hashable, holder: Hashable) -> None:
+    def release(self, key: K, holder: Hashable) -> None:
         entry = self._entries.get(key)
         if entry is None or entry.holders[holder] <= 0:
             raise ProtocolError(f"BufferPool: {holder!r} holds no reference to {key!r}")
@@ -175,7 +178,7 @@ class BufferPool:
                 return start
         return None
 
-    def _victim(self) -> Hashable:
+    def _victim(self) -> K:
         """The oldest unreferenced sample nobody wants any more, else the oldest one."""
         for n, key in enumerate(self._lru):
             if n == _SCAN:
@@ -184,7 +187,7 @@ class BufferPool:
                 return key
         return next(iter(self._lru))
 
-    def _evict(self, key: Hashable) -> None:
+    def _evict(self, key: K) -> None:
         del self._lru[key]
         entry = self._entries.pop(key)
         self._free(entry)

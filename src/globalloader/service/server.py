@@ -19,6 +19,7 @@ keeps its place.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import os
@@ -29,9 +30,10 @@ import sys
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -145,10 +147,8 @@ class Server:
         self._selector.register(conn, selectors.EVENT_READ, lambda _: callback())
 
     def _unregister(self, fileobj: Any) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(fileobj)
-        except (KeyError, ValueError):
-            pass
 
     def _accept(self, _: Any) -> None:
         try:
@@ -207,12 +207,13 @@ class Server:
             self._refuse(conn, exc)
         except GlobalLoaderError as exc:  # the request cannot be served: say why, end the job
             self._fail(conn, exc)
-        except Exception as exc:  # a bug: the job hears of it, the server and other jobs go on
+        except Exception as exc:  # noqa: BLE001 - a bug: the job hears of it, the server and other jobs go on
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            self._log(f"error while serving {kind!r}: {type(exc).__name__}: {exc} "
-                      f"({Path(where.filename).name}:{where.lineno})")
-            self._send(conn, "error", "ServerError",
-                       f"the server failed on {kind!r}: {type(exc).__name__}: {exc}")
+            self._log(
+                f"error while serving {kind!r}: {type(exc).__name__}: {exc} "
+                f"({Path(where.filename).name}:{where.lineno})"
+            )
+            self._send(conn, "error", "ServerError", f"the server failed on {kind!r}: {type(exc).__name__}: {exc}")
             self._end(conn, "ended after a server error")
 
     def _refuse(self, conn: Connection, exc: ProtocolError) -> None:
@@ -276,16 +277,25 @@ class Server:
 
     # -- messages ----------------------------------------------------------------------------
     def _on_hello(self, conn: Connection, info: Any) -> None:
-        if not isinstance(info, dict) or not isinstance(info.get("prefix_fp"), str) \
-                or not isinstance(info.get("prefix"), bytes):
+        if (
+            not isinstance(info, dict)
+            or not isinstance(info.get("prefix_fp"), str)
+            or not isinstance(info.get("prefix"), bytes)
+        ):
             raise ProtocolError("'hello' needs a dict with prefix_fp (str) and prefix (bytes)")
         group = self.groups.get(info["prefix_fp"])
         if group is None:
             group = Group(info["prefix_fp"], info["prefix"], JointSampler())  # fresh stream: see JointSampler
             self.groups[group.fingerprint] = group
         timeout = float(info.get("timeout") or 300.0)
-        job = Job(self._next_job, conn, str(info.get("name") or f"job-{self._next_job}"), group,
-                  timeout=timeout if timeout > 0 else 300.0, seed=int(info.get("seed", 0)))
+        job = Job(
+            self._next_job,
+            conn,
+            str(info.get("name") or f"job-{self._next_job}"),
+            group,
+            timeout=timeout if timeout > 0 else 300.0,
+            seed=int(info.get("seed", 0)),
+        )
         self._next_job += 1
         conn.job = job
         self.jobs[job.id] = job
@@ -445,7 +455,7 @@ class Server:
             group.sampler.remove_job(job.id)
         if not group.jobs:
             del self.groups[group.fingerprint]  # its samples stay in the LRU tier until evicted
-        self.finished = (self.finished + [{**self._job_status(job), "state": "left"}])[-20:]
+        self.finished = [*self.finished, {**self._job_status(job), "state": "left"}][-20:]
         if not self.jobs:
             self._idle_since = time.monotonic()
         if why:
@@ -463,15 +473,19 @@ class Server:
             elif now - conn.last_seen > protocol.SILENT_DEAD_S and not alive(conn.pid):
                 self._close(conn, f"is gone (silent {now - conn.last_seen:.0f} s, process ended)")
             else:
-                job.rate = (job.rate + [(now, job.consumed)])[-10:]
+                job.rate = [*job.rate, (now, job.consumed)][-10:]
 
     # -- status and main loop ----------------------------------------------------------------
     def _job_status(self, job: Job) -> dict[str, Any]:
         s = job.group.sampler.stats().get(job.id, {})
         requests = s.get("requests", 0)
         return {
-            "name": job.name, "pid": job.conn.pid, "size": job.size, "epoch": job.epoch,
-            "consumed": job.consumed, "delivered": job.delivered,
+            "name": job.name,
+            "pid": job.conn.pid,
+            "size": job.size,
+            "epoch": job.epoch,
+            "consumed": job.consumed,
+            "delivered": job.delivered,
             "samples_per_s": round(job.samples_per_s(), 1),
             "followed_share": round(s.get("followed", 0) / requests, 3) if requests else 0.0,
             "state": "done" if job.size and job.consumed >= job.size else "loading",
@@ -480,10 +494,15 @@ class Server:
     def status(self) -> dict[str, Any]:
         requests, decodes = self.requests, self.decodes
         return {
-            "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
-            "jobs": [self._job_status(job) for job in self.jobs.values()], "finished": self.finished,
-            "pool": self.pool.stats(), "requests": requests, "decodes": decodes,
-            "decodes_saved": requests - decodes, "workers": self.decoders.size,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "jobs": [self._job_status(job) for job in self.jobs.values()],
+            "finished": self.finished,
+            "pool": self.pool.stats(),
+            "requests": requests,
+            "decodes": decodes,
+            "decodes_saved": requests - decodes,
+            "workers": self.decoders.size,
             "worker_restarts": self.decoders.restarts,
         }
 
@@ -496,7 +515,7 @@ class Server:
                 for key, mask in self._selector.select(timeout=0.25):
                     try:
                         key.data(mask)
-                    except Exception as exc:  # never let one event end the server
+                    except Exception as exc:  # noqa: BLE001 - never let one event end the server
                         self._log(f"internal error: {type(exc).__name__}: {exc}")
                         traceback.print_exc(file=sys.stderr)
                 now = time.monotonic()
@@ -516,10 +535,8 @@ class Server:
     def _close_listener(self) -> None:
         self._unregister(self._listener)
         self._listener.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()  # ours: we hold the socket's lock
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         self._close_listener()  # first: nobody new connects to a server going away
@@ -540,10 +557,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="globalloader serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--memory", default="2G", help="buffer pool size in /dev/shm, e.g. 512M, 4G")
     parser.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 2), help="decode workers")
-    parser.add_argument("--socket", default=None,
-                        help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)")
-    parser.add_argument("--idle-exit", type=float, default=0.0,
-                        help="exit after this many seconds with no jobs (0: never)")
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)",
+    )
+    parser.add_argument(
+        "--idle-exit", type=float, default=0.0, help="exit after this many seconds with no jobs (0: never)"
+    )
     args = parser.parse_args(argv)
     path = Path(args.socket) if args.socket else protocol.default_socket()
     memory = launcher.parse_size(args.memory)
@@ -555,8 +576,11 @@ def main(argv: list[str] | None = None) -> int:
         return launcher.LOST_RACE
     launcher.clear_leftovers(path)
     server = Server(path, memory, args.workers, args.idle_exit)
-    print(f"globalloader server: pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers",
-          file=sys.stderr, flush=True)
+    print(
+        f"globalloader server: pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers",
+        file=sys.stderr,
+        flush=True,
+    )
     server.serve_forever()
     return 0
 

@@ -25,13 +25,21 @@ def _mib(n: int) -> str:
 
 def rows(status: dict[str, Any]) -> list[tuple[str, ...]]:
     """One row per job, running ones first, then those that left."""
-    out = []
+    out: list[tuple[str, ...]] = []
     for job in [*status["jobs"], *status.get("finished", [])]:
         progress = job["consumed"] / job["size"] if job["size"] else 0.0
-        out.append((
-            job["name"], str(job["pid"]), job["state"], f"{job['size']:,}", str(job["epoch"]),
-            f"{job['consumed']:,} ({progress:.0%})", f"{job['samples_per_s']:,.0f}", f"{job['followed_share']:.0%}",
-        ))
+        out.append(
+            (
+                job["name"],
+                str(job["pid"]),
+                job["state"],
+                f"{job['size']:,}",
+                str(job["epoch"]),
+                f"{job['consumed']:,} ({progress:.0%})",
+                f"{job['samples_per_s']:,.0f}",
+                f"{job['followed_share']:.0%}",
+            )
+        )
     return out
 
 

@@ -49,10 +49,9 @@ def stack_collate(samples: list[Any]) -> Any:
             return {key: stack_collate([s[key] for s in samples]) for key in elem}
     elif isinstance(elem, tuple) and hasattr(kind, "_fields"):
         if all(type(s) is kind for s in samples):
-            return kind(*(stack_collate(list(column)) for column in zip(*samples)))
-    elif kind is tuple or kind is list:
-        if all(type(s) is kind and len(s) == len(elem) for s in samples):
-            return [stack_collate(list(column)) for column in zip(*samples)]
+            return kind(*(stack_collate(list(column)) for column in zip(*samples, strict=True)))
+    elif (kind is tuple or kind is list) and all(type(s) is kind and len(s) == len(elem) for s in samples):
+        return [stack_collate(list(column)) for column in zip(*samples, strict=True)]
     return torch.utils.data.default_collate(samples)
 
 
@@ -78,8 +77,15 @@ def _tensor_arrays(samples: list[Any]) -> list[np.ndarray] | None:
     shape, dtype = first.shape, first.dtype
     arrays = []
     for s in samples:
-        if type(s) is not torch.Tensor or s.shape != shape or s.dtype != dtype or s.requires_grad \
-                or s.device.type != "cpu" or s.is_conj() or s.is_neg():
+        if (
+            type(s) is not torch.Tensor
+            or s.shape != shape
+            or s.dtype != dtype
+            or s.requires_grad
+            or s.device.type != "cpu"
+            or s.is_conj()
+            or s.is_neg()
+        ):
             return None
         try:
             arrays.append(s.numpy())

@@ -19,12 +19,16 @@ import multiprocessing
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, StateError
 from globalloader.torch.iterators import InProcessIter, Progress, WorkerIter, restore_rng, rng_snapshot
 from globalloader.torch.shared import SharedChain
-from globalloader.torch.tensors import torch
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from globalloader.torch.tensors import torch
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -255,7 +259,8 @@ class DataLoader(Generic[T_co]):
         if self._shared is not None:
             self._shared.set_epoch(epoch)
             return
-        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
+        samplers: tuple[Any, ...] = (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler)
+        for sampler in samplers:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
                 return
@@ -266,7 +271,12 @@ class DataLoader(Generic[T_co]):
         if self._shared is not None:
             return {"kind": _STATE_KIND, "shared": self._shared.state_dict()}
         progress = self._progress or Progress(rng_snapshot(self))
-        return {"kind": _STATE_KIND, "batches": progress.batches, "rng": progress.snapshot, "epoch": self._sampler_epoch()}
+        return {
+            "kind": _STATE_KIND,
+            "batches": progress.batches,
+            "rng": progress.snapshot,
+            "epoch": self._sampler_epoch(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next `iter()` continue the pass `state` was taken from."""
@@ -288,8 +298,12 @@ class DataLoader(Generic[T_co]):
         if self._shared is not None:
             return self._shared.stats()
         progress = self._progress or Progress({})
-        return {"batches": progress.batches, "wait_s": progress.wait_s, "worker_busy_s": progress.busy_s,
-                "workers": self.num_workers}
+        return {
+            "batches": progress.batches,
+            "wait_s": progress.wait_s,
+            "worker_busy_s": progress.busy_s,
+            "workers": self.num_workers,
+        }
 
     def close(self) -> None:
         """Stop persistent workers now (they also stop when the DataLoader is collected)."""
@@ -325,5 +339,3 @@ def _warn_if_too_many_workers(num_workers: int) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader.transport.codec import decode_tree
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.pool import WorkerPool
 from globalloader.torch.tensors import pin, torch
 from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, INLINE, Fetcher, WorkerSpec
+from globalloader.transport.codec import decode_tree
 
 if TYPE_CHECKING:
-    from globalloader.torch.dataloader import DataLoader
+    from globalloader.torch.settings import LoaderSettings
 
 
 def _draw_seed(generator: Any) -> int:
@@ -38,7 +38,7 @@ def _draw_seed(generator: Any) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-def _samplers(loader: DataLoader) -> list[Any]:
+def _samplers(loader: LoaderSettings) -> list[Any]:
     """The loader's sampler objects (batch sampler first), for their generators and epochs."""
     found: list[Any] = []
     for obj in (loader.batch_sampler, loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
@@ -47,7 +47,7 @@ def _samplers(loader: DataLoader) -> list[Any]:
     return found
 
 
-def rng_snapshot(loader: DataLoader) -> dict[str, Any]:
+def rng_snapshot(loader: LoaderSettings) -> dict[str, Any]:
     """The RNG states a pass starts from: torch's global one, the loader's and the samplers' generators."""
     generators = [getattr(s, "generator", None) for s in _samplers(loader)]
     return {
@@ -57,12 +57,13 @@ def rng_snapshot(loader: DataLoader) -> dict[str, Any]:
     }
 
 
-def restore_rng(loader: DataLoader, snapshot: dict[str, Any]) -> None:
+def restore_rng(loader: LoaderSettings, snapshot: dict[str, Any]) -> None:
     """Put back the states of `rng_snapshot` (generators that did not exist then are left alone)."""
     torch.set_rng_state(snapshot["torch"])
     if loader.generator is not None and snapshot["loader"] is not None:
         loader.generator.set_state(snapshot["loader"])
-    for sampler, state in zip(_samplers(loader), snapshot["samplers"]):
+    # not strict: a snapshot from a loader with fewer samplers restores those it has; the others are left alone
+    for sampler, state in zip(_samplers(loader), snapshot["samplers"], strict=False):
         generator = getattr(sampler, "generator", None)
         if isinstance(generator, torch.Generator) and state is not None:
             generator.set_state(state)
@@ -83,7 +84,7 @@ class Progress:
 class _BaseIter:
     """What both iterators share: the sampler walk, counting, the length warning, pinning."""
 
-    def __init__(self, loader: DataLoader, progress: Progress) -> None:
+    def __init__(self, loader: LoaderSettings, progress: Progress) -> None:
         # No reference to the loader: dropping a loader and its iterator must stop the workers at once.
         self._index_sampler = loader._index_sampler
         self._uses_workers = loader.num_workers > 0
@@ -95,7 +96,7 @@ class _BaseIter:
         self._pin_device = loader.pin_memory_device
         self._datapipe = isinstance(loader.dataset, torch.utils.data.IterDataPipe)
 
-    def _start_pass(self, loader: DataLoader) -> None:
+    def _start_pass(self, loader: LoaderSettings) -> None:
         self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
         self._len_called = loader._IterableDataset_len_called
@@ -113,9 +114,12 @@ class _BaseIter:
             warnings.warn(
                 f"Length of IterableDataset {self._dataset} was reported to be {self._len_called} "
                 f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. "
-                + ("For multiprocessing data-loading, this could be caused by not properly configuring the "
-                   "IterableDataset replica at each worker (shard it with get_worker_info())."
-                   if self._uses_workers else ""),
+                + (
+                    "For multiprocessing data-loading, this could be caused by not properly configuring the "
+                    "IterableDataset replica at each worker (shard it with get_worker_info())."
+                    if self._uses_workers
+                    else ""
+                ),
                 stacklevel=3,
             )
         return pin(batch, self._pin_device) if self._pin else batch
@@ -124,7 +128,7 @@ class _BaseIter:
 class InProcessIter(_BaseIter):
     """num_workers=0: samples are loaded in the calling thread, when a batch is asked for."""
 
-    def __init__(self, loader: DataLoader, progress: Progress, skip: int = 0) -> None:
+    def __init__(self, loader: LoaderSettings, progress: Progress, skip: int = 0) -> None:
         super().__init__(loader, progress)
         dataset = self._dataset
         if self._datapipe:
@@ -156,7 +160,7 @@ class WorkerIter(_BaseIter):
 
     _pool: WorkerPool | None = None  # None once shut down
 
-    def __init__(self, loader: DataLoader, progress: Progress, skip: int = 0) -> None:
+    def __init__(self, loader: LoaderSettings, progress: Progress, skip: int = 0) -> None:
         super().__init__(loader, progress)
         self._num_workers = loader.num_workers
         self._prefetch = (loader.prefetch_factor or 2) * loader.num_workers
@@ -173,7 +177,7 @@ class WorkerIter(_BaseIter):
         self._generation = 0
         self._reset(loader, progress, first=True, skip=skip)
 
-    def _reset(self, loader: DataLoader, progress: Progress, first: bool = False, skip: int = 0) -> None:
+    def _reset(self, loader: LoaderSettings, progress: Progress, first: bool = False, skip: int = 0) -> None:
         """Start a pass: a new sampler walk, and (persistent workers) fresh dataset iterators."""
         pool = self._live_pool()
         self._progress = progress
@@ -309,7 +313,7 @@ def _pin_available() -> bool:
     return accelerator_available()
 
 
-def _spec(loader: DataLoader, dataset: Any) -> WorkerSpec:
+def _spec(loader: LoaderSettings, dataset: Any) -> WorkerSpec:
     """What workers need; `collate_fn` None means torch's default_collate, done the stacked way."""
     default = loader._auto_collation and loader.collate_fn is torch.utils.data.default_collate
     return WorkerSpec(

@@ -10,6 +10,7 @@ left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -19,9 +20,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from globalloader.errors import WorkerError
+from globalloader.torch.worker import WorkerSpec, worker_main
 from globalloader.transport.names import remove_leftovers
 from globalloader.transport.segments import BatchReader
-from globalloader.torch.worker import WorkerSpec, worker_main
 
 _POLL = 1.0  # seconds between liveness checks while waiting
 _STOP_GRACE = 5.0  # seconds workers get to stop before they are killed
@@ -89,9 +90,9 @@ class WorkerPool:
                 worker = self.conns.index(ready[0])  # type: ignore[arg-type]
                 try:
                     return worker, pickle.loads(self.conns[worker].recv_bytes())
-                except (EOFError, OSError):
+                except (EOFError, OSError) as exc:
                     self.raise_if_dead(wait_for=worker)
-                    raise WorkerDied(f"DataLoader worker (pid {self.procs[worker].pid}) closed its pipe")
+                    raise WorkerDied(f"DataLoader worker (pid {self.procs[worker].pid}) closed its pipe") from exc
             self.raise_if_dead()
             if deadline is not None and time.monotonic() >= deadline:
                 raise LoaderTimeout(
@@ -111,10 +112,8 @@ class WorkerPool:
         """Let one worker go (its iterable is exhausted); it exits cleanly."""
         if worker not in self.stopped:
             self.stopped.add(worker)
-            try:
+            with contextlib.suppress(OSError):
                 self.conns[worker].send(None)
-            except OSError:
-                pass
 
     def close(self) -> None:
         """Stop every worker (killing any that has not stopped in a few seconds), unlink leftovers."""
@@ -139,7 +138,11 @@ def _death(proc: Any) -> str:
             name = signal.strsignal(-code) or signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return (f"DataLoader worker (pid {proc.pid}) is killed by signal: {name}. The dataset code crashed "
-                "the worker (or it was killed, e.g. out of memory); run with num_workers=0 to see where")
-    return (f"DataLoader worker (pid {proc.pid}) exited unexpectedly with exit code {code}; "
-            "run with num_workers=0 to see where")
+        return (
+            f"DataLoader worker (pid {proc.pid}) is killed by signal: {name}. The dataset code crashed "
+            "the worker (or it was killed, e.g. out of memory); run with num_workers=0 to see where"
+        )
+    return (
+        f"DataLoader worker (pid {proc.pid}) exited unexpectedly with exit code {code}; "
+        "run with num_workers=0 to see where"
+    )

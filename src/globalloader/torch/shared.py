@@ -19,7 +19,7 @@ from globalloader.torch.source import TorchSource, missing_fingerprint
 from globalloader.torch.tensors import to_tensors, torch
 
 if TYPE_CHECKING:
-    from globalloader.torch.dataloader import DataLoader
+    from globalloader.torch.settings import LoaderSettings
 
 
 class SharedChain:
@@ -29,10 +29,12 @@ class SharedChain:
         self.loader = loader
 
     @classmethod
-    def build(cls, dl: DataLoader, share: bool | str, server: str | None) -> SharedChain:
+    def build(cls, dl: LoaderSettings, share: bool | str, server: str | None) -> SharedChain:
         unsupported = {
             "an IterableDataset": dl._dataset_kind_iterable,
-            "sampler=": not isinstance(dl.sampler, (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)),
+            "sampler=": not isinstance(
+                dl.sampler, (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
+            ),
             "batch_sampler=": dl.batch_size is None,
             "worker_init_fn=": dl.worker_init_fn is not None,
             "persistent_workers=": dl.persistent_workers,
@@ -52,10 +54,14 @@ class SharedChain:
             chain = chain.shuffle(seed)
         chain = chain.map(_as_loaded, shared=True, name="dataset[i]")  # the server loads each sample once
         default = dl.collate_fn is torch.utils.data.default_collate
-        chain = chain.batch(dl.batch_size or 1, drop_last=dl.drop_last, collate=numpy_collate if default else dl.collate_fn)
+        chain = chain.batch(
+            dl.batch_size or 1, drop_last=dl.drop_last, collate=numpy_collate if default else dl.collate_fn
+        )
         prefetch = (dl.prefetch_factor or 2) * dl.num_workers if dl.num_workers else None
         timeout = dl.timeout if dl.timeout > 0 else 300.0
-        return cls(Loader(chain, workers=dl.num_workers, prefetch=prefetch, timeout=timeout, share=share, server=server))
+        return cls(
+            Loader(chain, workers=dl.num_workers, prefetch=prefetch, timeout=timeout, share=share, server=server)
+        )
 
     def __iter__(self) -> Iterator[Any]:
         return (to_tensors(batch) for batch in self.loader)

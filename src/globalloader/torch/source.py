@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from globalloader.errors import ArgumentError
 from globalloader.execution.loader import Loader
-from globalloader.torch.tensors import to_tensors, torch
+from globalloader.torch.tensors import to_tensors
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from globalloader.torch.tensors import torch
 
 
 class TorchSource:

@@ -28,12 +28,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from globalloader.errors import WorkerError
+from globalloader.torch.collate import stack_collate
+from globalloader.torch.tensors import torch
 from globalloader.transport.codec import copy_arrays, encode_tree
 from globalloader.transport.names import remove_leftovers
 from globalloader.transport.process import tune_allocator
 from globalloader.transport.segments import BatchWriter
-from globalloader.torch.collate import stack_collate
-from globalloader.torch.tensors import torch
 
 # Result kinds a worker sends: (generation, task, kind, payload, busy seconds)
 BATCH = 0  # payload: a BatchMessage
@@ -70,8 +70,15 @@ def worker_seeds(base_seed: int, worker_id: int) -> tuple[int, np.ndarray]:
     return base_seed + worker_id, np.random.SeedSequence([worker_id, base_seed]).generate_state(4)
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, worker_id: int, base_seed: int, shared_seed: int | None,
-                prefix: str, main_pid: int) -> None:
+def worker_main(
+    spec: WorkerSpec,
+    conn: Connection,
+    worker_id: int,
+    base_seed: int,
+    shared_seed: int | None,
+    prefix: str,
+    main_pid: int,
+) -> None:
     """Run tasks from `conn` until told to stop (None), the pipe closes, or the parent dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     torch.set_num_threads(1)
@@ -97,8 +104,8 @@ def worker_main(spec: WorkerSpec, conn: Connection, worker_id: int, base_seed: i
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(worker_id)
         fetch = Fetcher(spec, dataset)
-    except Exception as exc:
-        failure = (exc, traceback.format_exc())  # reported as the first task's result, as torch does
+    except Exception as exc:  # noqa: BLE001 - the user's setup failed: reported as the first task's result, as torch does
+        failure = (exc, traceback.format_exc())
     try:
         while True:
             msg = conn.recv()
@@ -112,7 +119,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, worker_id: int, base_seed: i
                 try:
                     fetch = Fetcher(spec, dataset)
                     failure = None
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - the dataset's __iter__ failed: reported as the next result
                     failure = (exc, traceback.format_exc())
                 continue
             start = time.perf_counter()
@@ -126,7 +133,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, worker_id: int, base_seed: i
                     reply = (generation, number, kind, message, time.perf_counter() - start)
                 except StopIteration:
                     reply = (generation, number, EXHAUSTED, None, 0.0)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
                     reply = (generation, number, FAILED, _sendable(exc, traceback.format_exc()), 0.0)
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
@@ -193,7 +200,7 @@ def _sendable(exc: BaseException, tb: str) -> tuple[BaseException, str]:
     """The exception itself when it pickles, else a WorkerError naming its type and message."""
     try:
         pickle.loads(pickle.dumps(exc))
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to pickle or unpickle means it cannot cross the pipe
         exc = WorkerError(f"{type(exc).__name__}: {exc}")
     return exc, tb
 

@@ -8,11 +8,12 @@ exactly like a batch.
 
 from __future__ import annotations
 
+import _posixshmem
+import contextlib
 import mmap
 import os
 from typing import Any
 
-import _posixshmem
 import numpy as np
 
 from globalloader.errors import ServerGoneError, ServerStartError
@@ -21,7 +22,7 @@ from globalloader.transport.names import PREFIX, SHM_DIR, free_bytes, unlink
 
 POOL_PREFIX = PREFIX + "pool-"  # + the server's pid
 
-_attached: dict[str, "Arena"] = {}
+_attached: dict[str, Arena] = {}
 
 
 class Arena:
@@ -51,10 +52,8 @@ class Arena:
     def close(self) -> None:
         _attached.pop(self.name, None)
         self._bytes = None  # type: ignore[assignment]
-        try:
+        with contextlib.suppress(BufferError):  # views alive: the mapping goes when they do
             self.mapping.close()
-        except BufferError:
-            pass  # views alive: the mapping goes when they do
         if self._owner:
             unlink(self.name)
 

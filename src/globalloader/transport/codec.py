@@ -25,6 +25,7 @@ _ARRAY = 1  # (_ARRAY, offset, dtype, shape): a NumPy array in the segment
 _TENSOR = 2  # (_TENSOR, offset, dtype, shape): a torch tensor in the segment
 _NODE = 3  # (_NODE, kind, keys, items): a container holding arrays
 
+
 def encode_tree(obj: Any) -> tuple[tuple, list[tuple[int, np.ndarray]], int]:
     """(encoded tree, arrays with their offsets, bytes needed) for a batch or a sample."""
     placed: list[tuple[int, np.ndarray]] = []  # (offset, array) in walk order
@@ -54,7 +55,7 @@ def decode_tree(node: tuple, base: np.ndarray) -> Any:
         _, kind, keys, items = node
         values = [decode_tree(item, base) for item in items]
         if kind == 0:
-            return dict(zip(keys, values))
+            return dict(zip(keys, values, strict=True))
         if kind == 1:
             return values
         if kind == 2:

@@ -8,9 +8,8 @@ warnings) when that process exits. POSIX only.
 
 from __future__ import annotations
 
-import os
-
 import _posixshmem
+import os
 
 from globalloader.errors import ArgumentError
 
@@ -47,9 +46,7 @@ def remove_leftovers(prefix: str) -> int:
 
 def check_prefix(prefix: str) -> None:
     if not isinstance(prefix, str) or not prefix or "/" in prefix or "\0" in prefix:
-        raise ArgumentError(
-            f"prefix: {prefix!r} must be a non-empty str without '/', e.g. 'gl-1234-0-'"
-        )
+        raise ArgumentError(f"prefix: {prefix!r} must be a non-empty str without '/', e.g. 'gl-1234-0-'")
 
 
 def unlink(name: str) -> bool:
@@ -59,4 +56,3 @@ def unlink(name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-

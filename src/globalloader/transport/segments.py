@@ -24,13 +24,14 @@ Arrays are laid out by `transport.codec`; names are made and removed through `tr
 
 from __future__ import annotations
 
+import _posixshmem
+import contextlib
 import mmap
 import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import _posixshmem
 import numpy as np
 
 from globalloader.errors import ArgumentError, SharedMemoryError
@@ -52,7 +53,7 @@ BatchMessage = tuple[str | None, tuple, tuple[str, ...]]
 class _Segment:
     """One shared-memory segment as the writer sees it."""
 
-    __slots__ = ("name", "capacity", "mapping")
+    __slots__ = ("capacity", "mapping", "name")
 
     def __init__(self, name: str, capacity: int, mapping: mmap.mmap) -> None:
         self.name = name
@@ -239,10 +240,8 @@ class BatchReader:
         mappings = list(self._mappings.values())
         self._mappings.clear()
         for mapping in mappings:
-            try:
+            with contextlib.suppress(BufferError):  # views alive: the mapping goes when they do
                 mapping.close()
-            except BufferError:
-                pass  # views alive: the mapping goes when they do
 
     def _map(self, name: str) -> mmap.mmap:
         try:
@@ -260,4 +259,3 @@ class BatchReader:
         unlink(name)
         self._mappings[name] = mapping
         return mapping
-
