@@ -49,7 +49,8 @@ class SharedSession:
         prefix = Dataset(plan.source, tuple(plan.maps[: plan.split])).plan
         for op in prefix.maps:
             _by_value_if_local(cloudpickle, op.fn)
-        try:  # the key first: a chain that cannot be keyed or sent fails before any server starts
+        key = prefix.fingerprint  # first: a chain that cannot be keyed or sent fails before any server starts
+        try:
             shipped = cloudpickle.dumps(prefix)
         except Exception as exc:
             raise SharedPrefixError(
@@ -57,7 +58,7 @@ class SharedSession:
                 "shared maps must be picklable (no locks, open files or sockets)"
             ) from exc
         hello = {
-            "prefix_fp": prefix.fingerprint,
+            "prefix_fp": key,
             "prefix": shipped,
             "name": name or f"{os.path.basename(sys.argv[0] or 'python')}[{os.getpid()}]",
             "seed": plan.seed,
