@@ -30,7 +30,7 @@ from globalloader.dataset.plan import Plan, Timer
 from globalloader.errors import LoaderTimeoutError, TransformError, WorkerError
 from globalloader.transport.arena import attach
 from globalloader.transport.names import PREFIX, remove_leftovers
-from globalloader.transport.process import orphaned, single_threaded_torch, tune_allocator
+from globalloader.transport.process import exit_reason, orphaned, single_threaded_torch, tune_allocator
 from globalloader.transport.segments import BatchReader, BatchWriter
 
 if TYPE_CHECKING:
@@ -186,15 +186,6 @@ def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, p
         writer.close()
 
 
-def _exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 class ProcessPool:
     """mode="process": persistent worker processes, batches returned through shared memory."""
 
@@ -265,7 +256,7 @@ class ProcessPool:
         task = queued[0] if queued else None
         proc.join(timeout=1.0)
         where = f" while running task {task.number} of epoch {task.epoch}" if task else ""
-        raise WorkerError(f"worker {worker} (pid {proc.pid}) {_exit_reason(proc.exitcode)}{where}")
+        raise WorkerError(f"worker {worker} (pid {proc.pid}) {exit_reason(proc.exitcode)}{where}")
 
     def close(self) -> None:
         for conn in self._conns:

@@ -31,7 +31,7 @@ from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SharedPr
 from globalloader.service.pool import BufferPool
 from globalloader.service.protocol import STALL_S, error_name
 from globalloader.transport import arena
-from globalloader.transport.process import die_with_parent, orphaned, tune_allocator
+from globalloader.transport.process import die_with_parent, exit_reason, orphaned, tune_allocator
 
 MAX_ATTEMPTS = 3  # workers a load may kill before it fails
 Key = tuple[str, int]  # (prefix fingerprint, index)
@@ -196,13 +196,13 @@ class DecoderPool:
                 worker.prefixes.add(fp)
             worker.conn.send(("load", fp, index, None if offset is None else (offset, size)))
         except OSError:  # it died since we last looked: its replacement takes this load too
-            self._replace(worker, f"exited ({_exit_reason(worker.process)})")
+            self._replace(worker, exit_reason(worker.process.exitcode))
 
     def _message(self, worker: _Worker) -> None:
         try:
             msg = worker.conn.recv()
         except (EOFError, OSError):
-            self._replace(worker, f"exited ({_exit_reason(worker.process)})")
+            self._replace(worker, exit_reason(worker.process.exitcode))
             return
         try:
             self._handle(worker, msg)
@@ -261,7 +261,7 @@ class DecoderPool:
         now = time.monotonic()
         for worker in list(self._workers):
             if not worker.process.is_alive():
-                self._replace(worker, f"exited ({_exit_reason(worker.process)})")
+                self._replace(worker, exit_reason(worker.process.exitcode))
                 continue
             late = [load for load in worker.loads.values() if now > load.deadline]
             if late:
@@ -307,7 +307,7 @@ class DecoderPool:
         try:
             worker.conn.send(msg)
         except OSError:
-            self._replace(worker, f"exited ({_exit_reason(worker.process)})")
+            self._replace(worker, exit_reason(worker.process.exitcode))
 
     def _replace(self, worker: _Worker, why: str) -> None:
         """A decode worker died: start another and give it the dead one's loads again."""
@@ -351,13 +351,3 @@ class DecoderPool:
                 worker.process.kill()
                 worker.process.join(timeout=3)
         self._workers = []
-
-
-def _exit_reason(process: Any) -> str:
-    code = process.exitcode
-    if code is not None and code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 
 
@@ -64,3 +65,13 @@ def die_with_parent() -> None:
         libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except (OSError, AttributeError):
         pass  # not Linux: workers still poll `orphaned`
+
+
+def exit_reason(code: int | None) -> str:
+    """How a child process ended, from its exit code: "killed by SIGKILL", "exited with code 1"."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
