@@ -15,8 +15,7 @@ import pytest
 from scipy import stats
 
 from globalloader.errors import ArgumentError
-from globalloader.sampling import coupled_pair_step
-from globalloader.sampling.coupled import CoupledPair
+from globalloader.sampling.coupled import CoupledPair, coupled_pair_step
 
 ALPHA = 0.001
 

@@ -40,8 +40,3 @@ def shard_length(n: int, rank: int, world_size: int, uneven: str) -> int:
 def shard_positions(positions: np.ndarray, n: int, rank: int, world_size: int) -> np.ndarray:
     """Parent positions of a rank's shard positions (the "pad" tail wraps modulo n)."""
     return (rank + np.asarray(positions, dtype=np.int64) * world_size) % max(n, 1)
-
-
-def worker_tasks(num_tasks: int, worker: int, num_workers: int) -> range:
-    """The tasks (batches) a Loader worker runs: round-robin, so results interleave in order."""
-    return range(worker, num_tasks, num_workers)
