@@ -74,7 +74,7 @@ def main() -> None:
             "dropin ratio >= 1.15": dropin_ratio >= 1.15,
             "first batch <= 1 s": first["globalloader"] <= 1.0,
         },
-        "note": "2 cores; medians of alternating rounds in one invocation (the loaders take turns, so drift hits all alike)",
+        "note": "2 cores; medians of alternating rounds in one invocation (loaders take turns: drift hits all alike)",
         "runs": runs,
         "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
     }
