@@ -58,6 +58,8 @@ class Connection:
     outbox: bytearray = field(default_factory=bytearray)
     job: Job | None = None
     closing: bool = False  # close once the outbox is sent
+    writing: bool = False  # the selector also waits for the socket to take more
+    on_event: Any = None  # the selector's callback
 
 
 @dataclass
@@ -167,8 +169,9 @@ class Server:
             return
         sock.setblocking(False)
         conn = Connection(sock, pid)
+        conn.on_event = lambda mask: self._ready(conn, mask)
         self.connections[sock] = conn
-        self._selector.register(sock, selectors.EVENT_READ, lambda _: self._readable(conn))
+        self._selector.register(sock, selectors.EVENT_READ, conn.on_event)
 
     def _readable(self, conn: Connection) -> None:
         try:
@@ -246,13 +249,12 @@ class Server:
             self._close(conn, "stopped reading (connection broken)")
             return
         del conn.outbox[:sent]
-        if conn.outbox:
-            events = selectors.EVENT_READ | selectors.EVENT_WRITE
-            self._selector.modify(conn.sock, events, lambda mask: self._ready(conn, mask))
-        elif conn.closing:
+        if not conn.outbox and conn.closing:
             self._close(conn, None)
-        else:
-            self._selector.modify(conn.sock, selectors.EVENT_READ, lambda _: self._readable(conn))
+        elif bool(conn.outbox) != conn.writing:  # ask to hear when it drains only while it is full
+            conn.writing = bool(conn.outbox)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.writing else 0)
+            self._selector.modify(conn.sock, events, conn.on_event)
 
     def _ready(self, conn: Connection, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
