@@ -27,6 +27,7 @@ import globalloader as gl
 from globalloader import errors
 from globalloader.service import protocol
 from globalloader.service.launcher import connect, request, status
+from globalloader.transport.process import alive
 from helpers import Server, pool_segments
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
@@ -112,14 +113,6 @@ def _parent(pid: int) -> int:
         return 0
 
 
-def _alive_pool(name: str) -> bool:
-    try:
-        os.kill(int(name.rsplit("-", 1)[1]), 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 RACE_TRIALS = int(os.environ.get("GL_RACE_TRIALS", "2"))
 
 
@@ -174,7 +167,7 @@ def test_eight_jobs_started_together_share_one_server_and_leave_nothing(tmp_path
         assert time.monotonic() < deadline, "a server outlived `globalloader stop`"
         time.sleep(0.1)
     assert f"gl-pool-{pid}" not in pool_segments() and not sock.exists(), "the server left files behind"
-    assert not [n for n in pool_segments() if not _alive_pool(n)], "a stray server's pool was left"
+    assert not [n for n in pool_segments() if not alive(int(n.rsplit("-", 1)[1]))], "a stray server's pool was left"
 
 
 def test_a_second_server_on_a_live_socket_exits_and_touches_nothing(srv, tmp_path):

@@ -32,7 +32,7 @@ from globalloader.torch.collate import stack_collate
 from globalloader.torch.tensors import torch
 from globalloader.transport.codec import copy_arrays, encode_tree
 from globalloader.transport.names import remove_leftovers
-from globalloader.transport.process import tune_allocator
+from globalloader.transport.process import single_threaded_torch, tune_allocator
 from globalloader.transport.segments import BatchWriter
 
 # Result kinds a worker sends: (generation, task, kind, payload, busy seconds)
@@ -81,7 +81,7 @@ def worker_main(
 ) -> None:
     """Run tasks from `conn` until told to stop (None), the pipe closes, or the parent dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    torch.set_num_threads(1)
+    single_threaded_torch()  # before any torch op: the parent's thread pool did not survive the fork
     _watch_parent(main_pid, prefix)
     tune_allocator()
     seed, numpy_state = worker_seeds(base_seed, worker_id)
