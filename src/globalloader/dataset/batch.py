@@ -16,7 +16,7 @@ from globalloader.dataset.fingerprint import fingerprint
 from globalloader.errors import ArgumentError
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 
 def check_size(n: Any, what: str) -> int:
@@ -42,7 +42,7 @@ class BatchOp:
             raise ArgumentError("batch: pad= pads with the default collate; a custom collate= pads itself")
         return cls(n, bool(drop_last), PadCollate(pad) if pad is not None else collate or default_collate)
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.set_batch(self)
 
     def count(self, samples: int) -> int:

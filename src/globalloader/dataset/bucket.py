@@ -20,7 +20,7 @@ from globalloader.dataset.map import describe_fn
 from globalloader.errors import ArgumentError, GlobalLoaderError, TransformError
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class BucketBatchOp:
             check_size(size, "bucket_batch: batch_size")
         return cls(length_fn, bounds, sizes, pad, bool(drop_last))
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_tail(self, "bucket_batch")
 
     def identity(self, strict: bool) -> tuple[object, ...]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 MISSING = object()
 
@@ -30,7 +30,7 @@ class CacheOp:
         self._folder: Path | None = None
         self._memory: dict[int, Any] = {}
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.set_cache(self)
 
     def bind(self, fingerprint: str) -> None:

@@ -55,19 +55,19 @@ class Dataset:
     @classmethod
     def concat(cls, datasets: Sequence[Dataset]) -> Dataset:
         """The datasets one after the other (each a chain of index operators and maps)."""
-        return cls(Combined("concat", datasets))
+        return cls(Combined("concat", _parts("concat", datasets)))
 
     @classmethod
     def mix(cls, datasets: Sequence[Dataset], weights: Sequence[float], on_exhausted: str = "stop") -> Dataset:
         """Interleave `datasets` in the exact proportions of `weights`, smoothly (shuffle after
         mixing for a random interleave). When one runs out, "stop" ends the epoch (no repeats,
         exact proportions); "cycle" restarts it with a fresh order until all were read once."""
-        return cls(Combined("mix", datasets, weights, on_exhausted))
+        return cls(Combined("mix", _parts("mix", datasets), weights, on_exhausted))
 
     @classmethod
     def zip(cls, datasets: Sequence[Dataset]) -> Dataset:
         """Tuples of the datasets' records at the same position; as long as the shortest."""
-        return cls(Combined("zip", datasets))
+        return cls(Combined("zip", _parts("zip", datasets)))
 
     def _then(self, op: Any) -> Dataset:
         ds = Dataset(self.source, (*self._ops, op))
@@ -212,3 +212,10 @@ def _check_key(method: str, key: object) -> None:
 
 def _name(fn: Callable[..., Any]) -> str:
     return str(getattr(fn, "__name__", type(fn).__name__))
+
+
+def _parts(method: str, datasets: Any) -> list[Dataset]:
+    parts = list(datasets) if isinstance(datasets, (list, tuple)) else None
+    if not parts or not all(isinstance(p, Dataset) for p in parts):
+        raise ArgumentError(f"{method}: expected a non-empty list of gl.Dataset, got {datasets!r:.200}")
+    return parts

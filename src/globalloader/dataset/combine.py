@@ -24,8 +24,7 @@ from globalloader.dataset.seeds import derive
 from globalloader.errors import ArgumentError
 
 if TYPE_CHECKING:
-    from globalloader.dataset.chain import Dataset
-    from globalloader.dataset.plan import Plan, Timer
+    from collections.abc import Callable
 
 EXHAUSTED = ("stop", "cycle")
 
@@ -34,13 +33,9 @@ class Combined:
     """The source of a combined chain; `bind(seed)` makes the parts' plans under that root."""
 
     def __init__(
-        self, kind: str, parts: Sequence[Dataset], weights: Sequence[float] | None = None, on_exhausted: str = "stop"
+        self, kind: str, parts: Sequence[Any], weights: Sequence[float] | None = None, on_exhausted: str = "stop"
     ) -> None:
-        from globalloader.dataset.chain import Dataset
-
-        parts = list(parts)
-        if not parts or not all(isinstance(p, Dataset) for p in parts):
-            raise ArgumentError(f"{kind}: expected a non-empty list of gl.Dataset, got {parts!r:.200}")
+        parts = list(parts)  # gl.Dataset chains (checked by Dataset.concat/mix/zip)
         for k, part in enumerate(parts):
             plan = part.plan
             if plan.is_stream or plan.batch is not None or plan.tail or plan.expands:
@@ -57,18 +52,18 @@ class Combined:
             if len(w) != len(parts) or any(not x > 0 or x != x for x in w):
                 raise ArgumentError(f"mix: weights must be {len(parts)} positive numbers, got {weights!r}")
             self.weights = tuple(x / sum(w) for x in w)
-        self.plans: list[Plan] = [p.plan for p in parts]
+        self.plans: list[Any] = [p.plan for p in parts]
         self.seed: int | None = None
 
-    def bind(self, seed: int) -> Combined:
-        """This combination under root `seed`: parts without their own `.seed()` derive theirs."""
-        from globalloader.dataset.plan import Plan
-
+    def bind(self, seed: int, make_plan: Callable[..., Any]) -> Combined:
+        """This combination under root `seed`: parts without their own `.seed()` derive theirs
+        (`make_plan` is `Plan`, which imports this module)."""
         bound = object.__new__(Combined)
         bound.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_schedule"})
         bound.seed = seed
         bound.plans = [
-            Plan(part.source, part._ops, inherited_seed=derive(seed, self.kind, k)) for k, part in enumerate(self.parts)
+            make_plan(part.source, part._ops, inherited_seed=derive(seed, self.kind, k))
+            for k, part in enumerate(self.parts)
         ]
         return bound
 
@@ -77,7 +72,7 @@ class Combined:
     def part_lengths(self) -> list[int]:
         lengths = [plan.samples for plan in self.plans]
         assert all(n is not None for n in lengths), "random-access parts know their lengths"
-        return [int(n) for n in lengths]  # type: ignore[arg-type]
+        return [int(n) for n in lengths]
 
     @cached_property
     def offsets(self) -> list[int]:
@@ -148,7 +143,7 @@ class Combined:
             out[mask] = self.offsets[c] + found
         return out
 
-    def read(self, epoch: int, index: int, timer: Timer) -> Any:
+    def read(self, epoch: int, index: int, timer: dict[str, list[float]]) -> Any:
         if self.kind == "zip":
             return tuple(
                 plan.sample(epoch, int(plan.map_positions(np.array([index]), epoch)[0]), timer) for plan in self.plans

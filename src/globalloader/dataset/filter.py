@@ -14,7 +14,7 @@ from globalloader.dataset.map import describe_fn, takes_rng
 from globalloader.dataset.seeds import sample_rng
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class FilterOp:
     def __post_init__(self) -> None:
         object.__setattr__(self, "random", takes_rng(self.predicate))
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_record(self)
 
     def identity(self, strict: bool = True) -> str:

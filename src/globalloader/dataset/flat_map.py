@@ -15,7 +15,7 @@ from globalloader.dataset.seeds import sample_rng
 from globalloader.errors import TransformError
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class FlatMapOp:
     def __post_init__(self) -> None:
         object.__setattr__(self, "random", takes_rng(self.fn))
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_record(self)
 
     def identity(self, strict: bool = True) -> str:

@@ -20,7 +20,7 @@ from globalloader.sampling.permutation import Permutation
 from globalloader.sampling.sharding import check_shard_args, shard_length, shard_positions
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +38,7 @@ class Select:
         arr.setflags(write=False)
         return cls(arr)
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_index(self)
 
     def length(self, n: int) -> int:
@@ -73,7 +73,7 @@ class Shuffle:
         if self.seed is not None:
             check_seed(self.seed, "shuffle")
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_index(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
 
     def length(self, n: int) -> int:
@@ -98,7 +98,7 @@ class Shard:
     def __post_init__(self) -> None:
         check_shard_args(self.rank, self.world_size, self.uneven)
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_index(self)
 
     def length(self, n: int) -> int:

@@ -21,7 +21,7 @@ from globalloader.dataset.fingerprint import digest, fingerprint
 from globalloader.dataset.seeds import sample_rng
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 
 def takes_rng(fn: Callable[..., Any]) -> bool:
@@ -64,7 +64,7 @@ class MapOp:
     def __post_init__(self) -> None:
         object.__setattr__(self, "random", takes_rng(self.fn))
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_record(self)
 
     def identity(self, strict: bool = True) -> str:

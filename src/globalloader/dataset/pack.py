@@ -17,7 +17,7 @@ from globalloader.dataset.batch import check_size
 from globalloader.errors import ArgumentError, TransformError
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class PackOp:
         if isinstance(self.pad, bool) or not isinstance(self.pad, (int, np.integer)):
             raise ArgumentError(f"pack: pad must be an int token id, got {self.pad!r}")
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_tail(self, "pack")
 
     def identity(self, strict: bool) -> tuple[object, ...]:

@@ -74,7 +74,7 @@ class Plan:
         for op in ops:
             op.attach(self)
         if isinstance(source, Combined):
-            self.source = source.bind(self.seed)
+            self.source = source.bind(self.seed, Plan)
         self.lengths = self._lengths()
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a

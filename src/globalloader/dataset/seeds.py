@@ -19,7 +19,7 @@ import numpy as np
 from globalloader.errors import ArgumentError
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 MASK = 0xFFFFFFFFFFFFFFFF
 
@@ -50,7 +50,7 @@ class SeedOp:
     def __post_init__(self) -> None:
         check_seed(self.seed, "seed")
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.set_root(self.seed)
 
     def describe(self) -> tuple[object, ...]:

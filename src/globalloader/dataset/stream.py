@@ -20,7 +20,7 @@ from globalloader.errors import ArgumentError
 from globalloader.sampling.sharding import check_shard_args, shard_length
 
 if TYPE_CHECKING:
-    from globalloader.dataset.plan import Plan
+    from globalloader.dataset.operator import Builder
 
 
 class StreamSource:
@@ -73,7 +73,7 @@ class BufferShuffle:
         if not isinstance(self.buffer_size, int) or self.buffer_size < 1:
             raise ArgumentError(f"shuffle: buffer_size must be an int >= 1, got {self.buffer_size!r}")
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_stream_op(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
 
     def apply(self, records: Iterator[Any], epoch: int, length: int | None) -> Iterator[Any]:
@@ -108,7 +108,7 @@ class StreamShard:
     def __post_init__(self) -> None:
         check_shard_args(self.rank, self.world_size, self.uneven)
 
-    def attach(self, plan: Plan) -> None:
+    def attach(self, plan: Builder) -> None:
         plan.add_stream_op(self)
 
     def length(self, n: int | None) -> int | None:
