@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from globalloader.dataset.operator import Builder
 
 MISSING = object()
 
@@ -26,6 +29,9 @@ class CacheOp:
         self.key = key
         self._folder: Path | None = None
         self._memory: dict[int, Any] = {}
+
+    def attach(self, plan: Builder) -> None:
+        plan.set_cache(self)
 
     def bind(self, fingerprint: str) -> None:
         """Name the disk folder after the fingerprint of everything before the cache point."""

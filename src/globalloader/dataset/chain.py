@@ -9,17 +9,22 @@ thread; `globalloader.Loader` runs the same chain in parallel with identical out
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from typing import Any
 
 from globalloader.dataset.batch import BatchOp
+from globalloader.dataset.bucket import BucketBatchOp
 from globalloader.dataset.cache import CacheOp
-from globalloader.dataset.collate import collate as default_collate
+from globalloader.dataset.combine import Combined
+from globalloader.dataset.filter import FilterOp
+from globalloader.dataset.flat_map import FlatMapOp
 from globalloader.dataset.index_ops import Select, Shard, Shuffle
 from globalloader.dataset.iterator import DatasetIterator
 from globalloader.dataset.map import MapOp
+from globalloader.dataset.pack import PackOp
 from globalloader.dataset.plan import Plan
+from globalloader.dataset.seeds import SeedOp
 from globalloader.dataset.stream import BufferShuffle, StreamShard, StreamSource
 from globalloader.errors import ArgumentError
 
@@ -31,7 +36,8 @@ class Dataset:
     """
 
     def __init__(self, source: Any, _ops: tuple[Any, ...] = ()) -> None:
-        if not isinstance(source, StreamSource) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+        random_access = hasattr(source, "__len__") and hasattr(source, "__getitem__")
+        if not isinstance(source, (StreamSource, Combined)) and not random_access:
             raise ArgumentError(
                 f"Dataset needs a source with len() and [i], got {type(source).__name__}; "
                 "use Dataset.stream(...) for iterables without random access"
@@ -45,6 +51,24 @@ class Dataset:
         or a source with `iter_records()`. Shuffle with a buffer; shards are strided records."""
         return cls(StreamSource(iterable))
 
+    # -- combining datasets --------------------------------------------------------------------
+    @classmethod
+    def concat(cls, datasets: Sequence[Dataset]) -> Dataset:
+        """The datasets one after the other (each a chain of index operators and maps)."""
+        return cls(Combined("concat", _parts("concat", datasets)))
+
+    @classmethod
+    def mix(cls, datasets: Sequence[Dataset], weights: Sequence[float], on_exhausted: str = "stop") -> Dataset:
+        """Interleave `datasets` in the exact proportions of `weights`, smoothly (shuffle after
+        mixing for a random interleave). When one runs out, "stop" ends the epoch (no repeats,
+        exact proportions); "cycle" restarts it with a fresh order until all were read once."""
+        return cls(Combined("mix", _parts("mix", datasets), weights, on_exhausted))
+
+    @classmethod
+    def zip(cls, datasets: Sequence[Dataset]) -> Dataset:
+        """Tuples of the datasets' records at the same position; as long as the shortest."""
+        return cls(Combined("zip", _parts("zip", datasets)))
+
     def _then(self, op: Any) -> Dataset:
         ds = Dataset(self.source, (*self._ops, op))
         ds.plan  # noqa: B018 - building the plan validates operator order now, where the user wrote the mistake
@@ -57,10 +81,16 @@ class Dataset:
             raise ArgumentError("select() needs random access; a stream has none")
         return self._then(Select.of(indices))
 
-    def shuffle(self, seed: int = 0, buffer_size: int | None = None) -> Dataset:
+    def seed(self, seed: int) -> Dataset:
+        """The root of every random operator in the chain (default 0), wherever it is written:
+        each shuffle without its own seed and each random map derive a stream of their own."""
+        return self._then(SeedOp(seed))
+
+    def shuffle(self, seed: int | None = None, buffer_size: int | None = None) -> Dataset:
         """A fresh global permutation every epoch (random access), or for a stream a shuffle
-        within a buffer of `buffer_size` records. The seed also seeds random maps."""
-        if not isinstance(seed, int):
+        within a buffer of `buffer_size` records. `seed` defaults to a stream of the chain's
+        root seed (`seed()`); it never seeds other operators."""
+        if seed is not None and not isinstance(seed, int):
             raise ArgumentError(f"shuffle: seed must be an int, got {seed!r}")
         if self.plan.is_stream:
             if buffer_size is None:
@@ -92,11 +122,24 @@ class Dataset:
         if not callable(fn):
             raise ArgumentError(f"map: fn must be callable, got {type(fn).__name__}")
         _check_key("map", key)
-        fn_name: str = getattr(fn, "__name__", type(fn).__name__)
-        op = MapOp(fn, bool(shared), name or fn_name, key)
+        op = MapOp(fn, bool(shared), name or _name(fn), key)
         if op.shared and op.random:
             raise ArgumentError(f"map {op.name!r}: shared=True needs a deterministic fn (it takes rng)")
         return self._then(op)
+
+    def filter(self, predicate: Callable[..., Any], name: str | None = None, key: str | None = None) -> Dataset:
+        """Keep the samples for which `predicate(x)` (or `predicate(x, rng=...)`) is true."""
+        if not callable(predicate):
+            raise ArgumentError(f"filter: predicate must be callable, got {type(predicate).__name__}")
+        _check_key("filter", key)
+        return self._then(FilterOp(predicate, name or _name(predicate), key))
+
+    def flat_map(self, fn: Callable[..., Any], name: str | None = None, key: str | None = None) -> Dataset:
+        """Replace each sample by the records `fn(x)` returns (any number, in order)."""
+        if not callable(fn):
+            raise ArgumentError(f"flat_map: fn must be callable, got {type(fn).__name__}")
+        _check_key("flat_map", key)
+        return self._then(FlatMapOp(fn, name or _name(fn), key))
 
     def cache(self, path: str | os.PathLike[str] | None = None, key: str | None = None) -> Dataset:
         """Keep samples as computed so far (deterministic maps only): in memory, or on disk at
@@ -108,9 +151,29 @@ class Dataset:
             raise ArgumentError("cache(key=...) names a disk cache's folder; give path= too")
         return self._then(CacheOp(path, key))
 
-    def batch(self, n: int, drop_last: bool = False, collate: Callable[[list[Any]], Any] | None = None) -> Dataset:
-        """Group `n` consecutive samples; `collate` defaults to stacking NumPy arrays per key."""
-        return self._then(BatchOp(n, bool(drop_last), collate or default_collate))
+    def batch(
+        self, n: int, drop_last: bool = False, collate: Callable[[list[Any]], Any] | None = None, pad: Any = None
+    ) -> Dataset:
+        """Group `n` consecutive samples; `collate` defaults to stacking NumPy arrays per key.
+        `pad`: a value (or {key: value}) to pad arrays of different shapes to the batch's largest."""
+        return self._then(BatchOp.of(n, drop_last, collate, pad))
+
+    def bucket_batch(
+        self,
+        length_fn: Callable[[Any], int],
+        boundaries: Sequence[int],
+        batch_size: int | Sequence[int],
+        pad: Any = None,
+        drop_last: bool = False,
+    ) -> Dataset:
+        """Batch samples of similar `length_fn(x)` together: bucket b holds lengths below
+        `boundaries[b]` (and at least the one before); `batch_size` is one or one per bucket."""
+        return self._then(BucketBatchOp.of(length_fn, boundaries, batch_size, pad, drop_last))
+
+    def pack(self, seq_len: int, key: str | None = "tokens", pad: int = 0, drop_last: bool = False) -> Dataset:
+        """Concatenate 1-D token arrays (`x[key]`, or bare arrays with key=None) into rows of
+        `seq_len` with `segment_ids` and `positions`; see `globalloader.dataset.pack`."""
+        return self._then(PackOp(seq_len, key, pad, bool(drop_last)))
 
     # -- running -----------------------------------------------------------------------------
     @cached_property
@@ -125,7 +188,8 @@ class Dataset:
         """Items per epoch: batches if batched, else samples."""
         n = self.plan.items_per_epoch()
         if n is None:
-            raise TypeError("this stream has no known length")
+            what = "this stream" if self.plan.is_stream else "this chain (a filter, flat_map, pack or bucket_batch)"
+            raise TypeError(f"{what} has no length known before it runs")
         return n
 
     def iterator(self, epoch: int = 0) -> DatasetIterator:
@@ -137,9 +201,21 @@ class Dataset:
 
     def __repr__(self) -> str:
         ops = " -> ".join(type(op).__name__ for op in self._ops)
-        return f"Dataset({type(self.source).__name__}{' -> ' + ops if ops else ''})"
+        source = self.source.describe() if isinstance(self.source, Combined) else type(self.source).__name__
+        return f"Dataset({source}{' -> ' + ops if ops else ''})"
 
 
 def _check_key(method: str, key: object) -> None:
     if key is not None and not (isinstance(key, str) and key):
         raise ArgumentError(f"{method}: key must be a non-empty string, got {key!r}")
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__name__", type(fn).__name__))
+
+
+def _parts(method: str, datasets: Any) -> list[Dataset]:
+    parts = list(datasets) if isinstance(datasets, (list, tuple)) else None
+    if not parts or not all(isinstance(p, Dataset) for p in parts):
+        raise ArgumentError(f"{method}: expected a non-empty list of gl.Dataset, got {datasets!r:.200}")
+    return parts

@@ -34,13 +34,38 @@ class Stacked:
         np.stack(self.items, out=out)
 
 
-def collate(samples: Sequence[Any], deferred: bool = False) -> Any:
+def collate(samples: Sequence[Any], deferred: bool = False, pad: Any = None) -> Any:
     """Collate a non-empty list of samples of the same structure (`deferred`: leave array
-    stacks as `Stacked` for the transport to fill)."""
-    return _collate(list(samples), "batch", deferred)
+    stacks as `Stacked` for the transport to fill). `pad`: a value, or {key: value} for some
+    keys of dict samples, to pad arrays of different shapes up to the largest in the batch."""
+    return _collate(list(samples), "batch", deferred, pad)
 
 
-def _collate(items: list[Any], where: str, deferred: bool = False) -> Any:
+class PadCollate:
+    """The default collate with padding (`batch(n, pad=...)`); picklable, with a stable identity."""
+
+    def __init__(self, pad: Any) -> None:
+        if pad is None or not (isinstance(pad, (int, float, bool, np.generic, dict))):
+            raise ArgumentError(f"batch: pad must be a number or a dict of numbers per key, got {pad!r}")
+        self.pad = pad
+        self.fingerprint = repr(("pad", sorted(pad.items()) if isinstance(pad, dict) else pad))
+
+    def __call__(self, samples: Sequence[Any]) -> Any:
+        return _collate(list(samples), "batch", False, self.pad)
+
+
+def _padded(items: list[np.ndarray], value: Any) -> np.ndarray:
+    ndims = {it.ndim for it in items}
+    if len(ndims) > 1:
+        raise ArgumentError(f"collate: cannot pad arrays of different ranks {sorted(ndims)}")
+    shape = tuple(max(sizes) for sizes in zip(*(it.shape for it in items), strict=True))
+    out = np.full((len(items), *shape), value, dtype=items[0].dtype)
+    for k, it in enumerate(items):
+        out[k][tuple(slice(0, d) for d in it.shape)] = it
+    return out
+
+
+def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = None) -> Any:
     first = items[0]
     if isinstance(first, dict):
         missing = next((it for it in items if not isinstance(it, dict) or it.keys() != first.keys()), None)
@@ -49,18 +74,22 @@ def _collate(items: list[Any], where: str, deferred: bool = False) -> Any:
                 f"collate: samples in {where} have different keys: {sorted(first)} vs "
                 f"{sorted(missing) if isinstance(missing, dict) else type(missing).__name__}"
             )
-        return {k: _collate([it[k] for it in items], f"{where}[{k!r}]", deferred) for k in first}
+        pads = pad if isinstance(pad, dict) else dict.fromkeys(first, pad)
+        return {k: _collate([it[k] for it in items], f"{where}[{k!r}]", deferred, pads.get(k)) for k in first}
     if isinstance(first, (tuple, list)) and not isinstance(first, str):
         if any(len(it) != len(first) for it in items):
             raise ArgumentError(f"collate: samples in {where} have different lengths")
-        columns = [_collate([it[j] for it in items], f"{where}[{j}]", deferred) for j in range(len(first))]
+        scalar_pad = None if isinstance(pad, dict) else pad
+        columns = [_collate([it[j] for it in items], f"{where}[{j}]", deferred, scalar_pad) for j in range(len(first))]
         return tuple(columns) if isinstance(first, tuple) else columns
     if isinstance(first, np.ndarray) and first.dtype != object:
         shapes = {it.shape for it in items}
+        if len(shapes) > 1 and pad is not None and not isinstance(pad, dict):
+            return _padded(items, pad)
         if len(shapes) > 1:
             raise ArgumentError(
                 f"collate: arrays in {where} have different shapes {sorted(shapes)}; "
-                "resize them in a map or pass collate="
+                "resize them in a map, pad them with batch(n, pad=0), or pass collate="
             )
         return Stacked(items) if deferred and first.nbytes else np.stack(items)
     if isinstance(first, (Number, np.generic)) and not isinstance(first, bool | np.bool_):
@@ -68,5 +97,5 @@ def _collate(items: list[Any], where: str, deferred: bool = False) -> Any:
     if isinstance(first, (bool, np.bool_)):
         return np.asarray(items, dtype=bool)
     if hasattr(first, "numpy") and hasattr(first, "shape"):
-        return _collate([it.numpy() for it in items], where, deferred)
+        return _collate([it.numpy() for it in items], where, deferred, pad)
     return items

@@ -7,15 +7,20 @@ source indices with a few vectorized NumPy calls and no per-epoch buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
+from globalloader.dataset.seeds import check_seed
 from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sampling.permutation import Permutation
 from globalloader.sampling.sharding import check_shard_args, shard_length, shard_positions
+
+if TYPE_CHECKING:
+    from globalloader.dataset.operator import Builder
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,6 +37,9 @@ class Select:
             raise ArgumentError(f"select: indices must be integers, got {type(indices).__name__}") from exc
         arr.setflags(write=False)
         return cls(arr)
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_index(self)
 
     def length(self, n: int) -> int:
         bad = (self.indices < 0) | (self.indices >= n)
@@ -55,18 +63,24 @@ def _permutation(n: int, seed: int, epoch: int) -> Permutation:
 
 @dataclass(frozen=True)
 class Shuffle:
-    """A global permutation of the input, new for every epoch, reproducible from the seed."""
+    """A global permutation of the input, new for every epoch, reproducible from the seed
+    (None: the chain's stream "shuffle" k, see `dataset.seeds`)."""
 
-    seed: int
+    seed: int | None
+    per_epoch = True  # a position's source index changes with the epoch
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise ArgumentError(f"shuffle: seed must be an int >= 0, got {self.seed!r}")
+        if self.seed is not None:
+            check_seed(self.seed, "shuffle")
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_index(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
 
     def length(self, n: int) -> int:
         return n
 
     def parents(self, positions: np.ndarray, n: int, epoch: int) -> np.ndarray:
+        assert self.seed is not None, "the plan gives every shuffle its seed"
         return _permutation(n, self.seed, epoch)[positions]
 
     def describe(self) -> tuple[object, ...]:
@@ -83,6 +97,9 @@ class Shard:
 
     def __post_init__(self) -> None:
         check_shard_args(self.rank, self.world_size, self.uneven)
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_index(self)
 
     def length(self, n: int) -> int:
         return shard_length(n, self.rank, self.world_size, self.uneven)

@@ -2,7 +2,8 @@
 
 The position is (task, offset): the next task to run and, for unbatched chains, how many of its
 samples were already yielded. It is what `state_dict()` returns and all a resume needs, because a
-task's output is a pure function of (chain, epoch, task); the Loader uses the same position.
+task's output is a pure function of (chain, epoch, task); the Loader uses the same position. A
+chain with a tail (`dataset.tail`) adds the tail's state, and its offset counts samples fed to it.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.plan import Plan
+from globalloader.dataset.tail import NEED, Tail
 from globalloader.errors import StateError
 
 
-def make_state(plan: Plan, epoch: int, task: int, offset: int) -> dict[str, Any]:
-    return {"fingerprint": plan.resume_fingerprint, "epoch": epoch, "task": task, "offset": offset}
+def make_state(plan: Plan, epoch: int, task: int, offset: int, tail: dict[str, Any] | None = None) -> dict[str, Any]:
+    state = {"fingerprint": plan.resume_fingerprint, "epoch": epoch, "task": task, "offset": offset}
+    if tail is not None:
+        state["tail"] = tail
+    return state
 
 
-def check_state(plan: Plan, state: dict[str, Any]) -> tuple[int, int, int]:
+def check_state(plan: Plan, state: dict[str, Any]) -> tuple[int, int, int, dict[str, Any] | None]:
     """(epoch, task, offset) from a state dict, refusing one taken from a different chain.
 
     The check uses the sharing key's walk (source, operators, maps' code and everything they
@@ -38,7 +43,10 @@ def check_state(plan: Plan, state: dict[str, Any]) -> tuple[int, int, int]:
             "state dict was taken from a different chain (source, operators, functions or values "
             f"they read changed): fingerprint {fingerprint} != {expected}"
         )
-    return int(epoch), int(task), int(offset)
+    tail = state.get("tail")
+    if (tail is not None) != plan.grouped and (tail is not None or task or offset):
+        raise StateError("state dict was taken from a different chain (its tail operators differ)")
+    return int(epoch), int(task), int(offset), tail
 
 
 class DatasetIterator:
@@ -48,12 +56,15 @@ class DatasetIterator:
         self.plan, self.epoch = plan, epoch
         self._start(task, offset)
 
-    def _start(self, task: int, offset: int) -> None:
+    def _start(self, task: int, offset: int, tail: dict[str, Any] | None = None) -> None:
         self._next_task = task
         self._current, self._taken = task, 0  # task whose output is pending, items taken from it
         self._pending: deque[Any] = deque()
         self._reader = self.plan.stream_reader(self.epoch, task) if self.plan.is_stream else None
-        if offset and self._fill():
+        self._tail = Tail(self.plan.tail, self.plan.seed, self.epoch, tail) if self.plan.grouped else None
+        if self._tail is not None:
+            self._tail.fed = self._skip = offset
+        elif offset and self._fill():
             for _ in range(offset):
                 self._pending.popleft()
             self._taken = offset
@@ -76,12 +87,23 @@ class DatasetIterator:
                 return False
             items = plan.task_indices(self.epoch, self._next_task)
         output = plan.run_task(self.epoch, self._next_task, items).output
-        self._pending.extend([output] if plan.batch is not None else output)
+        if self._tail is not None:
+            self._tail.add(output, self._skip)
+            self._skip = 0
+        else:
+            self._pending.extend([output] if plan.batch is not None else output)
         self._current, self._taken = self._next_task, 0
         self._next_task += 1
         return True
 
     def __next__(self) -> Any:
+        tail = self._tail
+        while tail is not None:
+            item = tail.pop()
+            if item is not NEED:
+                return item
+            if not self._fill() and not tail.flush():
+                raise StopIteration
         while not self._pending:
             if not self._fill():
                 raise StopIteration
@@ -90,10 +112,12 @@ class DatasetIterator:
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the items yielded so far."""
+        if self._tail is not None:
+            return make_state(self.plan, self.epoch, self._current, self._tail.fed, self._tail.state())
         if self._pending:
             return make_state(self.plan, self.epoch, self._current, self._taken)
         return make_state(self.plan, self.epoch, self._next_task, 0)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, task, offset = check_state(self.plan, state)
-        self._start(task, offset)
+        self.epoch, task, offset, tail = check_state(self.plan, state)
+        self._start(task, offset, tail)

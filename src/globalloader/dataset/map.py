@@ -15,11 +15,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from globalloader.dataset.fingerprint import digest, fingerprint
+from globalloader.dataset.seeds import sample_rng
+
+if TYPE_CHECKING:
+    from globalloader.dataset.operator import Builder
 
 
 def takes_rng(fn: Callable[..., Any]) -> bool:
@@ -31,9 +33,21 @@ def takes_rng(fn: Callable[..., Any]) -> bool:
     return any((p.name == "rng" and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD for p in params)
 
 
-def sample_rng(seed: int, epoch: int, index: int, position: int) -> np.random.Generator:
-    """The Generator a random map gets for one sample: a pure function of its arguments."""
-    return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, index, position])
+def describe_fn(
+    method: str, fn: Callable[..., Any], name: str, key: str | None, strict: bool, shared: bool = False
+) -> str:
+    """The identity of a user function in a chain: its explicit key, else the walk of `fn`;
+    strict raises FingerprintError when that walk cannot establish what decides the output,
+    lenient counts such values by type only."""
+    if key is not None:
+        return digest("explicit key", key)
+    arg = name if name.isidentifier() else "fn"
+    flag = "shared=True, " if shared else ""
+    fix = (
+        f"Give the {method} an explicit key, a promise that equal keys mean equal outputs: "
+        f'.{method}({arg}, {flag}key="{arg}-v1"), or give the callable a string `fingerprint` attribute'
+    )
+    return fingerprint(fn, f"{method} {name!r}", fix, strict)
 
 
 @dataclass(frozen=True)
@@ -45,24 +59,21 @@ class MapOp:
     name: str
     key: str | None = None
     random: bool = field(init=False)
+    expands: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "random", takes_rng(self.fn))
 
-    def identity(self, strict: bool = True) -> str:
-        """The explicit key, else the walk of `fn`; strict raises FingerprintError when that walk
-        cannot establish what decides the output, lenient counts such values by type only."""
-        if self.key is not None:
-            return digest("explicit key", self.key)
-        fn = self.name if self.name.isidentifier() else "fn"
-        shared = "shared=True, " if self.shared else ""
-        fix = (
-            f"Give the map an explicit key, a promise that equal keys mean equal outputs: "
-            f'.map({fn}, {shared}key="{fn}-v1"), or give the callable a string `fingerprint` attribute'
-        )
-        return fingerprint(self.fn, f"map {self.name!r}", fix, strict)
+    def attach(self, plan: Builder) -> None:
+        plan.add_record(self)
 
-    def apply(self, value: Any, seed: int, epoch: int, index: int, position: int) -> Any:
+    def identity(self, strict: bool = True) -> str:
+        return describe_fn("map", self.fn, self.name, self.key, strict, self.shared)
+
+    def apply(self, value: Any, seed: int, epoch: int, index: int, position: int, *sub: int) -> Any:
         if self.random:
-            return self.fn(value, rng=sample_rng(seed, epoch, index, position))
+            return self.fn(value, rng=sample_rng(seed, epoch, index, position, *sub))
         return self.fn(value)
+
+    def describe(self) -> tuple[object, ...]:
+        return ("map", self.name)

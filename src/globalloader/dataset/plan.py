@@ -1,15 +1,17 @@
 """A chain compiled for execution: which source indices a task covers and how to build it.
 
 The unit of work is a task: one batch (or, for an unbatched chain, a chunk of `CHUNK` samples).
-Task `t` of an epoch always covers the same positions and every random map is seeded by
-(seed, epoch, index), so a task's output is a pure function of (chain, epoch, t): the same for any
-number of workers, in threads or processes, and after a resume. Everything that runs a chain
-(the sequential iterator, the Loader's workers, the global loader's clients) calls `run_task`.
+Task `t` of an epoch always covers the same positions and every random operator is seeded by
+(root seed, epoch, index, position), so a task's output is a pure function of (chain, epoch, t):
+the same for any number of workers, in threads or processes, and after a resume. Everything that
+runs a chain (the sequential iterator, the Loader's workers, the global loader's clients) calls
+`run_task`. Operators join the plan themselves (`dataset.operator`); the plan checks their order.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,21 +21,24 @@ import numpy as np
 from globalloader.dataset.batch import BatchOp
 from globalloader.dataset.cache import MISSING, CacheOp
 from globalloader.dataset.collate import collate as default_collate
+from globalloader.dataset.combine import Combined
 from globalloader.dataset.fingerprint import digest, fingerprint
-from globalloader.dataset.index_ops import Select, Shard, Shuffle
-from globalloader.dataset.map import MapOp
-from globalloader.dataset.stream import BufferShuffle, StreamReader, StreamShard, StreamSource
+from globalloader.dataset.operator import RecordOp, TailOp
+from globalloader.dataset.seeds import SeedOp, derive
+from globalloader.dataset.stream import StreamReader, StreamSource
+from globalloader.dataset.tail import TailRecord
 from globalloader.errors import SAMPLE_ERRORS, ArgumentError, FingerprintError, GlobalLoaderError, TransformError
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
 
-IndexOp = Select | Shuffle | Shard
 Timer = dict[str, list[float]]  # stage name -> [items, busy seconds]
+Group = tuple[int, list[Any]]  # a sample's index and the records it made (filter, flat_map)
 
 
 @dataclass
 class TaskResult:
-    """What a task produced: a batch (None if every sample was skipped) or a list of samples."""
+    """What a task produced: a batch (None if every sample was skipped), a list of samples, or
+    for a chain with a tail the (index, records) group of every sample."""
 
     output: Any
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (index, "key: error")
@@ -45,32 +50,133 @@ def _record_key(record: Any, index: int) -> str:
 
 
 class Plan:
-    """The compiled form of a `Dataset`'s operator list; validates operator order once."""
+    """The compiled form of a `Dataset`'s operator list; validates operator order once.
 
-    def __init__(self, source: Any, ops: Sequence[Any]) -> None:
+    `inherited_seed`: the root seed when the chain sets none (a part of a mix gets one derived
+    from the mix's)."""
+
+    def __init__(self, source: Any, ops: Sequence[Any], inherited_seed: int | None = None) -> None:
         self.source = source
         self.is_stream = isinstance(source, StreamSource)
         self.index_ops: list[Any] = []
-        self.maps: list[MapOp] = []  # per-sample maps, in order
+        self.maps: list[RecordOp] = []  # per-sample operators run by the workers, in order
         self.cache: CacheOp | None = None
         self.cache_at = 0  # maps before the cache point
-        self.batch: BatchOp | None = None
-        self.batch_maps: list[MapOp] = []
-        self.seed = 0
+        self.batch: BatchOp | None = None  # collated in the worker
+        self.batch_maps: list[RecordOp] = []
+        self.tail: list[TailOp] = []  # run in the consumer across tasks
+        self._batched = False
+        seeds = [op.seed for op in ops if isinstance(op, SeedOp)]
+        if len(seeds) > 1:
+            raise ArgumentError(f"seed() may appear once in a chain, got seeds {seeds}")
+        self.seed = seeds[0] if seeds else inherited_seed or 0
+        self._streams: Counter[str] = Counter()
         for op in ops:
-            self._add(op)
+            op.attach(self)
+        if isinstance(source, Combined):
+            self.source = source.bind(self.seed, Plan)
         self.lengths = self._lengths()
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
         # lazily loaded model) must not make a checkpoint of this very chain look foreign.
         self.resume_fingerprint = self.identity(strict=False)
         if self.cache is not None and self.cache.path is not None:
-            if not isinstance(getattr(source, "fingerprint", None), str):
+            if not isinstance(getattr(self.source, "fingerprint", None), str):
                 raise ArgumentError(
                     f"cache(path) needs a source with a .fingerprint to key its files; "
                     f"{type(source).__name__} has none (wrap it: gl.from_sequence(...))"
                 )
             self.cache.bind(self._cache_key())
+
+    # -- operators join (see dataset.operator) ---------------------------------------------------
+    def set_root(self, seed: int) -> None:
+        assert seed == self.seed, "the root seed is read before operators attach"
+
+    def stream_seed(self, kind: str) -> int:
+        """The seed of the next random operator of `kind` without an explicit one."""
+        k = self._streams[kind]
+        self._streams[kind] += 1
+        return derive(self.seed, kind, k)
+
+    def _index_op_fits(self, op: Any, streaming: bool) -> None:
+        name = op.describe()[0]
+        if self._batched or self.tail or self.expands:
+            raise ArgumentError(f"{name} must come before batch, filter, flat_map, pack and bucket_batch in the chain")
+        if streaming != self.is_stream:
+            kind = "a stream" if self.is_stream else "a random-access source"
+            raise ArgumentError(f"{name} does not apply to {kind}")
+
+    def add_index(self, op: Any) -> None:
+        self._index_op_fits(op, streaming=False)
+        self.index_ops.append(op)
+
+    def add_stream_op(self, op: Any) -> None:
+        self._index_op_fits(op, streaming=True)
+        self.index_ops.append(op)
+
+    def add_record(self, op: RecordOp) -> None:
+        if self.tail or (self.batch is not None and op.expands):
+            self.tail.append(TailRecord(op, len(self.tail)))
+        elif self.batch is not None:
+            self.batch_maps.append(op)
+        else:
+            if op.shared and any(m.random or m.expands for m in self.maps):
+                raise ArgumentError(
+                    f"map {op.name!r}: shared=True maps must come before any random map, filter or flat_map"
+                )
+            self.maps.append(op)
+
+    def set_cache(self, op: CacheOp) -> None:
+        if self.cache is not None or self._batched or self.tail or self.is_stream:
+            raise ArgumentError("cache() may appear once, before batch(), on a random-access source")
+        if any(m.random or m.expands for m in self.maps):
+            raise ArgumentError(
+                "cache() must come before any random map, filter or flat_map (its output must be deterministic)"
+            )
+        self.cache, self.cache_at = op, len(self.maps)
+
+    def set_batch(self, op: BatchOp) -> None:
+        if self._batched:
+            raise ArgumentError("batch() may appear only once in a chain")
+        self._batched = True
+        if self.tail or self.expands:
+            self.tail.append(op)  # how many samples a task keeps is not known: batches are cut in the consumer
+        else:
+            self.batch = op
+
+    def add_tail(self, op: TailOp, name: str) -> None:
+        if self._batched:
+            raise ArgumentError(f"{name} must come before batch() in the chain")
+        self.tail.append(op)
+
+    @property
+    def expands(self) -> bool:
+        """A worker's sample may make no record or several (filter, flat_map)."""
+        return any(m.expands for m in self.maps)
+
+    @property
+    def grouped(self) -> bool:
+        """Workers return (index, records) groups for the consumer's tail (`dataset.tail`)."""
+        return bool(self.tail) or self.expands
+
+    @property
+    def epoch_dependent(self) -> bool:
+        """Source index at a position changes with the epoch (a shuffle)."""
+        return any(getattr(op, "per_epoch", False) for op in self.index_ops)
+
+    @property
+    def source_length(self) -> int:
+        """Source indices are below this."""
+        return self.source.index_space if isinstance(self.source, Combined) else len(self.source)
+
+    def check_shareable(self) -> None:
+        if self.is_stream:
+            raise ArgumentError("share=True needs a random-access source; a stream cannot be shared")
+        if isinstance(self.source, Combined) and not self.source.deterministic:
+            raise ArgumentError(
+                f"share=True needs the parts of {self.source.kind}() to be deterministic (no random map, no zip of "
+                "shuffled parts): apply random maps after combining"
+            )
 
     # -- identity: the sharing key, the disk cache's folder and the resume check ---------------
     @property
@@ -85,15 +191,19 @@ class Plan:
         their type only, so any chain can be checkpointed."""
         batch = self.batch
         return digest(
+            self.seed,
             self._source_identity(strict),
             [op.describe() for op in self.index_ops],
-            [(m.identity(strict), m.shared) for m in self.maps],
-            None if batch is None else (batch.size, batch.drop_last, _collate_identity(batch, strict)),
-            [m.identity(strict) for m in self.batch_maps],
+            [(type(m).__name__, m.identity(strict), m.shared) for m in self.maps],
+            None if batch is None else batch.identity(strict),
+            [(type(m).__name__, m.identity(strict)) for m in self.batch_maps],
+            [(type(op).__name__, op.identity(strict)) for op in self.tail],
         )
 
     def _source_identity(self, strict: bool) -> str:
         """Its `fingerprint` string, else a walk of its content (kept: sources do not change)."""
+        if strict not in self._source_ids and isinstance(self.source, Combined):
+            self._source_ids[strict] = self.source.identity(strict)
         if strict not in self._source_ids:
             source = self.source.iterable if self.is_stream else self.source
             fix = "Give the source a `fingerprint` attribute: a string that changes whenever its records do"
@@ -113,37 +223,6 @@ class Plan:
                 f'or key the cache itself: .cache(path, key="my-cache-v1")'
             ) from None
         return digest(self._source_identity(True), maps)
-
-    def _add(self, op: Any) -> None:
-        if isinstance(op, (Select, Shuffle, Shard, BufferShuffle, StreamShard)):
-            if self.batch is not None:
-                raise ArgumentError(f"{op.describe()[0]} must come before batch() in the chain")
-            streaming_op = isinstance(op, (BufferShuffle, StreamShard))
-            if streaming_op != self.is_stream:
-                kind = "a stream" if self.is_stream else "a random-access source"
-                raise ArgumentError(f"{op.describe()[0]} does not apply to {kind}")
-            if isinstance(op, (Shuffle, BufferShuffle)):
-                self.seed = op.seed
-            self.index_ops.append(op)
-        elif isinstance(op, MapOp):
-            if self.batch is not None:
-                self.batch_maps.append(op)
-                return
-            if op.shared and any(m.random for m in self.maps):
-                raise ArgumentError(f"map {op.name!r}: shared=True maps must come before any random map")
-            self.maps.append(op)
-        elif isinstance(op, CacheOp):
-            if self.cache is not None or self.batch is not None or self.is_stream:
-                raise ArgumentError("cache() may appear once, before batch(), on a random-access source")
-            if any(m.random for m in self.maps):
-                raise ArgumentError("cache() must come before any random map (its output must be deterministic)")
-            self.cache, self.cache_at = op, len(self.maps)
-        elif isinstance(op, BatchOp):
-            if self.batch is not None:
-                raise ArgumentError("batch() may appear only once in a chain")
-            self.batch = op
-        else:  # pragma: no cover - Dataset only appends the operators above
-            raise ArgumentError(f"unknown operator {op!r}")
 
     def _lengths(self) -> list[int | None]:
         """Length after each index operator; lengths[0] is the source's."""
@@ -172,7 +251,10 @@ class Plan:
         return self.batch.count(n) if self.batch is not None else -(-n // CHUNK)
 
     def items_per_epoch(self) -> int | None:
-        """What one epoch yields: batches for a batched chain, else samples."""
+        """What one epoch yields: batches for a batched chain, else samples (None: not known
+        before running, after a filter, flat_map, pack or bucket_batch)."""
+        if self.grouped:
+            return None
         return self.num_tasks() if self.batch is not None else self.samples
 
     # -- what a task covers -------------------------------------------------------------------
@@ -185,15 +267,24 @@ class Plan:
 
     def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Source indices at epoch positions [start, stop) (random-access chains)."""
-        positions = np.arange(start, self.samples if stop is None else stop, dtype=np.int64)
+        return self.map_positions(np.arange(start, self.samples if stop is None else stop, dtype=np.int64), epoch)
+
+    def map_positions(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        """Source indices of epoch positions (random-access chains)."""
         for op, parent_len in zip(reversed(self.index_ops), reversed(self.lengths[:-1]), strict=True):
             positions = op.parents(positions, parent_len, epoch)
+        if isinstance(self.source, Combined):
+            positions = self.source.resolve(epoch, positions)
         return positions
 
     @property
     def split(self) -> int:
         """How many leading maps are shared (deterministic, shareable across jobs)."""
         return max((k + 1 for k, m in enumerate(self.maps) if m.shared), default=0)
+
+    def sample(self, epoch: int, index: int, timer: Timer) -> Any:
+        """Source index `index` through every per-sample map (chains that do not expand)."""
+        return self._sample(epoch, index, MISSING, timer)
 
     def prefix_sample(self, index: int, timer: Timer | None = None) -> Any:
         """A sample after the shared maps only: what the global loader's server computes."""
@@ -226,7 +317,10 @@ class Plan:
             index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
             try:
                 start = 0 if record is MISSING else first_map or 0
-                samples.append(self._sample(epoch, index, record, timer, start))
+                if self.grouped:
+                    samples.append((index, self._records(epoch, index, record, timer, start)))
+                else:
+                    samples.append(self._sample(epoch, index, record, timer, start))
             except SAMPLE_ERRORS as exc:  # only a sample's own fault is skipped, never the machinery's
                 if not skip_errors:
                     raise
@@ -266,24 +360,57 @@ class Plan:
                     _tick(timer, "cache hit", t0)
                     start = self.cache_at
             if record is MISSING:
-                t0 = time.perf_counter()
-                record = self.source[index]
-                _tick(timer, "read", t0)
+                record = self._read(epoch, index, timer)
         computed = start == 0
         for k in range(start, len(self.maps) if stop is None else stop):
             if k == self.cache_at and self.cache is not None and computed:
                 self.cache.put(index, record)
             record = self._apply(self.maps[k], record, epoch, index, k, timer)
-        if self.cache is not None and computed and self.cache_at == len(self.maps) and stop is None:
+        if self.cache is not None and computed and self.cache_at == (len(self.maps) if stop is None else stop):
             self.cache.put(index, record)
         return record
 
+    def _read(self, epoch: int, index: int, timer: Timer) -> Any:
+        if isinstance(self.source, Combined):
+            return self.source.read(epoch, index, timer)
+        t0 = time.perf_counter()
+        record = self.source[index]
+        _tick(timer, "read", t0)
+        return record
+
+    def _records(self, epoch: int, index: int, record: Any, timer: Timer, start: int) -> list[Any]:
+        """The records sample `index` makes through the maps of a chain that expands: the maps
+        up to the first filter or flat_map as `_sample`, then over the list it makes."""
+        first = next((k for k, m in enumerate(self.maps) if m.expands), len(self.maps))
+        if start <= first:
+            record = self._sample(epoch, index, record, timer, start, stop=first)
+            start = first
+        values: list[tuple[tuple[int, ...], Any]] = [((), record)]  # (record numbers, value)
+        for k in range(start, len(self.maps)):
+            op, made = self.maps[k], list[tuple[tuple[int, ...], Any]]()
+            for sub, value in values:
+                out = self._apply(op, value, epoch, index, k, timer, sub=sub)
+                if op.expands:
+                    made.extend(((*sub, j), v) for j, v in enumerate(out))
+                else:
+                    made.append((sub, out))
+            values = made
+        return [v for _, v in values]
+
     def _apply(
-        self, op: MapOp, value: Any, epoch: int, index: int, k: int, timer: Timer, batch_level: bool = False
+        self,
+        op: RecordOp,
+        value: Any,
+        epoch: int,
+        index: int,
+        k: int,
+        timer: Timer,
+        batch_level: bool = False,
+        sub: tuple[int, ...] = (),
     ) -> Any:
         t0 = time.perf_counter()
         try:
-            value = op.apply(value, self.seed, epoch, index, k)
+            value = op.apply(value, self.seed, epoch, index, k, *sub)
         except (GlobalLoaderError, ImportError, MemoryError):
             raise  # a named error already, or the environment's fault: never a bad sample
         except Exception as exc:
@@ -291,11 +418,6 @@ class Plan:
             raise TransformError(f"map {op.name!r} failed on {what}: {type(exc).__name__}: {exc}") from exc
         _tick(timer, op.name, t0)
         return value
-
-
-def _collate_identity(batch: BatchOp, strict: bool) -> str:
-    fix = "Pass a collate function whose state can be walked, or give it a string `fingerprint` attribute"
-    return fingerprint(batch.collate, "batch(collate=...)", fix, strict)
 
 
 def _tick(timer: Timer, stage: str, t0: float) -> None:

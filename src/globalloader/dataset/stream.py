@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from globalloader.dataset.fingerprint import digest, fn_fingerprint
 from globalloader.errors import ArgumentError
 from globalloader.sampling.sharding import check_shard_args, shard_length
+
+if TYPE_CHECKING:
+    from globalloader.dataset.operator import Builder
 
 
 class StreamSource:
@@ -64,13 +67,17 @@ class BufferShuffle:
     """Shuffle within a sliding buffer of `buffer_size` records (the best a stream can do)."""
 
     buffer_size: int
-    seed: int
+    seed: int | None
 
     def __post_init__(self) -> None:
         if not isinstance(self.buffer_size, int) or self.buffer_size < 1:
             raise ArgumentError(f"shuffle: buffer_size must be an int >= 1, got {self.buffer_size!r}")
 
+    def attach(self, plan: Builder) -> None:
+        plan.add_stream_op(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
+
     def apply(self, records: Iterator[Any], epoch: int, length: int | None) -> Iterator[Any]:
+        assert self.seed is not None, "the plan gives every shuffle its seed"
         rng = np.random.default_rng([self.seed & 0xFFFFFFFFFFFFFFFF, epoch, 0xB0F])
         buffer: list[Any] = []
         for record in records:
@@ -100,6 +107,9 @@ class StreamShard:
 
     def __post_init__(self) -> None:
         check_shard_args(self.rank, self.world_size, self.uneven)
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_stream_op(self)
 
     def length(self, n: int | None) -> int | None:
         if n is None:

@@ -44,7 +44,7 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.map import sample_rng
+from globalloader.dataset.seeds import sample_rng
 from globalloader.demo.workload import train_step
 from globalloader.errors import ArgumentError, ServerGone, WorkerError
 from globalloader.execution.loader import Loader
@@ -91,6 +91,7 @@ def job_chain(root: Path | str, indices: Sequence[int], batch_size: int = 32, se
     return (
         Dataset(ImageFolder(root))
         .select(list(indices))
+        .seed(seed)
         .shuffle(seed)
         .map(_SHARED, shared=True, name="decode")
         .map(_OWN, name="crop+flip+normalize")

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from globalloader._paths import cache_dir
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.map import sample_rng
+from globalloader.dataset.seeds import sample_rng
 from globalloader.execution.loader import Loader
 from globalloader.sources import ImageFolder
 from globalloader.synthetic import make_jpeg_folder
@@ -33,6 +33,7 @@ def train_chain(root: Path, batch_size: int = 64, seed: int = 0) -> Dataset:
     """Decode + random resized crop to 224 + flip + normalize, shuffled, batched."""
     return (
         Dataset(ImageFolder(root))
+        .seed(seed)
         .shuffle(seed)
         .map(RandomResizedCropFlipNormalize(size=224), name="decode+augment")
         .batch(batch_size)

@@ -90,7 +90,7 @@ class Loader:
         self.timeout, self._start_method = float(timeout), start_method
         self.pool: Any = None
         self._run: EpochRun | None = None
-        self._position: Position = (0, 0, 0, None)  # where the next iteration starts
+        self._position = Position(0)  # where the next iteration starts
         self.statistics = LoaderStats()
 
     # -- epochs and positions ----------------------------------------------------------------
@@ -98,22 +98,22 @@ class Loader:
         """Start `epoch` at the next iteration (keeps a loaded mid-epoch position of that epoch)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ArgumentError(f"set_epoch: epoch must be an int >= 0, got {epoch!r}")
-        if epoch != self._position[0]:
-            self._position = (epoch, 0, 0, None)
+        if epoch != self._position.epoch:
+            self._position = Position(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: loading it into a new Loader yields exactly the remaining items
         (in shared mode: exactly the samples not yet consumed this epoch)."""
-        epoch, task, offset, consumed = self._run.position() if self._run is not None else self._position
-        state = make_state(self.plan, epoch, task, offset)
+        epoch, task, offset, consumed, tail = self._run.position() if self._run is not None else self._position
+        state = make_state(self.plan, epoch, task, offset, tail)
         if consumed is not None:
             state["consumed"] = [int(i) for i in consumed]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._abandon_run()
-        epoch, task, offset = check_state(self.plan, state)
-        self._position = (epoch, task, offset, state.get("consumed"))
+        epoch, task, offset, tail = check_state(self.plan, state)
+        self._position = Position(epoch, task, offset, state.get("consumed"), tail)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -121,26 +121,28 @@ class Loader:
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> EpochRun:
         self._abandon_run()
-        epoch, task, offset, consumed = self._position
+        position = self._position
+        epoch, task, offset, consumed, tail = position
         if self.share and consumed is None:  # a local position: the samples it had consumed
             consumed = self.plan.indices(epoch, 0, task * self.plan.task_size + offset).tolist()
+            position = Position(epoch, 0, 0, consumed, tail)
         if self.share and self._session is None:  # before any worker starts: a bad chain fails here
             try:
                 self._session = SharedSession(self.plan, self.server, self.server_memory, self.name, self.timeout)
             except UNAVAILABLE as exc:
-                self.fall_back(exc, epoch, consumed or [])
+                self.fall_back(exc, position)
         if self.pool is None:
             self.pool = self._start_pool()
         if self._session is not None:
             try:
-                self._run = SharedRun(self, self._session, epoch, consumed or [])
+                self._run = SharedRun(self, self._session, position)
             except UNAVAILABLE as exc:
-                self._run = self.fall_back(exc, epoch, consumed or [])
+                self._run = self.fall_back(exc, position)
         else:
-            self._run = LocalRun(self, epoch, task, offset, consumed)
+            self._run = LocalRun(self, position)
         return self._run
 
-    def fall_back(self, exc: BaseException, epoch: int, consumed: list[int]) -> EpochRun:
+    def fall_back(self, exc: BaseException, position: Position) -> EpochRun:
         """The server is not there: raise, or with share="auto" go on alone from the same position."""
         if self.share != "auto":
             raise exc
@@ -151,7 +153,7 @@ class Loader:
             self._session = None
         if self.pool is None:
             self.pool = self._start_pool()
-        self._run = LocalRun(self, epoch, 0, 0, consumed)
+        self._run = LocalRun(self, Position(position.epoch, 0, 0, position.consumed or [], position.tail))
         return self._run
 
     def _start_pool(self) -> Any:
@@ -172,7 +174,7 @@ class Loader:
     def finished(self, run: EpochRun) -> None:
         """A run reached the end of its epoch: the next iteration starts the next epoch."""
         if self._run is run:
-            self._position = (run.epoch + 1, 0, 0, None)
+            self._position = Position(run.epoch + 1)
             self._run = None
 
     def broken(self) -> None:

@@ -13,12 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from globalloader.dataset.tail import NEED, Tail
 from globalloader.execution.run import EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
 
 
 class LocalRun(EpochRun):
-    def __init__(self, host: Host, epoch: int, task: int, offset: int, consumed: list[int] | None = None) -> None:
+    def __init__(self, host: Host, position: Position) -> None:
+        epoch, task, offset, consumed, tail = position
         super().__init__(host, epoch)
         self._next_submit = self._next_result = task
         self._current, self._taken = task, 0
@@ -26,6 +28,9 @@ class LocalRun(EpochRun):
         self._exhausted = False
         self._skip_first = offset
         self._reader = self.plan.stream_reader(epoch, task) if self.plan.is_stream else None
+        self._tail = Tail(self.plan.tail, self.plan.seed, epoch, tail) if self.plan.grouped else None
+        if self._tail is not None:
+            self._tail.fed = offset
         self._consumed = consumed
         self._order = None if consumed is None else remaining_indices(self.plan.indices(epoch), consumed)
         self._total = None if self.plan.is_stream else self._count_tasks()
@@ -45,16 +50,19 @@ class LocalRun(EpochRun):
         return self._order[t * size : (t + 1) * size]
 
     def position(self) -> Position:
-        if self._pending:
+        tail = None
+        if self._tail is not None:
+            task, offset, tail = self._current, self._tail.fed, self._tail.state()
+        elif self._pending:
             task, offset = self._current, self._taken
         elif self._skip_first:  # loaded mid-task, nothing yielded yet
             task, offset = self._current, self._skip_first
         else:
             task, offset = self._next_result, 0
         if self._order is None:
-            return (self.epoch, task, offset, None)
+            return Position(self.epoch, task, offset, None, tail)
         done = self._order[: task * self.plan.task_size + offset].tolist()
-        return (self.epoch, 0, 0, list(self._consumed or []) + done)
+        return Position(self.epoch, 0, 0, list(self._consumed or []) + done, tail)
 
     def _submit(self) -> None:
         plan = self.plan
@@ -75,15 +83,34 @@ class LocalRun(EpochRun):
             self._submit_task(Task(self.epoch, t, items))
             self._next_submit += 1
 
+    def _collect(self) -> Any:
+        """The next task's result, in order; None at the end of the epoch."""
+        self._submit()
+        if self._next_result == self._next_submit:
+            return None
+        t = self._next_result
+        res = self._result(t)
+        self._next_result += 1
+        self._current, self._taken = t, 0
+        return res
+
     def _next(self) -> Any:
-        while not self._pending:
-            self._submit()
-            if self._next_result == self._next_submit:
+        tail = self._tail
+        while tail is not None:
+            item = tail.pop()
+            if item is not NEED:
+                return item
+            res = self._collect()
+            if res is not None:
+                tail.add(res.output, self._skip_first)
+                self._skip_first = 0
+                self._submit()
+            elif not tail.flush():
                 self._end_epoch()
-            t = self._next_result
-            res = self._result(t)
-            self._next_result += 1
-            self._current, self._taken = t, 0
+        while not self._pending:
+            res = self._collect()
+            if res is None:
+                self._end_epoch()
             if res.output is not None:
                 self._pending.extend([res.output] if self.plan.batch is not None else res.output)
             if self._skip_first:
@@ -102,3 +129,5 @@ class LocalRun(EpochRun):
         except BaseException:  # noqa: BLE001 - whatever a result raised, the pool is not to be trusted
             self.host.broken()
         self._pending.clear()
+        if self._tail is not None:
+            self._tail.groups.clear()

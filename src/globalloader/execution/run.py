@@ -1,16 +1,17 @@
 """What every pass over an epoch shares, local or fed by the server: the consumer's clock, task
 results from the worker pool, the end of the epoch, and the position a resume needs.
 
-A position is (epoch, task, offset, consumed): a local run counts tasks and items taken from
-the current one; a run whose order is not a pure function of the seed (shared mode) instead
-names the samples already consumed this epoch (`consumed`, with task = offset = 0).
+A position is (epoch, task, offset, consumed, tail): a local run counts tasks and items taken
+from the current one; a run whose order is not a pure function of the seed (shared mode) instead
+names the samples already consumed this epoch (`consumed`, with task = offset = 0). A chain with
+a tail (`dataset.tail`) adds the tail's state.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 
@@ -19,7 +20,15 @@ from globalloader.errors import ServerGoneError, ServerStartError
 from globalloader.execution.stats import LoaderStats, warn_skipped
 from globalloader.execution.workers import Task
 
-Position = tuple[int, int, int, "list[int] | None"]  # epoch, task, offset, consumed
+
+class Position(NamedTuple):
+    epoch: int
+    task: int = 0
+    offset: int = 0
+    consumed: list[int] | None = None
+    tail: dict[str, Any] | None = None
+
+
 UNAVAILABLE = (ServerGoneError, ServerStartError)  # the server is not there: share="auto" goes on alone
 
 
@@ -37,7 +46,7 @@ class Host(Protocol):
 
     def finished(self, run: EpochRun) -> None: ...
     def broken(self) -> None: ...
-    def fall_back(self, exc: BaseException, epoch: int, consumed: list[int]) -> EpochRun: ...
+    def fall_back(self, exc: BaseException, position: Position) -> EpochRun: ...
 
 
 class EpochRun:
@@ -92,7 +101,7 @@ class EpochRun:
         self._skipped.extend(res.skipped)
         return res
 
-    def _end_epoch(self) -> Any:
+    def _end_epoch(self) -> NoReturn:
         warn_skipped(self._skipped, self.epoch)
         self._skipped = []
         self.host.finished(self)

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.errors import SAMPLE_ERRORS, ArgumentError, ServerGoneError, SharedPrefixError, StateError
+from globalloader.dataset.tail import NEED, Tail
+from globalloader.errors import SAMPLE_ERRORS, ServerGoneError, SharedPrefixError, StateError
 from globalloader.execution.run import UNAVAILABLE, EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
 from globalloader.service import protocol
@@ -44,11 +45,10 @@ class SharedSession:
     ) -> None:
         import cloudpickle
 
-        if plan.is_stream:
-            raise ArgumentError("share=True needs a random-access source; a stream cannot be shared")
+        plan.check_shareable()
         prefix = Dataset(plan.source, tuple(plan.maps[: plan.split])).plan
         for op in prefix.maps:
-            _by_value_if_local(cloudpickle, op.fn)
+            _by_value_if_local(cloudpickle, getattr(op, "fn", None))
         key = prefix.fingerprint  # first: a chain that cannot be keyed or sent fails before any server starts
         try:
             shipped = cloudpickle.dumps(prefix)
@@ -105,9 +105,11 @@ def _by_value_if_local(cloudpickle: Any, fn: Any) -> None:
 class SharedRun(EpochRun):
     """One pass over (the rest of) an epoch with samples from the server."""
 
-    def __init__(self, host: Host, session: SharedSession, epoch: int, consumed: list[int]) -> None:
+    def __init__(self, host: Host, session: SharedSession, position: Position) -> None:
+        epoch = position.epoch
         super().__init__(host, epoch)
-        self.consumed = list(consumed)
+        self.consumed = list(position.consumed or [])
+        self._tail = Tail(self.plan.tail, self.plan.seed, epoch, position.tail) if self.plan.grouped else None
         self._session, self._client = session, session.client
         todo = remaining_indices(self.plan.indices(epoch), self.consumed)
         unique, counts = np.unique(todo, return_counts=True)
@@ -136,7 +138,7 @@ class SharedRun(EpochRun):
     def position(self) -> Position:
         if self._fallback is not None:
             return self._fallback.position()
-        return (self.epoch, 0, 0, list(self.consumed))
+        return Position(self.epoch, 0, 0, list(self.consumed), None if self._tail is None else self._tail.state())
 
     # -- tickets from the server -------------------------------------------------------------
     def _ask(self, need: int) -> None:
@@ -233,26 +235,51 @@ class SharedRun(EpochRun):
             raise
         except UNAVAILABLE as exc:
             self.drain()
-            self._fallback = self.host.fall_back(exc, self.epoch, self.consumed)  # or raises
+            self._fallback = self.host.fall_back(exc, self.position())  # or raises
             return self._fallback._next()
         except BaseException as exc:
             self._failed = exc
             self._end_run()
             raise
 
-    def _next_item(self) -> Any:
-        while not self._pending:
-            self._submit()
-            if not self._in_flight:
+    def _collect(self) -> tuple[list[int], Any, Any] | None:
+        """The next task's (indices, output, result), its shared samples released; None at the end."""
+        self._submit()
+        if not self._in_flight:
+            return None
+        indices, shared = self._in_flight[0]
+        res = self._result(self._next_task - len(self._in_flight))
+        self._in_flight.popleft()
+        output = res.output
+        if self._copy_out and output is not None:
+            output = _detach(output, self._session.arena)  # before the release below
+        self._client.send("release", self.run, shared)
+        return indices, output, res
+
+    def _next_from_tail(self, tail: Tail) -> Any:
+        while True:
+            item = tail.pop()
+            self.consumed.extend(tail.fed_indices)
+            tail.fed_indices.clear()
+            if item is not NEED:
+                self._client.progress = (self.run, len(self.consumed))
+                return item
+            got = self._collect()
+            if got is not None:
+                tail.add(got[1])
+            elif not tail.flush():
                 self._end_run()
                 self._end_epoch()
-            indices, shared = self._in_flight[0]
-            res = self._result(self._next_task - len(self._in_flight))
-            self._in_flight.popleft()
-            output = res.output
-            if self._copy_out and output is not None:
-                output = _detach(output, self._session.arena)  # before the release below
-            self._client.send("release", self.run, shared)
+
+    def _next_item(self) -> Any:
+        if self._tail is not None:
+            return self._next_from_tail(self._tail)
+        while not self._pending:
+            got = self._collect()
+            if got is None:
+                self._end_run()
+                self._end_epoch()
+            indices, output, res = got
             if output is None:
                 self.consumed.extend(indices)
             elif self.plan.batch is not None:
@@ -285,6 +312,8 @@ class SharedRun(EpochRun):
                 self.host.broken()
                 self._in_flight.clear()
         self._pending.clear()
+        if self._tail is not None:
+            self._tail.groups.clear()
         self._end_run()
 
 

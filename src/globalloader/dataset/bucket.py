@@ -1,0 +1,96 @@
+"""`Dataset.bucket_batch`: batch samples of similar length together, to pad little.
+
+Each sample goes to the bucket its `length_fn` value falls in (`boundaries` are the upper
+limits, exclusive, of all buckets but the last); a bucket emits a batch when it holds its batch
+size. At the end of the epoch the partial buckets are emitted in bucket order (unless
+`drop_last`), so every sample is in exactly one batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from globalloader.dataset.batch import check_size
+from globalloader.dataset.collate import PadCollate
+from globalloader.dataset.collate import collate as default_collate
+from globalloader.dataset.map import describe_fn
+from globalloader.errors import ArgumentError, GlobalLoaderError, TransformError
+
+if TYPE_CHECKING:
+    from globalloader.dataset.operator import Builder
+
+
+@dataclass(frozen=True)
+class BucketBatchOp:
+    length_fn: Callable[[Any], int]
+    boundaries: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    pad: Any = None
+    drop_last: bool = False
+
+    @classmethod
+    def of(
+        cls, length_fn: Any, boundaries: Sequence[int], batch_size: int | Sequence[int], pad: Any, drop_last: bool
+    ) -> BucketBatchOp:
+        if not callable(length_fn):
+            raise ArgumentError(f"bucket_batch: length_fn must be callable, got {type(length_fn).__name__}")
+        bounds = tuple(boundaries)
+        if not bounds or any(not isinstance(b, int) for b in bounds) or list(bounds) != sorted(set(bounds)):
+            raise ArgumentError(f"bucket_batch: boundaries must be increasing ints, got {boundaries!r}")
+        sizes = (batch_size,) * (len(bounds) + 1) if isinstance(batch_size, int) else tuple(batch_size)
+        if len(sizes) != len(bounds) + 1:
+            raise ArgumentError(
+                f"bucket_batch: {len(bounds)} boundaries make {len(bounds) + 1} buckets; got {len(sizes)} batch sizes"
+            )
+        for size in sizes:
+            check_size(size, "bucket_batch: batch_size")
+        return cls(length_fn, bounds, sizes, pad, bool(drop_last))
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_tail(self, "bucket_batch")
+
+    def identity(self, strict: bool) -> tuple[object, ...]:
+        name = getattr(self.length_fn, "__name__", "length_fn")
+        return (*self.describe(), repr(self.pad), describe_fn("bucket_batch", self.length_fn, name, None, strict))
+
+    def describe(self) -> tuple[object, ...]:
+        return ("bucket_batch", self.boundaries, self.batch_sizes, self.drop_last)
+
+    def stage(self, seed: int, epoch: int, position: int) -> BucketStage:
+        return BucketStage(self)
+
+
+class BucketStage:
+    def __init__(self, op: BucketBatchOp) -> None:
+        self.op = op
+        self.collate = PadCollate(op.pad) if op.pad is not None else default_collate
+        self.buckets: list[list[Any]] = [[] for _ in op.batch_sizes]
+
+    def feed(self, item: Any) -> list[Any]:
+        try:
+            length = self.op.length_fn(item)
+        except GlobalLoaderError:
+            raise
+        except Exception as exc:
+            raise TransformError(f"bucket_batch: length_fn failed: {type(exc).__name__}: {exc}") from exc
+        b = bisect.bisect_right(self.op.boundaries, length)
+        bucket = self.buckets[b]
+        bucket.append(item)
+        if len(bucket) < self.op.batch_sizes[b]:
+            return []
+        self.buckets[b] = []
+        return [self.collate(bucket)]
+
+    def flush(self) -> list[Any]:
+        out = [] if self.op.drop_last else [self.collate(b) for b in self.buckets if b]
+        self.buckets = [[] for _ in self.op.batch_sizes]
+        return out
+
+    def state(self) -> Any:
+        return [list(b) for b in self.buckets]
+
+    def restore(self, state: Any) -> None:
+        self.buckets = [list(b) for b in state]

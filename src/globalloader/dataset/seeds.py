@@ -1,0 +1,57 @@
+"""`Dataset.seed`: the one root of a chain's randomness, and the named streams derived from it.
+
+Every random operator draws from its own stream, named by what it is and where it sits in the
+chain: a shuffle without an explicit seed takes `derive(root, "shuffle", k)`, a random map at
+position k gets a Generator per sample from (root, epoch, index, k). Changing one operator's
+stream therefore never changes another's, and a chain without any shuffle still gives every
+sample its own generator. Datasets combined by concat/mix/zip get roots derived from the
+combination's root unless they set their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from globalloader.errors import ArgumentError
+
+if TYPE_CHECKING:
+    from globalloader.dataset.operator import Builder
+
+MASK = 0xFFFFFFFFFFFFFFFF
+
+
+def derive(root: int, *names: object) -> int:
+    """A 63-bit seed for the stream `names` under `root` (stable across runs and machines)."""
+    text = repr((int(root), *names)).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+def sample_rng(seed: int, epoch: int, index: int, position: int, *more: int) -> np.random.Generator:
+    """The Generator a random operator gets for one item: a pure function of its arguments."""
+    return np.random.default_rng([seed & MASK, epoch, index, position, *more])
+
+
+def check_seed(seed: Any, what: str) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ArgumentError(f"{what}: seed must be an int >= 0, got {seed!r}")
+    return int(seed)
+
+
+@dataclass(frozen=True)
+class SeedOp:
+    """`.seed(s)`: sets the root for the whole chain (wherever it is written)."""
+
+    seed: int
+
+    def __post_init__(self) -> None:
+        check_seed(self.seed, "seed")
+
+    def attach(self, plan: Builder) -> None:
+        plan.set_root(self.seed)
+
+    def describe(self) -> tuple[object, ...]:
+        return ("seed", self.seed)

@@ -1,0 +1,121 @@
+"""The consumer side of a chain whose items do not line up with tasks (after a filter,
+flat_map, pack or bucket_batch): the tail operators run in order over the records the workers
+made, in epoch order, and their carry-over state is part of the position.
+
+Workers return, for each sample of a task, the group of records it made (empty if filtered).
+The position is (task, groups of it fed, tail state); the tail state holds each operator's
+carry (a partial packed row, filling buckets) and the outputs made but not yet yielded, so
+`state_dict()` anywhere resumes exactly, whatever was prefetched.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from globalloader.errors import GlobalLoaderError, StateError, TransformError
+
+if TYPE_CHECKING:
+    from globalloader.dataset.operator import RecordOp, Stage, TailOp
+
+NEED = object()  # `Tail.pop`: feed me the next task's groups
+
+
+@dataclass(frozen=True)
+class TailRecord:
+    """A map or filter written after a tail operator: it runs in the consumer on each output,
+    random ones seeded by (seed, epoch, output number, position)."""
+
+    op: RecordOp
+    position: int
+
+    def identity(self, strict: bool) -> Any:
+        return self.op.identity(strict)
+
+    def stage(self, seed: int, epoch: int, position: int) -> RecordStage:
+        return RecordStage(self.op, seed, epoch, position)
+
+
+class RecordStage:
+    def __init__(self, op: RecordOp, seed: int, epoch: int, position: int) -> None:
+        self.op, self.seed, self.epoch, self.position = op, seed, epoch, position
+        self.count = 0
+
+    def feed(self, item: Any) -> list[Any]:
+        number, self.count = self.count, self.count + 1
+        try:
+            out = self.op.apply(item, self.seed, self.epoch, number, self.position)
+        except (GlobalLoaderError, ImportError, MemoryError):
+            raise
+        except Exception as exc:
+            raise TransformError(f"{self.op.name!r} failed on item {number}: {type(exc).__name__}: {exc}") from exc
+        return out if self.op.expands else [out]
+
+    def flush(self) -> list[Any]:
+        return []
+
+    def state(self) -> Any:
+        return self.count
+
+    def restore(self, state: Any) -> None:
+        self.count = int(state)
+
+
+class Tail:
+    """Runs the tail operators of one epoch; `add` a task's groups, `pop` the next output."""
+
+    def __init__(self, ops: list[TailOp], seed: int, epoch: int, state: dict[str, Any] | None = None) -> None:
+        self.stages: list[Stage] = [op.stage(seed, epoch, k) for k, op in enumerate(ops)]
+        self.out: deque[Any] = deque()
+        self.groups: deque[tuple[int, list[Any]]] = deque()  # (index, records) of the current task
+        self.fed = 0  # groups of the current task fed so far
+        self.fed_indices: list[int] = []  # indices of the groups fed, for runs that count samples
+        self.flushed = False
+        if state is not None:
+            try:
+                for stage, s in zip(self.stages, state["stages"], strict=True):
+                    stage.restore(s)
+                self.out.extend(state["out"])
+                self.flushed = bool(state["flushed"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise StateError(f"the state dict's tail state does not fit this chain: {exc}") from exc
+
+    def add(self, groups: list[tuple[int, list[Any]]], skip: int = 0) -> None:
+        """The groups of the next task; the first `skip` were fed before a resume."""
+        self.groups = deque(groups)
+        for _ in range(min(skip, len(self.groups))):
+            self.groups.popleft()
+        self.fed = skip
+
+    def pop(self) -> Any:
+        """The next output, or NEED when the current task's groups are used up."""
+        while not self.out:
+            if not self.groups:
+                return NEED
+            index, records = self.groups.popleft()
+            self.fed += 1
+            self.fed_indices.append(index)
+            for record in records:
+                self._push(0, record)
+        return self.out.popleft()
+
+    def flush(self) -> bool:
+        """End of the epoch: emit what the operators hold; False if that was done already."""
+        if self.flushed:
+            return False
+        self.flushed = True
+        for k, stage in enumerate(self.stages):
+            for item in stage.flush():
+                self._push(k + 1, item)
+        return True
+
+    def _push(self, k: int, item: Any) -> None:
+        if k == len(self.stages):
+            self.out.append(item)
+            return
+        for made in self.stages[k].feed(item):
+            self._push(k + 1, made)
+
+    def state(self) -> dict[str, Any]:
+        return {"stages": [s.state() for s in self.stages], "out": list(self.out), "flushed": self.flushed}
