@@ -1,0 +1,413 @@
+"""Language-model workload: tokens/s of globalloader vs Hugging Face `datasets` + torch's DataLoader vs Grain.
+
+Data: two synthetic corpora in Parquet (`globalloader.demo.text`): "web" prose (8 files) and
+"code" (4 files), document sizes lognormal in bytes (a heavy tail), row groups of 1,000 rows.
+The same work in each loader, with the same byte-level tokenizer (`ByteTokenizer`, BOS/EOS):
+
+    shuffle each corpus -> tokenize -> mix 70/30 -> pack to 2048 tokens (documents continue into
+    the next row; segment ids restart per row, 0 = padding) -> batch 8 -> 2 workers
+
+- globalloader: `Dataset(Parquet).shuffle().map(tokenize)` per corpus, `Dataset.mix(weights)`,
+  `.seed(epoch)`, `.pack(2048)`, `.batch(8)`, `Loader(workers=2)`.
+- Hugging Face + torch, the fast path their documentation teaches for a torch DataLoader:
+  `load_dataset("parquet")` (converted once to Arrow, before the rounds, time reported apart),
+  `.to_iterable_dataset(num_shards=files)`, `.shuffle(buffer_size=1000)` (shard order plus a
+  buffer: less work than a global shuffle), `interleave_datasets(probabilities=[0.7, 0.3])`,
+  `.map(tokenize)`, a torch IterableDataset that packs (`pack_rows`, NumPy slices), and
+  `torch.utils.data.DataLoader(batch_size=8, num_workers=2)`; the files are split between workers.
+- Grain: `MapDataset.source(rows).shuffle().map(tokenize)` per corpus over the Parquet files'
+  text column (read once per process with pyarrow), `MapDataset.mix(weights)`,
+  `.to_iter_dataset()`, `ConcatThenSplitIterDataset` (Grain's pack-and-continue), `.batch(8)`,
+  `.mp_prefetch(num_workers=2)`.
+
+Each run is a fresh process (startup included, as a user pays it) and stops after the same
+number of batches (`--batches`, default 90% of a mixed epoch, so no loader runs short); tokens/s
+counts non-padding tokens. Loaders take turns for `--rounds` rounds: the figures are medians with
+their spread, and the ratios are between medians of the same invocation. Memory is the peak
+proportional set size (PSS: shared memory counted once) of the loader's whole process tree,
+sampled every 0.2 s; globalloader also runs `--epochs` full epochs in one Loader, each epoch's
+peak recorded, to show that memory stays flat.
+
+Targets: globalloader >= 2x Hugging Face + torch tokens/s, and ahead of Grain.
+
+    python benchmarks/lm_workload.py [--web-docs 28000] [--code-docs 12000] [--rounds 3] [--epochs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from globalloader._paths import cache_dir
+from globalloader.demo.text import ByteTokenizer, demo_corpora
+
+RESULTS = Path(__file__).parent / "results" / "lm_workload.json"
+LOADERS = ("globalloader", "hf_torch", "grain")
+WEIGHTS = (0.7, 0.3)
+CHILD_TIMEOUT_S = 1800
+
+
+# -- memory ------------------------------------------------------------------------------------
+def _tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, from /proc (Linux)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:  # the process ended meanwhile
+            continue
+    return found
+
+
+def _pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Samples the PSS of this process tree every `interval` s in a thread; `peak()` since the last reset."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval, self._peak, self._stop = interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._peak = max(self._peak, sum(_pss_bytes(p) for p in _tree(os.getpid())))
+
+    def reset(self) -> int:
+        """The peak so far (bytes), then start a new one."""
+        peak, self._peak = max(self._peak, sum(_pss_bytes(p) for p in _tree(os.getpid()))), 0
+        return peak
+
+    def close(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.reset()
+
+
+# -- the three loaders -------------------------------------------------------------------------
+def pack_rows(documents: Iterable[np.ndarray], seq_len: int) -> Iterator[dict[str, np.ndarray]]:
+    """Token arrays into rows of `seq_len`: a document that does not fit continues in the next row;
+    segment ids count documents from 1 within each row, 0 marks padding (only in the last row);
+    positions restart at 0 for each piece (as `Dataset.pack` does). The torch user's packing step."""
+    tokens, segments, positions = (np.zeros(seq_len, np.int32) for _ in range(3))
+    fill = segment = 0
+    for doc in documents:
+        start = 0
+        while start < len(doc):
+            take = min(seq_len - fill, len(doc) - start)
+            segment += 1
+            tokens[fill : fill + take] = doc[start : start + take]
+            segments[fill : fill + take] = segment
+            positions[fill : fill + take] = np.arange(take, dtype=np.int32)
+            fill, start = fill + take, start + take
+            if fill == seq_len:
+                yield {"tokens": tokens, "segment_ids": segments, "positions": positions}
+                tokens, segments, positions = (np.zeros(seq_len, np.int32) for _ in range(3))
+                fill = segment = 0
+    if fill:
+        yield {"tokens": tokens, "segment_ids": segments, "positions": positions}
+
+
+def globalloader_batches(web: list[Path], code: list[Path], args: argparse.Namespace) -> tuple[Any, Any]:
+    import globalloader as gl
+
+    tokenize = ByteTokenizer()
+    corpora = [
+        gl.Dataset(gl.Parquet([str(p) for p in files], columns=["text"])).shuffle().map(tokenize)
+        for files in (web, code)
+    ]
+    chain = (
+        gl.Dataset.mix(corpora, weights=list(WEIGHTS)).seed(0).pack(args.seq_len, key="tokens").batch(args.batch_size)
+    )
+    loader = gl.Loader(chain, workers=args.workers)
+    return loader, loader
+
+
+def hf_corpus(files: list[Path], shards: int) -> Any:
+    """One corpus as Hugging Face's fast streaming form: the Parquet files converted once to their
+    Arrow cache (in this project's cache folder; made before the rounds, reused by every run),
+    then `to_iterable_dataset`. Streaming the Parquet files directly (`streaming=True`) was slower
+    still: its interleave sleeps 5 s each time a stream ends (a pyarrow thread-shutdown workaround)."""
+    from datasets import load_dataset
+
+    cache = str(cache_dir("bench", "hf-datasets"))
+    dataset = load_dataset("parquet", data_files=[str(p) for p in files], split="train", cache_dir=cache)
+    return dataset.to_iterable_dataset(num_shards=shards)
+
+
+class _HFPacked:
+    """The Hugging Face pipeline, packed: what a torch user wraps in an IterableDataset."""
+
+    def __init__(self, web: list[Path], code: list[Path], seq_len: int, seed: int) -> None:
+        from datasets import interleave_datasets
+
+        streams = [hf_corpus(files, len(files)).shuffle(seed=seed, buffer_size=1000) for files in (web, code)]
+        mixed = interleave_datasets(
+            streams, probabilities=list(WEIGHTS), seed=seed, stopping_strategy="first_exhausted"
+        )
+        self.documents = mixed.map(ByteTokenizer(), remove_columns=["text"])
+        self.seq_len = seq_len
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return pack_rows((np.asarray(d["tokens"], np.int32) for d in self.documents), self.seq_len)
+
+
+def hf_torch_batches(web: list[Path], code: list[Path], args: argparse.Namespace) -> tuple[Any, Any]:
+    import torch.utils.data  # here, so that the other loaders' processes do not carry torch's memory
+
+    class HFPacked(_HFPacked, torch.utils.data.IterableDataset):  # type: ignore[misc]
+        """What a torch user writes: the packing stream as a torch IterableDataset (workers fork)."""
+
+    dataset = HFPacked(web, code, args.seq_len, 0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers)
+    return loader, None
+
+
+class _ParquetRows:
+    """Grain's random-access source: the text column of Parquet files, read once per process."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.files = [str(p) for p in files]
+        import pyarrow.parquet as pq
+
+        self._len = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+        self._column: Any = None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, str]:
+        if self._column is None:
+            import pyarrow.parquet as pq
+
+            self._column = pq.read_table(self.files, columns=["text"]).column("text").combine_chunks()
+        return {"text": self._column[index].as_py()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_column": None}
+
+
+def grain_batches(web: list[Path], code: list[Path], args: argparse.Namespace) -> tuple[Any, Any]:
+    import grain
+
+    corpora = [
+        grain.MapDataset.source(_ParquetRows(files)).shuffle(seed=seed).map(ByteTokenizer())
+        for seed, files in enumerate((web, code))
+    ]
+    packed = grain.experimental.ConcatThenSplitIterDataset(
+        grain.MapDataset.mix(corpora, weights=list(WEIGHTS)).to_iter_dataset(),
+        length_struct={"tokens": args.seq_len},
+    )
+    batches = packed.batch(args.batch_size).mp_prefetch(
+        grain.multiprocessing.MultiprocessingOptions(num_workers=args.workers)
+    )
+    return batches, None
+
+
+BUILDERS = {"globalloader": globalloader_batches, "hf_torch": hf_torch_batches, "grain": grain_batches}
+SEGMENT_KEY = {"globalloader": "segment_ids", "hf_torch": "segment_ids", "grain": "tokens_segment_ids"}
+
+
+# -- one run in its own process ----------------------------------------------------------------
+def _consume(batches: Iterable[Any], segment_key: str, limit: int | None) -> dict[str, float]:
+    """Iterate (at most `limit` batches), counting non-padding tokens; a stand-in step reads each batch."""
+    start = time.perf_counter()
+    first = None
+    tokens = count = 0
+    for batch in batches:
+        if first is None:
+            first = time.perf_counter() - start
+        tokens += int(np.count_nonzero(np.asarray(batch[segment_key])))
+        count += 1
+        if limit is not None and count >= limit:
+            break
+    seconds = time.perf_counter() - start
+    return {
+        "batches": count,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "first_batch_s": first or 0.0,
+    }
+
+
+def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One measured run of loader `name` (or globalloader over `--epochs` full epochs: `epochs`)."""
+    web, code = demo_corpora(args.web_docs, args.code_docs, progress=False)
+    memory = PeakMemory()
+    memory.reset()
+    if name == "epochs":
+        loader, _ = globalloader_batches(web, code, args)
+        epochs = []
+        with loader:
+            for epoch in range(args.epochs):
+                loader.set_epoch(epoch)
+                result = _consume(loader, SEGMENT_KEY["globalloader"], None)
+                epochs.append({**result, "peak_pss_mb": memory.reset() / 2**20})
+        memory.close()
+        return {"epochs": epochs}
+    batches, closer = BUILDERS[name](web, code, args)
+    result = _consume(batches, SEGMENT_KEY[name], args.batches)
+    if closer is not None:
+        closer.close()
+    return {**result, "peak_pss_mb": memory.close() / 2**20}
+
+
+def run_child(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", name, *_shared_flags(args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _shared_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--web-docs", args.web_docs, "--code-docs", args.code_docs, "--workers", args.workers]
+    flags += ["--seq-len", args.seq_len, "--batch-size", args.batch_size, "--epochs", args.epochs]
+    flags += ["--batches", args.batches]
+    return [str(f) for f in flags]
+
+
+def _mixed_epoch_batches(web: list[Path], code: list[Path], seq_len: int, batch_size: int) -> int:
+    """Batches in one epoch mixed 70/30 until the first corpus runs out (tokens counted from the files)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    per_corpus = []
+    for files in (web, code):
+        lengths = pc.binary_length(pq.read_table([str(p) for p in files], columns=["text"]).column("text"))
+        per_corpus.append((len(lengths), pc.sum(lengths).as_py() + 2 * len(lengths)))
+    documents = min(n / w for (n, _), w in zip(per_corpus, WEIGHTS, strict=True))
+    tokens = sum(w * documents * total / n for (n, total), w in zip(per_corpus, WEIGHTS, strict=True))
+    return int(tokens // (seq_len * batch_size))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--web-docs", type=int, default=28000)
+    parser.add_argument("--code-docs", type=int, default=12000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=0, help="batches per run (default: 90%% of a mixed epoch)")
+    parser.add_argument("--only", nargs="*", choices=LOADERS, default=list(LOADERS))
+    parser.add_argument("--child", choices=[*LOADERS, "epochs"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return
+
+    web, code = demo_corpora(args.web_docs, args.code_docs)
+    epoch_batches = _mixed_epoch_batches(web, code, args.seq_len, args.batch_size)
+    hf_prepare_s = 0.0
+    if "hf_torch" in args.only:
+        start = time.perf_counter()
+        for files in (web, code):
+            hf_corpus(files, len(files))
+        hf_prepare_s = time.perf_counter() - start
+    args.batches = args.batches or int(0.9 * epoch_batches)
+    print(f"{args.batches} batches per run ({epoch_batches} in a mixed epoch), {args.rounds} rounds")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.only}
+    for round_ in range(args.rounds):
+        for name in args.only:
+            result = run_child(name, args)
+            runs[name].append(result)
+            print(
+                f"round {round_} {name:<12} {result['tokens_per_s'] / 1e6:7.2f} M tokens/s  "
+                f"first batch {result['first_batch_s']:.2f} s  peak PSS {result['peak_pss_mb']:.0f} MB"
+            )
+    epochs = run_child("epochs", args)["epochs"] if "globalloader" in args.only else []
+    for e, result in enumerate(epochs):
+        print(
+            f"globalloader epoch {e}: {result['tokens_per_s'] / 1e6:.2f} M tokens/s, peak PSS {result['peak_pss_mb']:.0f} MB"
+        )
+
+    median = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+    spread = {
+        name: [min(r["tokens_per_s"] for r in rs), max(r["tokens_per_s"] for r in rs)] for name, rs in runs.items()
+    }
+    ratios = {
+        f"globalloader/{n}": median["globalloader"] / median[n]
+        for n in runs
+        if n != "globalloader" and "globalloader" in runs
+    }
+    targets = {}
+    if "globalloader/hf_torch" in ratios:
+        targets["globalloader >= 2x hf_torch"] = ratios["globalloader/hf_torch"] >= 2.0
+    if "globalloader/grain" in ratios:
+        targets["globalloader > grain"] = ratios["globalloader/grain"] > 1.0
+    if epochs:
+        peaks = [e["peak_pss_mb"] for e in epochs]
+        targets["memory flat across epochs (last epoch peak <= first's + 10%)"] = peaks[-1] <= 1.1 * peaks[0]
+    summary = {
+        "benchmark": "lm_workload",
+        "workload": "shuffle, byte-level tokenize (BOS/EOS), mix web/code 70/30, pack 2048, batch 8, 2 workers",
+        "corpora": {"web_documents": args.web_docs, "code_documents": args.code_docs, "files": [len(web), len(code)]},
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "workers": args.workers,
+        "batches_per_run": args.batches,
+        "batches_per_mixed_epoch": epoch_batches,
+        "rounds": args.rounds,
+        "hf_arrow_conversion_s": hf_prepare_s,
+        "median_tokens_per_s": median,
+        "min_max_tokens_per_s": spread,
+        "ratios_of_medians": ratios,
+        "median_peak_pss_mb": {name: statistics.median(r["peak_pss_mb"] for r in rs) for name, rs in runs.items()},
+        "globalloader_epochs": epochs,
+        "targets": targets,
+        "versions": _versions(),
+        "note": "2 shared cores; each run a fresh process; loaders take turns each round (drift hits all alike)",
+        "runs": runs,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(summary, indent=2))
+    print("median M tokens/s: " + ", ".join(f"{n} {v / 1e6:.2f}" for n, v in median.items()))
+    print("ratios: " + ", ".join(f"{n} {v:.2f}x" for n, v in ratios.items()) + f"; targets {targets}")
+    print(f"written {RESULTS}")
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("globalloader", "datasets", "torch", "grain", "pyarrow", "numpy"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "absent"
+    return found
+
+
+if __name__ == "__main__":
+    main()
