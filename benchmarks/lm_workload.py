@@ -348,7 +348,8 @@ def main() -> None:
     epochs = run_child("epochs", args)["epochs"] if "globalloader" in args.only else []
     for e, result in enumerate(epochs):
         print(
-            f"globalloader epoch {e}: {result['tokens_per_s'] / 1e6:.2f} M tokens/s, peak PSS {result['peak_pss_mb']:.0f} MB"
+            f"globalloader epoch {e}: {result['tokens_per_s'] / 1e6:.2f} M tokens/s, "
+            f"peak PSS {result['peak_pss_mb']:.0f} MB"
         )
 
     median = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
