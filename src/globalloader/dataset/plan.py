@@ -30,6 +30,7 @@ from globalloader.dataset.tail import TailRecord
 from globalloader.errors import SAMPLE_ERRORS, ArgumentError, FingerprintError, GlobalLoaderError, TransformError
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
+GROUPED_CHUNK = 128  # samples per task feeding a tail: records are small (tokens), tasks many
 
 Timer = dict[str, list[float]]  # stage name -> [items, busy seconds]
 Group = tuple[int, list[Any]]  # a sample's index and the records it made (filter, flat_map)
@@ -242,13 +243,15 @@ class Plan:
 
     @property
     def task_size(self) -> int:
-        return self.batch.size if self.batch is not None else CHUNK
+        if self.batch is not None:
+            return self.batch.size
+        return GROUPED_CHUNK if self.grouped else CHUNK
 
     def num_tasks(self) -> int | None:
         n = self.samples
         if n is None:
             return None
-        return self.batch.count(n) if self.batch is not None else -(-n // CHUNK)
+        return self.batch.count(n) if self.batch is not None else -(-n // self.task_size)
 
     def items_per_epoch(self) -> int | None:
         """What one epoch yields: batches for a batched chain, else samples (None: not known
