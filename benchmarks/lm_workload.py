@@ -7,8 +7,12 @@ The same work in each loader, with the same byte-level tokenizer (`ByteTokenizer
     shuffle each corpus -> tokenize -> mix 70/30 -> pack to 2048 tokens (documents continue into
     the next row; segment ids restart per row, 0 = padding) -> batch 8 -> 2 workers
 
-- globalloader: `Dataset(Parquet).shuffle().map(tokenize)` per corpus, `Dataset.mix(weights)`,
-  `.seed(epoch)`, `.pack(2048)`, `.batch(8)`, `Loader(workers=2)`.
+- globalloader: per corpus an exact global shuffle over the Parquet source's local Arrow copy
+  (`Dataset(Parquet(...).local_copy()).shuffle()`, the copy made once before the rounds, time
+  reported apart, as Hugging Face's Arrow conversion is), `.map(tokenize)`; then
+  `Dataset.mix(weights)`, `.seed(0)`, `.pack(2048)`, `.batch(8)`, `Loader(workers=2)`.
+  `--gl-read window` uses `shuffle(window=8)` on the Parquet source instead, `global` a plain
+  `shuffle()` on it; `--only gl_window gl_global ...` runs these beside the others.
 - Hugging Face + torch, the fast path their documentation teaches for a torch DataLoader:
   `load_dataset("parquet")` (converted once to Arrow, before the rounds, time reported apart),
   `.to_iterable_dataset(num_shards=files)`, `.shuffle(buffer_size=1000)` (shard order plus a
@@ -45,6 +49,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,9 @@ from globalloader._paths import cache_dir
 from globalloader.demo.text import ByteTokenizer, demo_corpora
 
 RESULTS = Path(__file__).parent / "results" / "lm_workload.json"
-LOADERS = ("globalloader", "hf_torch", "grain")
+GL_READS = ("copy", "window", "global")
+# "globalloader" reads as --gl-read says; gl_copy, gl_window, gl_global name a read explicitly.
+LOADERS = ("globalloader", "hf_torch", "grain", *(f"gl_{read}" for read in GL_READS))
 WEIGHTS = (0.7, 0.3)
 CHILD_TIMEOUT_S = 1800
 
@@ -133,14 +140,28 @@ def pack_rows(documents: Iterable[np.ndarray], seq_len: int) -> Iterator[dict[st
         yield {"tokens": tokens, "segment_ids": segments, "positions": positions}
 
 
-def globalloader_batches(web: list[Path], code: list[Path], args: argparse.Namespace) -> tuple[Any, Any]:
+def globalloader_corpus(files: list[Path], read: str) -> Any:
+    """One corpus, shuffled as `read` says: "copy" an exact global shuffle over the local Arrow
+    copy (made once, before the rounds), "window" rows shuffled within windows of 8 row groups
+    in a random group order, "global" an exact global shuffle straight over Parquet (a row group
+    decode for most rows: what the copy and the window avoid)."""
+    import globalloader as gl
+
+    source = gl.Parquet([str(p) for p in files], columns=["text"])
+    if read == "copy":
+        return gl.Dataset(source.local_copy(cache_dir("bench", "arrow-copy"), progress=False)).shuffle()
+    if read == "window":
+        return gl.Dataset(source).shuffle(window=8)
+    return gl.Dataset(source).shuffle()
+
+
+def globalloader_batches(
+    web: list[Path], code: list[Path], args: argparse.Namespace, read: str | None = None
+) -> tuple[Any, Any]:
     import globalloader as gl
 
     tokenize = ByteTokenizer()
-    corpora = [
-        gl.Dataset(gl.Parquet([str(p) for p in files], columns=["text"])).shuffle().map(tokenize)
-        for files in (web, code)
-    ]
+    corpora = [globalloader_corpus(files, read or args.gl_read).map(tokenize) for files in (web, code)]
     chain = (
         gl.Dataset.mix(corpora, weights=list(WEIGHTS)).seed(0).pack(args.seq_len, key="tokens").batch(args.batch_size)
     )
@@ -229,8 +250,13 @@ def grain_batches(web: list[Path], code: list[Path], args: argparse.Namespace) -
     return batches, None
 
 
-BUILDERS = {"globalloader": globalloader_batches, "hf_torch": hf_torch_batches, "grain": grain_batches}
-SEGMENT_KEY = {"globalloader": "segment_ids", "hf_torch": "segment_ids", "grain": "tokens_segment_ids"}
+BUILDERS = {
+    "globalloader": globalloader_batches,
+    **{f"gl_{read}": partial(globalloader_batches, read=read) for read in GL_READS},
+    "hf_torch": hf_torch_batches,
+    "grain": grain_batches,
+}
+SEGMENT_KEY = {name: "tokens_segment_ids" if name == "grain" else "segment_ids" for name in BUILDERS}
 
 
 # -- one run in its own process ----------------------------------------------------------------
@@ -289,7 +315,7 @@ def run_child(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def _shared_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--web-docs", args.web_docs, "--code-docs", args.code_docs, "--workers", args.workers]
     flags += ["--seq-len", args.seq_len, "--batch-size", args.batch_size, "--epochs", args.epochs]
-    flags += ["--batches", args.batches]
+    flags += ["--batches", args.batches, "--gl-read", args.gl_read]
     return [str(f) for f in flags]
 
 
@@ -317,9 +343,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--batches", type=int, default=0, help="batches per run (default: 90%% of a mixed epoch)")
-    parser.add_argument("--only", nargs="*", choices=LOADERS, default=list(LOADERS))
+    parser.add_argument("--only", nargs="*", choices=LOADERS, default=list(LOADERS[:3]))
+    parser.add_argument("--gl-read", choices=GL_READS, default=None, help="default: copy when available, else global")
     parser.add_argument("--child", choices=[*LOADERS, "epochs"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.gl_read = args.gl_read or _default_gl_read()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if args.child:
@@ -328,12 +356,17 @@ def main() -> None:
 
     web, code = demo_corpora(args.web_docs, args.code_docs)
     epoch_batches = _mixed_epoch_batches(web, code, args.seq_len, args.batch_size)
-    hf_prepare_s = 0.0
+    prepare_s = {}  # one-time conversions, made before the rounds and reused by every run
     if "hf_torch" in args.only:
         start = time.perf_counter()
         for files in (web, code):
             hf_corpus(files, len(files))
-        hf_prepare_s = time.perf_counter() - start
+        prepare_s["hf_arrow_cache"] = time.perf_counter() - start
+    if "gl_copy" in args.only or ("globalloader" in args.only and args.gl_read == "copy"):
+        start = time.perf_counter()
+        for files in (web, code):
+            globalloader_corpus(files, "copy")
+        prepare_s["globalloader_arrow_copy"] = time.perf_counter() - start
     args.batches = args.batches or int(0.9 * epoch_batches)
     print(f"{args.batches} batches per run ({epoch_batches} in a mixed epoch), {args.rounds} rounds")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.only}
@@ -356,11 +389,8 @@ def main() -> None:
     spread = {
         name: [min(r["tokens_per_s"] for r in rs), max(r["tokens_per_s"] for r in rs)] for name, rs in runs.items()
     }
-    ratios = {
-        f"globalloader/{n}": median["globalloader"] / median[n]
-        for n in runs
-        if n != "globalloader" and "globalloader" in runs
-    }
+    ours = [n for n in runs if n == "globalloader" or n.startswith("gl_")]
+    ratios = {f"{g}/{n}": median[g] / median[n] for g in ours for n in runs if n not in ours}
     targets = {}
     if "globalloader/hf_torch" in ratios:
         targets["globalloader >= 2x hf_torch"] = ratios["globalloader/hf_torch"] >= 2.0
@@ -379,7 +409,8 @@ def main() -> None:
         "batches_per_run": args.batches,
         "batches_per_mixed_epoch": epoch_batches,
         "rounds": args.rounds,
-        "hf_arrow_conversion_s": hf_prepare_s,
+        "globalloader_read": args.gl_read,
+        "one_time_preparation_s": prepare_s,
         "median_tokens_per_s": median,
         "min_max_tokens_per_s": spread,
         "ratios_of_medians": ratios,
@@ -396,6 +427,12 @@ def main() -> None:
     print("median M tokens/s: " + ", ".join(f"{n} {v / 1e6:.2f}" for n, v in median.items()))
     print("ratios: " + ", ".join(f"{n} {v:.2f}x" for n, v in ratios.items()) + f"; targets {targets}")
     print(f"written {RESULTS}")
+
+
+def _default_gl_read() -> str:
+    import globalloader as gl
+
+    return "copy" if hasattr(gl.Parquet, "local_copy") else "global"
 
 
 def _versions() -> dict[str, str]:
