@@ -13,12 +13,14 @@ The same work in each loader, with the same byte-level tokenizer (`ByteTokenizer
   `Dataset.mix(weights)`, `.seed(0)`, `.pack(2048)`, `.batch(8)`, `Loader(workers=2)`.
   `--gl-read window` uses `shuffle(window=8)` on the Parquet source instead, `cached` a plain
   `shuffle()` on it with every row group kept decoded per worker, `global` the same with the
-  default 4; `--only gl_window gl_cached ...` runs these beside the others.
+  default 4; `--only gl_window gl_cached ...` runs these beside the others. Where the local copy
+  is not available, `cached` is the default.
 - Hugging Face + torch, the fast path their documentation teaches for a torch DataLoader:
   `load_dataset("parquet")` (converted once to Arrow, before the rounds, time reported apart),
   `.to_iterable_dataset(num_shards=files)`, `.shuffle(buffer_size=1000)` (shard order plus a
   buffer: less work than a global shuffle), `interleave_datasets(probabilities=[0.7, 0.3])`,
-  `.map(tokenize)`, a torch IterableDataset that packs (`pack_rows`, NumPy slices), and
+  `.map(tokenize)`, a torch IterableDataset that packs (`pack_rows`: NumPy slices, the very rows
+  `Dataset.pack` makes from the same documents), and
   `torch.utils.data.DataLoader(batch_size=8, num_workers=2)`; the files are split between workers.
 - Grain: `MapDataset.source(rows).shuffle().map(tokenize)` per corpus over the Parquet files'
   text column (read once per process with pyarrow), `MapDataset.mix(weights)`,
