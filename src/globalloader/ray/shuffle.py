@@ -6,9 +6,10 @@ task reads one file whole and sends each reducer the rows `layout.scatter_table`
 picked by a seeded permutation (one `np.take` per column, no per-row Python). Rows for the
 reducers that run on one node travel in one object, sliced by each reducer: an object per
 reducer costs Ray a few milliseconds each, more than copying its rows. A reducer places
-the rows it receives at seeded random positions (`np.put`, rows viewed as fixed-size records)
+the rows it receives at seeded random positions (rows viewed as fixed-size records)
 and returns one dict of columns holding a run of its trainer's batches, so trainers slice
-batches out of it without copying.
+batches out of it without copying. Rows are gathered and placed as single fixed-size records,
+so a row costs one copy whatever its width.
 """
 
 from __future__ import annotations
@@ -139,15 +140,15 @@ def _conform(rows: np.ndarray, like: np.ndarray, name: str, url: str, first_url:
 
 
 def _put_rows(target: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:
-    """target[index] = rows, through `np.put` on one fixed-size record per row when possible.
+    """target[index] = rows, on one fixed-size record per row when possible.
 
     Viewing each row as one opaque record makes a multi-byte row a single scatter element,
-    about three times faster than fancy-index assignment on a 2-D array.
+    about three times faster than fancy-index assignment on a 2-D array (and assignment is
+    about 15% faster than `np.put`, which divides once per element).
     """
-    if target.ndim == 1:
-        np.put(target, index, rows)
-    elif _as_records(target) is not None and _as_records(rows) is not None:
-        np.put(_as_records(target), index, _as_records(rows))
+    records, values = (_as_records(target), _as_records(rows)) if target.ndim > 1 else (None, None)
+    if records is not None and values is not None:
+        records[index] = values
     else:
         target[index] = rows
 
