@@ -136,6 +136,7 @@ class Trainer:
         self.ds: ShufflingDataset | None = None
         self.keys: Keys = []
         self.batches = 0
+        self.unfinished: tuple[int, Iterator[dict[str, np.ndarray]]] | None = None  # (epoch, its iterator)
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -147,17 +148,24 @@ class Trainer:
         return len(self.ds)
 
     def read(self, epochs: list[int], stop_after: int | None = None, delay: float = 0.0) -> Any:
-        """Keys of every batch read, per epoch; (error class, message) if reading failed."""
+        """Keys of every batch read, per epoch; (error class, message) if reading failed. An
+        epoch left after `stop_after` of its batches goes on where it stopped when read again."""
         try:
             for epoch in epochs:
-                self.ds.set_epoch(epoch)
-                self.keys.append([])
-                for batch in self.ds:
+                if self.unfinished is not None and self.unfinished[0] == epoch:
+                    batches = self.unfinished[1]
+                else:
+                    self.ds.set_epoch(epoch)
+                    self.keys.append([])
+                    batches = iter(self.ds)
+                self.unfinished = None
+                for batch in batches:
                     check_rows(batch)
                     self.keys[-1].append(np.array(batch["key"]))
                     self.batches += 1
                     time.sleep(delay)
                     if len(self.keys[-1]) == stop_after:
+                        self.unfinished = (epoch, batches)
                         break
         except GlobalLoaderError as exc:
             return type(exc).__name__, str(exc)
@@ -283,6 +291,26 @@ class TestThreeNodes:
             assert all(isinstance(rank, list) for rank in [*out, second_life]), [*out, second_life]
             out[1] = [first_life[0] + second_life[0], second_life[1]]
             assert_same(out, one_node)
+            close_all(trainers)
+        finally:
+            for t in trainers:
+                ray.kill(t)
+
+    def test_a_trainer_restarted_behind_a_freed_epoch_is_told_to_restart_every_rank(self, cluster, files):
+        trainers = [start_trainer(node) for node in THREE_NODES]
+        args = {**ARGS, "name": uuid.uuid4().hex}
+        try:
+            open_all(trainers, files, args)
+            ray.get(trainers[2].read.remote([0], stop_after=3), timeout=60)
+            old_state = ray.get(trainers[2].state_dict.remote())
+            assert isinstance(ray.get(trainers[2].read.remote([0, 1], stop_after=2), timeout=60), list)
+            assert all(isinstance(r, list) for r in ray.get([t.read.remote([0]) for t in trainers[:2]], timeout=60))
+            ray.kill(trainers[2], no_restart=True)  # every rank has left epoch 0: it is freed
+            trainers[2] = start_trainer("node-c")
+            ray.get(trainers[2].open.remote(files, 2, args, old_state), timeout=60)
+            error = ray.get(trainers[2].read.remote([0, 1]), timeout=60)
+            assert error[0] == "StateError" and "epoch 0 was freed" in error[1], error
+            assert "restart every rank" in error[1]
             close_all(trainers)
         finally:
             for t in trainers:

@@ -112,8 +112,10 @@ class BatchQueue:
                 f"rank {rank} already read epoch {epoch} or moved past it (each "
                 "epoch is shuffled once and read once per rank)"
             )
+        if epoch in self._released:
+            return "error", self._freed(rank, epoch)
         self._pos[rank] = epoch
-        if self._next_launch is not None and epoch < self._next_launch and epoch not in self._released | self._live:
+        if self._next_launch is not None and epoch < self._next_launch and epoch not in self._live:
             self._live.add(epoch)  # a rank resuming behind the others, before they read any epoch
             self._scheduler.launch(epoch)
         await self._advance()
@@ -122,13 +124,17 @@ class BatchQueue:
         except TimeoutError:
             return "wait", self._holdup()
         if epoch not in self._live:
-            return "error", (
-                f"epoch {epoch} was freed: the other ranks moved past it before rank {rank} asked for it "
-                "(a rank restarted from an older state_dict() than the others: restart every rank from "
-                "states saved at the same step)"
-            )
+            return "error", self._freed(rank, epoch)
         self._taken[(rank, epoch)] = ticket
         return "ok", None
+
+    @staticmethod
+    def _freed(rank: int, epoch: int) -> str:
+        return (
+            f"epoch {epoch} was freed: the other ranks moved past it before rank {rank} asked for it "
+            "(a rank restarted from an older state_dict() than the others?): restart every rank from "
+            "states saved at the same step"
+        )
 
     async def output(self, rank: int, epoch: int, index: int, wait_s: float) -> tuple[str, Any]:
         """The ref of rank `rank`'s `index`-th output of `epoch`: ("ok", ref) once its reducer
