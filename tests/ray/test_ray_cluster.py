@@ -19,6 +19,7 @@ import pytest
 import ray
 import ray.cloudpickle
 from ray.cluster_utils import Cluster
+from ray.experimental import get_object_locations
 
 from globalloader.errors import GlobalLoaderError
 from globalloader.ray import ShufflingDataset
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.integration
 FILE_ROWS = [301, 250, 0, 417, 123, 509, 388, 275]  # uneven, and one empty file
 TOTAL = sum(FILE_ROWS)
 BATCH = 32
+PAYLOAD = 4096  # bytes per row: map and reducer outputs exceed 100 KiB, so they live in the object
+# stores of the nodes that made them (smaller objects travel inline with their owner, never lost)
 STORE = 80 * 2**20  # a small object store per node
 ARGS = {"num_epochs": 2, "num_trainers": 3, "batch_size": BATCH, "num_reducers": 6, "seed": 5, "timeout": 120.0}
 FAST_FAILURE_DETECTION = {  # a dead node is noticed in about 3 s instead of about 30 s
@@ -42,13 +45,13 @@ Keys = list[list[np.ndarray]]  # [epoch][batch] -> keys
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> list[str]:
-    """Parquet files whose row with key k has payload bytes k % 251."""
+    """Parquet files whose row with key k has PAYLOAD bytes k % 251."""
     folder = tmp_path_factory.mktemp("cluster")
     paths, start = [], 0
     for i, rows in enumerate(FILE_ROWS):
         key = np.arange(start, start + rows, dtype=np.int64)
-        payload = np.repeat((key % 251)[:, None], 8, axis=1).astype(np.uint8)
-        binary = pa.FixedSizeBinaryArray.from_buffers(pa.binary(8), rows, [None, pa.py_buffer(payload.tobytes())])
+        payload = np.repeat((key % 251)[:, None], PAYLOAD, axis=1).astype(np.uint8)
+        binary = pa.FixedSizeBinaryArray.from_buffers(pa.binary(PAYLOAD), rows, [None, pa.py_buffer(payload.tobytes())])
         pq.write_table(pa.table({"key": key, "payload": binary}), folder / f"part-{i}.parquet")
         paths.append(str(folder / f"part-{i}.parquet"))
         start += rows
@@ -209,6 +212,20 @@ def wait_for_progress(trainers: list[Any], batches: int, timeout: float = 60.0) 
     while min(ray.get([t.progress.remote() for t in trainers])) < batches:
         assert time.monotonic() < deadline, "the trainers made no progress"
         time.sleep(0.05)
+
+
+def made_outputs(name: str, epoch: int, timeout: float = 60.0) -> list[Any]:
+    """The refs of every rank's reducer outputs of `epoch`, asked of the batch queue, once made."""
+    queue = ray.get_actor(name, namespace=NAMESPACE)
+    per_rank = LOSS_ARGS["num_reducers"] // LOSS_ARGS["num_trainers"]
+    refs, deadline = [], time.monotonic() + timeout
+    for rank in range(LOSS_ARGS["num_trainers"]):
+        for index in range(per_rank):
+            while (answer := ray.get(queue.output.remote(rank, epoch, index, 1.0)))[0] != "ok":
+                assert time.monotonic() < deadline, answer
+            refs.append(answer[1])
+    assert len(ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)[0]) == len(refs)
+    return refs
 
 
 def assert_every_row_once(out: list[Keys], epochs: int) -> None:
@@ -375,14 +392,22 @@ class TestNodeLoss:
         args = {**LOSS_ARGS, "name": uuid.uuid4().hex}
         try:
             open_all(trainers, files, args)
-            reads = [t.read.remote([0, 1], delay=0.03) for t in trainers]
+            reads = [t.read.remote([0, 1], delay=0.15) for t in trainers]
             wait_for_progress(trainers, 3)
+            ahead = made_outputs(args["name"], epoch=1)  # shuffled while the trainers read epoch 0
+            doomed = workers["worker-1"].node_id
+            only_there = [ref for ref, where in get_object_locations(ahead).items() if where["node_ids"] == [doomed]]
+            assert max(ray.get([t.progress.remote() for t in trainers])) < len(reference[0][0])  # still epoch 0
             cluster.remove_node(workers["worker-1"], allow_graceful=False)
             cluster.add_node(num_cpus=1, resources={"worker-3": 1}, object_store_memory=STORE)
+            del ahead
+            assert only_there, "no output lived only on the removed node: nothing was lost"
             out = ray.get(reads, timeout=120)
             assert all(isinstance(rank, list) for rank in out), out
             assert_every_row_once(out, LOSS_ARGS["num_epochs"])
-            assert_same(out, reference)  # Ray re-ran the lost tasks with the same seeds
+            assert_same(out, reference)  # Ray made the lost outputs again, from the same seeds
+            for stats in ray.get([t.stats.remote() for t in trainers]):  # trainers' nodes have no CPU:
+                assert all(s["pulled_outputs"] == 2 and s["pulled_bytes"] > 0 for s in stats.values())  # all pulled
             close_all(trainers)
         finally:
             for t in trainers:

@@ -148,7 +148,9 @@ class ShufflingDataset:
                 queue = BatchQueue.options(  # type: ignore[attr-defined]
                     name=self.name,
                     namespace=NAMESPACE,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=True),
+                    # Hard: its node is alive (this process runs there) and needs no CPU; Ray places
+                    # an actor elsewhere now and then under soft affinity, tying the job to that node.
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
                 )
                 handle = queue.remote(self.spec, rows)
                 break
