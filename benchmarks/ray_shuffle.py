@@ -25,12 +25,13 @@ local cluster of N nodes (each its own raylet and object store, `--node-cpus` CP
 globalloader_ray there, trainers pinned to different nodes, paired round by round with the
 ceiling again. Reported per method: rows/s over all epochs (from creating the dataset to the
 last batch), time to first batch per epoch, peak memory (proportional set size of this process
-tree, which counts the object store's touched pages once), the outputs trainers pulled from
-other nodes (globalloader_ray), and shuffle quality: Spearman correlation between input and
-output position, distinct files per batch, correlation between consecutive epochs' positions
-of each row.
+tree, which counts the object store's touched pages once), MiB the object store spilled to disk
+so far in the Ray session (needs grpcio), the outputs trainers pulled from other nodes
+(globalloader_ray), and shuffle quality: Spearman correlation between input and output
+position, distinct files per batch, correlation between consecutive epochs' positions of each
+row.
 
-    python benchmarks/ray_shuffle.py                 # the full run (about 10 minutes)
+    python benchmarks/ray_shuffle.py                 # the full run (10 to 30 minutes on 2 busy cores)
     python benchmarks/ray_shuffle.py --nodes 3       # and on a 3-node local cluster
     python benchmarks/ray_shuffle.py --rows 1000000 --repeats 1 --skip-ray-data   # a quick look
 """
@@ -44,6 +45,7 @@ import multiprocessing
 import os
 import pathlib
 import platform
+import re
 import resource
 import statistics
 import sys
@@ -292,6 +294,7 @@ def run_on_ray(name: str, files: list[str], cfg: dict[str, Any], nodes: int = 1)
     orders = [([r["keys"][e] for r in runs], [r["sizes"][e] for r in runs]) for e in range(cfg["epochs"])]
     result = summarize(epochs, orders, elapsed, cfg)
     result.update(peak)
+    result["spilled_mib"] = _spilled_mib()
     return result
 
 
@@ -405,6 +408,19 @@ def _tree_pss_bytes(root: int) -> int:
             continue
         total += sum(int(line.split()[1]) * 1024 for line in lines if line.startswith("Pss:"))
     return total
+
+
+def _spilled_mib() -> int | None:
+    """MiB the object store has spilled to disk so far (this Ray session), or None without grpcio
+    (Ray's memory summary asks the raylets over gRPC: the `bench` extra brings it)."""
+    try:
+        from ray._private.internal_api import memory_summary  # private, but the only stats API
+
+        summary = memory_summary(stats_only=True)
+    except ImportError:
+        return None
+    found = re.search(r"Spilled (\d+) MiB", summary)
+    return int(found.group(1)) if found else 0
 
 
 # --- metrics --------------------------------------------------------------------------------
