@@ -22,6 +22,7 @@ from globalloader.errors import (
     StateError,
 )
 from globalloader.ray import ShufflingDataset
+from globalloader.ray.dataset import NAMESPACE
 from globalloader.sources import TarWriter
 from helpers import check_resume
 
@@ -275,6 +276,19 @@ class TestFailures:
             ds.set_epoch(0)
             with pytest.raises(StateError, match="epoch 0"):
                 iter(ds)
+
+    def test_retried_calls_to_the_queue_are_answered_again_but_a_second_reader_is_refused(self, cluster, files):
+        """A call whose answer was lost is sent again: the same take ticket, or the same rank's
+        presence, gets the same answer; another ticket or another live process does not."""
+        with ShufflingDataset(files, 2, 2, BATCH, 0, name=uuid.uuid4().hex) as ds:
+            queue = ray.get_actor(ds.name, namespace=NAMESPACE)
+            assert ray.get(queue.take.remote(0, 0, 30.0, "ticket-a")) == ("ok", None)
+            assert ray.get(queue.take.remote(0, 0, 30.0, "ticket-a")) == ("ok", None)
+            status, message = ray.get(queue.take.remote(0, 0, 30.0, "ticket-b"))
+            assert status == "error" and "already read epoch 0" in message
+            again = ray.get(queue.attach.remote(0, ds.spec.key, ds._node, [ds._presence]))
+            assert np.array_equal(again["batch_sizes"], ds._batch_sizes)
+            assert ray.get(queue.attach.remote(0, ds.spec.key, ds._node, [ray.put(0)])) == {"error": "attached"}
 
 
 def test_mid_epoch_resume_continues_exactly(cluster, files):

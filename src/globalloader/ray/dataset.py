@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
@@ -11,6 +12,7 @@ from typing import Any, Self
 import numpy as np
 import ray
 import ray.exceptions as rex
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from globalloader.errors import ArgumentError, StateError, WorkerError
 from globalloader.ray.layout import default_num_reducers, make_layout
@@ -50,13 +52,18 @@ class ShufflingDataset:
     The order depends only on the files, `seed`, `num_trainers`, `batch_size`, `num_reducers`
     and `drop_last`: the same arguments give the same batches on any cluster.
 
-    Each epoch is read once per rank. The batch queue lives in rank 0's process: rank 0 must
-    not exit before the others finish. Errors: an unreadable file raises SourceError naming
-    it (at construction if its footer is bad, else when the epoch reaching it is read); a rank
-    that waits more than `timeout` seconds (a peer died or stalled, the shuffle is starved of
-    CPUs, rank 0 never started) raises WorkerError saying which ranks hold it up. `name`
-    identifies the shuffle in the cluster (default: derived from the arguments); give one if
-    two jobs with identical arguments run at once.
+    Each epoch is read once per rank. The batch queue runs on rank 0's node and ends with rank
+    0's process: rank 0 must not exit before the others finish. Faults: tasks lost with a node
+    are re-run by Ray from their inputs; a rank restarted from its `state_dict()` rejoins the
+    running shuffle; when the batch queue or rank 0 is gone, every rank raises WorkerError and
+    the job restarts every rank from its `state_dict()`. Errors: an unreadable file raises
+    SourceError naming it (at construction if its footer is bad, else when the epoch reaching
+    it is read); a rank that waits more than `timeout` seconds (a peer died or stalled, the
+    shuffle is starved of CPUs, rank 0 never started) raises WorkerError saying which ranks
+    hold it up. `name` identifies the shuffle in the cluster (default: derived from the
+    arguments); give one if two jobs with identical arguments run at once. `epoch_stats`
+    says where time went per epoch and how many reducer outputs (and bytes) had to be pulled
+    from another node (0 when every reducer ran on its trainer's node).
     """
 
     def __init__(
@@ -116,6 +123,7 @@ class ShufflingDataset:
         if not ray.is_initialized():
             ray.init()
         self._node = ray.get_runtime_context().get_node_id()
+        self._presence = ray.put(rank)  # owned by this process: the queue sees when it dies
         self._queue, info = self._create() if rank == 0 else self._attach()
         self._batch_sizes: np.ndarray = np.asarray(info["batch_sizes"])
         self._runs: np.ndarray = np.asarray(info["reducer_batches"])
@@ -137,7 +145,13 @@ class ShufflingDataset:
         while True:
             try:
                 # mypy does not apply class decorators: @ray.remote made BatchQueue an ActorClass.
-                queue = BatchQueue.options(name=self.name, namespace=NAMESPACE)  # type: ignore[attr-defined]
+                queue = BatchQueue.options(  # type: ignore[attr-defined]
+                    name=self.name,
+                    namespace=NAMESPACE,
+                    # Hard: its node is alive (this process runs there) and needs no CPU; Ray places
+                    # an actor elsewhere now and then under soft affinity, tying the job to that node.
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
+                )
                 handle = queue.remote(self.spec, rows)
                 break
             except ValueError as exc:
@@ -149,7 +163,7 @@ class ShufflingDataset:
                         "cluster: close() it, or pass a distinct name="
                     ) from None
                 time.sleep(_ATTACH_POLL_S)
-        info = ray.get(handle.attach.remote(0, self.spec.key, self._node))
+        info = ray.get(handle.attach.remote(0, self.spec.key, self._node, [self._presence]))
         return handle, info
 
     def _replace_finished(self) -> bool:
@@ -171,7 +185,7 @@ class ShufflingDataset:
             try:
                 # Any: Ray resolves actor methods at run time and types them as Never.
                 handle: Any = ray.get_actor(self.name, namespace=NAMESPACE)
-                info = ray.get(handle.attach.remote(self.rank, self.spec.key, self._node))
+                info = ray.get(handle.attach.remote(self.rank, self.spec.key, self._node, [self._presence]))
             except (ValueError, rex.RayActorError):
                 time.sleep(_ATTACH_POLL_S)
                 continue
@@ -183,8 +197,8 @@ class ShufflingDataset:
                     f"{self.name!r}: {self.spec.key} vs {info['spec']}"
                 )
             why = (
-                f"rank {self.rank} is already attached to it (two trainers with one rank, or "
-                "an earlier job with the same arguments still holds the name)"
+                f"rank {self.rank} is already attached to it by a live process (two trainers with one "
+                "rank, or an earlier job with the same arguments still holds the name)"
             )
             time.sleep(_ATTACH_POLL_S)
         raise WorkerError(f"rank {self.rank} could not join shuffle {self.name!r} within {self._timeout:.0f} s: {why}")
@@ -220,17 +234,23 @@ class ShufflingDataset:
 
     def _take(self, epoch: int) -> None:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        ticket = uuid.uuid4().hex
         while True:
             wait = _TAKE_POLL_S if deadline is None else max(0.0, min(_TAKE_POLL_S, deadline - time.monotonic()))
             try:
-                status, payload = ray.get(self._queue.take.remote(self.rank, epoch, wait), timeout=wait + RPC_GRACE_S)
+                status, payload = ray.get(
+                    self._queue.take.remote(self.rank, epoch, wait, ticket), timeout=wait + RPC_GRACE_S
+                )
             except rex.GetTimeoutError:
                 status, payload = "wait", "the batch queue does not answer"
+            except rex.ActorUnavailableError:  # unreachable for now (a busy or failing node): ask again
+                status, payload = "wait", "the batch queue is unreachable"
+                time.sleep(_ATTACH_POLL_S)
             except rex.RayActorError as exc:
                 raise WorkerError(
-                    f"the batch queue of shuffle {self.name!r} is gone; it lives "
-                    f"in rank 0's process (did rank 0 stop?): "
-                    f"{type(exc).__name__}"
+                    f"the batch queue of shuffle {self.name!r} is gone ({type(exc).__name__}); it ends "
+                    "with rank 0's process (did rank 0 or its node stop?): restart every rank from its "
+                    "state_dict()"
                 ) from None
             if status == "ok":
                 return
@@ -320,6 +340,7 @@ class _EpochIterator:
             owner._prefetch,
             owner._timeout,
             lambda i: f"rank {rank}'s output {first + i} of epoch {epoch}",
+            owner._node,
         )
 
     def __iter__(self) -> _EpochIterator:
@@ -347,6 +368,8 @@ class _EpochIterator:
             self.finished = True
             stats = self._owner.epoch_stats.setdefault(self.epoch, {})
             stats["wait_s"] = self._fetcher.wait_s
+            stats["pulled_outputs"] = self._fetcher.pulled
+            stats["pulled_bytes"] = self._fetcher.pulled_bytes
             stats["epoch_s"] = time.perf_counter() - self._started
             self._fetcher.close()
             self._current = {}

@@ -4,9 +4,14 @@ A background thread asks the batch queue for each output's object ref (it exists
 reducer is submitted) and `ray.get`s it, pulling it to this node and mapping it, while the
 trainer works on the current one, so a trainer waits only when the shuffle itself is
 behind. Order is fixed (reducer order), so batches are the same for the same seed whichever
-reducer finishes first. Ray's failures become this library's errors: a failed task re-raises
-the task's own GlobalLoaderError (an unreadable file names the file), a lost owner or a stall
-past `timeout` becomes a WorkerError, so a dead peer or shuffle never hangs a trainer forever.
+reducer finishes first. Before pulling an output it notes whether the output was made on
+another node (`pulled`, `pulled_bytes`): reducers are meant to run where their trainer is.
+
+Ray's failures become this library's errors: a failed task re-raises the task's own
+GlobalLoaderError (an unreadable file names the file); a lost owner (the batch queue), an
+output Ray could not re-create after losing a node, or a stall past `timeout` becomes a
+WorkerError, so a dead peer or shuffle never hangs a trainer forever. (An output lost with a
+node is re-created by Ray from its map tasks first; only when that fails does the trainer see it.)
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from typing import Any
 
 import ray
 import ray.exceptions as rex
+from ray.experimental import get_object_locations
 
 from globalloader.errors import GlobalLoaderError, StateError, WorkerError
 
 _POLL_S = 0.5  # how often a blocked fetch checks whether it was stopped
 _LOCATE_S = 2.0  # longest single wait inside the batch queue for an output's ref
+_LOCATE_MS = 5000  # longest wait for the owner to say where an output is
 
 
 Locate = Callable[[int, float], tuple[str, Any]]
@@ -34,12 +41,19 @@ class OutputPrefetcher:
 
     `locate(i, wait_s)` returns ("ok", ref) for output i, ("wait", why) if it is not submitted
     after `wait_s`, or ("error", message). `describe(i)` names output i in error messages.
-    `timeout` bounds the wait for any one output (None: no bound). Not thread-safe: one
-    consumer calls `next()`; `close()` stops the thread and drops what it fetched.
+    `timeout` bounds the wait for any one output (None: no bound). `node`: this process's node
+    id, to count outputs made elsewhere. Not thread-safe: one consumer calls `next()`;
+    `close()` stops the thread and drops what it fetched.
     """
 
     def __init__(
-        self, count: int, locate: Locate, depth: int, timeout: float | None, describe: Callable[[int], str]
+        self,
+        count: int,
+        locate: Locate,
+        depth: int,
+        timeout: float | None,
+        describe: Callable[[int], str],
+        node: str,
     ) -> None:
         self._count = count
         self._locate = locate
@@ -48,6 +62,9 @@ class OutputPrefetcher:
         self._ready: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self.wait_s = 0.0  # time the consumer spent blocked in next()
+        self.pulled = 0  # outputs made on another node
+        self.pulled_bytes = 0
+        self._node = node
         self._thread = threading.Thread(target=self._run, name="globalloader-ray-prefetch", daemon=True)
         self._thread.start()
 
@@ -83,26 +100,50 @@ class OutputPrefetcher:
     def _fetch(self, i: int) -> Any:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         ref = self._find(i, deadline)
+        while not ray.wait([ref], timeout=_poll_wait(deadline), fetch_local=False)[0]:
+            self._check_wait(i, deadline)
+        self._note_location(ref)
         while True:
-            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             try:
-                return ray.get(ref, timeout=max(wait, 0.0))
+                return ray.get(ref, timeout=_poll_wait(deadline))
             except rex.GetTimeoutError:
-                if self._stop.is_set():
-                    raise WorkerError("stopped") from None
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise WorkerError(
-                        f"{self._describe(i)} was not ready after {self._timeout:.0f} s: the "
-                        "shuffle tasks may lack CPUs (do the trainers reserve them all?) or a "
-                        "node died; pass a larger timeout= for very large epochs"
-                    ) from None
+                self._check_wait(i, deadline)
             except rex.RayTaskError as exc:
                 raise task_error(exc, self._describe(i)) from None
-            except (rex.OwnerDiedError, rex.ObjectLostError, rex.RayActorError) as exc:
+            except (rex.OwnerDiedError, rex.RayActorError) as exc:
                 raise WorkerError(
-                    f"{self._describe(i)} is lost: the shuffle's batch queue, which lives in "
-                    f"rank 0's process, is gone (did rank 0 stop?): {type(exc).__name__}"
+                    f"{self._describe(i)} is lost ({type(exc).__name__}): the shuffle's batch queue, which "
+                    "ends with rank 0's process, is gone (did rank 0 or its node stop?): restart every "
+                    "rank from its state_dict()"
                 ) from None
+            except rex.ObjectLostError as exc:
+                raise WorkerError(
+                    f"{self._describe(i)} was lost with a node and Ray could not make it again "
+                    f"({type(exc).__name__}: its inputs or its retries ran out): restart every rank "
+                    "from its state_dict()"
+                ) from None
+
+    def _note_location(self, ref: ray.ObjectRef) -> None:
+        """Count `ref` as pulled if it lives in other nodes' object stores only (not yet fetched)."""
+        try:
+            where = get_object_locations([ref], timeout_ms=_LOCATE_MS).get(ref, {})
+        except rex.RayError:
+            return  # the owner does not answer: the fetch below reports why
+        nodes = where.get("node_ids") or []  # none: small enough to travel inline
+        if nodes and self._node not in nodes:
+            self.pulled += 1
+            self.pulled_bytes += int(where.get("object_size") or 0)
+
+    def _check_wait(self, i: int, deadline: float | None) -> None:
+        """Raise if the consumer stopped or output `i` is overdue."""
+        if self._stop.is_set():
+            raise WorkerError("stopped")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise WorkerError(
+                f"{self._describe(i)} was not ready after {self._timeout:.0f} s: the "
+                "shuffle tasks may lack CPUs (do the trainers reserve them all?) or a "
+                "node died; pass a larger timeout= for very large epochs"
+            )
 
     def _find(self, i: int, deadline: float | None) -> ray.ObjectRef:
         while True:
@@ -111,11 +152,14 @@ class OutputPrefetcher:
                 status, payload = self._locate(i, wait)
             except rex.GetTimeoutError:
                 status, payload = "wait", "the batch queue does not answer"
+            except rex.ActorUnavailableError:  # unreachable for now (a busy or failing node): ask again
+                status, payload = "wait", "the batch queue is unreachable"
+                time.sleep(_POLL_S)
             except rex.RayActorError as exc:
                 raise WorkerError(
-                    f"{self._describe(i)} cannot be located: the shuffle's batch "
-                    "queue, which lives in rank 0's process, is gone (did rank 0 "
-                    f"stop?): {type(exc).__name__}"
+                    f"{self._describe(i)} cannot be located ({type(exc).__name__}): the shuffle's batch "
+                    "queue, which ends with rank 0's process, is gone (did rank 0 or its node stop?): "
+                    "restart every rank from its state_dict()"
                 ) from None
             if status == "ok":
                 return payload
@@ -139,6 +183,10 @@ class OutputPrefetcher:
             except queue.Full:
                 continue
         return False
+
+
+def _poll_wait(deadline: float | None) -> float:
+    return _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
 
 
 def task_error(exc: BaseException, what: str) -> Exception:

@@ -1,7 +1,8 @@
 """BatchQueue: the per-shuffle Ray actor that launches epochs and hands trainers their outputs.
 
-One named actor per shuffle job, created by rank 0 (so it lives exactly as long as rank 0's
-process) and found by name by the other ranks. It never touches row data: its scheduler
+One named actor per shuffle job, created by rank 0 on its node (Ray ends an actor with the
+process that created it, so it lives exactly as long as rank 0's process) and found by name by
+the other ranks. It never touches row data: its scheduler
 submits each epoch's map/reduce tasks, and trainers ask it for the object refs of their
 reducer outputs, then fetch the data straight from the object store.
 
@@ -14,16 +15,23 @@ epochs runs while trainers train on this one, and memory holds at most that many
 An async actor: a rank waiting for an epoch (held back by a slower rank) does not block the
 calls that would release it. Waits are bounded by the caller's `wait_s`; the caller decides
 when waiting has lasted too long (a dead trainer) and raises.
+
+Restarts: every rank hands `attach` a small object its own process owns (its presence). A rank
+that attaches again replaces the old attachment only once that object is gone (Ray reports its
+owner dead), so a trainer restarted from its `state_dict()` rejoins the running shuffle, while a
+second live trainer with the same rank is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
+import ray.exceptions as rex
 
 from globalloader.ray.layout import ShuffleLayout, make_layout
 from globalloader.ray.schedule import ShuffleScheduler
@@ -61,17 +69,26 @@ class BatchQueue:
         self._scheduler = ShuffleScheduler(spec.files, spec.columns, self._layout, spec.seed, limit=max(2, cpus + 1))
         self._nodes = self._scheduler.nodes
         self._pos: dict[int, int] = {}  # rank -> lowest epoch it may still ask for
-        self._taken: set[tuple[int, int]] = set()  # (rank, epoch) pairs already read
+        self._taken: dict[tuple[int, int], str] = {}  # (rank, epoch) already read -> the ticket that took it
         self._live: set[int] = set()  # launched, not yet released epochs
+        self._released: set[int] = set()
+        self._presence: dict[int, ray.ObjectRef] = {}  # rank -> object its process owns
         self._next_launch: int | None = None
         self._changed = asyncio.Condition()
 
-    def attach(self, rank: int, key: str, node_id: str) -> dict[str, Any]:
-        """Register a rank; returns what it needs to cut batches, or why it cannot attach."""
+    async def attach(self, rank: int, key: str, node_id: str, presence: list[ray.ObjectRef]) -> dict[str, Any]:
+        """Register a rank; returns what it needs to cut batches, or why it cannot attach.
+
+        `presence`: [an object the rank's process owns] (in a list, so Ray passes the ref).
+        """
         if key != self._spec.key:
             return {"error": "mismatch", "spec": self._spec.key}
-        if rank in self._nodes:
-            return {"error": "attached"}
+        if rank in self._presence and self._presence[rank] != presence[0]:  # equal: a retried call
+            if await _owner_alive(self._presence[rank]):
+                return {"error": "attached"}
+            self._taken = {(r, e): t for (r, e), t in self._taken.items() if r != rank}  # restarted: may read again
+            self._pos.pop(rank, None)
+        self._presence[rank] = presence[0]
         self._nodes[rank] = node_id
         return {
             "batch_sizes": self._layout.batch_sizes[rank],
@@ -84,26 +101,40 @@ class BatchQueue:
         """True once every rank has moved past the last epoch (the queue can go)."""
         return len(self._pos) == self._spec.num_trainers and min(self._pos.values()) >= self._spec.num_epochs
 
-    async def take(self, rank: int, epoch: int, wait_s: float) -> tuple[str, Any]:
+    async def take(self, rank: int, epoch: int, wait_s: float, ticket: str) -> tuple[str, Any]:
         """Rank `rank` moves to `epoch`: ("ok", None) once it is launched, else after `wait_s`
-        ("wait", why it is held back); ("error", message) if it can never come."""
+        ("wait", why it is held back); ("error", message) if it can never come. `ticket` names
+        one iteration: a call retried with it (its answer was lost) is answered again."""
+        if self._taken.get((rank, epoch)) == ticket:
+            return "ok", None
         if epoch < self._pos.get(rank, 0) or (rank, epoch) in self._taken:
             return "error", (
                 f"rank {rank} already read epoch {epoch} or moved past it (each "
                 "epoch is shuffled once and read once per rank)"
             )
+        if epoch in self._released:
+            return "error", self._freed(rank, epoch)
         self._pos[rank] = epoch
+        if self._next_launch is not None and epoch < self._next_launch and epoch not in self._live:
+            self._live.add(epoch)  # a rank resuming behind the others, before they read any epoch
+            self._scheduler.launch(epoch)
         await self._advance()
         try:
             await asyncio.wait_for(self._wait_launched(epoch), wait_s)
         except TimeoutError:
             return "wait", self._holdup()
         if epoch not in self._live:
-            return "error", (
-                f"epoch {epoch} was skipped: the other ranks moved past it before rank {rank} asked for it"
-            )
-        self._taken.add((rank, epoch))
+            return "error", self._freed(rank, epoch)
+        self._taken[(rank, epoch)] = ticket
         return "ok", None
+
+    @staticmethod
+    def _freed(rank: int, epoch: int) -> str:
+        return (
+            f"epoch {epoch} was freed: the other ranks moved past it before rank {rank} asked for it "
+            "(a rank restarted from an older state_dict() than the others?): restart every rank from "
+            "states saved at the same step"
+        )
 
     async def output(self, rank: int, epoch: int, index: int, wait_s: float) -> tuple[str, Any]:
         """The ref of rank `rank`'s `index`-th output of `epoch`: ("ok", ref) once its reducer
@@ -133,6 +164,7 @@ class BatchQueue:
         low = min(self._pos.values()) if everyone else 0
         for epoch in [e for e in self._live if everyone and e < low]:
             self._live.discard(epoch)
+            self._released.add(epoch)
             self._scheduler.release(epoch)  # drops the refs of outputs no rank took
         if self._next_launch is None:
             self._next_launch = min(self._pos.values())
@@ -156,3 +188,13 @@ class BatchQueue:
         if missing:
             parts.append(f"rank(s) {missing} never asked for an epoch")
         return "; ".join(parts) or "the queue is waiting for its epochs to be released"
+
+
+async def _owner_alive(presence: ray.ObjectRef) -> bool:
+    """False once the process that owns `presence` has died (Ray then fails any read of it)."""
+    with contextlib.suppress(TimeoutError):
+        try:
+            await asyncio.wait_for(presence, 5.0)
+        except (rex.OwnerDiedError, rex.ObjectLostError):
+            return False
+    return True

@@ -6,9 +6,10 @@ task reads one file whole and sends each reducer the rows `layout.scatter_table`
 picked by a seeded permutation (one `np.take` per column, no per-row Python). Rows for the
 reducers that run on one node travel in one object, sliced by each reducer: an object per
 reducer costs Ray a few milliseconds each, more than copying its rows. A reducer places
-the rows it receives at seeded random positions (`np.put`, rows viewed as fixed-size records)
+the rows it receives at seeded random positions (rows viewed as fixed-size records)
 and returns one dict of columns holding a run of its trainer's batches, so trainers slice
-batches out of it without copying.
+batches out of it without copying. Rows are gathered and placed as single fixed-size records,
+so a row costs one copy whatever its width.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _map_file(
             "was planned: the file changed; start the shuffle again"
         )
     keep = rng_for(seed, epoch, MAP, file_index).permutation(rows)[: int(group_rows.sum())]
-    taken = {name: np.take(column, keep, axis=0) for name, column in data.items()}
+    taken = {name: _take_rows(column, keep) for name, column in data.items()}
     bounds = np.concatenate([[0], np.cumsum(group_rows)]).tolist()
     groups = [{name: column[a:b] for name, column in taken.items()} for a, b in itertools.pairwise(bounds)]
     return (*groups, rows)  # the last, tiny value tells the scheduler the task has ended
@@ -139,19 +140,31 @@ def _conform(rows: np.ndarray, like: np.ndarray, name: str, url: str, first_url:
 
 
 def _put_rows(target: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:
-    """target[index] = rows, through `np.put` on one fixed-size record per row when possible.
+    """target[index] = rows, on one fixed-size record per row when possible.
 
     Viewing each row as one opaque record makes a multi-byte row a single scatter element,
-    about three times faster than fancy-index assignment on a 2-D array.
+    about three times faster than fancy-index assignment on a 2-D array (and assignment is
+    about 15% faster than `np.put`, which divides once per element).
     """
-    if target.ndim == 1:
-        np.put(target, index, rows)
-    elif target.dtype != object and target.flags.c_contiguous and rows.flags.c_contiguous:
-        record = np.dtype((np.void, target.itemsize * int(np.prod(target.shape[1:]))))
-        np.put(
-            target.reshape(len(target), -1).view(record).reshape(len(target)),
-            index,
-            rows.reshape(len(rows), -1).view(record).reshape(len(rows)),
-        )
+    records, values = (_as_records(target), _as_records(rows)) if target.ndim > 1 else (None, None)
+    if records is not None and values is not None:
+        records[index] = values
     else:
         target[index] = rows
+
+
+def _take_rows(column: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """column[index] along axis 0, gathering whole rows as single records when possible
+    (about 1.7 times faster than `np.take(axis=0)` for 100-byte rows)."""
+    records = _as_records(column) if column.ndim > 1 else None
+    if records is None:
+        return np.take(column, index, axis=0)
+    return np.take(records, index).view(column.dtype).reshape(len(index), *column.shape[1:])
+
+
+def _as_records(rows: np.ndarray) -> np.ndarray | None:
+    """A 1-D view of a C-contiguous array with one opaque fixed-size record per row, or None."""
+    width = rows.itemsize * int(np.prod(rows.shape[1:]))
+    if rows.dtype == object or not rows.flags.c_contiguous or not width or not len(rows):
+        return None
+    return rows.reshape(len(rows), -1).view(np.dtype((np.void, width))).reshape(len(rows))
