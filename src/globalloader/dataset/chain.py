@@ -21,6 +21,7 @@ from globalloader.dataset.iterator import DatasetIterator
 from globalloader.dataset.map import MapOp
 from globalloader.dataset.plan import Plan
 from globalloader.dataset.stream import BufferShuffle, StreamShard, StreamSource
+from globalloader.dataset.window_shuffle import WindowShuffle
 from globalloader.errors import ArgumentError
 
 
@@ -57,11 +58,17 @@ class Dataset:
             raise ArgumentError("select() needs random access; a stream has none")
         return self._then(Select.of(indices))
 
-    def shuffle(self, seed: int = 0, buffer_size: int | None = None) -> Dataset:
+    def shuffle(self, seed: int = 0, buffer_size: int | None = None, window: int | None = None) -> Dataset:
         """A fresh global permutation every epoch (random access), or for a stream a shuffle
-        within a buffer of `buffer_size` records. The seed also seeds random maps."""
+        within a buffer of `buffer_size` records. The seed also seeds random maps. `window`: for
+        a source made of blocks (Parquet row groups), permute the blocks, then rows within each
+        `window` consecutive blocks, reading at sequential speed (see WindowShuffle)."""
         if not isinstance(seed, int):
             raise ArgumentError(f"shuffle: seed must be an int, got {seed!r}")
+        if window is not None:
+            if self.plan.is_stream or buffer_size is not None:
+                raise ArgumentError("shuffle(window=...) needs random access; a stream shuffles with buffer_size=")
+            return self._then(WindowShuffle.over(self.source, seed, window, self.plan.index_ops))
         if self.plan.is_stream:
             if buffer_size is None:
                 raise ArgumentError("shuffle() on a stream needs buffer_size= (it has no random access)")

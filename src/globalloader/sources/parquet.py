@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import numpy as np
 from globalloader import _extras
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
+from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
+from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, fingerprint_of
 
 
@@ -36,7 +39,16 @@ class Parquet:
     counts finds the row group, which is decoded whole (Parquet's unit of compression) and kept
     in a per-process LRU of `cached_row_groups`, so sequential and nearby reads decode each
     group once. Files are opened lazily, per thread, and reopened in a forked or unpickled
-    process.
+    process. `block_starts` holds the first row of every row group (the source's blocks).
+
+    Shuffling: a global `shuffle(seed)` reads rows in random order, so every row decodes a whole
+    row group (hundreds of times slower than reading in order). Pick one of:
+    - `shuffle(seed, window=w)`: permutes the row groups, then rows within each window of `w`
+      consecutive permuted groups; reads at sequential speed (each group decoded once per epoch
+      per worker; the cache grows to hold two windows), batches mix `w` groups.
+    - `local_copy()`: a one-time memory-mapped Arrow copy with the same records, where any row is
+      cheap, so the exact global `shuffle(seed)` runs at about sequential speed.
+    See docs/columnar.md for what each costs and how well each shuffles.
 
     Errors: a missing or unreadable file, or a column it lacks, raises SourceError naming it.
     Needs pyarrow (the `parquet` extra).
@@ -67,7 +79,10 @@ class Parquet:
                 self._group_start.append(self._group_start[-1] + rows)
                 in_file += rows
         self._len = self._group_start[-1]
-        self.int_columns_as_float: frozenset[str] = _exact_columns_with_nulls(metas, self.columns)
+        self.block_starts: np.ndarray = np.array(self._group_start[:-1], dtype=np.int64)
+        self.block_starts.setflags(write=False)
+        self._stats = stats
+        self.int_columns_as_float: frozenset[str] = exact_columns_with_nulls(metas, self.columns)
         self.fingerprint: str = fingerprint_of(
             "Parquet",
             [
@@ -176,72 +191,50 @@ class Parquet:
                 yield record
 
     def _decode_group(self, group: int) -> tuple[list[str], list[list[Any]]]:
-        f, g, _ = self._group_owner[group]
+        table = self.read_block(group)
+        names = table.column_names
+        as_float = [name in self.int_columns_as_float for name in names]
+        return names, [to_python(column, float_) for column, float_ in zip(table.columns, as_float, strict=True)]
+
+    # -- blocks: what block-aware shuffles and the Arrow copy read -----------------------------
+    def read_block(self, block: int) -> Any:
+        """Row group `block` (counted across files) as a `pyarrow.Table` of the selected columns.
+
+        Raises SourceError naming the file when it cannot be read, or when an integer or boolean
+        column holds nulls its footer does not count (its dtype could not be kept stable)."""
+        f, g, _ = self._group_owner[block]
         try:
             table = self._file(f).read_row_group(g, columns=self.columns)
         except (OSError, ValueError) as exc:
             raise SourceError(f"cannot read row group {g} of {self.files[f]}: {exc}") from None
-        names = table.column_names
-        as_float = [name in self.int_columns_as_float for name in names]
-        for name, column in zip(names, table.columns, strict=True):
-            if column.null_count and _is_exact(column.type) and name not in self.int_columns_as_float:
+        for name, column in zip(table.column_names, table.columns, strict=True):
+            if column.null_count and is_exact(column.type) and name not in self.int_columns_as_float:
                 raise SourceError(
                     f"row group {g} of {self.files[f]}: column {name!r} holds nulls its file's "
                     "footer does not count; rewrite the file with statistics"
                 )
-        return names, [_to_python(column, float_) for column, float_ in zip(table.columns, as_float, strict=True)]
+        return table
+
+    def block_origin(self, block: int) -> tuple[str, int]:
+        """(file URL, row within that file) where row group `block` starts: what its keys name."""
+        f, _, first_row = self._group_owner[block]
+        return self.files[f], first_row
+
+    def keep_blocks(self, count: int) -> None:
+        """Keep at least `count` decoded row groups per process (a windowed shuffle reads its whole
+        window at once; a smaller cache would decode a group again for every row)."""
+        self.cached_row_groups = max(self.cached_row_groups, int(count))
+
+    def file_versions(self) -> list[tuple[str, int, str]]:
+        """(location, size, version) of every file, as read at construction: what a copy is keyed by."""
+        return [(_files.cache_key(u), s.size, s.version) for u, s in zip(self.files, self._stats, strict=True)]
+
+    def local_copy(self, folder: str | os.PathLike[str] | None = None, *, progress: bool | None = None) -> ArrowCopy:
+        """The same records from a local memory-mapped Arrow copy, where any row is cheap (for an
+        exact global shuffle). Written once, with a progress bar, into `folder` (default: the
+        globalloader cache folder); later calls, runs and jobs reuse it until a file changes.
+        See `ArrowCopy`."""
+        return ArrowCopy(self, folder, progress=progress)
 
     def __repr__(self) -> str:
         return f"Parquet({len(self.files)} files, {self._len} rows)"
-
-
-def _is_exact(kind: Any) -> bool:
-    """Integer and boolean types: those with no NaN of their own to stand for a null."""
-    pa = _extras.require("pyarrow", "parquet")
-    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind))
-
-
-def _exact_columns_with_nulls(metas: list[Any], columns: list[str] | None) -> frozenset[str]:
-    """The integer and boolean columns that hold a null in some row group of some file, or may
-    (a nullable column whose footer has no null count): read as float64 so that every batch of
-    them has the same dtype."""
-    found: set[str] = set()
-    for meta in metas:
-        schema = meta.schema.to_arrow_schema()
-        exact = {
-            field.name: field.nullable
-            for field in schema
-            if _is_exact(field.type) and (columns is None or field.name in columns)
-        }
-        for g in range(meta.num_row_groups):
-            group = meta.row_group(g)
-            for j in range(group.num_columns):
-                chunk = group.column(j)
-                name = chunk.path_in_schema
-                if name not in exact or name in found:
-                    continue
-                stats = chunk.statistics
-                if stats is not None and stats.has_null_count:
-                    if stats.null_count > 0:
-                        found.add(name)
-                elif exact[name]:
-                    found.add(name)
-    return frozenset(found)
-
-
-def _to_python(column: Any, as_float: bool = False) -> list[Any]:
-    """One column of a row group as a list of Python values (lists as NumPy arrays).
-
-    Numeric columns go through NumPy's `tolist`, several times faster than Arrow's `to_pylist`:
-    float nulls become NaN, and `as_float` reads an integer or boolean column as float64 with NaN
-    for nulls. List columns become one ndarray per row.
-    """
-    pa = _extras.require("pyarrow", "parquet")
-    kind = column.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        return list(column.to_numpy(zero_copy_only=False))
-    if as_float:
-        return np.asarray(column.cast(pa.float64()).to_numpy()).tolist()
-    if pa.types.is_floating(kind) or (column.null_count == 0 and _is_exact(kind)):
-        return np.asarray(column.to_numpy()).tolist()
-    return column.to_pylist()
