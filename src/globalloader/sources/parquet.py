@@ -16,7 +16,7 @@ import numpy as np
 from globalloader import _extras
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
-from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
+from globalloader.sources._arrow_values import RowReader, exact_columns_with_nulls, is_exact, row_reader
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, fingerprint_of
 
@@ -95,7 +95,7 @@ class Parquet:
         # One ParquetFile per thread and file: a ParquetFile must not be read from two threads
         # at once, and a lock would serialize decoding, the expensive part in thread mode.
         self._local = threading.local()
-        self._groups: OrderedDict[int, tuple[list[str], list[list[Any]]]] = OrderedDict()
+        self._groups: OrderedDict[int, list[tuple[str, RowReader]]] = OrderedDict()
         _files.reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
@@ -151,15 +151,14 @@ class Parquet:
             # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
             with contextlib.suppress(KeyError):
                 self._groups.move_to_end(group)
-        names, values = cached
         row = index - self._group_start[group]
         f, _, first_row = self._group_owner[group]
         record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-        for name, column in zip(names, values, strict=True):
-            record[name] = column[row]
+        for name, read in cached:
+            record[name] = read(row)
         return record
 
-    def _decode_and_cache(self, group: int) -> tuple[list[str], list[list[Any]]]:
+    def _decode_and_cache(self, group: int) -> list[tuple[str, RowReader]]:
         decoded = self._decode_group(group)
         self._groups[group] = decoded
         while len(self._groups) > self.cached_row_groups:
@@ -184,17 +183,19 @@ class Parquet:
     def iter_records(self) -> Iterator[dict[str, Any]]:
         """Yield every record in file order, one row group at a time (no cache pollution)."""
         for group, (f, _, first_row) in enumerate(self._group_owner):
-            names, values = self._decode_group(group)
-            for row, items in enumerate(zip(*values, strict=True)):
+            readers = self._decode_group(group)
+            for row in range(self._group_start[group + 1] - self._group_start[group]):
                 record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-                record.update(zip(names, items, strict=True))
+                for name, read in readers:
+                    record[name] = read(row)
                 yield record
 
-    def _decode_group(self, group: int) -> tuple[list[str], list[list[Any]]]:
+    def _decode_group(self, group: int) -> list[tuple[str, RowReader]]:
         table = self.read_block(group)
-        names = table.column_names
-        as_float = [name in self.int_columns_as_float for name in names]
-        return names, [to_python(column, float_) for column, float_ in zip(table.columns, as_float, strict=True)]
+        return [
+            (name, row_reader(column, name in self.int_columns_as_float))
+            for name, column in zip(table.column_names, table.columns, strict=True)
+        ]
 
     # -- blocks: what block-aware shuffles and the Arrow copy read -----------------------------
     def read_block(self, block: int) -> Any:
