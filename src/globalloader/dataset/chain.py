@@ -67,7 +67,9 @@ class Dataset:
             raise ArgumentError(f"shuffle: seed must be an int, got {seed!r}")
         if window is not None:
             if self.plan.is_stream or buffer_size is not None:
-                raise ArgumentError("shuffle(window=...) needs random access; a stream shuffles with buffer_size=")
+                raise ArgumentError(
+                    "shuffle(window=...) is for random-access sources; a stream shuffles with buffer_size="
+                )
             return self._then(WindowShuffle.over(self.source, seed, window, self.plan.index_ops))
         if self.plan.is_stream:
             if buffer_size is None:
