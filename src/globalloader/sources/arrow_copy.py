@@ -27,14 +27,11 @@ from tqdm import tqdm
 from globalloader import _extras, _paths
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
-from globalloader.sources._arrow_values import is_exact, is_list, to_python
+from globalloader.sources._copy_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step
 from globalloader.sources.base import check_index, fingerprint_of
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
 _META_KEY = b"globalloader.arrow_copy"
-_DECODED_COLUMNS = 8  # per-process LRU of whole decoded columns, for the few types read by row group
-
-Getter = Callable[[int], Any]
 
 
 class _Block(NamedTuple):
@@ -42,7 +39,8 @@ class _Block(NamedTuple):
 
     key_prefix: str  # "<file>:" as Parquet's keys start
     first_row: int  # the group's first row within its file
-    getters: list[tuple[str, Getter]]  # column name -> row -> value
+    unpack: Callable[[int], tuple[Any, ...]] | None  # row -> its packed values
+    steps: list[Step]  # how to build a record from them
 
 
 class ArrowCopy:
@@ -138,8 +136,13 @@ class ArrowCopy:
         except (OSError, pa.ArrowInvalid):  # missing, or not an Arrow file (damaged): build again
             return False
         metadata = reader.schema.metadata or {}
-        if metadata.get(_META_KEY) != self._expected_metadata() or reader.num_record_batches != len(self._origins):
+        if (
+            metadata.get(_META_KEY) != self._expected_metadata()
+            or LAYOUT_KEY not in metadata
+            or reader.num_record_batches != len(self._origins)
+        ):
             return False
+        self._layout = Layout.from_json(metadata[LAYOUT_KEY])
         self._reader = reader
         return True
 
@@ -185,23 +188,33 @@ class ArrowCopy:
             for block in range(len(self._origins)):
                 table = source.read_block(block)
                 columns = [_plain(column.combine_chunks()) for column in table.columns]
-                if schema is None:
-                    fields = [pa.field(name, c.type) for name, c in zip(table.column_names, columns, strict=True)]
-                    schema = pa.schema(fields, metadata={_META_KEY: self._expected_metadata()})
+                if writer is None:
+                    first = [(name, column.type) for name, column in zip(table.column_names, columns, strict=True)]
+                    layout = Layout.plan(table.column_names, [t for _, t in first], self.int_columns_as_float)
+                    arrays = layout.pack(columns)
+                    schema = self._schema(layout, arrays)
                     writer = pa.ipc.new_file(sink, schema)
                 else:
-                    _check_types(schema, table.column_names, columns, self._origins[block][0])
+                    _check_types(first, table.column_names, columns, self._origins[block][0])
+                    arrays = layout.pack(columns)
                 try:
-                    writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+                    writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
                 except pa.ArrowInvalid as exc:
                     file, first_row = self._origins[block]
                     raise SourceError(f"cannot copy the row group at row {first_row} of {file}: {exc}") from None
                 bar.update(table.num_rows)
             if writer is None:  # no row group at all: an empty copy with the files' columns
                 empty = source.read_table(0)
-                schema = empty.schema.with_metadata({_META_KEY: self._expected_metadata()})
-                writer = pa.ipc.new_file(sink, schema)
+                layout = Layout.plan(empty.column_names, empty.schema.types, self.int_columns_as_float)
+                arrays = layout.pack([_plain(column.combine_chunks()) for column in empty.columns])
+                writer = pa.ipc.new_file(sink, self._schema(layout, arrays))
             writer.close()
+
+    def _schema(self, layout: Layout, arrays: list[Any]) -> Any:
+        pa = self._pa
+        kept = [name for name, kind, _, _ in layout.columns if kind != VALUE]
+        fields = [pa.field(name, array.type) for name, array in zip([*kept, PACKED], arrays, strict=False)]
+        return pa.schema(fields, metadata={_META_KEY: self._expected_metadata(), LAYOUT_KEY: layout.to_json()})
 
     def _remove_stale(self) -> None:
         """Delete copies of earlier versions of the same files, and the temporary files of
@@ -228,9 +241,19 @@ class ArrowCopy:
         block = bisect.bisect_right(self._starts, index) - 1
         view = self._blocks.get(block) or self._load_block(block)
         row = index - self._starts[block]
-        record = {"__key__": f"{view.key_prefix}{view.first_row + row}"}
-        for name, get in view.getters:
-            record[name] = get(row)
+        record: dict[str, Any] = {"__key__": f"{view.key_prefix}{view.first_row + row}"}
+        packed = view.unpack(row) if view.unpack is not None else ()
+        for name, kind, slot, read in view.steps:
+            if kind == VALUE:
+                record[name] = packed[slot]
+            elif kind == GETTER:
+                record[name] = read(row)
+            elif packed[slot] < 0:
+                record[name] = None
+            elif kind == TEXT:
+                record[name] = str(read[packed[slot] : packed[slot + 1]], "utf-8")
+            else:
+                record[name] = read[packed[slot] : packed[slot + 1]].tobytes()
         return record
 
     def iter_records(self) -> Iterator[dict[str, Any]]:
@@ -250,127 +273,12 @@ class ArrowCopy:
         if batch.num_rows != expected:
             raise SourceError(f"the Arrow copy {self.path} is damaged (row group {block}); delete it to rebuild it")
         file, first_row = self._origins[block]
-        getters = [
-            (name, self._getter(block, name, column))
-            for name, column in zip(batch.schema.names, batch.columns, strict=True)
-        ]
-        view = self._blocks[block] = _Block(f"{file}:", first_row, getters)
+        steps = self._layout.steps(batch, self._decoded, block)
+        view = self._blocks[block] = _Block(f"{file}:", first_row, self._layout.unpacker(batch), steps)
         return view
-
-    def _getter(self, block: int, name: str, column: Any) -> Getter:
-        """A function of the row that gives what `Parquet` gives for this column and row group."""
-        pa = self._pa
-        kind = column.type
-        valid = _validity(column)
-        if name in self.int_columns_as_float:
-            return _numbers(column, valid, as_float=True)
-        if pa.types.is_floating(kind) or is_exact(kind):
-            return _numbers(column, valid, as_float=False)
-        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-            return _texts(column, valid, as_str=True)
-        if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
-            return _texts(column, valid, as_str=False)
-        if is_list(kind):
-            fast = _number_lists(column, valid)
-            if fast is not None:
-                return fast
-            return self._by_row_group(block, name, column)
-        return lambda row: column[row].as_py()  # what to_pylist gives, one row at a time
-
-    def _by_row_group(self, block: int, name: str, column: Any) -> Getter:
-        """Types whose values depend on the whole row group (list items turn float when any is
-        null): decode the column as Parquet does, once per group, and index it."""
-        chunked = self._pa.chunked_array([column])
-
-        def get(row: int) -> Any:
-            key = (block, name)
-            values = self._decoded.get(key)
-            if values is None:
-                values = self._decoded[key] = to_python(chunked)
-                while len(self._decoded) > _DECODED_COLUMNS:
-                    with contextlib.suppress(KeyError):
-                        self._decoded.popitem(last=False)
-            return values[row]
-
-        return get
 
     def __repr__(self) -> str:
         return f"ArrowCopy({len(self.files)} files, {self._len} rows, {self.path})"
-
-
-# -- column readers: NumPy views of the mapped buffers -----------------------------------------------
-
-
-def _validity(column: Any) -> np.ndarray | None:
-    """The column's validity bits as uint8 (bit `offset + row`), or None when nothing is null."""
-    if not column.null_count:
-        return None
-    bits = column.buffers()[0]
-    return np.frombuffer(bits, np.uint8)
-
-
-def _is_valid(valid: np.ndarray, bit: int) -> bool:
-    return bool((valid.item(bit >> 3) >> (bit & 7)) & 1)
-
-
-def _numbers(column: Any, valid: np.ndarray | None, as_float: bool) -> Getter:
-    """Python ints, floats or bools; nulls NaN (the null rule), `as_float` casts to float."""
-    pa = _extras.require("pyarrow", "parquet")
-    offset, data = column.offset, column.buffers()[1]
-    if pa.types.is_boolean(column.type):
-        bits = np.frombuffer(data, np.uint8)
-        item: Getter = lambda row: bool((bits.item((offset + row) >> 3) >> ((offset + row) & 7)) & 1)  # noqa: E731
-    else:
-        values = np.frombuffer(data, column.type.to_pandas_dtype(), count=offset + len(column))[offset:]
-        item = values.item
-    if valid is None:
-        return (lambda row: float(item(row))) if as_float else item
-    # Nulls in an exact column that is not read as float never get here: read_block refuses them.
-    assert as_float or pa.types.is_floating(column.type), "an integer column with nulls read as integers"
-    nan = float("nan")
-    return lambda row: float(item(row)) if _is_valid(valid, offset + row) else nan
-
-
-def _texts(column: Any, valid: np.ndarray | None, as_str: bool) -> Getter:
-    """str or bytes cut from the offsets and data buffers; nulls None."""
-    pa = _extras.require("pyarrow", "parquet")
-    large = pa.types.is_large_string(column.type) or pa.types.is_large_binary(column.type)
-    _, offsets_buffer, data_buffer = column.buffers()
-    offset = column.offset
-    ends = np.frombuffer(offsets_buffer, np.int64 if large else np.int32, count=offset + len(column) + 1)[offset:]
-    at = ends.item
-    data = memoryview(data_buffer) if data_buffer is not None else memoryview(b"")
-    if as_str:
-        cut: Getter = lambda row: str(data[at(row) : at(row + 1)], "utf-8")  # noqa: E731
-    else:
-        cut = lambda row: data[at(row) : at(row + 1)].tobytes()  # noqa: E731
-    if valid is None:
-        return cut
-    return lambda row: cut(row) if _is_valid(valid, offset + row) else None
-
-
-def _number_lists(column: Any, valid: np.ndarray | None) -> Getter | None:
-    """Read-only NumPy views of list rows whose items are numbers, none of them null (where
-    Parquet's rows are views too); None for every other list column."""
-    pa = _extras.require("pyarrow", "parquet")
-    kind = column.type
-    item_kind = kind.value_type
-    if not (pa.types.is_integer(item_kind) or pa.types.is_floating(item_kind)) or column.values.null_count:
-        return None
-    offset = column.offset
-    if pa.types.is_fixed_size_list(kind):
-        if valid is not None:  # Parquet copies such rows (writable); keep to its rule by row group
-            return None
-        items = column.flatten().to_numpy()
-        size = kind.list_size
-        return lambda row: items[row * size : (row + 1) * size]
-    items = column.values.to_numpy()
-    ends = column.offsets.to_numpy()  # respects the column's offset
-    at = ends.item
-    cut: Getter = lambda row: items[at(row) : at(row + 1)]  # noqa: E731
-    if valid is None:
-        return cut
-    return lambda row: cut(row) if _is_valid(valid, offset + row) else None
 
 
 # -- helpers --------------------------------------------------------------------------------------------
@@ -385,11 +293,11 @@ def _plain(column: Any) -> Any:
     return column
 
 
-def _check_types(schema: Any, names: list[str], columns: list[Any], file: str) -> None:
-    for name, column, field in zip(names, columns, schema, strict=True):
-        if name != field.name or column.type != field.type:
+def _check_types(first: list[tuple[str, Any]], names: list[str], columns: list[Any], file: str) -> None:
+    for name, column, (first_name, first_type) in zip(names, columns, first, strict=True):
+        if name != first_name or column.type != first_type:
             raise SourceError(
-                f"{file}: column {name!r} is {column.type}, other files have {field.name!r} as {field.type}; "
+                f"{file}: column {name!r} is {column.type}, other files have {first_name!r} as {first_type}; "
                 "an Arrow copy needs one schema: select columns or rewrite the files with one type"
             )
 
