@@ -54,11 +54,11 @@ class Layout:
             elif pa.types.is_floating(kind) or is_exact(kind):
                 columns.append((name, VALUE, slot, np.dtype(kind.to_pandas_dtype()).newbyteorder("<").str))
                 slot += 1
-            elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
-                columns.append((name, TEXT, slot, "<i8"))
+            elif pa.types.is_string(kind) or pa.types.is_binary(kind):  # spans fit their 32-bit offsets
+                columns.append((name, TEXT if pa.types.is_string(kind) else BYTES, slot, "<i4"))
                 slot += 2
-            elif pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
-                columns.append((name, BYTES, slot, "<i8"))
+            elif pa.types.is_large_string(kind) or pa.types.is_large_binary(kind):
+                columns.append((name, TEXT if pa.types.is_large_string(kind) else BYTES, slot, "<i8"))
                 slot += 2
             else:
                 columns.append((name, GETTER, -1, ""))
