@@ -8,14 +8,11 @@ NumPy array per row; everything else is Arrow's own Python value.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from globalloader import _extras
-
-RowReader = Callable[[int], Any]  # a decoded column: row -> value
 
 
 def is_exact(kind: Any) -> bool:
@@ -74,17 +71,3 @@ def to_python(column: Any, as_float: bool = False) -> list[Any]:
     if pa.types.is_floating(kind) or (column.null_count == 0 and is_exact(kind)):
         return np.asarray(column.to_numpy()).tolist()
     return column.to_pylist()
-
-
-def row_reader(column: Any, as_float: bool = False) -> RowReader:
-    """One column of a row group decoded for reads by row: `to_python`'s values, but numeric
-    columns stay one NumPy array read with `.item` (the same Python values). A compact array
-    costs far fewer cache misses than Python objects when rows are read out of order, as in a
-    windowed shuffle, and saves making an object per row that is never read."""
-    pa = _extras.require("pyarrow", "parquet")
-    kind = column.type
-    if as_float:
-        return np.asarray(column.cast(pa.float64()).to_numpy()).item
-    if pa.types.is_floating(kind) or (column.null_count == 0 and is_exact(kind)):
-        return np.asarray(column.to_numpy()).item
-    return to_python(column).__getitem__

@@ -3,7 +3,7 @@
 Parquet compresses whole row groups, so reading one random row decodes its whole group: an exact
 global shuffle over Parquet pays a group decode per row. The copy is written once as an
 uncompressed Arrow IPC file, one record batch per row group laid out for reads by row
-(`_copy_layout`), and memory-mapped: a row is then a bisect and two or three reads from the page
+(`_row_layout`), and memory-mapped: a row is then a bisect and two or three reads from the page
 cache. It is named by the source's files, their sizes and versions, so every epoch, run and job on
 the machine reuses it, and a changed file gets a new copy.
 """
@@ -28,7 +28,7 @@ from tqdm import tqdm
 from globalloader import _extras, _paths
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
-from globalloader.sources._copy_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step
+from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step
 from globalloader.sources.base import check_index, fingerprint_of
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes

@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,9 +16,12 @@ import numpy as np
 from globalloader import _extras
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
-from globalloader.sources._arrow_values import RowReader, exact_columns_with_nulls, is_exact, row_reader
+from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
+from globalloader.sources._row_layout import VALUE, Layout, Step
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, fingerprint_of
+
+_Decoded = tuple[Callable[[int], tuple[Any, ...]] | None, list[Step]]  # (row -> packed numbers, steps)
 
 
 class Parquet:
@@ -95,7 +98,7 @@ class Parquet:
         # One ParquetFile per thread and file: a ParquetFile must not be read from two threads
         # at once, and a lock would serialize decoding, the expensive part in thread mode.
         self._local = threading.local()
-        self._groups: OrderedDict[int, list[tuple[str, RowReader]]] = OrderedDict()
+        self._groups: OrderedDict[int, _Decoded] = OrderedDict()
         _files.reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
@@ -153,12 +156,14 @@ class Parquet:
                 self._groups.move_to_end(group)
         row = index - self._group_start[group]
         f, _, first_row = self._group_owner[group]
-        record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-        for name, read in cached:
-            record[name] = read(row)
+        record: dict[str, Any] = {"__key__": f"{self.files[f]}:{first_row + row}"}
+        unpack, steps = cached
+        packed = unpack(row) if unpack is not None else ()
+        for name, kind, slot, read in steps:
+            record[name] = packed[slot] if kind == VALUE else read(row)
         return record
 
-    def _decode_and_cache(self, group: int) -> list[tuple[str, RowReader]]:
+    def _decode_and_cache(self, group: int) -> _Decoded:
         decoded = self._decode_group(group)
         self._groups[group] = decoded
         while len(self._groups) > self.cached_row_groups:
@@ -183,19 +188,25 @@ class Parquet:
     def iter_records(self) -> Iterator[dict[str, Any]]:
         """Yield every record in file order, one row group at a time (no cache pollution)."""
         for group, (f, _, first_row) in enumerate(self._group_owner):
-            readers = self._decode_group(group)
+            unpack, steps = self._decode_group(group)
             for row in range(self._group_start[group + 1] - self._group_start[group]):
-                record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-                for name, read in readers:
-                    record[name] = read(row)
+                record: dict[str, Any] = {"__key__": f"{self.files[f]}:{first_row + row}"}
+                packed = unpack(row) if unpack is not None else ()
+                for name, kind, slot, read in steps:
+                    record[name] = packed[slot] if kind == VALUE else read(row)
                 yield record
 
-    def _decode_group(self, group: int) -> list[tuple[str, RowReader]]:
+    def _decode_group(self, group: int) -> _Decoded:
+        """A row group ready for reads by row: its numbers packed row by row (one cache line per
+        row when rows are read out of order, as in a windowed shuffle), the rest Python lists."""
         table = self.read_block(group)
-        return [
-            (name, row_reader(column, name in self.int_columns_as_float))
-            for name, column in zip(table.column_names, table.columns, strict=True)
+        columns = [column.combine_chunks() for column in table.columns]
+        layout = Layout.plan(table.column_names, [c.type for c in columns], self.int_columns_as_float, spans=False)
+        steps: list[Step] = [
+            (name, kind, slot, None if kind == VALUE else to_python(column).__getitem__)
+            for (name, kind, slot, _), column in zip(layout.columns, columns, strict=True)
         ]
+        return layout.unpacker_of(layout.records(columns)), steps
 
     # -- blocks: what block-aware shuffles and the Arrow copy read -----------------------------
     def read_block(self, block: int) -> Any:

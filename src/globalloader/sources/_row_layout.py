@@ -1,11 +1,13 @@
-"""How an Arrow copy lays out a row group so that one random row costs few cache misses.
+"""How a row group is laid out for reads by row: one random row should cost few cache misses.
 
-Reading a row at random from plain Arrow columns touches one cache line (and one page) per
-column, each a miss on a large file: most of the row's cost. So the copy packs a row's
-fixed-width values into one fixed-size binary column, one record after another, read with one
-`struct.unpack_from`: number columns (already converted by the null rules: NaN for nulls, float64
-for integer columns read as float) and, for text and bytes columns, the value's start and end in
-that column's data (-1 for a null). Text and bytes data, and every other type, stay Arrow columns.
+Reading a row at random from separate columns touches one cache line (and one page) per column,
+each a miss when rows are read out of order: most of a row's cost. So a row's fixed-width values
+are packed one record after another and read with one `struct.unpack_from`: number columns
+(already converted by the null rules: NaN for nulls, float64 for integer columns read as float)
+and, in the Arrow copy, each text and bytes value's start and end in its column's data (-1 for a
+null). `Parquet` packs the numbers of each decoded row group the same way (its text stays a list
+of Python strings, cheaper to index); the Arrow copy writes the packed records as one fixed-size
+binary column, beside the Arrow columns of everything else.
 """
 
 from __future__ import annotations
@@ -44,10 +46,15 @@ class Layout:
     columns: list[tuple[str, int, int, str]]
 
     @classmethod
-    def plan(cls, names: list[str], types: list[Any], as_float: frozenset[str]) -> Layout:
+    def plan(cls, names: list[str], types: list[Any], as_float: frozenset[str], spans: bool = True) -> Layout:
+        """`spans`: pack the places of text and bytes values too (else they are GETTER columns)."""
         pa = _extras.require("pyarrow", "parquet")
         columns, slot = [], 0
         for name, kind in zip(names, types, strict=True):
+            texts = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            if not spans and (texts or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
+                columns.append((name, GETTER, -1, ""))
+                continue
             if name in as_float:
                 columns.append((name, VALUE, slot, "<f8"))
                 slot += 1
@@ -86,24 +93,38 @@ class Layout:
         dtypes = [np.dtype(dtype) for _, dtype in self._fields()]
         return "<" + "".join(_STRUCT_CODES[dtype.kind, dtype.itemsize] for dtype in dtypes)
 
-    def pack(self, columns: list[Any]) -> list[Any]:
-        """The Arrow columns written for one row group: the kept columns, then the packed one."""
-        pa = _extras.require("pyarrow", "parquet")
+    def records(self, columns: list[Any]) -> np.ndarray | None:
+        """The packed records of one row group (its columns as single Arrow arrays), or None
+        when nothing is packed."""
         fields = self._fields()
-        kept = [column for column, (_, kind, _, _) in zip(columns, self.columns, strict=True) if kind != VALUE]
         if not fields:
-            return kept
-        n = len(columns[0]) if columns else 0
-        records = np.zeros(n, dtype=np.dtype(fields))
+            return None
+        records = np.zeros(len(columns[0]), dtype=np.dtype(fields))
         for column, (_, kind, slot, _) in zip(columns, self.columns, strict=True):
             if kind == VALUE:
                 records[f"{slot}"] = _values(column, records.dtype[f"{slot}"])
             elif kind in (TEXT, BYTES):
-                starts, ends = _spans(column)
-                records[f"{slot}"], records[f"{slot + 1}"] = starts, ends
-        width = records.dtype.itemsize
+                records[f"{slot}"], records[f"{slot + 1}"] = _spans(column)
+        return records
+
+    def pack(self, columns: list[Any]) -> list[Any]:
+        """The Arrow columns written for one row group: the kept columns, then the packed one."""
+        pa = _extras.require("pyarrow", "parquet")
+        kept = [column for column, (_, kind, _, _) in zip(columns, self.columns, strict=True) if kind != VALUE]
+        records = self.records(columns)
+        if records is None:
+            return kept
+        width, n = records.dtype.itemsize, len(records)
         packed = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(records.tobytes())])
         return [*kept, packed]
+
+    def unpacker_of(self, records: np.ndarray | None) -> Callable[[int], tuple[Any, ...]] | None:
+        """row -> the packed values of that row, from `records` (as `records()` made them)."""
+        if records is None:
+            return None
+        unpack_from = struct.Struct(self.record_format).unpack_from
+        width, data = records.dtype.itemsize, records.view(np.uint8).data
+        return lambda row: unpack_from(data, row * width)
 
     def steps(self, batch: Any, decoded: OrderedDict[tuple[int, str], list[Any]], block: int) -> list[Step]:
         """How to read a record of this row group (`batch`, as written by `pack`)."""
