@@ -44,14 +44,17 @@ class Parquet:
     group once. Files are opened lazily, per thread, and reopened in a forked or unpickled
     process. `block_starts` holds the first row of every row group (the source's blocks).
 
-    Shuffling: a global `shuffle(seed)` reads rows in random order, so every row decodes a whole
-    row group (hundreds of times slower than reading in order). Pick one of:
+    Decoded row groups keep their numbers packed row by row: rows read out of order then cost
+    one cache miss for all of a row's numbers rather than one per column.
+
+    Shuffling: a global `shuffle(seed)` reads rows in random order, so nearly every row decodes a
+    whole row group (hundreds of times slower than reading in order). Pick one of:
     - `shuffle(seed, window=w)`: permutes the row groups, then rows within each window of `w`
-      consecutive permuted groups; reads at sequential speed (each group decoded once per epoch
-      per worker; the cache grows to hold two windows), batches mix `w` groups.
+      consecutive permuted groups; each group is decoded once per epoch per worker (the cache
+      grows to hold two windows), batches mix `w` groups; no copy, most of sequential speed.
     - `local_copy()`: a one-time memory-mapped Arrow copy with the same records, where any row is
-      cheap, so the exact global `shuffle(seed)` runs at about sequential speed.
-    See docs/columnar.md for what each costs and how well each shuffles.
+      cheap, so the exact global `shuffle(seed)` runs at most of sequential speed.
+    docs/columnar.md measures what each costs and how well each shuffles.
 
     Errors: a missing or unreadable file, or a column it lacks, raises SourceError naming it.
     Needs pyarrow (the `parquet` extra).
