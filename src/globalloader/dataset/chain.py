@@ -62,7 +62,7 @@ class Dataset:
         """A fresh global permutation every epoch (random access), or for a stream a shuffle
         within a buffer of `buffer_size` records. The seed also seeds random maps. `window`: for
         a source made of blocks (Parquet row groups), permute the blocks, then rows within each
-        `window` consecutive blocks, reading at sequential speed (see WindowShuffle)."""
+        `window` consecutive blocks, decoding each block once per epoch (see WindowShuffle)."""
         if not isinstance(seed, int):
             raise ArgumentError(f"shuffle: seed must be an int, got {seed!r}")
         if window is not None:
