@@ -31,7 +31,10 @@ LAYOUT_KEY = b"globalloader.layout"  # schema metadata: the Layout as JSON
 _STRUCT_CODES = {("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q", ("u", 1): "B", ("u", 2): "H"}
 _STRUCT_CODES |= {("u", 4): "I", ("u", 8): "Q", ("f", 2): "e", ("f", 4): "f", ("f", 8): "d", ("b", 1): "?"}
 
+_DECODED_COLUMNS = 8  # per-process LRU of whole decoded columns (list types read by row group)
+
 Getter = Callable[[int], Any]
+Unpacker = Callable[[int], tuple[Any, ...]]  # row -> its packed values
 # One step of building a record: (column name, kind, packed slot, object): kind VALUE takes the
 # packed slot as is; TEXT and BYTES cut the data memoryview between slots `slot` and `slot + 1`;
 # GETTER calls the object with the row.
@@ -118,13 +121,11 @@ class Layout:
         packed = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(records.tobytes())])
         return [*kept, packed]
 
-    def unpacker_of(self, records: np.ndarray | None) -> Callable[[int], tuple[Any, ...]] | None:
+    def unpacker_of(self, records: np.ndarray | None) -> Unpacker | None:
         """row -> the packed values of that row, from `records` (as `records()` made them)."""
         if records is None:
             return None
-        unpack_from = struct.Struct(self.record_format).unpack_from
-        width, data = records.dtype.itemsize, records.view(np.uint8).data
-        return lambda row: unpack_from(data, row * width)
+        return self._unpacker(records.view(np.uint8).data, records.dtype.itemsize)
 
     def steps(self, batch: Any, decoded: OrderedDict[tuple[int, str], list[Any]], block: int) -> list[Step]:
         """How to read a record of this row group (`batch`, as written by `pack`)."""
@@ -139,14 +140,17 @@ class Layout:
                 steps.append((name, kind, slot, _getter(next(kept), decoded, (block, name))))
         return steps
 
-    def unpacker(self, batch: Any) -> Callable[[int], tuple[Any, ...]] | None:
-        """row -> the packed values of that row (None when nothing is packed)."""
+    def unpacker(self, batch: Any) -> Unpacker | None:
+        """row -> the packed values of that row, from a row group of the copy (None when nothing
+        is packed)."""
         if not self._fields():
             return None
         column = batch.column(batch.num_columns - 1)
-        unpack_from = struct.Struct(self.record_format).unpack_from
         width = column.type.byte_width
-        data = memoryview(column.buffers()[1])[column.offset * width :]
+        return self._unpacker(memoryview(column.buffers()[1])[column.offset * width :], width)
+
+    def _unpacker(self, data: memoryview, width: int) -> Unpacker:
+        unpack_from = struct.Struct(self.record_format).unpack_from
         return lambda row: unpack_from(data, row * width)
 
 
@@ -210,9 +214,6 @@ def _number_lists(column: Any) -> Getter | None:
         return lambda row: items[at(row) : at(row + 1)]
     is_valid = valid.item
     return lambda row: items[at(row) : at(row + 1)] if is_valid(row) else None
-
-
-_DECODED_COLUMNS = 8  # per-process LRU of whole decoded columns
 
 
 def _by_row_group(column: Any, decoded: OrderedDict[tuple[int, str], list[Any]], key: tuple[int, str]) -> Getter:

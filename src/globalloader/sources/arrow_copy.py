@@ -19,7 +19,7 @@ import socket
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,7 +28,7 @@ from tqdm import tqdm
 from globalloader import _extras, _paths
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
-from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step
+from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
 from globalloader.sources.base import check_index, fingerprint_of
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
@@ -40,7 +40,7 @@ class _Block(NamedTuple):
 
     key_prefix: str  # "<file>:" as Parquet's keys start
     first_row: int  # the group's first row within its file
-    unpack: Callable[[int], tuple[Any, ...]] | None  # row -> its packed values
+    unpack: Unpacker | None  # row -> its packed values
     steps: list[Step]  # how to build a record from them
 
 

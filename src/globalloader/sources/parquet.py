@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,11 +17,11 @@ from globalloader import _extras
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
 from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
-from globalloader.sources._row_layout import VALUE, Layout, Step
+from globalloader.sources._row_layout import VALUE, Layout, Step, Unpacker
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, fingerprint_of
 
-_Decoded = tuple[Callable[[int], tuple[Any, ...]] | None, list[Step]]  # (row -> packed numbers, steps)
+_Decoded = tuple[Unpacker | None, list[Step]]  # (row -> packed numbers, steps)
 
 
 class Parquet:
