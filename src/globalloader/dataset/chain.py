@@ -26,6 +26,7 @@ from globalloader.dataset.pack import PackOp
 from globalloader.dataset.plan import Plan
 from globalloader.dataset.seeds import SeedOp
 from globalloader.dataset.stream import BufferShuffle, StreamShard, StreamSource
+from globalloader.dataset.window_shuffle import WindowShuffle
 from globalloader.errors import ArgumentError
 
 
@@ -86,12 +87,20 @@ class Dataset:
         each shuffle without its own seed and each random map derive a stream of their own."""
         return self._then(SeedOp(seed))
 
-    def shuffle(self, seed: int | None = None, buffer_size: int | None = None) -> Dataset:
+    def shuffle(self, seed: int | None = None, buffer_size: int | None = None, window: int | None = None) -> Dataset:
         """A fresh global permutation every epoch (random access), or for a stream a shuffle
         within a buffer of `buffer_size` records. `seed` defaults to a stream of the chain's
-        root seed (`seed()`); it never seeds other operators."""
+        root seed (`seed()`); it never seeds other operators. `window`: for a source made of
+        blocks (Parquet row groups), permute the blocks, then rows within each `window`
+        consecutive blocks, decoding each block once per epoch (see WindowShuffle)."""
         if seed is not None and not isinstance(seed, int):
             raise ArgumentError(f"shuffle: seed must be an int, got {seed!r}")
+        if window is not None:
+            if self.plan.is_stream or buffer_size is not None:
+                raise ArgumentError(
+                    "shuffle(window=...) is for random-access sources; a stream shuffles with buffer_size="
+                )
+            return self._then(WindowShuffle.over(self.source, seed, window, self.plan.index_ops))
         if self.plan.is_stream:
             if buffer_size is None:
                 raise ArgumentError("shuffle() on a stream needs buffer_size= (it has no random access)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -15,7 +16,12 @@ import numpy as np
 from globalloader import _extras
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
+from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
+from globalloader.sources._row_layout import VALUE, Layout, Step, Unpacker
+from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, fingerprint_of
+
+_Decoded = tuple[Unpacker | None, list[Step]]  # (row -> packed numbers, steps)
 
 
 class Parquet:
@@ -36,7 +42,19 @@ class Parquet:
     counts finds the row group, which is decoded whole (Parquet's unit of compression) and kept
     in a per-process LRU of `cached_row_groups`, so sequential and nearby reads decode each
     group once. Files are opened lazily, per thread, and reopened in a forked or unpickled
-    process.
+    process. `block_starts` holds the first row of every row group (the source's blocks).
+
+    Decoded row groups keep their numbers packed row by row: rows read out of order then cost
+    one cache miss for all of a row's numbers rather than one per column.
+
+    Shuffling: a global `shuffle(seed)` reads rows in random order, so nearly every row decodes a
+    whole row group (hundreds of times slower than reading in order). Pick one of:
+    - `shuffle(seed, window=w)`: permutes the row groups, then rows within each window of `w`
+      consecutive permuted groups; each group is decoded once per epoch per worker (the cache
+      grows to hold two windows), batches mix `w` groups; no copy, most of sequential speed.
+    - `local_copy()`: a one-time memory-mapped Arrow copy with the same records, where any row is
+      cheap, so the exact global `shuffle(seed)` runs at most of sequential speed.
+    docs/columnar.md measures what each costs and how well each shuffles.
 
     Errors: a missing or unreadable file, or a column it lacks, raises SourceError naming it.
     Needs pyarrow (the `parquet` extra).
@@ -67,7 +85,10 @@ class Parquet:
                 self._group_start.append(self._group_start[-1] + rows)
                 in_file += rows
         self._len = self._group_start[-1]
-        self.int_columns_as_float: frozenset[str] = _exact_columns_with_nulls(metas, self.columns)
+        self.block_starts: np.ndarray = np.array(self._group_start[:-1], dtype=np.int64)
+        self.block_starts.setflags(write=False)
+        self._stats = stats
+        self.int_columns_as_float: frozenset[str] = exact_columns_with_nulls(metas, self.columns)
         self.fingerprint: str = fingerprint_of(
             "Parquet",
             [
@@ -80,7 +101,7 @@ class Parquet:
         # One ParquetFile per thread and file: a ParquetFile must not be read from two threads
         # at once, and a lock would serialize decoding, the expensive part in thread mode.
         self._local = threading.local()
-        self._groups: OrderedDict[int, tuple[list[str], list[list[Any]]]] = OrderedDict()
+        self._groups: OrderedDict[int, _Decoded] = OrderedDict()
         _files.reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
@@ -136,15 +157,16 @@ class Parquet:
             # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
             with contextlib.suppress(KeyError):
                 self._groups.move_to_end(group)
-        names, values = cached
         row = index - self._group_start[group]
         f, _, first_row = self._group_owner[group]
-        record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-        for name, column in zip(names, values, strict=True):
-            record[name] = column[row]
+        record: dict[str, Any] = {"__key__": f"{self.files[f]}:{first_row + row}"}
+        unpack, steps = cached
+        packed = unpack(row) if unpack is not None else ()
+        for name, kind, slot, read in steps:
+            record[name] = packed[slot] if kind == VALUE else read(row)
         return record
 
-    def _decode_and_cache(self, group: int) -> tuple[list[str], list[list[Any]]]:
+    def _decode_and_cache(self, group: int) -> _Decoded:
         decoded = self._decode_group(group)
         self._groups[group] = decoded
         while len(self._groups) > self.cached_row_groups:
@@ -169,79 +191,65 @@ class Parquet:
     def iter_records(self) -> Iterator[dict[str, Any]]:
         """Yield every record in file order, one row group at a time (no cache pollution)."""
         for group, (f, _, first_row) in enumerate(self._group_owner):
-            names, values = self._decode_group(group)
-            for row, items in enumerate(zip(*values, strict=True)):
-                record = {"__key__": f"{self.files[f]}:{first_row + row}"}
-                record.update(zip(names, items, strict=True))
+            unpack, steps = self._decode_group(group)
+            for row in range(self._group_start[group + 1] - self._group_start[group]):
+                record: dict[str, Any] = {"__key__": f"{self.files[f]}:{first_row + row}"}
+                packed = unpack(row) if unpack is not None else ()
+                for name, kind, slot, read in steps:
+                    record[name] = packed[slot] if kind == VALUE else read(row)
                 yield record
 
-    def _decode_group(self, group: int) -> tuple[list[str], list[list[Any]]]:
-        f, g, _ = self._group_owner[group]
+    def _decode_group(self, group: int) -> _Decoded:
+        """A row group ready for reads by row: its numbers packed row by row (one cache line per
+        row when rows are read out of order, as in a windowed shuffle), the rest Python lists."""
+        table = self.read_block(group)
+        columns = [column.combine_chunks() for column in table.columns]
+        layout = Layout.plan(table.column_names, [c.type for c in columns], self.int_columns_as_float, spans=False)
+        steps: list[Step] = [
+            (name, kind, slot, None if kind == VALUE else to_python(column).__getitem__)
+            for (name, kind, slot, _), column in zip(layout.columns, columns, strict=True)
+        ]
+        return layout.unpacker_of(layout.records(columns)), steps
+
+    # -- blocks: what block-aware shuffles and the Arrow copy read -----------------------------
+    def read_block(self, block: int) -> Any:
+        """Row group `block` (counted across files) as a `pyarrow.Table` of the selected columns.
+
+        Raises SourceError naming the file when it cannot be read, or when an integer or boolean
+        column holds nulls its footer does not count (its dtype could not be kept stable)."""
+        f, g, _ = self._group_owner[block]
         try:
             table = self._file(f).read_row_group(g, columns=self.columns)
         except (OSError, ValueError) as exc:
             raise SourceError(f"cannot read row group {g} of {self.files[f]}: {exc}") from None
-        names = table.column_names
-        as_float = [name in self.int_columns_as_float for name in names]
-        for name, column in zip(names, table.columns, strict=True):
-            if column.null_count and _is_exact(column.type) and name not in self.int_columns_as_float:
+        for name, column in zip(table.column_names, table.columns, strict=True):
+            if column.null_count and is_exact(column.type) and name not in self.int_columns_as_float:
                 raise SourceError(
                     f"row group {g} of {self.files[f]}: column {name!r} holds nulls its file's "
                     "footer does not count; rewrite the file with statistics"
                 )
-        return names, [_to_python(column, float_) for column, float_ in zip(table.columns, as_float, strict=True)]
+        return table
+
+    def block_origin(self, block: int) -> tuple[str, int]:
+        """(file URL, row within that file) where row group `block` starts: what its keys name."""
+        f, _, first_row = self._group_owner[block]
+        return self.files[f], first_row
+
+    def keep_blocks(self, count: int) -> None:
+        """Keep at least `count` decoded row groups per process (a windowed shuffle reads its whole
+        window at once; a smaller cache would decode a group again for every row)."""
+        self.cached_row_groups = max(self.cached_row_groups, int(count))
+
+    def file_versions(self) -> list[tuple[str, int, str]]:
+        """(location, size, version) of every file, as read at construction: what a copy is keyed by."""
+        return [(_files.cache_key(u), s.size, s.version) for u, s in zip(self.files, self._stats, strict=True)]
+
+    def local_copy(self, folder: str | os.PathLike[str] | None = None, *, progress: bool | None = None) -> ArrowCopy:
+        """The same records from a local memory-mapped Arrow copy, where any row is cheap (for an
+        exact global shuffle). Written once, with a progress bar, into `folder` (default: the
+        globalloader cache folder); later calls, runs and jobs reuse it until a file changes.
+        See `ArrowCopy`."""
+        return ArrowCopy(self, folder, progress=progress)
 
     def __repr__(self) -> str:
         return f"Parquet({len(self.files)} files, {self._len} rows)"
-
-
-def _is_exact(kind: Any) -> bool:
-    """Integer and boolean types: those with no NaN of their own to stand for a null."""
-    pa = _extras.require("pyarrow", "parquet")
-    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind))
-
-
-def _exact_columns_with_nulls(metas: list[Any], columns: list[str] | None) -> frozenset[str]:
-    """The integer and boolean columns that hold a null in some row group of some file, or may
-    (a nullable column whose footer has no null count): read as float64 so that every batch of
-    them has the same dtype."""
-    found: set[str] = set()
-    for meta in metas:
-        schema = meta.schema.to_arrow_schema()
-        exact = {
-            field.name: field.nullable
-            for field in schema
-            if _is_exact(field.type) and (columns is None or field.name in columns)
-        }
-        for g in range(meta.num_row_groups):
-            group = meta.row_group(g)
-            for j in range(group.num_columns):
-                chunk = group.column(j)
-                name = chunk.path_in_schema
-                if name not in exact or name in found:
-                    continue
-                stats = chunk.statistics
-                if stats is not None and stats.has_null_count:
-                    if stats.null_count > 0:
-                        found.add(name)
-                elif exact[name]:
-                    found.add(name)
-    return frozenset(found)
-
-
-def _to_python(column: Any, as_float: bool = False) -> list[Any]:
-    """One column of a row group as a list of Python values (lists as NumPy arrays).
-
-    Numeric columns go through NumPy's `tolist`, several times faster than Arrow's `to_pylist`:
-    float nulls become NaN, and `as_float` reads an integer or boolean column as float64 with NaN
-    for nulls. List columns become one ndarray per row.
-    """
-    pa = _extras.require("pyarrow", "parquet")
-    kind = column.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        return list(column.to_numpy(zero_copy_only=False))
-    if as_float:
-        return np.asarray(column.cast(pa.float64()).to_numpy()).tolist()
-    if pa.types.is_floating(kind) or (column.null_count == 0 and _is_exact(kind)):
-        return np.asarray(column.to_numpy()).tolist()
-    return column.to_pylist()

@@ -1,0 +1,155 @@
+"""Windowed shuffle: permute a source's blocks, then rows within windows of consecutive blocks.
+
+For sources stored in blocks that are decoded whole (Parquet row groups), a global shuffle reads
+a random block for every row. This one reads `window` blocks at a time: each epoch it permutes
+the blocks, cuts the permuted sequence into windows of `window` blocks and permutes the rows of
+each window. A worker reading consecutive positions then needs only the current window's blocks,
+each decoded once per epoch. The cost in randomness: a stretch of the epoch draws from `window`
+blocks only (docs/columnar.md measures it).
+
+It is an index operator like those in `index_ops`: output positions map to source indices with a
+few vectorized NumPy calls, so it is exact (a bijection: every row once per epoch), reproducible
+from (seed, epoch) alone and resumable from any position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from globalloader.dataset.seeds import check_seed
+from globalloader.errors import ArgumentError
+from globalloader.sampling.permutation import Permutation
+
+if TYPE_CHECKING:
+    from globalloader.dataset.operator import Builder
+
+_BLOCKS_STREAM = 0xB10C  # names the block order's random stream
+_ROWS_STREAM = 0x5105  # names each window's row order's random stream
+_EXPLICIT_ROWS = 1 << 22
+
+
+class _Layout(NamedTuple):
+    """One epoch's order of blocks, in output positions."""
+
+    order: npt.NDArray[np.int64]  # source block at each permuted place
+    starts: npt.NDArray[np.int64]  # output position where each permuted block starts (+ the end)
+    window_starts: npt.NDArray[np.int64]  # output position where each window starts (+ the end)
+
+
+@dataclass(frozen=True, eq=False)
+class WindowShuffle:
+    """Permute blocks, then rows within each window of `window` consecutive permuted blocks.
+
+    `bounds`: the blocks' boundaries in source indices, `[0, ..., n]` (empty blocks dropped).
+    Build it with `WindowShuffle.over(source, seed, window)` from a source's `block_starts`;
+    seed None takes the chain's stream "shuffle" k, as `shuffle()` does.
+    """
+
+    seed: int | None
+    window: int
+    bounds: npt.NDArray[np.int64]
+    _key: tuple[int, int, bytes] = field(init=False, repr=False)
+    per_epoch = True  # a position's source index changes with the epoch
+
+    def __post_init__(self) -> None:
+        if self.seed is not None:
+            check_seed(self.seed, "shuffle")
+        if isinstance(self.window, bool) or not isinstance(self.window, (int, np.integer)) or self.window < 1:
+            raise ArgumentError(f"shuffle: window must be an int >= 1 (blocks per window), got {self.window!r}")
+        bounds = np.unique(np.asarray(self.bounds, dtype=np.int64))
+        if len(bounds) == 0 or bounds[0] != 0:
+            raise ArgumentError(f"shuffle: block bounds must start at 0, got {self.bounds[:3]!r}")
+        bounds.setflags(write=False)
+        object.__setattr__(self, "bounds", bounds)
+        object.__setattr__(
+            self, "_key", (-1 if self.seed is None else int(self.seed), int(self.window), bounds.tobytes())
+        )
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_index(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
+
+    @classmethod
+    def over(cls, source: Any, seed: int | None, window: int, preceding: Sequence[Any] = ()) -> WindowShuffle:
+        """The windowed shuffle of `source`'s blocks (its `block_starts`), which must come first
+        among the index operators (`preceding`: those before it). Asks a source that caches
+        decoded blocks (`keep_blocks`) to keep two windows, so that each block is decoded once per
+        epoch per worker even when a batch straddles two windows."""
+        if preceding:
+            raise ArgumentError(
+                f"shuffle(window=...) must apply directly to the source, but it follows {preceding[-1].describe()[0]}; "
+                "put it first (select and shard may follow it)"
+            )
+        starts = getattr(source, "block_starts", None)
+        if starts is None:
+            raise ArgumentError(
+                f"shuffle(window=...) needs a source made of blocks (with `block_starts`, such as gl.Parquet "
+                f"or its local_copy()); {type(source).__name__} has none: use shuffle(seed) instead"
+            )
+        op = cls(seed, window, np.append(np.asarray(starts, dtype=np.int64), len(source)))
+        keep = getattr(source, "keep_blocks", None)
+        if keep is not None:
+            keep(2 * op.window)
+        return op
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WindowShuffle) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def length(self, n: int) -> int:
+        if n != int(self.bounds[-1]):
+            raise ArgumentError(
+                f"shuffle(window=...): the blocks cover {int(self.bounds[-1])} rows but the source has {n}; "
+                "it must apply directly to the source (before select, shard or another shuffle)"
+            )
+        return n
+
+    def parents(self, positions: npt.NDArray[np.int64], n: int, epoch: int) -> npt.NDArray[np.int64]:
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size == 0:
+            return pos.copy()
+        layout = _layout(self, epoch)
+        window = np.searchsorted(layout.window_starts, pos, side="right") - 1
+        shuffled = np.empty_like(pos)
+        for k in np.unique(window).tolist():  # a task's consecutive positions span one or two windows
+            here = window == k
+            first, end = int(layout.window_starts[k]), int(layout.window_starts[k + 1])
+            local = _rows(self, epoch, k, end - first)[pos[here] - first]
+            shuffled[here] = first + local.astype(np.int64)  # int32 for an explicit order: widen before adding
+        place = np.searchsorted(layout.starts, shuffled, side="right") - 1
+        result: npt.NDArray[np.int64] = self.bounds[layout.order[place]] + (shuffled - layout.starts[place])
+        return result
+
+    def describe(self) -> tuple[object, ...]:
+        return ("window_shuffle", self.seed, self.window, self.bounds)
+
+
+@lru_cache(maxsize=4)
+def _layout(op: WindowShuffle, epoch: int) -> _Layout:
+    sizes = np.diff(op.bounds)
+    seq = np.random.SeedSequence([op._key[0] & 0xFFFFFFFFFFFFFFFF, int(epoch), _BLOCKS_STREAM])
+    order = np.random.Generator(np.random.PCG64(seq)).permutation(len(sizes)).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
+    window_starts = starts[:: op.window]
+    if window_starts[-1] != starts[-1]:
+        window_starts = np.append(window_starts, starts[-1])
+    return _Layout(order, starts, window_starts)
+
+
+@lru_cache(maxsize=4)
+def _rows(op: WindowShuffle, epoch: int, window: int, size: int) -> Permutation | npt.NDArray[np.int32]:
+    """The row order inside window `window` of `epoch`, from its own random stream: an explicit
+    array up to `_EXPLICIT_ROWS` rows (indexing it is a copy; at most 16 MiB), else a Feistel
+    permutation (no memory, a few microseconds per thousand rows)."""
+    seq = np.random.SeedSequence([op._key[0] & 0xFFFFFFFFFFFFFFFF, int(epoch), int(window), _ROWS_STREAM])
+    if size <= _EXPLICIT_ROWS:
+        order: npt.NDArray[np.int32] = np.random.Generator(np.random.PCG64(seq)).permutation(size).astype(np.int32)
+        return order
+    return Permutation(size, int(seq.generate_state(1, np.uint64)[0]))

@@ -1,0 +1,73 @@
+"""How Arrow columns become record values: the one rule that `Parquet` and its Arrow copy share.
+
+Numeric columns never hold None, so batches of them are numeric arrays, never object arrays: a
+null in a float column is NaN, and an integer or boolean column that may hold a null anywhere in
+the source is read as float64 everywhere (`exact_columns_with_nulls`). List columns become one
+NumPy array per row; everything else is Arrow's own Python value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from globalloader import _extras
+
+
+def is_exact(kind: Any) -> bool:
+    """Integer and boolean types: those with no NaN of their own to stand for a null."""
+    pa = _extras.require("pyarrow", "parquet")
+    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind))
+
+
+def is_list(kind: Any) -> bool:
+    """The list types whose rows become NumPy arrays."""
+    pa = _extras.require("pyarrow", "parquet")
+    return bool(pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
+
+
+def exact_columns_with_nulls(metas: list[Any], columns: list[str] | None) -> frozenset[str]:
+    """The integer and boolean columns that hold a null in some row group of some file, or may
+    (a nullable column whose footer has no null count): read as float64 so that every batch of
+    them has the same dtype."""
+    found: set[str] = set()
+    for meta in metas:
+        schema = meta.schema.to_arrow_schema()
+        exact = {
+            field.name: field.nullable
+            for field in schema
+            if is_exact(field.type) and (columns is None or field.name in columns)
+        }
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            for j in range(group.num_columns):
+                chunk = group.column(j)
+                name = chunk.path_in_schema
+                if name not in exact or name in found:
+                    continue
+                stats = chunk.statistics
+                if stats is not None and stats.has_null_count:
+                    if stats.null_count > 0:
+                        found.add(name)
+                elif exact[name]:
+                    found.add(name)
+    return frozenset(found)
+
+
+def to_python(column: Any, as_float: bool = False) -> list[Any]:
+    """One column of a row group as a list of Python values (lists as NumPy arrays).
+
+    Numeric columns go through NumPy's `tolist`, several times faster than Arrow's `to_pylist`:
+    float nulls become NaN, and `as_float` reads an integer or boolean column as float64 with NaN
+    for nulls. List columns become one ndarray per row.
+    """
+    pa = _extras.require("pyarrow", "parquet")
+    kind = column.type
+    if is_list(kind):
+        return list(column.to_numpy(zero_copy_only=False))
+    if as_float:
+        return np.asarray(column.cast(pa.float64()).to_numpy()).tolist()
+    if pa.types.is_floating(kind) or (column.null_count == 0 and is_exact(kind)):
+        return np.asarray(column.to_numpy()).tolist()
+    return column.to_pylist()

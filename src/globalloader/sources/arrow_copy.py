@@ -1,0 +1,325 @@
+"""ArrowCopy: a local memory-mapped Arrow copy of a Parquet source, where every row is cheap.
+
+Parquet compresses whole row groups, so reading one random row decodes its whole group: an exact
+global shuffle over Parquet pays a group decode per row. The copy is written once as an
+uncompressed Arrow IPC file, one record batch per row group laid out for reads by row
+(`_row_layout`), and memory-mapped: a row is then a bisect and two or three reads from the page
+cache. It is named by the source's files, their sizes and versions, so every epoch, run and job on
+the machine reuses it, and a changed file gets a new copy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import os
+import pathlib
+import socket
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+from tqdm import tqdm
+
+from globalloader import _extras, _paths
+from globalloader.errors import ArgumentError, SourceError
+from globalloader.sources import _files
+from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
+from globalloader.sources.base import check_index, fingerprint_of
+
+_FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
+_META_KEY = b"globalloader.arrow_copy"
+
+
+class _Block(NamedTuple):
+    """One row group's part of the copy, ready to read rows from."""
+
+    key_prefix: str  # "<file>:" as Parquet's keys start
+    first_row: int  # the group's first row within its file
+    unpack: Unpacker | None  # row -> its packed values
+    steps: list[Step]  # how to build a record from them
+
+
+class ArrowCopy:
+    """The records of a `Parquet` source, read from a local memory-mapped Arrow copy.
+
+    Made by `gl.Parquet(paths).local_copy(folder)` (or `ArrowCopy(parquet, folder)`). Records are
+    the ones the source yields: the same keys, values, dtypes and null rules (see `Parquet`), in
+    the same order; `block_starts` are the source's row groups. Any row costs about what a row
+    read in order costs, so `Dataset(copy).shuffle(seed)`, the exact global shuffle, runs at
+    about sequential speed. `fingerprint` is derived from the source's.
+
+    The copy is an uncompressed Arrow IPC file (`path`) with one record batch per row group,
+    about the size of the data uncompressed; a row's numbers and the places of its text and bytes
+    are packed into one fixed-size record, so that reading a random row touches two or three
+    cache lines instead of one per column. It is written once, with a progress bar (`progress`:
+    None shows it on a terminal), to a temporary name and renamed when complete, so a copy cut
+    short is never read. Its name holds a hash of the files' locations, sizes and versions
+    (mtime or ETag) and of the columns: later constructions in any process reuse it (`built` is
+    False), and a changed source is copied again, the copy of its earlier version deleted.
+    Default folder: the globalloader cache folder (`GLOBALLOADER_CACHE_DIR`).
+
+    Reading: number, text and bytes columns, and lists of numbers without null items, are read
+    per row straight from the mapped file; structs, maps, times and decimals per row through
+    Arrow's scalars; lists of text, of booleans, of lists, or with null items, decode their column
+    per row group (kept in a small per-process LRU), which is what they cost in Parquet too.
+
+    Errors: files whose column types differ, an unwritable folder or a full disk raise
+    SourceError naming the file or folder. Pickles by path; safe to fork.
+    """
+
+    def __init__(
+        self, source: Any, folder: str | os.PathLike[str] | None = None, *, progress: bool | None = None
+    ) -> None:
+        self._pa = _extras.require("pyarrow", "parquet")
+        if not all(hasattr(source, a) for a in ("read_block", "block_origin", "file_versions", "block_starts")):
+            raise ArgumentError(f"ArrowCopy copies a gl.Parquet source, got {type(source).__name__}")
+        if folder is not None and not isinstance(folder, (str, os.PathLike)):
+            raise ArgumentError(f"folder must be a str, a path or None, got {folder!r}")
+        if progress is not None and not isinstance(progress, bool):
+            raise ArgumentError(f"progress must be a bool or None, got {progress!r}")
+        self.files: list[str] = list(source.files)
+        self.columns: list[str] | None = source.columns
+        self.int_columns_as_float: frozenset[str] = source.int_columns_as_float
+        self.block_starts: np.ndarray = source.block_starts
+        self._len = len(source)
+        self._starts = [*self.block_starts.tolist(), self._len]
+        self._origins = [source.block_origin(b) for b in range(len(self.block_starts))]
+        self.fingerprint: str = fingerprint_of("ArrowCopy", [source.fingerprint])
+        versions = source.file_versions()
+        where = _hash([str(_FORMAT), repr(self.columns), *(loc for loc, _, _ in versions)])
+        self._content = _hash([where, *(f"{size}\t{version}" for _, size, version in versions)])
+        base = pathlib.Path(folder) if folder is not None else _paths.cache_dir("arrow-copy")
+        self.path = base / f"parquet-{where}-{self._content}.arrow"
+        self.built = False  # whether this construction wrote the copy (False: reused one)
+        self._reset()
+        if not self._open():
+            self._build(source, progress)
+            self.built = True
+            if not self._open():
+                raise SourceError(f"the Arrow copy {self.path} just written cannot be read back; delete it and retry")
+
+    # -- process state --------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._reader: Any = None
+        self._blocks: dict[int, _Block] = {}
+        self._decoded: OrderedDict[tuple[int, str], list[Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        _files.reset_in_forked_children(self)
+
+    def _after_fork(self) -> None:
+        # The mapping and the views into it stay valid in the child; a lock another thread held
+        # at the fork would never be released there.
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_pa", "_reader", "_blocks", "_decoded", "_lock"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pa = _extras.require("pyarrow", "parquet")
+        self._reset()
+
+    # -- the file ---------------------------------------------------------------------------------
+    def _expected_metadata(self) -> bytes:
+        return f"{_FORMAT}:{self._content}:{len(self._origins)}:{self._len}".encode()
+
+    def _open(self) -> bool:
+        """Map the copy; False if it is missing or is not the complete copy of this source."""
+        pa = self._pa
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(self.path), "r"))
+        except (OSError, pa.ArrowInvalid):  # missing, or not an Arrow file (damaged): build again
+            return False
+        metadata = reader.schema.metadata or {}
+        if (
+            metadata.get(_META_KEY) != self._expected_metadata()
+            or LAYOUT_KEY not in metadata
+            or reader.num_record_batches != len(self._origins)
+        ):
+            return False
+        self._layout = Layout.from_json(metadata[LAYOUT_KEY])
+        self._reader = reader
+        return True
+
+    def _build(self, source: Any, progress: bool | None) -> None:
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SourceError(f"cannot create the Arrow copy's folder {folder}: {exc.strerror}; pass folder=") from None
+        self._remove_stale()
+        token = f"{_host()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        tmp = folder / f".{self.path.name}.{token}.tmp"
+        try:
+            self._write(source, tmp, progress)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the rename must never publish data still in flight
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise SourceError(
+                f"cannot write the Arrow copy {self.path}: {exc.strerror or exc}; free space there or pass folder="
+            ) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _write(self, source: Any, tmp: pathlib.Path, progress: bool | None) -> None:
+        pa = self._pa
+        writer: Any = None
+        schema: Any = None
+        bar = tqdm(
+            total=self._len,
+            desc=f"Arrow copy of {len(self.files)} Parquet file(s)",
+            unit="row",
+            unit_scale=True,
+            disable=None if progress is None else not progress,
+            leave=False,
+        )
+        with pa.OSFile(str(tmp), "wb") as sink, bar:
+            for block in range(len(self._origins)):
+                table = source.read_block(block)
+                columns = [_plain(column.combine_chunks()) for column in table.columns]
+                if writer is None:
+                    first = [(name, column.type) for name, column in zip(table.column_names, columns, strict=True)]
+                    layout = Layout.plan(table.column_names, [t for _, t in first], self.int_columns_as_float)
+                    arrays = layout.pack(columns)
+                    schema = self._schema(layout, arrays)
+                    writer = pa.ipc.new_file(sink, schema)
+                else:
+                    _check_types(first, table.column_names, columns, self._origins[block][0])
+                    arrays = layout.pack(columns)
+                try:
+                    writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
+                except pa.ArrowInvalid as exc:
+                    file, first_row = self._origins[block]
+                    raise SourceError(f"cannot copy the row group at row {first_row} of {file}: {exc}") from None
+                bar.update(table.num_rows)
+            if writer is None:  # no row group at all: an empty copy with the files' columns
+                empty = source.read_table(0)
+                layout = Layout.plan(empty.column_names, empty.schema.types, self.int_columns_as_float)
+                arrays = layout.pack([_plain(column.combine_chunks()) for column in empty.columns])
+                writer = pa.ipc.new_file(sink, self._schema(layout, arrays))
+            writer.close()
+
+    def _schema(self, layout: Layout, arrays: list[Any]) -> Any:
+        pa = self._pa
+        kept = [name for name, kind, _, _ in layout.columns if kind != VALUE]
+        fields = [pa.field(name, array.type) for name, array in zip([*kept, PACKED], arrays, strict=False)]
+        return pa.schema(fields, metadata={_META_KEY: self._expected_metadata(), LAYOUT_KEY: layout.to_json()})
+
+    def _remove_stale(self) -> None:
+        """Delete copies of earlier versions of the same files, and the temporary files of
+        writers on this machine that died before finishing."""
+        where = self.path.name.split("-")[1]
+        host = _host()
+        for other in self.path.parent.glob(f"parquet-{where}-*.arrow"):
+            if other.name != self.path.name:
+                with contextlib.suppress(OSError):
+                    other.unlink()
+        for tmp in self.path.parent.glob(f".parquet-{where}-*.tmp"):
+            parts = tmp.name.rsplit(".", 4)  # .<name>.arrow . host . pid . token . tmp
+            if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not _alive(int(parts[2])):
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+
+    # -- reading ------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index.__class__ is not int or not 0 <= index < self._len:
+            index = check_index(index, self._len, self)
+        block = bisect.bisect_right(self._starts, index) - 1
+        view = self._blocks.get(block) or self._load_block(block)
+        row = index - self._starts[block]
+        record: dict[str, Any] = {"__key__": f"{view.key_prefix}{view.first_row + row}"}
+        packed = view.unpack(row) if view.unpack is not None else ()
+        for name, kind, slot, read in view.steps:
+            if kind == VALUE:
+                record[name] = packed[slot]
+            elif kind == GETTER:
+                record[name] = read(row)
+            elif packed[slot] < 0:
+                record[name] = None
+            elif kind == TEXT:
+                record[name] = str(read[packed[slot] : packed[slot + 1]], "utf-8")
+            else:
+                record[name] = read[packed[slot] : packed[slot + 1]].tobytes()
+        return record
+
+    def iter_records(self) -> Iterator[dict[str, Any]]:
+        """Every record in order."""
+        for index in range(self._len):
+            yield self[index]
+
+    def _load_block(self, block: int) -> _Block:
+        with self._lock:
+            if self._reader is None and not self._open():
+                raise SourceError(
+                    f"the Arrow copy {self.path} is gone or was replaced (its source changed?); "
+                    "make the copy again with Parquet(...).local_copy()"
+                )
+            batch = self._reader.get_batch(block)
+        expected = self._starts[block + 1] - self._starts[block]
+        if batch.num_rows != expected:
+            raise SourceError(f"the Arrow copy {self.path} is damaged (row group {block}); delete it to rebuild it")
+        file, first_row = self._origins[block]
+        steps = self._layout.steps(batch, self._decoded, block)
+        view = self._blocks[block] = _Block(f"{file}:", first_row, self._layout.unpacker(batch), steps)
+        return view
+
+    def __repr__(self) -> str:
+        return f"ArrowCopy({len(self.files)} files, {self._len} rows, {self.path})"
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+
+
+def _plain(column: Any) -> Any:
+    """Dictionary-encoded columns decoded: an Arrow file holds one dictionary per column, and
+    row groups each have their own; the values read back are the same."""
+    pa = _extras.require("pyarrow", "parquet")
+    if pa.types.is_dictionary(column.type):
+        return column.dictionary_decode()
+    return column
+
+
+def _check_types(first: list[tuple[str, Any]], names: list[str], columns: list[Any], file: str) -> None:
+    for name, column, (first_name, first_type) in zip(names, columns, first, strict=True):
+        if name != first_name or column.type != first_type:
+            raise SourceError(
+                f"{file}: column {name!r} is {column.type}, other files have {first_name!r} as {first_type}; "
+                "an Arrow copy needs one schema: select columns or rewrite the files with one type"
+            )
+
+
+def _hash(parts: list[str]) -> str:
+    digest = hashlib.sha256("\n".join(parts).encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()[:16]
+
+
+def _host() -> str:
+    """This machine's name without dots, so that it is one field of a temporary file's name."""
+    return socket.gethostname().replace(".", "_")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

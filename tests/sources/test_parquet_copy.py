@@ -1,0 +1,237 @@
+"""ArrowCopy: a local memory-mapped Arrow copy of a Parquet source, for the exact global shuffle."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import math
+import os
+import pathlib
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import globalloader as gl
+from globalloader.errors import ArgumentError, SampleIndexError, SourceError
+from globalloader.sources.arrow_copy import ArrowCopy
+from helpers import check_resume
+
+
+def strictly_equal(a: object, b: object) -> bool:
+    """Equal values of the same Python types; arrays of the same dtype, shape and writability; NaN equals NaN."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and (a.dtype, a.shape, a.flags.writeable) == (b.dtype, b.shape, b.flags.writeable)
+            and all(strictly_equal(x, y) for x, y in zip(list(a), list(b), strict=True))
+        )
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(strictly_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(strictly_equal(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return type(a) is type(b) and a == b
+
+
+def _every_type(n: int) -> pa.Table:
+    """Columns of every kind the copy reads its own way, with nulls where they change the rules."""
+    ids = list(range(n))
+    return pa.table(
+        {
+            "id": ids,
+            "i32": pa.array(ids, pa.int32()),
+            "f32": pa.array([None if i % 5 == 0 else i / 3 for i in ids], pa.float32()),
+            "f16": pa.array(np.arange(n, dtype=np.float16)),
+            "int_with_null": pa.array([None if i == 77 else i for i in ids], pa.int16()),
+            "flag": [i % 3 == 0 for i in ids],
+            "flag_with_null": [None if i == 50 else i % 2 == 0 for i in ids],
+            "text": [None if i % 9 == 0 else f"s{i}é" for i in ids],
+            "large_text": pa.array([f"x{i}" for i in ids], pa.large_string()),
+            "blob": [bytes([i % 256]) * (i % 4) for i in ids],
+            "ints": [None if i % 11 == 0 else list(range(i % 5)) for i in ids],
+            "floats": [[i / 2] for i in ids],
+            "ints_with_null_item": [[1, None] if i == 30 else [i] for i in ids],
+            "texts": [["a", str(i)] for i in ids],
+            "flags": [[True, i % 2 == 0] for i in ids],
+            "nested": [[[i], [1, 2]] for i in ids],
+            "vector": pa.array([[float(i), 1.0] for i in ids], pa.list_(pa.float32(), 2)),
+            "vector_with_null": pa.array([None if i == 3 else [i, 1] for i in ids], pa.list_(pa.int64(), 2)),
+            "struct": [{"a": i, "b": None if i % 2 else "q"} for i in ids],
+            "time": pa.array([datetime.datetime(2020, 1, 1) + datetime.timedelta(seconds=i) for i in ids]),
+            "price": pa.array([decimal.Decimal(i) / 4 for i in ids], pa.decimal128(10, 2)),
+            "category": pa.array([f"c{i % 3}" for i in ids]).dictionary_encode(),
+            "mapping": pa.array([[("k", i)] for i in ids], pa.map_(pa.string(), pa.int64())),
+        }
+    )
+
+
+@pytest.fixture
+def files(tmp_path: pathlib.Path) -> list[str]:
+    table = _every_type(100)
+    paths = [str(tmp_path / "part-0.parquet"), str(tmp_path / "part-1.parquet")]
+    pq.write_table(table.slice(0, 60), paths[0], row_group_size=16)  # groups 16, 16, 16, 12
+    pq.write_table(table.slice(60), paths[1], row_group_size=7)
+    return paths
+
+
+def test_copy_yields_exactly_the_parquet_records(files: list[str], tmp_path: pathlib.Path) -> None:
+    src = gl.Parquet(files)
+    copy = src.local_copy(tmp_path / "copies")
+    assert copy.built and copy.path.parent == tmp_path / "copies" and len(copy) == len(src) == 100
+    assert np.array_equal(copy.block_starts, src.block_starts) and len(src.block_starts) == 10
+    assert copy.int_columns_as_float == {"int_with_null", "flag_with_null"}
+    for i in np.random.default_rng(0).permutation(100).tolist():
+        expected, got = src[i], copy[i]
+        assert strictly_equal(got, expected), [
+            (k, got[k], expected[k]) for k in got if not strictly_equal(got[k], expected[k])
+        ]
+    assert all(strictly_equal(a, b) for a, b in zip(copy.iter_records(), src.iter_records(), strict=True))
+    assert copy.fingerprint != src.fingerprint and copy.fingerprint.startswith("ArrowCopy:")
+    with pytest.raises(SampleIndexError, match="index 100"):
+        copy[100]
+
+
+def test_columns_and_batches_match(files: list[str], tmp_path: pathlib.Path) -> None:
+    src = gl.Parquet(files, columns=["id", "f32", "text"])
+    copy = src.local_copy(tmp_path)
+    assert copy[61] == {"__key__": f"{files[1]}:1", "id": 61, "f32": pytest.approx(61 / 3), "text": "s61é"}
+    from_parquet = list(gl.Dataset(src).batch(30))
+    from_copy = list(gl.Dataset(copy).batch(30))
+    for a, b in zip(from_parquet, from_copy, strict=True):
+        assert a.keys() == b.keys()
+        assert a["id"].dtype == b["id"].dtype and np.array_equal(a["id"], b["id"])
+        assert a["f32"].dtype == b["f32"].dtype and np.array_equal(a["f32"], b["f32"], equal_nan=True)
+        assert a["text"] == b["text"]
+
+
+def test_copy_is_reused_by_later_constructions_and_processes(files: list[str], tmp_path: pathlib.Path) -> None:
+    folder = tmp_path / "copies"
+    first = gl.Parquet(files).local_copy(folder)
+    again = gl.Parquet(files).local_copy(folder)
+    assert first.built and not again.built and again.path == first.path
+    assert os.listdir(folder) == [first.path.name]
+    code = textwrap.dedent(
+        f"""
+        import globalloader as gl
+        copy = gl.Parquet({files!r}).local_copy({str(folder)!r}, progress=False)
+        print(copy.built, copy.path, copy[98]["text"])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", str(first.path), "s98é"]
+    clone = pickle.loads(pickle.dumps(first))
+    assert strictly_equal(clone[42], first[42])
+
+
+def test_copy_is_rebuilt_when_a_file_changes(files: list[str], tmp_path: pathlib.Path) -> None:
+    folder = tmp_path / "copies"
+    old = gl.Parquet(files).local_copy(folder)
+    pq.write_table(_every_type(103).slice(60), files[1], row_group_size=7)  # a changed file: new size and mtime
+    src = gl.Parquet(files)
+    fresh = src.local_copy(folder)
+    assert fresh.built and fresh.path != old.path and len(fresh) == 103
+    assert strictly_equal([fresh[i] for i in range(103)], [src[i] for i in range(103)])
+    assert not old.path.exists() and [p.name for p in folder.iterdir()] == [fresh.path.name]
+    other = gl.Parquet(files, columns=["id"]).local_copy(folder)  # other columns: another copy beside it
+    assert other.built and sorted(p.name for p in folder.iterdir()) == sorted([fresh.path.name, other.path.name])
+
+
+def test_a_copy_cut_short_by_an_error_leaves_nothing(tmp_path: pathlib.Path) -> None:
+    good, bad = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
+    pq.write_table(pa.table({"id": list(range(40))}), good, row_group_size=10)
+    pq.write_table(pa.table({"id": ["not", "an", "int"]}), bad)
+    folder = tmp_path / "copies"
+    with pytest.raises(SourceError, match=rf"{bad}: column 'id' is string, other files have 'id' as int64"):
+        gl.Parquet([good, bad]).local_copy(folder)
+    assert list(folder.iterdir()) == []  # neither a copy nor a temporary file
+
+
+_SLOW_COPY = """
+import sys, time
+import globalloader as gl
+
+class SlowParquet(gl.Parquet):
+    def read_block(self, block):
+        time.sleep(0.2)
+        return super().read_block(block)
+
+SlowParquet(sys.argv[1]).local_copy(sys.argv[2], progress=False)
+"""
+
+
+def test_a_copy_killed_while_written_is_never_used(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "data.parquet")
+    pq.write_table(pa.table({"id": list(range(400)), "text": [f"t{i}" for i in range(400)]}), path, row_group_size=10)
+    folder = tmp_path / "copies"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_COPY, path, str(folder)])
+    try:
+        deadline = time.monotonic() + 60
+        while not list(folder.glob(".*.tmp")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the copying process never started writing"
+            time.sleep(0.01)
+        time.sleep(0.5)  # a few row groups into the copy
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    (leftover,) = folder.glob(".*.tmp")
+    assert not list(folder.glob("*.arrow"))  # the final name never held the partial copy
+    copy = gl.Parquet(path).local_copy(folder)
+    assert copy.built and [copy[i]["id"] for i in range(400)] == list(range(400))
+    assert not leftover.exists()  # the dead writer's temporary file was cleared
+    assert [p.name for p in folder.iterdir()] == [copy.path.name]
+
+
+def test_a_damaged_copy_is_written_again(files: list[str], tmp_path: pathlib.Path) -> None:
+    copy = gl.Parquet(files).local_copy(tmp_path)
+    data = copy.path.read_bytes()
+    copy.path.write_bytes(data[: len(data) // 2])
+    again = gl.Parquet(files).local_copy(tmp_path)
+    assert again.built and strictly_equal(again[99], gl.Parquet(files)[99])
+
+
+def test_exact_shuffle_over_the_copy_resumes_through_the_loader(files: list[str], tmp_path: pathlib.Path) -> None:
+    copy = gl.Parquet(files, columns=["id", "text", "floats"]).local_copy(tmp_path)
+    ds = gl.Dataset(copy).shuffle(seed=5).batch(8)
+
+    def make() -> gl.Loader:
+        loader = gl.Loader(ds, workers=2)
+        loader.set_epoch(1)
+        return loader
+
+    full = check_resume(make, at=4)
+    ids = np.concatenate([b["id"] for b in full])
+    assert sorted(ids.tolist()) == list(range(100)) and ids.tolist() != list(range(100))
+    assert np.array_equal(ids, np.concatenate([b["id"] for b in ds.iterator(1)]))
+    window = gl.Dataset(copy).shuffle(seed=5, window=2)  # the copy has the source's row groups too
+    assert sorted(r["id"] for r in window) == list(range(100))
+
+
+def test_arguments_and_folders_are_checked(files: list[str], tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ArgumentError, match=r"ArrowCopy copies a gl\.Parquet source, got SequenceSource"):
+        ArrowCopy(gl.from_sequence([1, 2]))
+    with pytest.raises(ArgumentError, match="folder must be"):
+        gl.Parquet(files).local_copy(3)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="progress must be"):
+        gl.Parquet(files).local_copy(tmp_path, progress="yes")  # type: ignore[arg-type]
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with pytest.raises(SourceError, match=f"cannot create the Arrow copy's folder {not_a_folder}"):
+        gl.Parquet(files).local_copy(not_a_folder)
+
+
+def test_default_folder_is_the_cache_folder(
+    files: list[str], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GLOBALLOADER_CACHE_DIR", str(tmp_path / "cache"))
+    copy = gl.Parquet(files).local_copy()
+    assert copy.path.parent == tmp_path / "cache" / "arrow-copy" and copy.path.exists()
