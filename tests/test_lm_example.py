@@ -19,8 +19,8 @@ web = make_text_corpus("lm-text", "web", documents=700, files=2, progress=False)
 code = make_text_corpus("lm-text", "code", documents=300, files=2, progress=False)
 tokenize = ByteTokenizer()            # {"text": str} -> {"tokens": int32 UTF-8 bytes between BOS and EOS}
 
-def corpus(files):
-    return gl.Dataset(gl.Parquet(files, columns=["text"])).shuffle().map(tokenize)
+def corpus(files):                    # rows shuffled within windows of 8 row groups: sequential reads
+    return gl.Dataset(gl.Parquet(files, columns=["text"])).shuffle(window=8).map(tokenize)
 
 chain = (
     gl.Dataset.mix([corpus(web), corpus(code)], weights=[0.7, 0.3])  # exact proportions, stops when one ends
