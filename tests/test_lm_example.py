@@ -1,46 +1,22 @@
-"""The language-model example (the README's) runs as written: two Parquet corpora, tokenized,
+"""The README's language-model example runs as written: two Parquet corpora, tokenized,
 mixed 70/30, packed to 2048, batched, stopped mid-epoch and resumed exactly."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from globalloader.demo.text import ByteTokenizer
 
-LM_EXAMPLE = """\
-import numpy as np
-import globalloader as gl
-from globalloader.demo.text import ByteTokenizer, make_text_corpus
-
-web = make_text_corpus("lm-text", "web", documents=700, files=2, progress=False)    # synthetic Parquet
-code = make_text_corpus("lm-text", "code", documents=300, files=2, progress=False)
-tokenize = ByteTokenizer()            # {"text": str} -> {"tokens": int32 UTF-8 bytes between BOS and EOS}
-
-def corpus(files):                    # rows shuffled within windows of 8 row groups: sequential reads
-    return gl.Dataset(gl.Parquet(files, columns=["text"])).shuffle(window=8).map(tokenize)
-
-chain = (
-    gl.Dataset.mix([corpus(web), corpus(code)], weights=[0.7, 0.3])  # exact proportions, stops when one ends
-    .seed(0)                          # the root of every random operator in the chain
-    .pack(2048, key="tokens")         # rows of 2048 tokens + segment_ids (0 = padding) + positions
-    .batch(8)
+ROOT = Path(__file__).resolve().parents[1]
+LM_EXAMPLE = next(
+    text
+    for text in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    if "make_text_corpus" in text
 )
-with gl.Loader(chain, workers=2) as loader:
-    it = iter(loader)
-    seen = [next(it) for _ in range(5)]
-    state = loader.state_dict()       # mid-epoch, mid-row: save it with your checkpoint
-    rest = list(it)
-
-with gl.Loader(chain, workers=2) as resumed:
-    resumed.load_state_dict(state)    # after a restart: the same batches as if never stopped
-    again = list(resumed)
-assert seen[0]["tokens"].shape == (8, 2048) and len(again) == len(rest) > 0
-for a, b in zip(rest, again, strict=True):
-    assert all(np.array_equal(a[k], b[k]) for k in ("tokens", "segment_ids", "positions"))
-"""
 
 
 def run_example() -> dict:

@@ -4,6 +4,8 @@
   through `gl.Loader` or torch's DataLoader); `benchmarks/single_job.py` runs it too.
 - `jobs`: the multi-job workload (K job processes, independent or through one server);
   `benchmarks/multi_job.py` runs it too.
+- `text`: the language-model workload's data (synthetic web and code corpora in Parquet, a
+  byte-level tokenizer); `benchmarks/lm_workload.py` and the README's LM example use it.
 - `report`: the command itself: both acts, each figure the median of several runs with its spread.
 
 Nothing in the library imports this package; it sits above the Loader and the service.
