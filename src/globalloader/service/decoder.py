@@ -34,6 +34,7 @@ from globalloader.transport import arena
 from globalloader.transport.process import die_with_parent, exit_reason, orphaned, tune_allocator
 
 MAX_ATTEMPTS = 3  # workers a load may kill before it fails
+LOADS_PER_WORKER = 2  # in flight: one running, one queued so that no worker idles between loads
 Key = tuple[str, int]  # (prefix fingerprint, index)
 
 
@@ -172,6 +173,13 @@ class DecoderPool:
     @property
     def pool(self) -> BufferPool:
         return self._events.pool
+
+    def room(self) -> bool:
+        """Whether the server should draw more samples now: while fewer than LOADS_PER_WORKER
+        loads per worker are in flight, or while a load waits for pool space (then only what jobs
+        draw can complete their batches, and so release space)."""
+        in_flight = sum(len(worker.loads) for worker in self._workers)
+        return in_flight < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
 
     def loading(self, key: Key) -> bool:
         """Whether a worker is loading `key` now (a second load of it must not start)."""
