@@ -181,6 +181,10 @@ class DecoderPool:
         in_flight = sum(len(worker.loads) for worker in self._workers)
         return in_flight < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
 
+    def _all_placed(self) -> bool:
+        """Whether every load in flight has its space reserved in the pool."""
+        return all(key in self.pool for worker in self._workers for key in worker.loads)
+
     def loading(self, key: Key) -> bool:
         """Whether a worker is loading `key` now (a second load of it must not start)."""
         return any(key in worker.loads for worker in self._workers)
@@ -192,10 +196,12 @@ class DecoderPool:
             return
         worker = min(self._workers, key=lambda w: len(w.loads))
         # Reserve the largest size this chain produced so far, so the worker can write without
-        # asking; a bigger sample falls back to asking (the guess is given back first).
+        # asking; a bigger sample falls back to asking (the guess is given back first). Not
+        # while an earlier load has no space yet: jobs take samples in the order they were drawn,
+        # and a later one holding the space an earlier one waits for could stall them all.
         size = self._sizes.get(fp)
         offset = None
-        if size is not None and size <= self.pool.capacity:
+        if size is not None and size <= self.pool.capacity and self._all_placed():
             offset = self.pool.reserve((fp, index), size)
         worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts)
         try:

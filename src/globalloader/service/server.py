@@ -78,6 +78,7 @@ class Job:
     epoch: int = 0
     wanted: int = 0  # tickets the client asked for and has not been sent
     drawn: int = 0  # this pass
+    asking_since: float = 0.0  # when its turn to draw began (see Server._draw)
     delivered: int = 0  # this pass
     consumed: int = 0  # this epoch, as the client last reported it
     rate: list[tuple[float, int]] = field(default_factory=list)  # (time, consumed) samples
@@ -371,7 +372,9 @@ class Server:
         count = int(count)
         if run == job.run and job.open and count > 0:
             job.wanted += count
-            job.group.asking[job.id] = job  # drawn when this round of events is over (`_draw`)
+            if job.id not in job.group.asking:  # drawn when this round of events is over (`_draw`)
+                job.asking_since = time.monotonic()
+                job.group.asking[job.id] = job
 
     def _on_release(self, conn: Connection, run: int, indices: Any) -> None:
         job = conn.job
@@ -417,8 +420,11 @@ class Server:
         (See `_draw`.)"""
         group, sampler = job.group, job.group.sampler
         group.asking.pop(job.id, None)
+        drawn = job.drawn
         while job.wanted > 0:
             if not self.decoders.room():
+                if job.drawn > drawn:
+                    job.asking_since = time.monotonic()  # it had its turn: to the back of the queue
                 group.asking[job.id] = job
                 break
             try:
@@ -440,8 +446,8 @@ class Server:
                     self.decoders.load(group.fingerprint, index, group.timeout())
 
     def _draw(self) -> None:
-        """After each round of events: the jobs with requests not yet drawn draw, least advanced
-        first, while the decoders have room.
+        """After each round of events: the jobs with requests not yet drawn draw in turn (who
+        waited longest first), while the decoders have room.
 
         So jobs draw from one short stream of loads: they start together and stay close, and hold
         no more of the pool than the decoders can use. Drawing all that a job asks for at once
@@ -450,7 +456,7 @@ class Server:
         before, never on what the next draw would be, so the sampler's guarantees are those of
         a job asking at that time."""
         asking = [job for group in self.groups.values() for job in group.asking.values()]
-        for job in sorted(asking, key=lambda job: job.drawn):
+        for job in sorted(asking, key=lambda job: job.asking_since):
             if job.id in self.jobs:  # not dropped by a failure of the jobs before it
                 with self._serving(job.conn, "want"):
                     self._pump(job)
