@@ -211,6 +211,42 @@ def _restore_mid_epoch(make: Factory, size: int, epochs: int, seed: int) -> np.n
     return orders
 
 
+def _drawn_as_decoders_free(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    """The server's timing: jobs ask ahead (up to 3 requests each), but requests are drawn only
+    while fewer than 2 loads are in flight (a load takes 2 steps), in turns: the job that waited
+    longest first, and a job that drew goes to the back. f (faster, a superset of k's set) and
+    k share a pool of 2 samples."""
+    sampler = make(seed)
+    sampler.add_job("f", range(1, size + 2))
+    sampler.add_job("k", range(size))
+    pool = _Pool(sampler, 2)
+    speeds, asked = {"f": 2, "k": 1}, {"f": 0, "k": 0}
+    turns = ["f", "k"]  # who waited longest first
+    loads: list[int] = []  # the step each load in flight ends at
+    orders: list[int] = []
+    step = 0
+    while len(orders) < epochs * size:
+        step += 1
+        loads = [end for end in loads if end > step]
+        for name in asked:
+            asked[name] = min(3, asked[name] + speeds[name])
+        for name in list(turns):
+            drew = False
+            while asked[name] and len(loads) < 2:
+                resident = set(pool.order)
+                index = _take(sampler, pool, name)
+                if index not in resident:
+                    loads.append(step + 2)
+                asked[name] -= 1
+                drew = True
+                if name == "k":
+                    orders.append(index)
+            if drew:
+                turns.remove(name)
+                turns.append(name)
+    return np.array(orders).reshape(epochs, size)
+
+
 SCENARIOS = {
     "alone": _alone,
     "follow_identical": _follow_identical,
@@ -219,6 +255,7 @@ SCENARIOS = {
     "wanted_pool": _wanted_pool,
     "join_leave": _join_leave,
     "restore_mid_epoch": _restore_mid_epoch,
+    "drawn_as_decoders_free": _drawn_as_decoders_free,
 }
 # 100k epochs where an epoch is cheap; the scenarios that add and remove jobs every epoch are
 # slower, and 30k epochs (1,250 per order) still detect a few percent of bias.

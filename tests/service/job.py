@@ -27,13 +27,20 @@ def decode(record):
     return {"image": np.full((32, 32, 3), record % 251, np.uint8), "index": record}
 
 
+def slow_decode(record):
+    """`decode` taking 0.1 s per sample: loads stay in flight long enough to be seen."""
+    time.sleep(0.1)
+    return decode(record)
+
+
 def augment(sample, rng):
     return {"image": sample["image"].astype(np.float32) + rng.random(), "index": sample["index"]}
 
 
-def chain(indices: list[int], batch: int) -> gl.Dataset:
+def chain(indices: list[int], batch: int, slow: bool = False) -> gl.Dataset:
     ds = gl.Dataset(gl.from_sequence(list(range(SIZE))))
-    return ds.select(indices).shuffle(seed=0).map(decode, shared=True).map(augment).batch(batch)
+    shared = slow_decode if slow else decode
+    return ds.select(indices).shuffle(seed=0).map(shared, shared=True).map(augment).batch(batch)
 
 
 def main() -> None:
@@ -45,6 +52,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per batch (a slow job)")
+    p.add_argument("--slow-decode", action="store_true", help="the shared map takes 0.1 s per sample")
     p.add_argument("--share", default="true")
     p.add_argument("--on-error", default="raise")
     p.add_argument("--hold-gil-at", type=int, default=-1, help="after this batch, hold the GIL for 8 s")
@@ -55,7 +63,11 @@ def main() -> None:
     with (
         open(args.out, "w") as out,
         gl.Loader(
-            chain(indices, args.batch), workers=1, share=share, server=args.socket, on_error=args.on_error
+            chain(indices, args.batch, args.slow_decode),
+            workers=1,
+            share=share,
+            server=args.socket,
+            on_error=args.on_error,
         ) as loader,
     ):
         try:

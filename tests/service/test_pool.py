@@ -97,3 +97,29 @@ def test_samples_no_job_wants_are_evicted_before_older_wanted_ones():
     wanted.clear()
     pool.reserve("e", 64)
     assert evicted == ["b", "a"], "with nothing wanted, plain LRU order"
+
+
+def test_an_unwanted_sample_goes_first_however_many_wanted_ones_are_older():
+    """A lagging job leaves many older samples it still wants; the newest sample, which every
+    job has taken, is the one to evict."""
+    evicted = []
+    wanted = {f"w{n}" for n in range(500)}
+    pool = BufferPool(501 * 64, on_evict=evicted.append, wanted=wanted.__contains__)
+    for n in range(500):
+        loaded(pool, f"w{n}")
+    loaded(pool, "done")
+    pool.reserve("next", 64)
+    assert evicted == ["done"]
+
+
+def test_refile_sorts_again_after_the_jobs_changed():
+    evicted = []
+    wanted = {"a", "b"}
+    pool = BufferPool(192, on_evict=evicted.append, wanted=wanted.__contains__)
+    for key in "abc":
+        loaded(pool, key)
+    wanted.symmetric_difference_update("bc")  # a job that wanted b left; one that wants c came
+    pool.refile()
+    pool.reserve("d", 64)
+    pool.reserve("e", 64)
+    assert evicted == ["b", "a"], "b is no longer wanted; then the oldest wanted one"

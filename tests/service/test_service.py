@@ -126,6 +126,25 @@ def test_the_pool_stays_within_its_budget_under_pressure(tmp_path):
         srv.stop()
 
 
+def test_the_server_draws_no_further_ahead_than_its_decoders_can_load(tmp_path):
+    """A job asks for a window of 30 samples, but the server draws them only while its decoders
+    have room (two loads per worker): with one worker, at most two requests wait for a load."""
+    srv = Server(tmp_path / "gate.sock", workers=1)
+    try:
+        proc = srv.job(tmp_path / "a.jsonl", "--start", "20", "--stop", "60", "--slow-decode")
+        waiting = []
+        while proc.poll() is None:
+            status = request(srv.socket, "status")[1]
+            if status["jobs"]:
+                waiting.append(status["requests"] - status["jobs"][0]["delivered"])
+            time.sleep(0.05)
+        finish(proc)
+        assert epochs(tmp_path / "a.jsonl")[0] == Counter(range(20, 60))
+        assert 1 <= max(waiting) <= 2, waiting
+    finally:
+        srv.stop()
+
+
 def square(record):
     return {"x": np.full(4, record), "index": record}
 

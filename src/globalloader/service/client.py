@@ -1,9 +1,10 @@
 """A training job's connection to the server: register, ask for samples, release them, heartbeat.
 
-A reader thread turns the socket into an inbox and a heartbeat thread tells the server the job's
-progress. Every wait has a deadline: `get(timeout)` raises ServerGoneError as soon as the
-connection closes or the server's process is gone, and LoaderTimeoutError when nothing arrives
-in time from a server that is alive but stuck. A server that is merely slow to answer (a long
+A reader thread turns the socket into an inbox (a list of messages per read: the server sends a
+round of tickets as one frame) and a heartbeat thread tells the server the job's progress. Every
+wait has a deadline: `get(timeout)` raises ServerGoneError as soon as the connection closes or
+the server's process is gone, and LoaderTimeoutError when nothing arrives in time from a server
+that is alive but stuck. A server that is merely slow to answer (a long
 load, a busy machine) is not taken for dead.
 """
 
@@ -13,6 +14,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,8 @@ class Client:
             raise (ServerStartError if start else ServerGoneError)(
                 f"no globalloader server answers at {self.path}"
             ) from exc
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[tuple]] = queue.SimpleQueue()
+        self._taken: deque[tuple] = deque()  # messages of the last lists taken from the inbox, in order
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._gone: GlobalLoaderError | None = None
@@ -44,15 +47,22 @@ class Client:
         threading.Thread(target=self._beat, daemon=True, name="globalloader-client-beat").start()
 
     def _read(self) -> None:
+        framer = protocol.Framer()
         try:
-            while True:
-                msg = protocol.recv(self.sock)
-                if msg[0] != "heartbeat":
-                    self._inbox.put(msg)
+            while data := self.sock.recv(1 << 20):
+                messages = []
+                for msg in framer.feed(data):
+                    if msg[0] == "batch":
+                        messages.extend(msg[1])
+                    elif msg[0] != "heartbeat":
+                        messages.append(msg)
+                if messages:
+                    self._inbox.put(messages)
+            raise ServerGoneError("the server closed the connection")
         except (GlobalLoaderError, OSError) as exc:
             if not self._closed.is_set():
                 self._gone = exc if not isinstance(exc, OSError) else ServerGoneError(str(exc))
-                self._inbox.put(("gone",))
+                self._inbox.put([("gone",)])
 
     def _beat(self) -> None:
         while not self._closed.wait(protocol.HEARTBEAT_S):
@@ -75,9 +85,9 @@ class Client:
         LoaderTimeoutError if it is alive but sent nothing in time.
         """
         deadline = time.monotonic() + timeout if timeout > 0 else None
-        while True:
+        while not self._taken:
             try:
-                msg = self._inbox.get(timeout=0.5)
+                self._taken.extend(self._inbox.get(timeout=0.5))
             except queue.Empty:
                 if not alive(self.server_pid):
                     raise ServerGoneError(
@@ -88,20 +98,20 @@ class Client:
                         f"the globalloader server at {self.path} sent nothing for {timeout:.0f} s while this "
                         f"job waited for {waiting_for} (Loader(timeout=)); see `globalloader status` and its log"
                     ) from None
-                continue
-            return self._check(msg)
+        return self._check(self._taken.popleft())
 
     def get_nowait(self) -> tuple | None:
         """The next message if one has arrived, else None."""
-        try:
-            msg = self._inbox.get_nowait()
-        except queue.Empty:
-            return None
-        return self._check(msg)
+        if not self._taken:
+            try:
+                self._taken.extend(self._inbox.get_nowait())
+            except queue.Empty:
+                return None
+        return self._check(self._taken.popleft())
 
     def _check(self, msg: tuple) -> tuple:
         if msg[0] == "gone":
-            self._inbox.put(msg)  # every later call fails the same way
+            self._taken.appendleft(msg)  # every later call fails the same way
             raise self._gone or ServerGoneError(f"the globalloader server at {self.path} is gone")
         if msg[0] == "error":
             raise protocol.make_error(msg[1], msg[2])

@@ -34,6 +34,7 @@ from globalloader.transport import arena
 from globalloader.transport.process import die_with_parent, exit_reason, orphaned, tune_allocator
 
 MAX_ATTEMPTS = 3  # workers a load may kill before it fails
+LOADS_PER_WORKER = 2  # in flight: one running, one queued so that no worker idles between loads
 Key = tuple[str, int]  # (prefix fingerprint, index)
 
 
@@ -173,6 +174,17 @@ class DecoderPool:
     def pool(self) -> BufferPool:
         return self._events.pool
 
+    def room(self) -> bool:
+        """Whether the server should draw more samples now: while fewer than LOADS_PER_WORKER
+        loads per worker are in flight, or while a load waits for pool space (then only what jobs
+        draw can complete their batches, and so release space)."""
+        in_flight = sum(len(worker.loads) for worker in self._workers)
+        return in_flight < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
+
+    def _all_placed(self) -> bool:
+        """Whether every load in flight has its space reserved in the pool."""
+        return all(key in self.pool for worker in self._workers for key in worker.loads)
+
     def loading(self, key: Key) -> bool:
         """Whether a worker is loading `key` now (a second load of it must not start)."""
         return any(key in worker.loads for worker in self._workers)
@@ -184,10 +196,12 @@ class DecoderPool:
             return
         worker = min(self._workers, key=lambda w: len(w.loads))
         # Reserve the largest size this chain produced so far, so the worker can write without
-        # asking; a bigger sample falls back to asking (the guess is given back first).
+        # asking; a bigger sample falls back to asking (the guess is given back first). Not
+        # while an earlier load has no space yet: jobs take samples in the order they were drawn,
+        # and a later one holding the space an earlier one waits for could stall them all.
         size = self._sizes.get(fp)
         offset = None
-        if size is not None and size <= self.pool.capacity:
+        if size is not None and size <= self.pool.capacity and self._all_placed():
             offset = self.pool.reserve((fp, index), size)
         worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts)
         try:

@@ -2,10 +2,12 @@
 
 A sample is written into the arena once (by a server worker) and read in place by every job that
 takes it. Each job holding a sample holds a reference; when the last one is released the sample
-moves to the second tier, an LRU of unreferenced samples that stay readable (a later request is
-a hit) until their space is needed; among them, samples no job still wants this epoch go first
-(the joint sampler's advice: it keeps followable samples in memory longer than plain LRU does).
-A referenced or still-loading sample is never evicted, and
+moves to the second tier, unreferenced samples that stay readable (a later request is a hit)
+until their space is needed. That tier is two LRU lists: samples no job still wants this epoch,
+evicted first, and samples some job still wants (the joint sampler's advice: it keeps followable
+samples in memory longer than plain LRU does). A sample is filed when it becomes unreferenced;
+whether a job wants it changes otherwise only when jobs come, go or start an epoch, and the
+server then calls `refile`. A referenced or still-loading sample is never evicted, and
 the arena never grows past its capacity: a reservation that cannot fit yet waits (returns None)
 until releases make room.
 
@@ -24,7 +26,6 @@ from typing import Any, Generic, TypeVar
 from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError, ServerError
 
 _ALIGN = 64
-_SCAN = 64  # LRU entries looked at for an unwanted victim before taking the oldest
 
 K = TypeVar("K", bound=Hashable)  # a sample's key (the server's: (prefix fingerprint, index))
 
@@ -61,7 +62,11 @@ class BufferPool(Generic[K]):
         self._on_evict = on_evict or (lambda key: None)
         self._wanted = wanted or (lambda key: False)
         self._entries: dict[K, Entry] = {}
-        self._lru: OrderedDict[K, None] = OrderedDict()  # ready, unreferenced; oldest first
+        # Ready and unreferenced, oldest first, each with the tick it was filed at: samples no
+        # job wants (evicted first), and the others.
+        self._unwanted: OrderedDict[K, int] = OrderedDict()
+        self._kept: OrderedDict[K, int] = OrderedDict()
+        self._ticks = 0
         self._starts = [0]  # free blocks, sorted by offset
         self._sizes = {0: capacity}
         self.used = 0
@@ -87,7 +92,7 @@ class BufferPool(Generic[K]):
                 "start the server with a larger --memory"
             )
         offset = self._fit(size)
-        while offset is None and self._lru:
+        while offset is None and (self._unwanted or self._kept):
             self._evict(self._victim())
             offset = self._fit(size)
         if offset is None:
@@ -110,7 +115,7 @@ class BufferPool(Generic[K]):
         """The bytes of `key` are written: it becomes readable (unreferenced, so in the LRU tier)."""
         entry = self._entries[key]
         entry.layout = layout
-        self._lru[key] = None
+        self._file(key)
         return entry
 
     def abort(self, key: K) -> None:
@@ -124,7 +129,8 @@ class BufferPool(Generic[K]):
         entry = self._entries[key]
         if not entry.ready:
             raise ServerError(f"BufferPool: {key!r} is still loading")
-        self._lru.pop(key, None)
+        if not entry.holders:
+            self._unfile(key)
         if entry.served:
             self.counters["hits"] += 1
         entry.served += 1
@@ -139,7 +145,7 @@ class BufferPool(Generic[K]):
         if entry.holders[holder] == 0:
             del entry.holders[holder]
         if not entry.holders:
-            self._lru[key] = None
+            self._file(key)
 
     def release_holder(self, holder: Hashable) -> int:
         """Drop every reference `holder` has (a job that left or died); returns how many."""
@@ -149,8 +155,17 @@ class BufferPool(Generic[K]):
             if count:
                 dropped += count
                 if not entry.holders and entry.ready:
-                    self._lru[key] = None
+                    self._file(key)
         return dropped
+
+    def refile(self) -> None:
+        """Sort the unreferenced samples again by whether a job wants them (call it when jobs
+        came, went or started an epoch); ages are kept."""
+        idle = sorted([*self._unwanted.items(), *self._kept.items()], key=lambda item: item[1])
+        self._unwanted.clear()
+        self._kept.clear()
+        for key, tick in idle:
+            (self._kept if self._wanted(key) else self._unwanted)[key] = tick
 
     # -- reporting ---------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -160,7 +175,7 @@ class BufferPool(Generic[K]):
             "used": self.used,
             "samples": len(self._entries),
             "referenced": referenced,
-            "cached": len(self._lru),
+            "cached": len(self._unwanted) + len(self._kept),
             "loading": sum(1 for e in self._entries.values() if not e.ready),
             **self.counters,
         }
@@ -178,17 +193,21 @@ class BufferPool(Generic[K]):
                 return start
         return None
 
+    def _file(self, key: K) -> None:
+        """`key` became unreferenced: into the LRU list that says whether a job still wants it."""
+        self._ticks += 1
+        (self._kept if self._wanted(key) else self._unwanted)[key] = self._ticks
+
+    def _unfile(self, key: K) -> None:
+        if self._unwanted.pop(key, None) is None:
+            del self._kept[key]
+
     def _victim(self) -> K:
         """The oldest unreferenced sample nobody wants any more, else the oldest one."""
-        for n, key in enumerate(self._lru):
-            if n == _SCAN:
-                break
-            if not self._wanted(key):
-                return key
-        return next(iter(self._lru))
+        return next(iter(self._unwanted or self._kept))
 
     def _evict(self, key: K) -> None:
-        del self._lru[key]
+        self._unfile(key)
         entry = self._entries.pop(key)
         self._free(entry)
         self.counters["evictions"] += 1

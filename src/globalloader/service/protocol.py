@@ -52,7 +52,9 @@ MESSAGES: dict[str, tuple[str, ...]] = {
     "error": ("error", "message"),  # the request failed; the connection ends
     "report": ("status",),  # answer to "status"
     "stopping": (),
+    "batch": ("messages",),  # a tuple of tickets and failed loads queued by one round of events
 }
+BATCHED = ("ticket", "failed")  # the messages a "batch" may hold
 FIRST = ("hello", "status", "stop")  # what a connection may start with
 
 
@@ -94,12 +96,31 @@ def check_peer(sock: socket.socket, what: str) -> int:
 
 def frame(kind: str, *fields: Any) -> bytes:
     """One message as bytes on the wire."""
-    if len(fields) != len(MESSAGES[kind]):
-        raise ProtocolError(f"message {kind!r} takes fields {MESSAGES[kind]}, got {len(fields)}")
-    data = pickle.dumps((kind, *fields), protocol=pickle.HIGHEST_PROTOCOL)
+    msg = (kind, *fields)
+    _check_fields(msg)
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) > MAX_FRAME:
         raise ProtocolError(f"message {kind!r} is {len(data):,} bytes, over the {MAX_FRAME:,}-byte limit")
     return HEADER.pack(len(data)) + data
+
+
+def frame_all(messages: list[tuple]) -> bytes:
+    """Messages as bytes on the wire, each run of tickets (and failed loads) in one "batch"
+    frame: one pickle and one read per round of tickets, not one each. Other messages keep a
+    frame of their own."""
+    out = bytearray()
+    run: list[tuple] = []
+    for msg in [*messages, None]:
+        if msg is not None and msg[0] in BATCHED:
+            _check_fields(msg)  # here: a batch's frame checks only its own two fields
+            run.append(msg)
+            continue
+        if run:
+            out += frame(*run[0]) if len(run) == 1 else frame("batch", tuple(run))
+            run = []
+        if msg is not None:
+            out += frame(*msg)
+    return bytes(out)
 
 
 def parse(payload: bytes) -> tuple:
@@ -108,11 +129,22 @@ def parse(payload: bytes) -> tuple:
         msg = pickle.loads(payload)
     except Exception as exc:  # noqa: BLE001 - unpickling a bad frame can raise anything; it ends one connection
         raise ProtocolError(f"a message is not a valid pickle ({type(exc).__name__}: {exc})") from None
+    _check_fields(msg)
+    if msg[0] == "batch":
+        if not isinstance(msg[1], tuple):
+            raise ProtocolError("a 'batch' needs a tuple of messages")
+        for inner in msg[1]:
+            _check_fields(inner)
+            if inner[0] not in BATCHED:
+                raise ProtocolError(f"a 'batch' holds only {BATCHED}, not {inner[0]!r}")
+    return msg
+
+
+def _check_fields(msg: Any) -> None:
     if not isinstance(msg, tuple) or not msg or not isinstance(msg[0], str) or msg[0] not in MESSAGES:
         raise ProtocolError(f"unknown message {str(msg)[:80]!r}")
     if len(msg) - 1 != len(MESSAGES[msg[0]]):
         raise ProtocolError(f"message {msg[0]!r} needs fields {MESSAGES[msg[0]]}, got {len(msg) - 1}")
-    return msg
 
 
 def send(sock: socket.socket, kind: str, *fields: Any) -> None:

@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ class Connection:
     opened: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     framer: protocol.Framer = field(default_factory=protocol.Framer)
+    queued: list[tuple] = field(default_factory=list)  # messages of this round of events, not yet framed
     outbox: bytearray = field(default_factory=bytearray)
     job: Job | None = None
     closing: bool = False  # close once the outbox is sent
@@ -77,6 +78,7 @@ class Job:
     epoch: int = 0
     wanted: int = 0  # tickets the client asked for and has not been sent
     drawn: int = 0  # this pass
+    asking_since: float = 0.0  # when its turn to draw began (see Server._draw)
     delivered: int = 0  # this pass
     consumed: int = 0  # this epoch, as the client last reported it
     rate: list[tuple[float, int]] = field(default_factory=list)  # (time, consumed) samples
@@ -97,6 +99,7 @@ class Group:
     sampler: JointSampler
     jobs: dict[int, Job] = field(default_factory=dict)
     waiters: dict[int, list[tuple[Job, int, int]]] = field(default_factory=lambda: defaultdict(list))
+    asking: dict[int, Job] = field(default_factory=dict)  # jobs with requests not drawn yet
 
     def timeout(self) -> float:
         return min((job.timeout for job in self.jobs.values()), default=300.0)
@@ -118,6 +121,7 @@ class Server:
         self.groups: dict[str, Group] = {}
         self.jobs: dict[int, Job] = {}
         self.connections: dict[socket.socket, Connection] = {}
+        self._unposted: dict[socket.socket, Connection] = {}  # connections with queued messages
         self._next_job = 1
         self.requests = self.decodes = 0  # since the start, over every group
         self._running = True
@@ -195,9 +199,9 @@ class Server:
             self._handle(conn, msg)
 
     def _handle(self, conn: Connection, msg: tuple) -> None:
-        """Run one message's handler; whatever it raises goes back to that client only."""
+        """Run one message's handler."""
         kind = msg[0]
-        try:
+        with self._serving(conn, kind):
             if conn.job is None and kind not in protocol.FIRST:
                 raise ProtocolError(f"{kind!r} before 'hello'")
             if conn.job is not None and kind == "hello":
@@ -206,6 +210,12 @@ class Server:
             if handler is None:
                 raise ProtocolError(f"{kind!r} is not a request")
             handler(conn, *msg[1:])
+
+    @contextlib.contextmanager
+    def _serving(self, conn: Connection, kind: str) -> Iterator[None]:
+        """Whatever serving a client's `kind` request raises goes back to that client only."""
+        try:
+            yield
         except ProtocolError as exc:
             self._refuse(conn, exc)
         except GlobalLoaderError as exc:  # the request cannot be served: say why, end the job
@@ -228,15 +238,30 @@ class Server:
         self._end(conn, f"failed: {exc}")
 
     def _send(self, conn: Connection, kind: str, *fields: Any) -> None:
-        """Queue a message; a client whose unread backlog passes SEND_LIMIT is dropped."""
+        """Queue a message: what one round of events queued for a client goes out in one frame
+        when the round is over (`_post`)."""
         if conn.sock.fileno() < 0:
             return
+        conn.queued.append((kind, *fields))
+        self._unposted[conn.sock] = conn
+
+    def _post(self, conn: Connection) -> None:
+        """Frame the queued messages and send what the socket takes; a client whose unread
+        backlog passes SEND_LIMIT is dropped."""
+        if not conn.queued or conn.sock.fileno() < 0:
+            return
         waiting = bool(conn.outbox)  # then the socket is full: the selector flushes when it drains
-        conn.outbox += protocol.frame(kind, *fields)
+        conn.outbox += protocol.frame_all(conn.queued)
+        conn.queued = []
         if not waiting:
             self._flush(conn)
         if conn.sock.fileno() >= 0 and len(conn.outbox) > protocol.SEND_LIMIT:
             self._close(conn, f"stopped reading ({len(conn.outbox):,} bytes unsent)")
+
+    def _post_all(self) -> None:
+        while self._unposted:
+            _, conn = self._unposted.popitem()
+            self._post(conn)
 
     def _flush(self, conn: Connection) -> None:
         if conn.sock.fileno() < 0:
@@ -267,6 +292,7 @@ class Server:
         if conn.job is not None:
             self._drop(conn.job, why)
         conn.closing = True
+        self._post(conn)
         if not conn.outbox:
             self._close(conn, None)
 
@@ -321,6 +347,7 @@ class Server:
             if job.id in sampler.stats():
                 sampler.remove_job(job.id)
             sampler.add_job(job.id, indices, seed=job.seed, epoch=int(epoch))
+        self.pool.refile()  # this job now wants its whole set again
         job.set_digest, job.run, job.open = digest, int(run), True
         job.epoch, job.size, job.wanted = int(epoch), len(indices), 0
         job.drawn = job.delivered = job.consumed = 0
@@ -329,6 +356,7 @@ class Server:
     def _forget_pass(self, job: Job) -> None:
         """Drop the job's references and pending tickets (its pass ended or was abandoned)."""
         group = job.group
+        group.asking.pop(job.id, None)
         for index in list(group.waiters):
             remaining = [w for w in group.waiters[index] if w[0] is not job]
             if remaining:
@@ -341,9 +369,12 @@ class Server:
     def _on_want(self, conn: Connection, run: int, count: int) -> None:
         job = conn.job
         assert job is not None
-        if run == job.run and job.open:
-            job.wanted += max(0, int(count))
-            self._pump(job)
+        count = int(count)
+        if run == job.run and job.open and count > 0:
+            job.wanted += count
+            if job.id not in job.group.asking:  # drawn when this round of events is over (`_draw`)
+                job.asking_since = time.monotonic()
+                job.group.asking[job.id] = job
 
     def _on_release(self, conn: Connection, run: int, indices: Any) -> None:
         job = conn.job
@@ -382,9 +413,20 @@ class Server:
     # -- scheduling --------------------------------------------------------------------------
     def _pump(self, job: Job) -> None:
         """Draw as many indices as the job asked for and deliver or load each. (A client never
-        asks for more than its set: it knows when its epoch ends.)"""
+        asks for more than its set: it knows when its epoch ends.)
+
+        Draws are made only while the decoders have room for another load
+        (`DecoderPool.room`); the rest of the request waits among its group's `asking` jobs.
+        (See `_draw`.)"""
         group, sampler = job.group, job.group.sampler
+        group.asking.pop(job.id, None)
+        drawn = job.drawn
         while job.wanted > 0:
+            if not self.decoders.room():
+                if job.drawn > drawn:
+                    job.asking_since = time.monotonic()  # it had its turn: to the back of the queue
+                group.asking[job.id] = job
+                break
             try:
                 index = sampler.next(job.id)
             except StopIteration:
@@ -402,6 +444,22 @@ class Server:
                 group.waiters[index].append((job, job.run, seq))
                 if entry is None:  # not even reserved: start a load unless one is on its way
                     self.decoders.load(group.fingerprint, index, group.timeout())
+
+    def _draw(self) -> None:
+        """After each round of events: the jobs with requests not yet drawn draw in turn (who
+        waited longest first), while the decoders have room.
+
+        So jobs draw from one short stream of loads: they start together and stay close, and hold
+        no more of the pool than the decoders can use. Drawing all that a job asks for at once
+        would queue loads far ahead and spread the jobs apart, until what one job loaded is
+        evicted before another follows it. When a draw is made depends only on what was drawn
+        before, never on what the next draw would be, so the sampler's guarantees are those of
+        a job asking at that time."""
+        asking = [job for group in self.groups.values() for job in group.asking.values()]
+        for job in sorted(asking, key=lambda job: job.asking_since):
+            if job.id in self.jobs:  # not dropped by a failure of the jobs before it
+                with self._serving(job.conn, "want"):
+                    self._pump(job)
 
     def _deliver(self, job: Job, seq: int, index: int) -> None:
         entry = self.pool.acquire((job.group.fingerprint, index), job.id)
@@ -457,6 +515,7 @@ class Server:
             group.sampler.remove_job(job.id)
         if not group.jobs:
             del self.groups[group.fingerprint]  # its samples stay in the LRU tier until evicted
+        self.pool.refile()  # what only this job wanted is wanted no more
         self.finished = [*self.finished, {**self._job_status(job), "state": "left"}][-20:]
         if not self.jobs:
             self._idle_since = time.monotonic()
@@ -531,6 +590,8 @@ class Server:
                     if self.idle_exit and not self.jobs and now - self._idle_since > self.idle_exit:
                         self._log(f"no jobs for {self.idle_exit:.0f} s; exiting")
                         self._running = False
+                self._draw()
+                self._post_all()
         finally:
             self.close()
 
@@ -543,6 +604,7 @@ class Server:
     def close(self) -> None:
         self._close_listener()  # first: nobody new connects to a server going away
         for conn in list(self.connections.values()):
+            self._post(conn)
             if conn.outbox:
                 self._flush(conn)  # the "stopping" answer, if the socket takes it
             self._close(conn, None)
