@@ -185,3 +185,19 @@ def test_errors_name_file_column_and_index(files: list[str], tmp_path: pathlib.P
         src[70]
     with pytest.raises(SampleIndexError, match="index -1"):
         src[-1]
+
+
+def test_read_many_is_getitem_for_each_index_in_the_given_order(files: list[str]) -> None:
+    """The plan reads a task's rows with read_many (group by group); it must be exactly the
+    records `src[i]` gives, in the order asked, repeats included."""
+    src = Parquet(files, cached_row_groups=1)
+    indices = np.random.default_rng(0).integers(0, len(src), size=200)
+    indices[5] = indices[9]  # a repeat
+    many = src.read_many(indices)
+    assert len(many) == 200
+    for record, i in zip(many, indices.tolist(), strict=True):
+        expected = src[i]
+        assert record.keys() == expected.keys() and record["__key__"] == expected["__key__"]
+        assert record["id"] == i and record["name"] == f"row {i}"
+    with pytest.raises(SampleIndexError, match="70"):
+        src.read_many(np.array([3, 70]))

@@ -74,8 +74,9 @@ class Plan:
         self._streams: Counter[str] = Counter()
         for op in ops:
             op.attach(self)
-        if isinstance(source, Combined):
-            self.source = source.bind(self.seed, Plan)
+        self._combined = source.bind(self.seed, Plan) if isinstance(source, Combined) else None
+        if self._combined is not None:
+            self.source = self._combined
         self.lengths = self._lengths()
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
@@ -316,11 +317,18 @@ class Plan:
         result = TaskResult(None)
         samples = []
         pairs = self.is_stream or first_map is not None
+        grouped = self.grouped
+        if not pairs and self.cache is None and hasattr(self.source, "read_many"):
+            t0 = time.perf_counter()  # a source made of blocks reads a task's rows block by block
+            indices = np.asarray(items, dtype=np.int64)
+            items = list(zip(indices.tolist(), self.source.read_many(indices), strict=True))
+            _tick(timer, "read", t0, len(items))
+            pairs, first_map = True, 0
         for item in items:
             index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
             try:
                 start = 0 if record is MISSING else first_map or 0
-                if self.grouped:
+                if grouped:
                     samples.append((index, self._records(epoch, index, record, timer, start)))
                 else:
                     samples.append(self._sample(epoch, index, record, timer, start))
@@ -362,8 +370,12 @@ class Plan:
                 if record is not MISSING:
                     _tick(timer, "cache hit", t0)
                     start = self.cache_at
-            if record is MISSING:
-                record = self._read(epoch, index, timer)
+            if record is MISSING and self._combined is not None:
+                record = self._combined.read(epoch, index, timer)
+            elif record is MISSING:
+                t0 = time.perf_counter()
+                record = self.source[index]
+                _tick(timer, "read", t0)
         computed = start == 0
         for k in range(start, len(self.maps) if stop is None else stop):
             if k == self.cache_at and self.cache is not None and computed:
@@ -371,14 +383,6 @@ class Plan:
             record = self._apply(self.maps[k], record, epoch, index, k, timer)
         if self.cache is not None and computed and self.cache_at == (len(self.maps) if stop is None else stop):
             self.cache.put(index, record)
-        return record
-
-    def _read(self, epoch: int, index: int, timer: Timer) -> Any:
-        if isinstance(self.source, Combined):
-            return self.source.read(epoch, index, timer)
-        t0 = time.perf_counter()
-        record = self.source[index]
-        _tick(timer, "read", t0)
         return record
 
     def _records(self, epoch: int, index: int, record: Any, timer: Timer, start: int) -> list[Any]:
@@ -423,9 +427,9 @@ class Plan:
         return value
 
 
-def _tick(timer: Timer, stage: str, t0: float) -> None:
+def _tick(timer: Timer, stage: str, t0: float, items: int = 1) -> None:
     entry = timer.get(stage)
     if entry is None:
         timer[stage] = entry = [0, 0.0]
-    entry[0] += 1
+    entry[0] += items
     entry[1] += time.perf_counter() - t0

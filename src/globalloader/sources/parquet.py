@@ -150,17 +150,42 @@ class Parquet:
         if index.__class__ is not int or not 0 <= index < self._len:
             index = check_index(index, self._len, self)
         group = bisect.bisect_right(self._group_start, index) - 1
+        return self._record(self._group(group), group, index - self._group_start[group])
+
+    def read_many(self, indices: np.ndarray) -> list[dict[str, Any]]:
+        """The records at `indices`, in that order: rows are read group by group, in row order
+        within each, so a task pays one cache lookup per row group, not one per row."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self._len):
+            bad = idx[(idx < 0) | (idx >= self._len)][0]
+            check_index(int(bad), self._len, self)
+        groups = np.searchsorted(self.block_starts, idx, side="right") - 1
+        order = np.lexsort((idx, groups))
+        out: list[Any] = [None] * len(idx)
+        sorted_groups = groups[order]
+        cuts = np.flatnonzero(np.diff(sorted_groups)) + 1
+        for part in np.split(np.arange(len(idx)), cuts):
+            if not len(part):
+                continue
+            group = int(sorted_groups[part[0]])
+            decoded, start = self._group(group), self._group_start[group]
+            for k, index in zip(order[part].tolist(), idx[order[part]].tolist(), strict=True):
+                out[k] = self._record(decoded, group, index - start)
+        return out
+
+    def _group(self, group: int) -> _Decoded:
         cached = self._groups.get(group)
         if cached is None:
-            cached = self._decode_and_cache(group)
-        else:
-            # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
-            with contextlib.suppress(KeyError):
-                self._groups.move_to_end(group)
-        row = index - self._group_start[group]
+            return self._decode_and_cache(group)
+        # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
+        with contextlib.suppress(KeyError):
+            self._groups.move_to_end(group)
+        return cached
+
+    def _record(self, decoded: _Decoded, group: int, row: int) -> dict[str, Any]:
         f, _, first_row = self._group_owner[group]
         record: dict[str, Any] = {"__key__": f"{self.files[f]}:{first_row + row}"}
-        unpack, steps = cached
+        unpack, steps = decoded
         packed = unpack(row) if unpack is not None else ()
         for name, kind, slot, read in steps:
             record[name] = packed[slot] if kind == VALUE else read(row)
