@@ -383,7 +383,8 @@ def loss_cluster(tmp_path_factory) -> Iterator[tuple[Cluster, dict[str, Any]]]:
 
 class TestNodeLoss:
     """Trainers on node-a (head) and node-b, which have no CPUs; every map and reduce task runs on
-    worker-1 or worker-2. worker-1 is removed mid-epoch (and a fresh worker-3 added)."""
+    worker-1 or worker-2. The one holding outputs only it has is removed mid-epoch (and a fresh
+    worker-3 added)."""
 
     def test_a_worker_node_lost_mid_epoch_loses_and_repeats_no_row(self, loss_cluster, files):
         cluster, workers = loss_cluster
@@ -394,11 +395,21 @@ class TestNodeLoss:
             open_all(trainers, files, args)
             reads = [t.read.remote([0, 1], delay=0.15) for t in trainers]
             wait_for_progress(trainers, 3)
-            ahead = made_outputs(args["name"], epoch=1)  # shuffled while the trainers read epoch 0
-            doomed = workers["worker-1"].node_id
-            only_there = [ref for ref, where in get_object_locations(ahead).items() if where["node_ids"] == [doomed]]
+            deadline = time.monotonic() + 10  # the worker node holding outputs of epoch 1 only it has
+            while True:
+                ahead = made_outputs(args["name"], epoch=1)  # shuffled while the trainers read epoch 0
+                places = get_object_locations(ahead)
+                only = {
+                    name: [ref for ref, where in places.items() if where["node_ids"] == [workers[name].node_id]]
+                    for name in ("worker-1", "worker-2")
+                }
+                doomed = max(only, key=lambda name: len(only[name]))
+                if only[doomed] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            only_there = only[doomed]
             assert max(ray.get([t.progress.remote() for t in trainers])) < len(reference[0][0])  # still epoch 0
-            cluster.remove_node(workers["worker-1"], allow_graceful=False)
+            cluster.remove_node(workers[doomed], allow_graceful=False)
             cluster.add_node(num_cpus=1, resources={"worker-3": 1}, object_store_memory=STORE)
             del ahead
             assert only_there, "no output lived only on the removed node: nothing was lost"
