@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from globalloader.dataset.fingerprint import digest, fingerprint
 from globalloader.dataset.seeds import sample_rng
@@ -77,3 +77,36 @@ class MapOp:
 
     def describe(self) -> tuple[object, ...]:
         return ("map", self.name)
+
+
+@dataclass(frozen=True)
+class ExpandingOp:
+    """What filter and flat_map share: a user function that may take `rng`, run per sample in
+    the workers, whose sample may become no record or several (`expand`)."""
+
+    fn: Callable[..., Any]
+    name: str
+    key: str | None = None
+    shared: bool = field(default=False, init=False)
+    expands: bool = field(default=True, init=False)
+    random: bool = field(init=False)
+    method: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "random", takes_rng(self.fn))
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_record(self)
+
+    def identity(self, strict: bool = True) -> str:
+        return describe_fn(self.method, self.fn, self.name, self.key, strict)
+
+    def apply(self, value: Any, seed: int, epoch: int, index: int, position: int, *sub: int) -> list[Any]:
+        out = self.fn(value, rng=sample_rng(seed, epoch, index, position, *sub)) if self.random else self.fn(value)
+        return self.expand(value, out)
+
+    def expand(self, value: Any, out: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def describe(self) -> tuple[object, ...]:
+        return (self.method, self.name)
