@@ -4,6 +4,9 @@ servers started and always stopped through the command line of this interpreter.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import decimal
+import math
 import os
 import signal
 import socket
@@ -165,3 +168,56 @@ def _stop_process(proc: subprocess.Popen, path: Path) -> None:
     if proc.poll() is None:
         stop_server(path, proc.pid)
     proc.wait()
+
+
+def strictly_equal(a: object, b: object) -> bool:
+    """Equal values of the same Python types; arrays of the same dtype, shape and writability; NaN equals NaN."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and (a.dtype, a.shape, a.flags.writeable) == (b.dtype, b.shape, b.flags.writeable)
+            and all(strictly_equal(x, y) for x, y in zip(list(a), list(b), strict=True))
+        )
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(strictly_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(strictly_equal(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return type(a) is type(b) and a == b
+
+
+def every_arrow_type(n: int) -> Any:
+    """Columns of every kind Parquet and its Arrow copy read their own way, with nulls where they
+    change the rules."""
+    import pyarrow as pa
+
+    ids = list(range(n))
+    return pa.table(
+        {
+            "id": ids,
+            "i32": pa.array(ids, pa.int32()),
+            "f32": pa.array([None if i % 5 == 0 else i / 3 for i in ids], pa.float32()),
+            "f16": pa.array(np.arange(n, dtype=np.float16)),
+            "int_with_null": pa.array([None if i == 77 else i for i in ids], pa.int16()),
+            "flag": [i % 3 == 0 for i in ids],
+            "flag_with_null": [None if i == 50 else i % 2 == 0 for i in ids],
+            "text": [None if i % 9 == 0 else f"s{i}é" for i in ids],
+            "large_text": pa.array([f"x{i}" for i in ids], pa.large_string()),
+            "blob": [bytes([i % 256]) * (i % 4) for i in ids],
+            "ints": [None if i % 11 == 0 else list(range(i % 5)) for i in ids],
+            "floats": [[i / 2] for i in ids],
+            "ints_with_null_item": [[1, None] if i == 30 else [i] for i in ids],
+            "texts": [["a", str(i)] for i in ids],
+            "flags": [[True, i % 2 == 0] for i in ids],
+            "nested": [[[i], [1, 2]] for i in ids],
+            "vector": pa.array([[float(i), 1.0] for i in ids], pa.list_(pa.float32(), 2)),
+            "vector_with_null": pa.array([None if i == 3 else [i, 1] for i in ids], pa.list_(pa.int64(), 2)),
+            "struct": [{"a": i, "b": None if i % 2 else "q"} for i in ids],
+            "time": pa.array([datetime.datetime(2020, 1, 1) + datetime.timedelta(seconds=i) for i in ids]),
+            "price": pa.array([decimal.Decimal(i) / 4 for i in ids], pa.decimal128(10, 2)),
+            "category": pa.array([f"c{i % 3}" for i in ids]).dictionary_encode(),
+            "mapping": pa.array([[("k", i)] for i in ids], pa.map_(pa.string(), pa.int64())),
+        }
+    )

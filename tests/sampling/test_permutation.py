@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from globalloader.dataset.index_ops import Shuffle
 from globalloader.sampling.permutation import Permutation
 
 
@@ -40,3 +43,42 @@ def test_large_domain_positions_are_uniform():
         inv = np.argsort(Permutation(n, seed=2, epoch=epoch).array())
         np.add.at(bins, (inv[:1000] * 10) // n, 1)
     assert chisquare(bins).pvalue > 0.001
+
+
+@pytest.mark.parametrize("n", [1000, 100_000, 1_000_003])
+def test_runs_map_like_single_positions(n: int) -> None:
+    """`run` serves positions from cached chunks: every run, across chunk edges and at the end,
+    must equal mapping the positions one array at a time."""
+    perm = Permutation(n, seed=11, epoch=2)
+    fresh = Permutation(n, seed=11, epoch=2)
+    rng = np.random.default_rng(0)
+    starts = [0, n - 1, max(0, n - 700), *rng.integers(0, n, 20).tolist(), 16383 % n, 16384 % n]
+    for start in starts:
+        for length in (1, 2, 999, 20_000, 40_000):
+            stop = min(n, start + length)
+            assert np.array_equal(perm.run(start, stop), fresh[np.arange(start, stop)]), (start, stop)
+    block = perm.run(0, min(n, 1000))
+    block[:] = -1  # the caller's own copy: the cache is untouched
+    assert np.array_equal(perm.run(0, min(n, 1000)), fresh[np.arange(min(n, 1000))])
+
+
+def test_runs_from_many_threads_agree() -> None:
+    n = 500_000
+    perm, expected = Permutation(n, seed=3), Permutation(n, seed=3).array()
+    starts = np.random.default_rng(1).integers(0, n - 1000, 400).tolist()
+
+    def check(start: int) -> bool:
+        return bool(np.array_equal(perm.run(start, start + 1000), expected[start : start + 1000]))
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(check, starts))
+
+
+def test_a_shuffle_maps_any_positions_whether_a_run_or_not() -> None:
+    """Only a true run takes the chunked path: positions spanning a run's width in another order
+    (as a select after the shuffle gives) map one by one."""
+    n = 200_000
+    shuffle, perm = Shuffle(seed=5), Permutation(n, 5, 1)
+    for positions in ([3, 0, 1, 6], [10, 11, 12], [7, 9, 8], [4], [5, 6, 6, 7]):
+        pos = np.array(positions, dtype=np.int64)
+        assert np.array_equal(shuffle.parents(pos, n, 1), perm[pos]), positions

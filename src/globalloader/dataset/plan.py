@@ -78,6 +78,13 @@ class Plan:
         if self._combined is not None:
             self.source = self._combined
         self.lengths = self._lengths()
+        # A batch of the source's rows with nothing in between: the source gathers it by column.
+        self.columnar = bool(
+            getattr(self.source, "columnar", False)
+            and self.batch is not None
+            and self.batch.collate is default_collate
+            and not (self.maps or self.tail or self.is_stream or self.cache is not None)
+        )
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
         # lazily loaded model) must not make a checkpoint of this very chain look foreign.
@@ -317,6 +324,12 @@ class Plan:
         result = TaskResult(None)
         samples = []
         pairs = self.is_stream or first_map is not None
+        if self.columnar and not pairs and len(items):
+            t0 = time.perf_counter()
+            batch = self.source.read_columns(np.asarray(items, dtype=np.int64))
+            _tick(timer, "read", t0, len(items))
+            result.output = self._batch_maps(batch, epoch, task, timer)
+            return result
         grouped = self.grouped
         if not pairs and self.cache is None and hasattr(self.source, "read_many"):
             t0 = time.perf_counter()  # a source made of blocks reads a task's rows block by block
@@ -346,10 +359,13 @@ class Plan:
             else:
                 batch = self.batch.collate(samples)
             _tick(timer, "collate", t0)
-            for k, op in enumerate(self.batch_maps, start=len(self.maps)):
-                batch = self._apply(op, batch, epoch, task, k, timer, batch_level=True)
-            result.output = batch
+            result.output = self._batch_maps(batch, epoch, task, timer)
         return result
+
+    def _batch_maps(self, batch: Any, epoch: int, task: int, timer: Timer) -> Any:
+        for k, op in enumerate(self.batch_maps, start=len(self.maps)):
+            batch = self._apply(op, batch, epoch, task, k, timer, batch_level=True)
+        return batch
 
     def stream_task(self, reader: StreamReader, task: int) -> list[tuple[int, Any]] | None:
         """The next task's records from `reader`, numbered by their position in the epoch (the

@@ -117,12 +117,20 @@ class WindowShuffle:
             return pos.copy()
         layout = _layout(self, epoch)
         window = np.searchsorted(layout.window_starts, pos, side="right") - 1
-        shuffled = np.empty_like(pos)
-        for k in np.unique(window).tolist():  # a task's consecutive positions span one or two windows
-            here = window == k
-            first, end = int(layout.window_starts[k]), int(layout.window_starts[k + 1])
-            local = _rows(self, epoch, k, end - first)[pos[here] - first]
-            shuffled[here] = first + local.astype(np.int64)  # int32 for an explicit order: widen before adding
+        result = np.empty_like(pos)
+        lowest, highest = int(window.min()), int(window.max())
+        for k in [lowest] if lowest == highest else np.unique(window).tolist():  # a task's span one or two
+            here = slice(None) if lowest == highest else window == k
+            first = int(layout.window_starts[k])
+            order = _window(self, epoch, k)
+            if isinstance(order, Permutation):
+                result[here] = self._sources(layout, first + order[pos[here] - first])
+            else:
+                result[here] = order[pos[here] - first]
+        return result
+
+    def _sources(self, layout: _Layout, shuffled: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Source indices of output positions once rows are shuffled within their window."""
         place = np.searchsorted(layout.starts, shuffled, side="right") - 1
         result: npt.NDArray[np.int64] = self.bounds[layout.order[place]] + (shuffled - layout.starts[place])
         return result
@@ -143,13 +151,17 @@ def _layout(op: WindowShuffle, epoch: int) -> _Layout:
     return _Layout(order, starts, window_starts)
 
 
-@lru_cache(maxsize=4)
-def _rows(op: WindowShuffle, epoch: int, window: int, size: int) -> Permutation | npt.NDArray[np.int32]:
-    """The row order inside window `window` of `epoch`, from its own random stream: an explicit
-    array up to `_EXPLICIT_ROWS` rows (indexing it is a copy; at most 16 MiB), else a Feistel
-    permutation (no memory, a few microseconds per thousand rows)."""
+@lru_cache(maxsize=3)  # a task spans at most two windows
+def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | npt.NDArray[np.int64]:
+    """Window `window` of `epoch`, its rows shuffled by its own random stream: up to
+    `_EXPLICIT_ROWS` rows, the source index at each of its positions (at most 32 MiB); above,
+    the permutation of its rows (no memory, a few microseconds per thousand rows)."""
+    layout = _layout(op, epoch)
+    first, end = int(layout.window_starts[window]), int(layout.window_starts[window + 1])
     seq = np.random.SeedSequence([op._key[0] & 0xFFFFFFFFFFFFFFFF, int(epoch), int(window), _ROWS_STREAM])
-    if size <= _EXPLICIT_ROWS:
-        order: npt.NDArray[np.int32] = np.random.Generator(np.random.PCG64(seq)).permutation(size).astype(np.int32)
-        return order
-    return Permutation(size, int(seq.generate_state(1, np.uint64)[0]))
+    if end - first > _EXPLICIT_ROWS:
+        return Permutation(end - first, int(seq.generate_state(1, np.uint64)[0]))
+    order = np.random.Generator(np.random.PCG64(seq)).permutation(end - first).astype(np.int32)
+    blocks = layout.order[window * op.window : (window + 1) * op.window].tolist()
+    rows = np.concatenate([np.arange(op.bounds[b], op.bounds[b + 1], dtype=np.int64) for b in blocks])
+    return rows[order]

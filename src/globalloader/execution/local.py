@@ -43,9 +43,9 @@ class LocalRun(EpochRun):
         n, batch = len(self._order), self.plan.batch
         return batch.count(n) if batch is not None else -(-n // self.plan.task_size)
 
-    def _indices(self, t: int) -> np.ndarray:
+    def _indices(self, t: int) -> np.ndarray | None:
         if self._order is None:
-            return self.plan.task_indices(self.epoch, t)
+            return None  # the worker maps the task's positions itself: that work runs in parallel
         size = self.plan.task_size
         return self._order[t * size : (t + 1) * size]
 

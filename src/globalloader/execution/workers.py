@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 class Task(NamedTuple):
     epoch: int
     number: int
-    items: Any  # source indices (ndarray), or (index, record) pairs (see Plan.run_task)
+    items: Any  # source indices (ndarray), (index, record) pairs (see Plan.run_task), or None: the task's own
     first_map: int | None = None  # items are (index, record) pairs whose records went through these maps
     arena: str | None = None  # items are (index, offset, layout) tickets into this arena
 
@@ -67,7 +67,9 @@ def _raise_remote(exc: BaseException, tb: str) -> NoReturn:
 
 def _run(plan: Plan, task: Task, skip_errors: bool, timer: Timer, deferred: bool = False) -> Any:
     items = task.items
-    if task.arena is not None:  # global loader tickets: read the shared prefix's output in place
+    if items is None:
+        items = plan.task_indices(task.epoch, task.number)
+    elif task.arena is not None:  # global loader tickets: read the shared prefix's output in place
         memory = attach(task.arena)  # items without an offset are computed here from scratch
         items = [(i, MISSING if offset is None else memory.read(offset, layout)) for i, offset, layout in items]
     return plan.run_task(task.epoch, task.number, items, skip_errors, timer, task.first_map, deferred)

@@ -11,12 +11,19 @@ equal probability, so small sets use an explicit uniform permutation (at most 51
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
+
 import numpy as np
 
 from globalloader.errors import ArgumentError
 
 _ROUNDS = 6
 _EXPLICIT_BELOW = 1 << 16
+# Runs of positions are mapped in aligned chunks of this many, the last few kept: a task's
+# thousand positions alone would pay NumPy's per-call cost in every round and walking step.
+_CHUNK = 1 << 14
+_CHUNKS_KEPT = 4
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -52,6 +59,7 @@ class Permutation:
         self._explicit = (
             np.random.Generator(np.random.PCG64(seq)).permutation(self.n) if self.n < _EXPLICIT_BELOW else None
         )
+        self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self._half, x & self._mask
@@ -72,6 +80,25 @@ class Permutation:
             out[walking] = self._feistel(out[walking])
             walking[walking] = out[walking] >= np.uint64(self.n)
         return out.astype(np.int64)
+
+    def run(self, start: int, stop: int) -> np.ndarray:
+        """`self[arange(start, stop)]`, from cached aligned chunks (see `_CHUNK`): consecutive
+        tasks share one vectorized computation. Safe from several threads (at worst a chunk is
+        computed twice)."""
+        if self._explicit is not None or not 0 <= start <= stop <= self.n:
+            return self[np.arange(start, stop, dtype=np.int64)]
+        parts = []
+        for chunk in range(start // _CHUNK, -(-stop // _CHUNK)):
+            mapped = self._chunks.get(chunk)
+            if mapped is None:
+                mapped = self[np.arange(chunk * _CHUNK, min((chunk + 1) * _CHUNK, self.n), dtype=np.int64)]
+                self._chunks[chunk] = mapped
+                while len(self._chunks) > _CHUNKS_KEPT:
+                    with contextlib.suppress(KeyError):  # another thread evicted it first
+                        self._chunks.popitem(last=False)
+            first = chunk * _CHUNK
+            parts.append(mapped[max(start, first) - first : min(stop, first + _CHUNK) - first])
+        return np.concatenate(parts) if len(parts) != 1 else parts[0].copy()
 
     def array(self) -> np.ndarray:
         """The whole order as an int64 array of length n."""

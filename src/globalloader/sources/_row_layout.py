@@ -91,6 +91,11 @@ class Layout:
         return fields
 
     @property
+    def dtype(self) -> np.dtype[Any]:
+        """The NumPy dtype of one packed record (fields named by slot, no padding)."""
+        return np.dtype(self._fields())
+
+    @property
     def record_format(self) -> str:
         """The `struct` format of one packed record (little-endian, no padding)."""
         dtypes = [np.dtype(dtype) for _, dtype in self._fields()]
@@ -102,7 +107,7 @@ class Layout:
         fields = self._fields()
         if not fields:
             return None
-        records = np.zeros(len(columns[0]), dtype=np.dtype(fields))
+        records = np.zeros(len(columns[0]), dtype=self.dtype)
         for column, (_, kind, slot, _) in zip(columns, self.columns, strict=True):
             if kind == VALUE:
                 records[f"{slot}"] = _values(column, records.dtype[f"{slot}"])
@@ -148,6 +153,15 @@ class Layout:
         column = batch.column(batch.num_columns - 1)
         width = column.type.byte_width
         return self._unpacker(memoryview(column.buffers()[1])[column.offset * width :], width)
+
+    def records_of(self, batch: Any) -> np.ndarray | None:
+        """The packed records of a row group of the copy, as a structured view of the mapped
+        file (None when nothing is packed)."""
+        if not self._fields():
+            return None
+        column = batch.column(batch.num_columns - 1)
+        offset = column.offset * column.type.byte_width
+        return np.frombuffer(column.buffers()[1], dtype=self.dtype, count=len(column), offset=offset)
 
     def _unpacker(self, data: memoryview, width: int) -> Unpacker:
         unpack_from = struct.Struct(self.record_format).unpack_from

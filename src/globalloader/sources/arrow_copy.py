@@ -28,8 +28,9 @@ from tqdm import tqdm
 from globalloader import _extras, _paths
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
+from globalloader.sources._mapped_columns import MappedColumns
 from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
-from globalloader.sources.base import check_index, fingerprint_of
+from globalloader.sources.base import check_index, check_indices, fingerprint_of
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
 _META_KEY = b"globalloader.arrow_copy"
@@ -86,6 +87,7 @@ class ArrowCopy:
         self.columns: list[str] | None = source.columns
         self.int_columns_as_float: frozenset[str] = source.int_columns_as_float
         self.block_starts: np.ndarray = source.block_starts
+        self.columnar: bool = source.columnar  # batches gathered by column: see read_columns
         self._len = len(source)
         self._starts = [*self.block_starts.tolist(), self._len]
         self._origins = [source.block_origin(b) for b in range(len(self.block_starts))]
@@ -106,7 +108,9 @@ class ArrowCopy:
     # -- process state --------------------------------------------------------------------------
     def _reset(self) -> None:
         self._reader: Any = None
+        self._map: Any = None  # the mapped file the reader reads
         self._blocks: dict[int, _Block] = {}
+        self._mapped: MappedColumns | None = None
         self._decoded: OrderedDict[tuple[int, str], list[Any]] = OrderedDict()
         self._lock = threading.Lock()
         _files.reset_in_forked_children(self)
@@ -118,7 +122,7 @@ class ArrowCopy:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_pa", "_reader", "_blocks", "_decoded", "_lock"):
+        for name in ("_pa", "_reader", "_map", "_blocks", "_mapped", "_decoded", "_lock"):
             state.pop(name)
         return state
 
@@ -135,7 +139,8 @@ class ArrowCopy:
         """Map the copy; False if it is missing or is not the complete copy of this source."""
         pa = self._pa
         try:
-            reader = pa.ipc.open_file(pa.memory_map(str(self.path), "r"))
+            mapped = pa.memory_map(str(self.path), "r")
+            reader = pa.ipc.open_file(mapped)
         except (OSError, pa.ArrowInvalid):  # missing, or not an Arrow file (damaged): build again
             return False
         metadata = reader.schema.metadata or {}
@@ -146,7 +151,7 @@ class ArrowCopy:
         ):
             return False
         self._layout = Layout.from_json(metadata[LAYOUT_KEY])
-        self._reader = reader
+        self._reader, self._map = reader, mapped
         return True
 
     def _build(self, source: Any, progress: bool | None) -> None:
@@ -264,7 +269,34 @@ class ArrowCopy:
         for index in range(self._len):
             yield self[index]
 
+    def read_columns(self, indices: np.ndarray) -> dict[str, Any]:
+        """The batch of the records at `indices` (at least one), in that order, gathered from the
+        whole mapped file at once (`sources._mapped_columns`): what collating their records
+        gives. Only when `columnar`."""
+        idx = check_indices(indices, self._len, self)
+        if self._mapped is None:
+            batches = [self._batch(b) for b in range(len(self._origins))]
+            with self._lock:
+                self._map.seek(0)
+                mapped = np.frombuffer(self._map.read_buffer(self._map.size()), dtype=np.uint8)
+            origins = (
+                np.array([self.files.index(file) for file, _ in self._origins], dtype=np.int64),
+                np.array([first_row for _, first_row in self._origins], dtype=np.int64),
+                [f"{file}:" for file in self.files],
+            )
+            where = f"the Arrow copy {self.path}"
+            self._mapped = MappedColumns(mapped, self._layout, batches, self.block_starts, self._len, origins, where)
+        return self._mapped.gather(idx)
+
     def _load_block(self, block: int) -> _Block:
+        batch = self._batch(block)
+        file, first_row = self._origins[block]
+        steps = self._layout.steps(batch, self._decoded, block)
+        view = self._blocks[block] = _Block(f"{file}:", first_row, self._layout.unpacker(batch), steps)
+        return view
+
+    def _batch(self, block: int) -> Any:
+        """Row group `block`'s record batch, mapped from the file."""
         with self._lock:
             if self._reader is None and not self._open():
                 raise SourceError(
@@ -275,10 +307,7 @@ class ArrowCopy:
         expected = self._starts[block + 1] - self._starts[block]
         if batch.num_rows != expected:
             raise SourceError(f"the Arrow copy {self.path} is damaged (row group {block}); delete it to rebuild it")
-        file, first_row = self._origins[block]
-        steps = self._layout.steps(batch, self._decoded, block)
-        view = self._blocks[block] = _Block(f"{file}:", first_row, self._layout.unpacker(batch), steps)
-        return view
+        return batch
 
     def __repr__(self) -> str:
         return f"ArrowCopy({len(self.files)} files, {self._len} rows, {self.path})"

@@ -7,6 +7,8 @@ import operator
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from globalloader.errors import ArgumentError, SampleIndexError
 
 
@@ -48,6 +50,14 @@ def check_index(index: Any, length: int, source: object) -> int:
     if value >= length:
         raise SampleIndexError(f"index {value} is out of range for {source!r} of length {length}")
     return value
+
+
+def check_indices(indices: Any, length: int, source: object) -> np.ndarray:
+    """`indices` as an int64 array, all in [0, length), or the error naming the first bad one."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= length):
+        check_index(int(idx[(idx < 0) | (idx >= length)][0]), length, source)
+    return idx
 
 
 def fingerprint_of(kind: str, parts: Iterable[str]) -> str:

@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,9 +17,10 @@ from globalloader import _extras
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
 from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
+from globalloader.sources._columns import BlockGather, batch_values, gatherable
 from globalloader.sources._row_layout import VALUE, Layout, Step, Unpacker
 from globalloader.sources.arrow_copy import ArrowCopy
-from globalloader.sources.base import check_index, fingerprint_of
+from globalloader.sources.base import check_index, check_indices, fingerprint_of
 
 _Decoded = tuple[Unpacker | None, list[Step]]  # (row -> packed numbers, steps)
 
@@ -74,7 +75,8 @@ class Parquet:
         self._reset_handles()
         with ThreadPoolExecutor(min(max(1, threads), len(self.files))) as pool:
             stats = list(pool.map(_files.stat, self.files))
-            metas = list(pool.map(self._metadata, range(len(self.files))))
+            handles = list(pool.map(self._checked_file, range(len(self.files))))
+        metas = [handle.metadata for handle in handles]
         self._group_start = [0]  # global row where each (file, row group) starts
         self._group_owner: list[tuple[int, int, int]] = []  # (file, row group, first row in file)
         for f, meta in enumerate(metas):
@@ -87,8 +89,14 @@ class Parquet:
         self._len = self._group_start[-1]
         self.block_starts: np.ndarray = np.array(self._group_start[:-1], dtype=np.int64)
         self.block_starts.setflags(write=False)
+        self._origins = (  # each row group's file and first row in it, and the files' key prefixes
+            np.array([f for f, _, _ in self._group_owner], dtype=np.int64),
+            np.array([r for _, _, r in self._group_owner], dtype=np.int64),
+            [f"{url}:" for url in self.files],
+        )
         self._stats = stats
         self.int_columns_as_float: frozenset[str] = exact_columns_with_nulls(metas, self.columns)
+        self.columnar: bool = self._gatherable([handle.schema_arrow for handle in handles])
         self.fingerprint: str = fingerprint_of(
             "Parquet",
             [
@@ -101,7 +109,8 @@ class Parquet:
         # One ParquetFile per thread and file: a ParquetFile must not be read from two threads
         # at once, and a lock would serialize decoding, the expensive part in thread mode.
         self._local = threading.local()
-        self._groups: OrderedDict[int, _Decoded] = OrderedDict()
+        self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self._gather: BlockGather | None = None
         _files.reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
@@ -110,7 +119,7 @@ class Parquet:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_pq", "_local", "_groups"):
+        for name in ("_pq", "_local", "_groups", "_gather"):
             state.pop(name)
         return state
 
@@ -134,14 +143,24 @@ class Parquet:
             handles[f] = handle
         return handle
 
-    def _metadata(self, f: int) -> Any:
+    def _checked_file(self, f: int) -> Any:
         handle = self._file(f)
         if self.columns is not None:
             names = set(handle.schema_arrow.names)
             missing = [c for c in self.columns if c not in names]
             if missing:
                 raise SourceError(f"Parquet file {self.files[f]} has no column(s) {missing}; it has {sorted(names)}")
-        return handle.metadata
+        return handle
+
+    def _gatherable(self, schemas: list[Any]) -> bool:
+        """Whether batches can be gathered by column (`read_columns`): every file has the same
+        selected columns (in the order records have them) of types whose batch dtype the data
+        cannot change."""
+        selected = [[(name, schema.field(name).type) for name in self.columns or schema.names] for schema in schemas]
+        if not selected or any(s != selected[0] for s in selected):
+            return False
+        self._column_names = [name for name, _ in selected[0]]
+        return all(gatherable(kind, name in self.int_columns_as_float) for name, kind in selected[0])
 
     def __len__(self) -> int:
         return self._len
@@ -155,10 +174,7 @@ class Parquet:
     def read_many(self, indices: np.ndarray) -> list[dict[str, Any]]:
         """The records at `indices`, in that order: rows are read group by group, in row order
         within each, so a task pays one cache lookup per row group, not one per row."""
-        idx = np.asarray(indices, dtype=np.int64)
-        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self._len):
-            bad = idx[(idx < 0) | (idx >= self._len)][0]
-            check_index(int(bad), self._len, self)
+        idx = check_indices(indices, self._len, self)
         groups = np.searchsorted(self.block_starts, idx, side="right") - 1
         order = np.lexsort((idx, groups))
         out: list[Any] = [None] * len(idx)
@@ -173,13 +189,38 @@ class Parquet:
                 out[k] = self._record(decoded, group, index - start)
         return out
 
+    def read_columns(self, indices: np.ndarray) -> dict[str, Any]:
+        """The batch of the records at `indices` (at least one), in that order, gathered column by
+        column: what collating `read_many(indices)` gives, without a record per row. Only for a
+        source whose `columnar` is True (see `sources._columns`)."""
+        idx = check_indices(indices, self._len, self)
+        gather = self._gather
+        if gather is None:
+            gather = BlockGather(self._column_names, self.block_starts, self._len, self._origins, self._block_columns)
+            self._gather = gather
+        return gather(idx)
+
+    def _block_columns(self, group: int) -> list[Any]:
+        return self._cached("columns", group, self._decode_columns)
+
     def _group(self, group: int) -> _Decoded:
-        cached = self._groups.get(group)
+        return self._cached("rows", group, self._decode_group)
+
+    def _cached(self, form: str, group: int, decode: Callable[[int], Any]) -> Any:
+        """Row group `group` decoded for reads by row or by column (`form`), from the LRU."""
+        key = (form, group)
+        cached = self._groups.get(key)
         if cached is None:
-            return self._decode_and_cache(group)
+            cached = self._groups[key] = decode(group)
+            while len(self._groups) > self.cached_row_groups:
+                try:
+                    self._groups.popitem(last=False)
+                except KeyError:  # another thread evicted it first
+                    break
+            return cached
         # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
         with contextlib.suppress(KeyError):
-            self._groups.move_to_end(group)
+            self._groups.move_to_end(key)
         return cached
 
     def _record(self, decoded: _Decoded, group: int, row: int) -> dict[str, Any]:
@@ -190,16 +231,6 @@ class Parquet:
         for name, kind, slot, read in steps:
             record[name] = packed[slot] if kind == VALUE else read(row)
         return record
-
-    def _decode_and_cache(self, group: int) -> _Decoded:
-        decoded = self._decode_group(group)
-        self._groups[group] = decoded
-        while len(self._groups) > self.cached_row_groups:
-            try:
-                self._groups.popitem(last=False)
-            except KeyError:
-                break
-        return decoded
 
     def read_table(self, file: int | str) -> Any:
         """The selected columns of one whole file (by index or URL) as a `pyarrow.Table`."""
@@ -235,6 +266,14 @@ class Parquet:
             for (name, kind, slot, _), column in zip(layout.columns, columns, strict=True)
         ]
         return layout.unpacker_of(layout.records(columns)), steps
+
+    def _decode_columns(self, group: int) -> list[Any]:
+        """A row group ready for gathers by column (`sources._columns.batch_values`)."""
+        table = self.read_block(group)
+        return [
+            batch_values(column.combine_chunks(), name in self.int_columns_as_float)
+            for name, column in zip(table.column_names, table.columns, strict=True)
+        ]
 
     # -- blocks: what block-aware shuffles and the Arrow copy read -----------------------------
     def read_block(self, block: int) -> Any:

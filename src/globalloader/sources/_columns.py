@@ -1,0 +1,201 @@
+"""Batches gathered column by column from a source made of blocks (`Parquet`, its Arrow copy).
+
+A batch built from records costs a dict per row and a Python value per cell, then a collate that
+walks them again: most of a fast read's time. When a chain batches a source's rows with the
+default collate and nothing in between, the plan asks the source for the batch itself
+(`read_columns`): a few NumPy and Arrow takes per column. The result is exactly what collating
+the records gives (the same keys, values and dtypes: numbers as int64, float64 or bool, text and
+bytes as lists), so a chain's output does not depend on which path built it. Only columns whose
+batch dtype does not depend on the data are gathered (see `gatherable`); a source with any other
+column is read by record. `BlockGather` serves `Parquet`; the Arrow copy gathers by file offset
+(`sources._mapped_columns`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+
+from globalloader import _extras
+
+Rows = slice | np.ndarray  # rows of one block: a run, or positions
+
+
+def gatherable(kind: Any, as_float: bool) -> bool:
+    """Whether a column of Arrow type `kind` has a batch dtype fixed by its type: numbers (not
+    uint64, whose Python values collate to int64 or uint64 by size), booleans, text, bytes."""
+    pa = _extras.require("pyarrow", "parquet")
+    if as_float or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        return True
+    if pa.types.is_integer(kind):
+        return not pa.types.is_uint64(kind)
+    return bool(
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    )
+
+
+def batch_dtype(kind: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype a collate gives to the Python values of a number column of NumPy dtype `kind`."""
+    return np.dtype(bool) if kind.kind == "b" else np.dtype(np.float64 if kind.kind == "f" else np.int64)
+
+
+def batch_values(column: Any, as_float: bool) -> Any:
+    """One gatherable Arrow column of a block, ready to gather from: numbers as an array of their
+    batch dtype (float nulls NaN; `as_float`: float64 with NaN for nulls); text and bytes stay an
+    Arrow array, made Python values only for the rows a batch takes (rows read out of order
+    would otherwise touch Python objects scattered over the whole block)."""
+    pa = _extras.require("pyarrow", "parquet")
+    kind = column.type
+    if as_float:
+        return np.asarray(column.cast(pa.float64()).to_numpy(zero_copy_only=False))
+    if pa.types.is_floating(kind) or pa.types.is_integer(kind) or pa.types.is_boolean(kind):
+        values = np.asarray(column.to_numpy(zero_copy_only=False))
+        return values.astype(batch_dtype(values.dtype), copy=False)
+    return column
+
+
+def _arrow_rows(values: Any, rows: Rows) -> Any:
+    return values.slice(rows.start, rows.stop - rows.start) if isinstance(rows, slice) else values.take(rows)
+
+
+class BlockIndex:
+    """Finds the block of each of a batch's rows. A binary search per row, with the rows out of
+    order, costs several times more than the rest of a shuffled batch's lookups: instead a table
+    over even steps of the rows gives each row a first guess, which a few vectorized steps
+    correct (one when blocks are about even in size)."""
+
+    def __init__(self, starts: np.ndarray, length: int) -> None:
+        self._starts = np.append(starts, length).astype(np.int64)  # every block's first row, and the end
+        self._step = max(1, length // max(1, 4 * len(starts)))
+        self._table = np.searchsorted(starts, np.arange(0, max(length, 1), self._step), side="right") - 1
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        blocks = self._table[indices // self._step]
+        while True:
+            later = self._starts[blocks + 1] <= indices  # the row lies in a later block
+            if not later.any():
+                return blocks
+            blocks += later
+
+
+Origins = tuple[np.ndarray, np.ndarray, list[str]]  # each block's file and first row in it; files' key prefixes
+
+
+def keys_of(origins: Origins, starts: np.ndarray, blocks: np.ndarray, indices: np.ndarray) -> list[str]:
+    """The records' keys, `"<file>:<row in file>"`, of the rows at global `indices`, in `blocks`
+    (`starts`: each block's first global row)."""
+    files, first_rows, prefixes = origins
+    if len(prefixes) == 1:  # one file: a row's global index is its row in the file
+        return [prefixes[0] + number for number in map(str, indices.tolist())]
+    numbers = map(str, (first_rows[blocks] + indices - starts[blocks]).tolist())
+    return [prefixes[f] + number for f, number in zip(files[blocks].tolist(), numbers, strict=True)]
+
+
+class BlockGather:
+    """Gathers batches from a source's decoded blocks (`Parquet`'s row groups): for sources whose
+    tasks touch few blocks each.
+
+    A task in order reads runs of one or two blocks: slices. A task of a windowed shuffle takes
+    its rows from the same few blocks as the task before it: those blocks are merged once into
+    one array per column, and each such task is then one take per column, in the task's order.
+    Other tasks read block by block, in row order, and are put in the task's order after.
+
+    `starts`: each block's first global row; `length`: the source's rows; `origins`: see
+    `Origins`; `block(b)`: block b's columns as `batch_values` makes them (the source caches
+    them)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        starts: np.ndarray,
+        length: int,
+        origins: Origins,
+        block: Callable[[int], list[Any]],
+    ) -> None:
+        self._pa = _extras.require("pyarrow", "parquet")
+        self._names = list(names)
+        self._starts = starts
+        self._locate = BlockIndex(starts, length)
+        self._origins = origins
+        self._block = block
+        self._last: tuple[int, ...] = ()  # the blocks of the last task
+        self._merged: tuple[np.ndarray, list[Any]] | None = None  # see _merge
+
+    def __call__(self, indices: np.ndarray) -> dict[str, Any]:
+        """The batch of the rows at `indices` (global, in range, at least one), in that order."""
+        blocks = self._locate(indices)
+        batch: dict[str, Any] = {"__key__": keys_of(self._origins, self._starts, blocks, indices)}
+        if not self._names:
+            return batch
+        rows = indices - self._starts[blocks]
+        if bool(np.all(indices[1:] > indices[:-1])):
+            columns = self._in_order(blocks, rows)
+        else:
+            merged = self._merged
+            places = merged[0][blocks] if merged is not None else None
+            if places is None or not bool((places >= 0).all()):
+                distinct = tuple(np.unique(blocks).tolist())
+                if distinct == self._last:  # the second task in a row on these blocks: merge them
+                    merged = self._merge(distinct)
+                    places = merged[0][blocks]
+                self._last = distinct
+            if merged is not None and places is not None and bool((places >= 0).all()):
+                columns = [self._take(values, places + rows) for values in merged[1]]
+            else:
+                columns = self._by_block(blocks, rows)
+        batch.update(zip(self._names, columns, strict=True))
+        return batch
+
+    def _in_order(self, blocks: np.ndarray, rows: np.ndarray) -> list[Any]:
+        """Rows in increasing order: a slice of each block, joined."""
+        cuts = [0, *(np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist(), len(blocks)]
+        pieces: list[list[Any]] = [[] for _ in self._names]
+        for lo, hi in pairwise(cuts):
+            first, last = int(rows[lo]), int(rows[hi - 1])
+            run: Rows = slice(first, last + 1) if last - first == hi - lo - 1 else rows[lo:hi]  # gaps: positions
+            for piece, values in zip(pieces, self._block(int(blocks[lo])), strict=True):
+                piece.append(values[run].copy() if isinstance(values, np.ndarray) else _arrow_rows(values, run))
+        return [self._joined(piece, None) for piece in pieces]
+
+    def _by_block(self, blocks: np.ndarray, rows: np.ndarray) -> list[Any]:
+        """Any rows: read block by block in row order, then put in the task's order."""
+        order = np.lexsort((rows, blocks))
+        blocks, rows = blocks[order], rows[order]
+        inverse = np.empty(len(order), dtype=np.intp)
+        inverse[order] = np.arange(len(order))
+        cuts = [0, *(np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist(), len(blocks)]
+        pieces: list[list[Any]] = [[] for _ in self._names]
+        for lo, hi in pairwise(cuts):
+            for piece, values in zip(pieces, self._block(int(blocks[lo])), strict=True):
+                piece.append(values[rows[lo:hi]] if isinstance(values, np.ndarray) else values.take(rows[lo:hi]))
+        return [self._joined(piece, inverse) for piece in pieces]
+
+    def _merge(self, distinct: tuple[int, ...]) -> tuple[np.ndarray, list[Any]]:
+        """Join the columns of blocks `distinct`; and where each block's first row lands (-1:
+        a block not joined), per block of the source."""
+        columns = [self._block(b) for b in distinct]
+        sizes = [len(block[0]) for block in columns]
+        places = np.full(len(self._starts), -1, dtype=np.int64)
+        places[list(distinct)] = np.concatenate([[0], np.cumsum(sizes[:-1])])
+        joined = [
+            np.concatenate(parts) if isinstance(parts[0], np.ndarray) else self._pa.concat_arrays(parts)
+            for parts in zip(*columns, strict=True)
+        ]
+        self._merged = (places, joined)
+        return self._merged
+
+    def _take(self, values: Any, places: np.ndarray) -> Any:
+        return values[places] if isinstance(values, np.ndarray) else values.take(places).to_pylist()
+
+    def _joined(self, piece: list[Any], inverse: np.ndarray | None) -> Any:
+        if isinstance(piece[0], np.ndarray):
+            numbers = np.concatenate(piece) if len(piece) > 1 else piece[0]
+            return numbers if inverse is None else numbers[inverse]
+        values = self._pa.concat_arrays(piece) if len(piece) > 1 else piece[0]
+        return (values if inverse is None else values.take(inverse)).to_pylist()
