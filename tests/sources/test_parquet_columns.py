@@ -14,7 +14,7 @@ import pytest
 
 import globalloader as gl
 from globalloader.dataset.collate import collate
-from globalloader.errors import SampleIndexError
+from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sources._columns import BlockIndex
 from helpers import every_arrow_type, strictly_equal
 
@@ -98,7 +98,12 @@ def test_a_gathered_batch_is_the_callers_own(files: list[str]) -> None:
 def test_other_columns_are_read_by_record(tmp_path: pathlib.Path, column: pa.Array) -> None:
     path = str(tmp_path / "x.parquet")
     pq.write_table(pa.table({"id": list(range(10)), "other": column}), path, row_group_size=4)
-    assert not gl.Parquet(path).columnar
+    src = gl.Parquet(path)
+    assert not src.columnar
+    with pytest.raises(ArgumentError, match="read it by record"):
+        src.read_columns(np.arange(3))
+    with pytest.raises(ArgumentError, match="read it by record"):
+        src.local_copy(tmp_path / "copies", progress=False).read_columns(np.arange(3))
     assert gl.Parquet(path, columns=["id"]).columnar
     ds = gl.Dataset(gl.Parquet(path)).batch(4)
     assert not ds.plan.columnar

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from globalloader import _extras
+from globalloader.errors import ArgumentError
 
 Rows = slice | np.ndarray  # rows of one block: a run, or positions
 
@@ -85,6 +86,14 @@ class BlockIndex:
 
 
 Origins = tuple[np.ndarray, np.ndarray, list[str]]  # each block's file and first row in it; files' key prefixes
+
+
+def check_columnar(source: Any) -> None:
+    if not source.columnar:
+        raise ArgumentError(
+            f"{source!r} has columns whose batch dtype depends on the data (lists, structs, uint64, "
+            "dictionaries, times, decimals); read it by record (read_many) instead of read_columns"
+        )
 
 
 def keys_of(origins: Origins, starts: np.ndarray, blocks: np.ndarray, indices: np.ndarray) -> list[str]:
@@ -183,8 +192,12 @@ class BlockGather:
         sizes = [len(block[0]) for block in columns]
         places = np.full(len(self._starts), -1, dtype=np.int64)
         places[list(distinct)] = np.concatenate([[0], np.cumsum(sizes[:-1])])
-        joined = [
-            np.concatenate(parts) if isinstance(parts[0], np.ndarray) else self._pa.concat_arrays(parts)
+        joined = [  # one block needs no copy: takes from it make new arrays anyway
+            parts[0]
+            if len(parts) == 1
+            else np.concatenate(parts)
+            if isinstance(parts[0], np.ndarray)
+            else self._pa.concat_arrays(parts)
             for parts in zip(*columns, strict=True)
         ]
         self._merged = (places, joined)

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from globalloader import _extras, _paths
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
+from globalloader.sources._columns import check_columnar
 from globalloader.sources._mapped_columns import MappedColumns
 from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
@@ -64,8 +65,10 @@ class ArrowCopy:
     False), and a changed source is copied again, the copy of its earlier version deleted.
     Default folder: the globalloader cache folder (`GLOBALLOADER_CACHE_DIR`).
 
-    Reading: number, text and bytes columns, and lists of numbers without null items, are read
-    per row straight from the mapped file; structs, maps, times and decimals per row through
+    Batches of a chain with nothing before its batch are gathered by column from the whole mapped
+    file at once when `columnar` (as for `Parquet`; `sources._mapped_columns`). Records: number,
+    text and bytes columns, and lists of numbers without null items, are read per row straight
+    from the mapped file; structs, maps, times and decimals per row through
     Arrow's scalars; lists of text, of booleans, of lists, or with null items, decode their column
     per row group (kept in a small per-process LRU), which is what they cost in Parquet too.
 
@@ -273,6 +276,7 @@ class ArrowCopy:
         """The batch of the records at `indices` (at least one), in that order, gathered from the
         whole mapped file at once (`sources._mapped_columns`): what collating their records
         gives. Only when `columnar`."""
+        check_columnar(self)
         idx = check_indices(indices, self._len, self)
         if self._mapped is None:
             batches = [self._batch(b) for b in range(len(self._origins))]

@@ -17,7 +17,7 @@ from globalloader import _extras
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
 from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
-from globalloader.sources._columns import BlockGather, batch_values, gatherable
+from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable
 from globalloader.sources._row_layout import VALUE, Layout, Step, Unpacker
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
@@ -45,7 +45,12 @@ class Parquet:
     group once. Files are opened lazily, per thread, and reopened in a forked or unpickled
     process. `block_starts` holds the first row of every row group (the source's blocks).
 
-    Decoded row groups keep their numbers packed row by row: rows read out of order then cost
+    Batches: when a chain batches the rows with the default collate and nothing before the batch
+    (`Dataset(Parquet(...)).shuffle(...).batch(n)`), each batch is gathered column by column
+    (`read_columns`) instead of built from a record per row: about twice as fast, and the same
+    batch, key for key and dtype for dtype. `columnar` says whether the selected columns allow it
+    (numbers, booleans, text, bytes; see `sources._columns`). Records are read otherwise; their
+    decoded row groups keep their numbers packed row by row, so that rows read out of order cost
     one cache miss for all of a row's numbers rather than one per column.
 
     Shuffling: a global `shuffle(seed)` reads rows in random order, so nearly every row decodes a
@@ -193,6 +198,7 @@ class Parquet:
         """The batch of the records at `indices` (at least one), in that order, gathered column by
         column: what collating `read_many(indices)` gives, without a record per row. Only for a
         source whose `columnar` is True (see `sources._columns`)."""
+        check_columnar(self)
         idx = check_indices(indices, self._len, self)
         gather = self._gather
         if gather is None:
