@@ -35,12 +35,8 @@ def _table(n: int) -> pa.Table:
 
 
 @pytest.fixture
-def files(tmp_path: pathlib.Path) -> list[str]:
-    table = _table(100)
-    paths = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
-    pq.write_table(table.slice(0, 60), paths[0], row_group_size=16)  # groups 16, 16, 16, 12
-    pq.write_table(table.slice(60), paths[1], row_group_size=7)
-    return paths
+def files(write_parts: Callable[[pa.Table], list[str]]) -> list[str]:
+    return write_parts(_table(100))
 
 
 def _index_sets() -> list[np.ndarray]:

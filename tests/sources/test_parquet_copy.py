@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -23,12 +24,8 @@ from helpers import check_resume, every_arrow_type, strictly_equal
 
 
 @pytest.fixture
-def files(tmp_path: pathlib.Path) -> list[str]:
-    table = every_arrow_type(100)
-    paths = [str(tmp_path / "part-0.parquet"), str(tmp_path / "part-1.parquet")]
-    pq.write_table(table.slice(0, 60), paths[0], row_group_size=16)  # groups 16, 16, 16, 12
-    pq.write_table(table.slice(60), paths[1], row_group_size=7)
-    return paths
+def files(write_parts: Callable[[pa.Table], list[str]]) -> list[str]:
+    return write_parts(every_arrow_type(100))
 
 
 def test_copy_yields_exactly_the_parquet_records(files: list[str], tmp_path: pathlib.Path) -> None:
