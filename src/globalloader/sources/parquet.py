@@ -145,6 +145,12 @@ class Parquet:
                 handle = self._pq.ParquetFile(source)
             except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
                 raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
+            recorded = getattr(self, "_stats", None)  # None while the constructor reads the footers
+            if recorded is not None and _files.stat(url) != recorded[f]:
+                raise SourceError(
+                    f"Parquet file {url} changed since the source was made (size or version differs): its rows "
+                    "no longer match the indices; make the source again"
+                )
             handles[f] = handle
         return handle
 
@@ -292,6 +298,8 @@ class Parquet:
             table = self._file(f).read_row_group(g, columns=self.columns)
         except (OSError, ValueError) as exc:
             raise SourceError(f"cannot read row group {g} of {self.files[f]}: {exc}") from None
+        if table.num_rows != self._group_start[block + 1] - self._group_start[block]:
+            raise SourceError(f"row group {g} of {self.files[f]} changed since the source was made; make it again")
         for name, column in zip(table.column_names, table.columns, strict=True):
             if column.null_count and is_exact(column.type) and name not in self.int_columns_as_float:
                 raise SourceError(
