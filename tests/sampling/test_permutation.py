@@ -82,3 +82,15 @@ def test_a_shuffle_maps_any_positions_whether_a_run_or_not() -> None:
     for positions in ([3, 0, 1, 6], [10, 11, 12], [7, 9, 8], [4], [5, 6, 6, 7]):
         pos = np.array(positions, dtype=np.int64)
         assert np.array_equal(shuffle.parents(pos, n, 1), perm[pos]), positions
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_runs_at_a_workers_stride_map_like_single_positions(workers: int) -> None:
+    """A worker's tasks come every `workers` tasks: the runs mapped ahead at that stride, and the
+    last, shorter task, must equal mapping each task's positions alone."""
+    n, size = 123_457, 1000
+    perm, fresh = Permutation(n, seed=9), Permutation(n, seed=9)
+    for worker in range(workers):
+        for task in range(worker, -(-n // size), workers):
+            start, stop = task * size, min(n, (task + 1) * size)
+            assert np.array_equal(perm.run(start, stop), fresh[np.arange(start, stop)]), (worker, task)

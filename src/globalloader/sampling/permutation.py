@@ -20,10 +20,11 @@ from globalloader.errors import ArgumentError
 
 _ROUNDS = 6
 _EXPLICIT_BELOW = 1 << 16
-# Runs of positions are mapped in aligned chunks of this many, the last few kept: a task's
-# thousand positions alone would pay NumPy's per-call cost in every round and walking step.
-_CHUNK = 1 << 14
-_CHUNKS_KEPT = 4
+# A run of positions is mapped together with the runs expected next, about this many positions
+# in all: a task's thousand positions alone would pay NumPy's per-call cost in every round and
+# walking step.
+_AHEAD = 1 << 14
+_RUNS_KEPT = 64
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -59,7 +60,8 @@ class Permutation:
         self._explicit = (
             np.random.Generator(np.random.PCG64(seq)).permutation(self.n) if self.n < _EXPLICIT_BELOW else None
         )
-        self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._runs: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()  # mapped ahead, by (start, stop)
+        self._last_start = -1
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self._half, x & self._mask
@@ -82,23 +84,29 @@ class Permutation:
         return out.astype(np.int64)
 
     def run(self, start: int, stop: int) -> np.ndarray:
-        """`self[arange(start, stop)]`, from cached aligned chunks (see `_CHUNK`): consecutive
-        tasks share one vectorized computation. Safe from several threads (at worst a chunk is
-        computed twice)."""
-        if self._explicit is not None or not 0 <= start <= stop <= self.n:
+        """`self[arange(start, stop)]`. A worker asks for runs at a fixed stride (its tasks: every
+        `workers`-th one), so each call also maps the runs that follow at the stride since the
+        previous call, in one vectorized computation, and keeps them for their calls. Safe from
+        several threads: a run mapped twice or evicted early is only mapped again."""
+        size = stop - start
+        if self._explicit is not None or not 0 <= start < stop <= self.n:
             return self[np.arange(start, stop, dtype=np.int64)]
-        parts = []
-        for chunk in range(start // _CHUNK, -(-stop // _CHUNK)):
-            mapped = self._chunks.get(chunk)
-            if mapped is None:
-                mapped = self[np.arange(chunk * _CHUNK, min((chunk + 1) * _CHUNK, self.n), dtype=np.int64)]
-                self._chunks[chunk] = mapped
-                while len(self._chunks) > _CHUNKS_KEPT:
-                    with contextlib.suppress(KeyError):  # another thread evicted it first
-                        self._chunks.popitem(last=False)
-            first = chunk * _CHUNK
-            parts.append(mapped[max(start, first) - first : min(stop, first + _CHUNK) - first])
-        return np.concatenate(parts) if len(parts) != 1 else parts[0].copy()
+        mapped = self._runs.pop((start, stop), None)
+        stride = start - self._last_start
+        self._last_start = start
+        if mapped is not None:
+            return mapped
+        stride = max(stride, size)
+        starts = start + stride * np.arange(max(1, _AHEAD // size), dtype=np.int64)
+        starts = starts[starts + size <= self.n]
+        block = self[(starts[:, None] + np.arange(size, dtype=np.int64)).ravel()].reshape(len(starts), size)
+        for first, row in zip(starts[1:].tolist(), block[1:], strict=True):
+            self._runs[(first, first + size)] = row
+        while len(self._runs) > _RUNS_KEPT:
+            with contextlib.suppress(KeyError):  # another thread took it first
+                self._runs.popitem(last=False)
+        first_run: np.ndarray = block[0]
+        return first_run
 
     def array(self) -> np.ndarray:
         """The whole order as an int64 array of length n."""
