@@ -119,7 +119,7 @@ class WindowShuffle:
         window = np.searchsorted(layout.window_starts, pos, side="right") - 1
         result = np.empty_like(pos)
         lowest, highest = int(window.min()), int(window.max())
-        for k in [lowest] if lowest == highest else np.unique(window).tolist():  # a task's span one or two
+        for k in [lowest] if lowest == highest else np.unique(window).tolist():  # a task spans one or two
             here = slice(None) if lowest == highest else window == k
             first = int(layout.window_starts[k])
             order = _window(self, epoch, k)
