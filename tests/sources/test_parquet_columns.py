@@ -96,9 +96,9 @@ def test_other_columns_are_read_by_record(tmp_path: pathlib.Path, column: pa.Arr
     pq.write_table(pa.table({"id": list(range(10)), "other": column}), path, row_group_size=4)
     src = gl.Parquet(path)
     assert not src.columnar
-    with pytest.raises(ArgumentError, match="read it by record"):
+    with pytest.raises(ArgumentError, match="read its records instead"):
         src.read_columns(np.arange(3))
-    with pytest.raises(ArgumentError, match="read it by record"):
+    with pytest.raises(ArgumentError, match="read its records instead"):
         src.local_copy(tmp_path / "copies", progress=False).read_columns(np.arange(3))
     assert gl.Parquet(path, columns=["id"]).columnar
     ds = gl.Dataset(gl.Parquet(path)).batch(4)

@@ -92,7 +92,7 @@ def check_columnar(source: Any) -> None:
     if not source.columnar:
         raise ArgumentError(
             f"{source!r} has columns whose batch dtype depends on the data (lists, structs, uint64, "
-            "dictionaries, times, decimals); read it by record (read_many) instead of read_columns"
+            "dictionaries, times, decimals); read its records instead of read_columns"
         )
 
 
