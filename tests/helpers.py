@@ -25,7 +25,8 @@ from globalloader.service.launcher import is_running
 
 
 def same(a: Any, b: Any) -> bool:
-    """Deep equality for batches: dicts, sequences, NumPy arrays and tensors (dtype and shape too)."""
+    """Deep equality for batches: dicts, sequences, NumPy arrays and tensors (dtype and shape too);
+    NaN equals NaN (a null read from a float column)."""
     if type(a).__module__ == "torch" and type(b).__module__ == "torch":
         a, b = a.numpy(), b.numpy()
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
@@ -34,12 +35,14 @@ def same(a: Any, b: Any) -> bool:
             and isinstance(b, np.ndarray)
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and bool(np.array_equal(a, b))
+            and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
         )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float) and a != a:
+        return b != b  # NaN: the same missing value
     return a == b
 
 

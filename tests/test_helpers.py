@@ -1,4 +1,4 @@
-"""The suite's server stopper: whatever a test did, no server, socket or pool outlives it."""
+"""The suite's helpers: whatever a test did, no server, socket or pool outlives it; batches compare as they should."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import globalloader as gl
-from helpers import Server, pool_segments, server_pid, stop_server
+from helpers import Server, pool_segments, same, server_pid, stop_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -43,3 +44,12 @@ def test_a_server_object_dropped_without_stop_is_stopped_when_collected(tmp_path
     del srv  # as when a failing test unwinds before its own stop()
     gc.collect()
     assert not _alive(pid) and not (tmp_path / "dropped.sock").exists() and f"gl-pool-{pid}" not in pool_segments()
+
+
+def test_same_takes_nan_for_nan_and_nothing_else() -> None:
+    nan = float("nan")
+    assert same({"x": np.array([1.0, nan]), "y": [nan, 2]}, {"x": np.array([1.0, nan]), "y": [nan, 2]})
+    assert not same(np.array([1.0, nan]), np.array([1.0, 2.0]))
+    assert not same(np.array([1.0, nan]), np.array([1.0, nan], dtype=np.float32))
+    assert not same([nan], [1.0]) and not same([1.0], [nan])
+    assert not same(np.array([1, 2]), np.array([1, 3]))
