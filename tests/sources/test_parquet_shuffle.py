@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import warnings
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,9 @@ def test_every_row_once_per_epoch_within_windows_of_whole_blocks(files: list[str
         # Rows of a window come only from its blocks, and its blocks are read to the end before
         # the next window opens: never more than `window` row groups are in progress at once.
         assert _max_open_blocks(order, src.block_starts, 230) <= window
-    assert _max_open_blocks(gl.Dataset(src).shuffle(seed=1).plan.indices(0), src.block_starts, 230) > 10
+    with pytest.warns(UserWarning, match="random order"):  # the plain shuffle, for contrast
+        plain = gl.Dataset(gl.Parquet(files)).shuffle(seed=1)
+    assert _max_open_blocks(plain.plan.indices(0), src.block_starts, 230) > 10
 
 
 def test_deterministic_per_seed_and_epoch_and_mixed_within_a_window(files: list[str]) -> None:
@@ -137,7 +140,7 @@ def test_the_window_is_part_of_the_chain_identity(files: list[str]) -> None:
         gl.Dataset(src).shuffle(seed=0, window=2).fingerprint,
         gl.Dataset(src).shuffle(seed=0, window=3).fingerprint,
         gl.Dataset(src).shuffle(seed=1, window=2).fingerprint,
-        gl.Dataset(src).shuffle(seed=0).fingerprint,
+        gl.Dataset(gl.Parquet(files, cached_row_groups=100)).shuffle(seed=0).fingerprint,
     }
     assert len(keys) == 4
     assert (
@@ -178,3 +181,17 @@ def test_bad_arguments_raise_named_errors(files: list[str]) -> None:
         ds.batch(4).shuffle(seed=0, window=2)
     with pytest.raises(ArgumentError, match="blocks cover 5 rows but the source has 230"):
         WindowShuffle(0, 2, np.array([0, 5])).length(230)
+
+
+def test_a_plain_shuffle_over_more_row_groups_than_the_cache_holds_warns(tmp_path: pathlib.Path) -> None:
+    """The silent 440x: a global shuffle that decodes a row group for nearly every row says so,
+    with the remedies; the remedies themselves do not warn."""
+    path = str(tmp_path / "x.parquet")
+    pq.write_table(pa.table({"id": list(range(100))}), path, row_group_size=10)  # 10 row groups
+    with pytest.warns(UserWarning, match=r"reads its 10 row groups in random order.*shuffle\(window=w\)"):
+        gl.Dataset(gl.Parquet(path)).shuffle(seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gl.Dataset(gl.Parquet(path)).shuffle(seed=0, window=2)
+        gl.Dataset(gl.Parquet(path, cached_row_groups=10)).shuffle(seed=0)
+        gl.Dataset(gl.Parquet(path).local_copy(tmp_path / "copies", progress=False)).shuffle(seed=0)

@@ -9,6 +9,7 @@ thread; `globalloader.Loader` runs the same chain in parallel with identical out
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from typing import Any
@@ -107,6 +108,7 @@ class Dataset:
             return self._then(BufferShuffle(buffer_size, seed))
         if buffer_size is not None:
             raise ArgumentError("shuffle(buffer_size=...) is for streams; random-access sources shuffle globally")
+        _warn_if_rows_scatter(self.source)
         return self._then(Shuffle(seed))
 
     def shard(self, rank: int, world_size: int, uneven: str = "pad") -> Dataset:
@@ -228,3 +230,17 @@ def _parts(method: str, datasets: Any) -> list[Dataset]:
     if not parts or not all(isinstance(p, Dataset) for p in parts):
         raise ArgumentError(f"{method}: expected a non-empty list of gl.Dataset, got {datasets!r:.200}")
     return parts
+
+
+def _warn_if_rows_scatter(source: Any) -> None:
+    """A global shuffle over a source whose blocks are decoded whole (Parquet row groups) and do
+    not all fit its cache decodes a block for nearly every row: say so once, with the remedies."""
+    blocks, cached = getattr(source, "block_starts", None), getattr(source, "cached_row_groups", None)
+    if blocks is not None and cached is not None and len(blocks) > cached:
+        warnings.warn(
+            f"shuffle() over {source!r} reads its {len(blocks)} row groups in random order, decoding a whole "
+            f"row group for nearly every row (hundreds of times slower than in order); use shuffle(window=w), "
+            f"or shuffle() on its local_copy(), or keep every group decoded (cached_row_groups={len(blocks)}); "
+            "see docs/columnar.md",
+            stacklevel=3,
+        )
