@@ -127,6 +127,7 @@ def _chains(src: Any) -> dict[str, Callable[[gl.Dataset], gl.Dataset]]:
     }
 
 
+@pytest.mark.filterwarnings("ignore:shuffle\\(\\) over Parquet")  # the exact shuffle on Parquet itself, on purpose
 @pytest.mark.parametrize("kind", ["parquet", "copy"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_chains_yield_what_the_record_path_yields(
@@ -165,6 +166,7 @@ def test_block_index_finds_the_block_a_binary_search_finds(seed: int) -> None:
     assert np.array_equal(BlockIndex(starts, length)(indices), expected)
 
 
+@pytest.mark.filterwarnings("ignore:shuffle\\(\\) over Parquet")  # the exact shuffle on Parquet itself, on purpose
 @pytest.mark.parametrize("kind", ["parquet", "copy"])
 def test_gathered_chains_resume_exactly_with_process_workers(
     files: list[str], tmp_path: pathlib.Path, kind: str

@@ -126,7 +126,8 @@ class WindowShuffle:
             if isinstance(order, Permutation):
                 result[here] = self._sources(layout, first + order[pos[here] - first])
             else:
-                result[here] = order[pos[here] - first]
+                rows, shuffled = order
+                result[here] = rows[shuffled[pos[here] - first]]
         return result
 
     def _sources(self, layout: _Layout, shuffled: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -152,16 +153,16 @@ def _layout(op: WindowShuffle, epoch: int) -> _Layout:
 
 
 @lru_cache(maxsize=3)  # a task spans at most two windows
-def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | npt.NDArray[np.int64]:
+def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | tuple[np.ndarray, np.ndarray]:
     """Window `window` of `epoch`, its rows shuffled by its own random stream: up to
-    `_EXPLICIT_ROWS` rows, the source index at each of its positions (at most 32 MiB); above,
-    the permutation of its rows (no memory, a few microseconds per thousand rows)."""
+    `_EXPLICIT_ROWS` rows, (the source index of each of its rows in block order, the window's
+    order of those rows), at most 48 MiB; above, the permutation of its rows (no memory, a few
+    microseconds per thousand rows)."""
     layout = _layout(op, epoch)
     first, end = int(layout.window_starts[window]), int(layout.window_starts[window + 1])
     seq = np.random.SeedSequence([op._key[0] & 0xFFFFFFFFFFFFFFFF, int(epoch), int(window), _ROWS_STREAM])
     if end - first > _EXPLICIT_ROWS:
         return Permutation(end - first, int(seq.generate_state(1, np.uint64)[0]))
-    order = np.random.Generator(np.random.PCG64(seq)).permutation(end - first).astype(np.int32)
     blocks = layout.order[window * op.window : (window + 1) * op.window].tolist()
     rows = np.concatenate([np.arange(op.bounds[b], op.bounds[b + 1], dtype=np.int64) for b in blocks])
-    return rows[order]
+    return rows, np.random.Generator(np.random.PCG64(seq)).permutation(end - first).astype(np.int32)

@@ -47,18 +47,23 @@ def batch_dtype(kind: np.dtype[Any]) -> np.dtype[Any]:
 
 
 def batch_values(column: Any, as_float: bool) -> Any:
-    """One gatherable Arrow column of a block, ready to gather from: numbers as an array of their
-    batch dtype (float nulls NaN; `as_float`: float64 with NaN for nulls); text and bytes stay an
-    Arrow array, made Python values only for the rows a batch takes (rows read out of order
-    would otherwise touch Python objects scattered over the whole block)."""
+    """One gatherable Arrow column of a block, ready to gather from: numbers as a NumPy array of
+    their own dtype (float nulls NaN; `as_float`: float64 with NaN for nulls), widened to their
+    batch dtype only in the rows a batch takes; text and bytes stay an Arrow array, made Python
+    values only for the rows a batch takes (rows read out of order would otherwise touch Python
+    objects scattered over the whole block)."""
     pa = _extras.require("pyarrow", "parquet")
     kind = column.type
     if as_float:
         return np.asarray(column.cast(pa.float64()).to_numpy(zero_copy_only=False))
     if pa.types.is_floating(kind) or pa.types.is_integer(kind) or pa.types.is_boolean(kind):
-        values = np.asarray(column.to_numpy(zero_copy_only=False))
-        return values.astype(batch_dtype(values.dtype), copy=False)
+        return np.asarray(column.to_numpy(zero_copy_only=False))
     return column
+
+
+def _numbers(values: np.ndarray, at: Rows) -> np.ndarray:
+    """Numbers at `at` in their batch dtype, always a new array (a slice is a view of the block)."""
+    return values[at].astype(batch_dtype(values.dtype), copy=isinstance(at, slice))
 
 
 def _arrow_rows(values: Any, rows: Rows) -> Any:
@@ -169,7 +174,7 @@ class BlockGather:
             first, last = int(rows[lo]), int(rows[hi - 1])
             run: Rows = slice(first, last + 1) if last - first == hi - lo - 1 else rows[lo:hi]  # gaps: positions
             for piece, values in zip(pieces, self._block(int(blocks[lo])), strict=True):
-                piece.append(values[run].copy() if isinstance(values, np.ndarray) else _arrow_rows(values, run))
+                piece.append(_numbers(values, run) if isinstance(values, np.ndarray) else _arrow_rows(values, run))
         return [self._joined(piece, None) for piece in pieces]
 
     def _by_block(self, blocks: np.ndarray, rows: np.ndarray) -> list[Any]:
@@ -182,7 +187,8 @@ class BlockGather:
         pieces: list[list[Any]] = [[] for _ in self._names]
         for lo, hi in pairwise(cuts):
             for piece, values in zip(pieces, self._block(int(blocks[lo])), strict=True):
-                piece.append(values[rows[lo:hi]] if isinstance(values, np.ndarray) else values.take(rows[lo:hi]))
+                at = rows[lo:hi]
+                piece.append(_numbers(values, at) if isinstance(values, np.ndarray) else values.take(at))
         return [self._joined(piece, inverse) for piece in pieces]
 
     def _merge(self, distinct: tuple[int, ...]) -> tuple[np.ndarray, list[Any]]:
@@ -204,7 +210,7 @@ class BlockGather:
         return self._merged
 
     def _take(self, values: Any, places: np.ndarray) -> Any:
-        return values[places] if isinstance(values, np.ndarray) else values.take(places).to_pylist()
+        return _numbers(values, places) if isinstance(values, np.ndarray) else values.take(places).to_pylist()
 
     def _joined(self, piece: list[Any], inverse: np.ndarray | None) -> Any:
         if isinstance(piece[0], np.ndarray):
