@@ -274,15 +274,19 @@ def _eager(
     capacity: int,
     observe: str,
     epochs: int,
+    ahead: int = 0,
 ) -> np.ndarray:
     """Jobs take turns (speeds[name] requests each, in the order given) through one pool, and
     each starts its next epoch as soon as its current one ends, as the server does when a
     client asks for its next pass ahead: the first request of an epoch may follow what the
-    others drew while the previous epoch was ending. Returns `observe`'s orders."""
+    others drew while the previous epoch was ending. The first job starts `ahead` requests
+    early. Returns `observe`'s orders."""
     sampler = make(seed)
     for name, indices in sets.items():
         sampler.add_job(name, indices)
     pool = _Pool(sampler, capacity)
+    for _ in range(ahead):
+        pool.serve(sampler.next(next(iter(sets))))
     orders: list[list[int]] = []
     current: list[int] = []
     while len(orders) < epochs:
@@ -307,6 +311,13 @@ def _superset_follower(make: Factory, size: int, epochs: int, seed: int, capacit
     items: cells blind to that let f's fresh draws steer k's first follows away from them."""
     sets = {"f": range(1, size + 2), "k": range(size)}
     return _eager(make, seed, sets, {"f": 2, "k": 1}, capacity, "k", epochs)
+
+
+def _offset_same_speed(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
+    """f and k over the same set at the same speed, f one request ahead: k's epoch starts when f
+    has seen one item, the one k followed last, and k would follow f's draws of the others."""
+    sets = {"f": range(size), "k": range(size)}
+    return _eager(make, seed, sets, {"f": 1, "k": 1}, 2, "k", epochs, ahead=1)
 
 
 def _superset_small_pool(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
@@ -334,6 +345,7 @@ SCENARIOS = {
     "superset_small_pool": _superset_small_pool,
     "superset_leader": _superset_leader,
     "rerun_leader": _rerun_leader,
+    "offset_same_speed": _offset_same_speed,
 }
 # 100k epochs where an epoch is cheap; the scenarios that add and remove jobs every epoch are
 # slower, and 30k epochs (1,250 per order) still detect a few percent of bias.
@@ -536,6 +548,9 @@ def test_control_with_cells_blind_to_the_others_is_rejected() -> None:
     uniform chance that the first item of an epoch is the last of the previous one)."""
     orders = _superset_follower(_CellsBlindToTheOthers, 4, 20_000, SEEDS["superset_follower"])
     _every_epoch_a_permutation(orders)
+    assert _cross_epoch_pvalue(orders) < ALPHA
+    # Same speed, one request apart: k would follow f's draws, all but the one k took last.
+    orders = _offset_same_speed(_CellsBlindToTheOthers, 4, 20_000, SEEDS["offset_same_speed"])
     assert _cross_epoch_pvalue(orders) < ALPHA
 
 
