@@ -768,6 +768,22 @@ def test_lone_job_gets_a_plain_shuffle_fixed_by_its_seed() -> None:
     assert _drain(e, "x") == first  # but the same calls on the same sampler seed reproduce
 
 
+def test_a_lone_job_that_gets_company_leaves_its_seeded_order() -> None:
+    """A re-run with the same seed would replay the seeded shuffle, so once another job can
+    follow it the rest of the epoch is drawn anew (from the sampler's stream)."""
+    reference = JointSampler(seed=2)
+    reference.add_job("k", range(200), seed=7)
+    plain = _drain(reference, "k")
+    sampler = JointSampler(seed=1)
+    sampler.add_job("k", range(200), seed=7)
+    first = [sampler.next("k") for _ in range(100)]
+    assert first == plain[:100]
+    sampler.add_job("j", range(200))
+    rest = _drain(sampler, "k")
+    assert sorted(first + rest) == list(range(200))
+    assert rest != plain[100:]
+
+
 def test_state_is_plain_data() -> None:
     sampler = JointSampler()
     sampler.add_job("k", range(10))
