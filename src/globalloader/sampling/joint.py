@@ -5,36 +5,46 @@ see its own set once per epoch in a uniformly random order, whatever the others 
 loaded for one job should serve the others while it is still in memory. The production rule is
 the region-wise "follow" specified in docs/shared.md ("The joint sampler"):
 
-- Cells. A job's cells partition its set by which jobs want each index (the regions). At the
-  start of an epoch the job draws a uniform arrangement of its cell labels; request i is served
-  from cell label i.
+- Cells. When a job's order is drawn (its epoch start, a join that cuts one of its cells, a
+  restore), the indices it has not taken yet are split into cells of indices that nothing can
+  tell apart at that moment: same region; for every other job that wants them, both seen this
+  epoch or both unseen in the same cell of that job; neither warm (drawn and not evicted since:
+  perhaps in the pool, in flight or in a follow log), each warm index being a cell of its own.
+  It draws a uniform arrangement of its cell labels; request i is served from cell label i.
 - Follow. Within the cell it takes the oldest sample that another job drew fresh since this
   job's epoch began, that has not been evicted since, and that it has not seen; else a fresh
   element (uniform among its unseen ones), which the others may then follow.
 
-The rule never looks at which element of a cell it takes, so the law of everything is invariant
-under relabelling inside cells; with the uniform label arrangement that makes each job's order a
-uniform permutation. Consequences that shape the code (see also docs/shared.md):
+Why that is uniform: every later decision (of any job, of the pool, of a schedule that depends
+on hits and misses) treats indices only through their history, and the indices of a cell share
+theirs. Exchanging two of them in the whole future maps each possible future to an equally
+likely one, so given everything that happened before the draw the order inside each cell is
+exchangeable, and with the uniform labels the job's order is uniform: given its own previous
+epochs in particular, so epochs are independent. Cells that were only regions were not enough:
+a faster follower has already seen this job's last items when its next epoch starts and will not
+draw them fresh soon, so this job's first follows avoided them (docs/shared.md has the figures).
+The price: a warm index is taken at its own random position and is rarely followed, so each
+epoch loses about as many follows as the pool holds samples of the job's set. Consequences that
+shape the code (see also docs/shared.md):
 
-- A job joining mid-epoch splits other jobs' cells (their remaining labels are re-drawn), but a
-  job leaving never merges them before their next epoch: merging would let the follow rule
-  prefer the part the leaver had loaded.
+- A job joining mid-epoch makes the others re-draw the rest of their epoch where its set cuts
+  their cells, but a job leaving never merges them before their next epoch: merging would let
+  the follow rule prefer the part the leaver had loaded.
 - Only draws made since the job's own epoch began may be followed, so epochs stay independent.
 - A sample becomes followable when a job draws it fresh, whether that draw finds it in memory
-  or loads it. Not "loaded since the epoch began" (docs/shared.md says why): then whether a draw can be
-  followed depends on what was still resident from the follower's previous epoch, and epochs
-  stop being independent (measured: P(last of one epoch = first of the next) = 0.226 instead
-  of 0.25 when a job joins, loads and leaves every epoch). `loaded` therefore decides nothing;
-  `evicted` ends a sample's followability.
+  or loads it. `loaded` therefore decides nothing; `evicted` ends a sample's followability and
+  its warmth.
 - The rule is blind to identities only if the orders it follows are fresh randomness: a job
   that starts an epoch while sharing draws it from the sampler's stream, not from its seed, so
-  a job re-run with the same seed cannot make the others' epochs repeat.
+  a job re-run with the same seed cannot make the others' epochs repeat; a job alone on its
+  seeded shuffle re-draws the rest of it when another job comes to share its indices.
 
 Cost per request is O(1) amortised (a few list, dict and bytearray lookups): each follow-log
-entry and each fresh-list element is passed at most once per epoch. An epoch start costs
-O(|set|) in NumPy. Memory per job is about 5 bytes per index of the universe (the largest index
-of any job) plus about 30 bytes per element of its set. Not thread-safe: one thread (the
-server's scheduler) drives it, or callers hold a lock.
+entry and each fresh-list element is passed at most once per epoch. Drawing an order (epoch
+start, cut, restore) costs O(universe + |set| * jobs sharing it) in NumPy. Memory per job is
+about 5 bytes per index of the universe (the largest index of any job) plus about 30 bytes per
+element of its set. Not thread-safe: one thread (the server's scheduler) drives it, or callers
+hold a lock.
 """
 
 from __future__ import annotations
@@ -90,6 +100,7 @@ class _Job:
         "name",
         "pos",
         "seed",
+        "seeded",
         "seen",
     )
 
@@ -107,9 +118,9 @@ class _Job:
         self.length = 0  # requests the current arrangement holds
         self.base = 0  # requests served before the current arrangement
         self.followed = 0
-        # Cached for epoch starts until the regions change: (regions version, cell id of each
-        # index, number of cells, whether no other job wants any of its indices).
-        self.layout: tuple[int, np.ndarray, int, bool] = (-1, indices, 0, True)
+        self.seeded = False  # whether the current arrangement is the plain shuffle of its seed
+        # (regions version, whether no other job wants any of its indices), cached per version
+        self.layout: tuple[int, bool] = (-1, True)
 
 
 class JointSampler:
@@ -311,18 +322,20 @@ class JointSampler:
         seen = np.frombuffer(j.seen, dtype=np.uint8)
         seen[indices[consumed]] = 1
         done = int(consumed.sum())
-        _, cell_of, count, alone = self._layout_of(j)
-        perm = None
-        if alone:
+        del seen
+        rest = indices[~consumed]
+        if self._alone(j):
             # Sound even when it matches by chance: given that the consumed set is the plain
             # shuffle's first `done` elements, the rest of that shuffle is uniform.
-            perm = _plain_order(seed, epoch, len(indices))
-            perm = perm[done:] if seen[indices[perm[:done]]].all() else None
-        del seen
-        if perm is None:
-            rest = np.flatnonzero(~consumed)
-            perm = rest[self._rng.permutation(len(rest))]
-        self._arrange(j, indices[perm], cell_of[perm], count)
+            plain = _plain_order(seed, epoch, len(indices))
+            seeded = bool(consumed[plain[:done]].all())
+            order = indices[plain[done:]] if seeded else rest[self._rng.permutation(len(rest))]
+            self._arrange(j, order, np.zeros(len(order), dtype=np.int64), 1)
+            j.seeded = seeded
+            return
+        cell_of, count = self._cells_of(j, rest)
+        perm = self._rng.permutation(len(rest))
+        self._arrange(j, rest[perm], cell_of[perm], count)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -383,23 +396,56 @@ class JointSampler:
     def _start_epoch(self, j: _Job, epoch: int) -> None:
         j.epoch = epoch
         j.seen = bytearray(self._regions.size)
-        _, cell_of, count, alone = self._layout_of(j)
-        perm = _plain_order(j.seed, epoch, len(j.indices)) if alone else self._rng.permutation(len(j.indices))
+        if self._alone(j):
+            perm = _plain_order(j.seed, epoch, len(j.indices))
+            self._arrange(j, j.indices[perm], np.zeros(len(perm), dtype=np.int64), 1)
+            j.seeded = True
+            return
+        cell_of, count = self._cells_of(j, j.indices)
+        perm = self._rng.permutation(len(j.indices))
         self._arrange(j, j.indices[perm], cell_of[perm], count)
 
-    def _layout_of(self, j: _Job) -> tuple[int, np.ndarray, int, bool]:
-        """j's cells for a new epoch (the regions restricted to its set), cached per version."""
+    def _alone(self, j: _Job) -> bool:
+        """Whether no other job wants any of j's indices (cached until the regions change)."""
         if j.layout[0] != self._version:
-            regions = self._regions.view()[j.indices]
-            if len(regions):
-                cell_of, count = _dense(regions)
-                present = np.flatnonzero(np.bincount(regions)).tolist()
-                members = self._regions.jobs
-                alone = all(len(members[r]) == 1 for r in present)
-            else:
-                cell_of, count, alone = regions, 0, True
-            j.layout = (self._version, cell_of, count, alone)
-        return j.layout
+            regions = self._regions
+            present = np.flatnonzero(np.bincount(regions.view()[j.indices])).tolist() if len(j.indices) else []
+            j.layout = (self._version, all(len(regions.jobs[r]) == 1 for r in present))
+        return j.layout[1]
+
+    def _cells_of(self, j: _Job, rest: np.ndarray) -> tuple[np.ndarray, int]:
+        """Cells for drawing j's order of `rest` (its unseen indices) now: (cell id of each, count).
+
+        Two indices share a cell only when nothing the sampler or the pool holds can tell them
+        apart: the same region; for every other job that wants them, both seen this epoch or
+        both in the same cell of that job; and neither warm (drawn and not evicted since, so
+        perhaps resident, in flight or waiting in a follow log): each warm index is a cell of
+        its own. Then everything that happens next treats the indices of a cell alike, and a
+        fresh uniform arrangement over these cells gives j a uniform order of `rest` given the
+        whole history so far (docs/shared.md, "Why each order is uniform").
+        """
+        if not len(rest):
+            return rest, 0
+        regions = self._regions
+        region = regions.view()[rest].astype(np.int64)
+        key, _ = _dense(region)
+        members = regions.jobs
+        for g in self._jobs.values():
+            if g is j:
+                continue
+            wants = np.fromiter((g in m for m in members), dtype=bool, count=len(members))[region]
+            if not wants.any():
+                continue
+            status = np.frombuffer(g.cell, dtype=np.int32)[rest].astype(np.int64) + 1
+            status[~wants | (np.frombuffer(g.seen, dtype=np.uint8)[rest] != 0)] = 0
+            key = _combine(key, status)
+        if self._live:
+            warm = np.zeros(regions.size, dtype=bool)
+            warm[np.fromiter(self._live, dtype=np.int64, count=len(self._live))] = True
+            warm = warm[rest]
+            if warm.any():
+                key = _combine(key, np.where(warm, np.cumsum(warm), 0))
+        return _dense(key)
 
     def _arrange(self, j: _Job, order: np.ndarray, cell_of: np.ndarray, count: int) -> None:
         """Serve `order`, a uniform order of j's unseen indices, from cells 0..count-1.
@@ -413,6 +459,7 @@ class JointSampler:
         j.pos = 0
         j.length = len(order)
         j.labels = None
+        j.seeded = False
         if not len(order):
             j.cells = []
             return
@@ -429,11 +476,14 @@ class JointSampler:
         j.cells = cells
 
     def _refine(self, j: _Job) -> None:
-        """Split j's cells along the current regions, re-drawing its remaining labels.
+        """Re-draw the rest of j's epoch when a joining job's set cuts one of its cells, or
+        when j was alone on its seeded shuffle and is no longer alone.
 
-        The remaining labels and fresh orders are unrevealed randomness, so replacing them by a
-        new uniform draw over the finer cells keeps the order uniform; the follow logs are
-        history and are kept (each new cell lies inside one old cell, so log order holds).
+        The rest is re-drawn exactly as an epoch start would draw it, over the cells of the
+        current state (`_cells_of`), so it is uniform given everything that happened so far
+        (and a seeded order, which a job re-run with the same seed would replay, is never
+        followed). The follow logs are history and are kept: their live entries are warm, so
+        each has a cell of its own.
         """
         if j.pos >= j.length:
             return  # epoch done; its next epoch starts from the current regions
@@ -442,10 +492,9 @@ class JointSampler:
         del seen
         old = np.frombuffer(j.cell, dtype=np.int32)[rest].astype(np.int64)
         region = self._regions.view()[rest].astype(np.int64)
-        keys = old * (int(region.max()) + 1) + region
-        inv, count = _dense(keys)
-        if count == np.count_nonzero(np.bincount(old)):
-            return  # no cell of j is cut
+        cut = int(_combine(old, region).max()) + 1 > np.count_nonzero(np.bincount(old))
+        if not cut and not (j.seeded and not self._alone(j)):
+            return
         live = self._live
         entries = sorted(
             (seq, index)
@@ -453,11 +502,12 @@ class JointSampler:
             for seq, index in cell.log[cell.next_log :]
             if not j.seen[index] and live.get(index) == seq
         )
+        cell_of, count = self._cells_of(j, rest)
         perm = self._rng.permutation(len(rest))
-        self._arrange(j, rest[perm], inv[perm], count)
-        cells, cell_of = j.cells, j.cell
+        self._arrange(j, rest[perm], cell_of[perm], count)
+        cells, cell_ids = j.cells, j.cell
         for entry in entries:
-            cells[cell_of[entry[1]]].log.append(entry)
+            cells[cell_ids[entry[1]]].log.append(entry)
 
 
 def _compact(cell: _Cell, seen: bytearray, live: dict[int, int]) -> None:
@@ -481,6 +531,11 @@ def _dense(keys: np.ndarray) -> tuple[np.ndarray, int]:
         return table[keys], int(table[-1]) + 1
     uniq, inv = np.unique(keys, return_inverse=True)
     return inv, len(uniq)
+
+
+def _combine(keys: np.ndarray, more: np.ndarray) -> np.ndarray:
+    """Dense ids of the pairs (keys[i], more[i]) of non-negative ints: equal pairs, equal ids."""
+    return _dense(keys * (int(more.max()) + 1) + more)[0]
 
 
 def _label_array(labels: np.ndarray, count: int) -> array[int]:
