@@ -195,3 +195,17 @@ def test_a_plain_shuffle_over_more_row_groups_than_the_cache_holds_warns(tmp_pat
         gl.Dataset(gl.Parquet(path)).shuffle(seed=0, window=2)
         gl.Dataset(gl.Parquet(path, cached_row_groups=10)).shuffle(seed=0)
         gl.Dataset(gl.Parquet(path).local_copy(tmp_path / "copies", progress=False)).shuffle(seed=0)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_a_run_of_positions_maps_as_the_positions_do(files: list[str], window: int) -> None:
+    """A task's positions take a shortcut (`parents_run`, a slice of its window's order): it must
+    give what mapping the positions one by one gives, within a window, across two, at the end."""
+    src = gl.Parquet(files)
+    op = gl.Dataset(src).shuffle(seed=3, window=window).plan.index_ops[0]
+    rng = np.random.default_rng(window)
+    runs = [(0, 230), (0, 1), (229, 230), (200, 230), *(sorted(rng.integers(0, 231, 2).tolist()) for _ in range(40))]
+    for epoch in (0, 1):
+        for start, stop in runs:
+            expected = op.parents(np.arange(start, stop, dtype=np.int64), 230, epoch)
+            assert np.array_equal(op.parents_run(start, stop, 230, epoch), expected), (epoch, start, stop)

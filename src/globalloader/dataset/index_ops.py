@@ -81,10 +81,12 @@ class Shuffle:
 
     def parents(self, positions: np.ndarray, n: int, epoch: int) -> np.ndarray:
         assert self.seed is not None, "the plan gives every shuffle its seed"
-        permutation = _permutation(n, self.seed, epoch)
-        if len(positions) > 1 and bool((np.diff(positions) == 1).all()):  # a run, as a task's positions are
-            return permutation.run(int(positions[0]), int(positions[-1]) + 1)
-        return permutation[positions]
+        return _permutation(n, self.seed, epoch)[positions]
+
+    def parents_run(self, start: int, stop: int, n: int, epoch: int) -> np.ndarray:
+        """`parents` of the positions [start, stop), a task's (see `Permutation.run`)."""
+        assert self.seed is not None, "the plan gives every shuffle its seed"
+        return _permutation(n, self.seed, epoch).run(start, stop)
 
     def describe(self) -> tuple[object, ...]:
         return ("shuffle", self.seed)

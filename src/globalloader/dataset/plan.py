@@ -277,12 +277,20 @@ class Plan:
         return self.indices(epoch, start, min(start + self.task_size, samples))
 
     def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Source indices at epoch positions [start, stop) (random-access chains)."""
-        return self.map_positions(np.arange(start, self.samples if stop is None else stop, dtype=np.int64), epoch)
+        """Source indices at epoch positions [start, stop) (random-access chains). The last index
+        operator may map the run itself (`parents_run`), cheaper than any positions."""
+        stop = self.samples if stop is None else stop
+        last = len(self.index_ops) - 1
+        if last >= 0 and hasattr(self.index_ops[last], "parents_run"):
+            run = self.index_ops[last].parents_run(start, stop, self.lengths[last], epoch)
+            return self.map_positions(run, epoch, last)
+        return self.map_positions(np.arange(start, stop, dtype=np.int64), epoch)
 
-    def map_positions(self, positions: np.ndarray, epoch: int) -> np.ndarray:
-        """Source indices of epoch positions (random-access chains)."""
-        for op, parent_len in zip(reversed(self.index_ops), reversed(self.lengths[:-1]), strict=True):
+    def map_positions(self, positions: np.ndarray, epoch: int, ops: int | None = None) -> np.ndarray:
+        """Source indices of epoch positions (random-access chains), or of the positions after the
+        first `ops` index operators."""
+        ops = len(self.index_ops) if ops is None else ops
+        for op, parent_len in zip(reversed(self.index_ops[:ops]), reversed(self.lengths[:ops]), strict=True):
             positions = op.parents(positions, parent_len, epoch)
         if isinstance(self.source, Combined):
             positions = self.source.resolve(epoch, positions)

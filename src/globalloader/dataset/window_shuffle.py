@@ -125,10 +125,19 @@ class WindowShuffle:
             order = _window(self, epoch, k)
             if isinstance(order, Permutation):
                 result[here] = self._sources(layout, first + order[pos[here] - first])
-            else:
-                rows, shuffled = order
-                result[here] = rows[shuffled[pos[here] - first]]
+            else:  # a task's positions are consecutive: read in order, not gathered
+                result[here] = order[pos[here] - first]
         return result
+
+    def parents_run(self, start: int, stop: int, n: int, epoch: int) -> npt.NDArray[np.int64]:
+        """`parents` of the positions [start, stop), a task's: a slice of its window's order."""
+        layout = _layout(self, epoch)
+        k = int(np.searchsorted(layout.window_starts, start, side="right")) - 1
+        first, end = int(layout.window_starts[k]), int(layout.window_starts[min(k + 1, len(layout.window_starts) - 1)])
+        order = _window(self, epoch, k) if start < stop <= end else None
+        if order is None or isinstance(order, Permutation):
+            return self.parents(np.arange(start, stop, dtype=np.int64), n, epoch)
+        return order[start - first : stop - first].copy()
 
     def _sources(self, layout: _Layout, shuffled: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Source indices of output positions once rows are shuffled within their window."""
@@ -153,11 +162,10 @@ def _layout(op: WindowShuffle, epoch: int) -> _Layout:
 
 
 @lru_cache(maxsize=3)  # a task spans at most two windows
-def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | tuple[np.ndarray, np.ndarray]:
+def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | npt.NDArray[np.int64]:
     """Window `window` of `epoch`, its rows shuffled by its own random stream: up to
-    `_EXPLICIT_ROWS` rows, (the source index of each of its rows in block order, the window's
-    order of those rows), at most 48 MiB; above, the permutation of its rows (no memory, a few
-    microseconds per thousand rows)."""
+    `_EXPLICIT_ROWS` rows, the source index at each of its positions (at most 32 MiB); above,
+    the permutation of its rows (no memory, a few microseconds per thousand rows)."""
     layout = _layout(op, epoch)
     first, end = int(layout.window_starts[window]), int(layout.window_starts[window + 1])
     seq = np.random.SeedSequence([op._key[0] & 0xFFFFFFFFFFFFFFFF, int(epoch), int(window), _ROWS_STREAM])
@@ -165,4 +173,5 @@ def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | tuple[n
         return Permutation(end - first, int(seq.generate_state(1, np.uint64)[0]))
     blocks = layout.order[window * op.window : (window + 1) * op.window].tolist()
     rows = np.concatenate([np.arange(op.bounds[b], op.bounds[b + 1], dtype=np.int64) for b in blocks])
-    return rows, np.random.Generator(np.random.PCG64(seq)).permutation(end - first).astype(np.int32)
+    sources: npt.NDArray[np.int64] = rows[np.random.Generator(np.random.PCG64(seq)).permutation(end - first)]
+    return sources
