@@ -209,3 +209,33 @@ def test_a_run_of_positions_maps_as_the_positions_do(files: list[str], window: i
         for start, stop in runs:
             expected = op.parents(np.arange(start, stop, dtype=np.int64), 230, epoch)
             assert np.array_equal(op.parents_run(start, stop, 230, epoch), expected), (epoch, start, stop)
+
+
+@pytest.mark.parametrize(
+    ("bounds", "orders"),
+    [
+        (
+            [0, 4, 8, 12, 16, 19],  # blocks of one size, the last shorter: the arithmetic path
+            [
+                [11, 9, 18, 16, 8, 10, 17, 4, 3, 2, 6, 1, 7, 5, 0, 14, 15, 12, 13],
+                [11, 4, 10, 6, 7, 9, 8, 5, 12, 2, 1, 15, 13, 0, 3, 14, 18, 16, 17],
+            ],
+        ),
+        (
+            [0, 2, 7, 8, 13, 20],  # blocks of any size
+            [
+                [15, 13, 18, 16, 7, 14, 17, 19, 2, 0, 4, 1, 5, 3, 6, 12, 10, 11, 8, 9],
+                [3, 5, 4, 2, 7, 6, 8, 0, 11, 9, 12, 1, 10, 17, 19, 16, 18, 13, 15, 14],
+            ],
+        ),
+    ],
+)
+def test_the_orders_of_a_seed_never_change(bounds: list[int], orders: list[list[int]]) -> None:
+    """A checkpoint stores positions: a release that drew other orders from the same seed would
+    resume it into other rows. These are the orders the first release of the windowed shuffle drew."""
+    op = WindowShuffle(5, 2, np.array(bounds))
+    n = bounds[-1]
+    for epoch, expected in enumerate(orders):
+        assert op.parents(np.arange(n), n, epoch).tolist() == expected
+        assert op.parents_run(0, n, n, epoch).tolist() == expected
+        assert [int(op.parents_run(i, i + 1, n, epoch)[0]) for i in range(n)] == expected
