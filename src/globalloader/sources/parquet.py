@@ -47,7 +47,7 @@ class Parquet:
 
     Batches: when a chain batches the rows with the default collate and nothing before the batch
     (`Dataset(Parquet(...)).shuffle(...).batch(n)`), each batch is gathered column by column
-    (`read_columns`) instead of built from a record per row: about twice as fast, and the same
+    (`read_columns`) instead of built from a record per row: about 2.5 times as fast, and the same
     batch, key for key and dtype for dtype. `columnar` says whether the selected columns allow it
     (numbers, booleans, text, bytes; see `sources._columns`). Records are read otherwise; their
     decoded row groups keep their numbers packed row by row, so that rows read out of order cost
