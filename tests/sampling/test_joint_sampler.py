@@ -480,27 +480,25 @@ class _CellsBlindToTheOthers(JointSampler):
         return _dense(self._regions.view()[rest].astype(np.int64))
 
 
-class _BlindToWarm(JointSampler):
-    """Cells that ignore warmth: samples still in the pool or in follow logs share cells with
-    cold ones."""
+def _blind_to(state: str, what: str) -> type[JointSampler]:
+    """A control whose cells ignore `what`: it draws them with its `state` attribute emptied."""
 
-    def _cells_of(self, j: object, rest: np.ndarray) -> tuple[np.ndarray, int]:
-        live, self._live = self._live, {}
-        try:
-            return super()._cells_of(j, rest)
-        finally:
-            self._live = live
+    class Blind(JointSampler):
+        def _cells_of(self, j: object, rest: np.ndarray) -> tuple[np.ndarray, int]:
+            kept = getattr(self, state)
+            setattr(self, state, {})
+            try:
+                return super()._cells_of(j, rest)
+            finally:
+                setattr(self, state, kept)
+
+    Blind.__doc__ = f"Cells that ignore {what}."
+    return Blind
 
 
-class _BlindToTheOthersSeen(JointSampler):
-    """Cells that ignore what the other jobs have seen and how they hold the rest."""
-
-    def _cells_of(self, j: object, rest: np.ndarray) -> tuple[np.ndarray, int]:
-        jobs, self._jobs = self._jobs, {}
-        try:
-            return super()._cells_of(j, rest)
-        finally:
-            self._jobs = jobs
+# samples still in the pool or in follow logs share cells with cold ones
+_BlindToWarm = _blind_to("_live", "warmth")
+_BlindToTheOthersSeen = _blind_to("_jobs", "what the other jobs have seen and how they hold the rest")
 
 
 class _MergeOnLeave(JointSampler):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from globalloader.dataset.index_ops import Shuffle
+import globalloader as gl
 from globalloader.sampling.permutation import Permutation
 
 
@@ -74,14 +74,26 @@ def test_runs_from_many_threads_agree() -> None:
         assert all(pool.map(check, starts))
 
 
-def test_a_shuffle_maps_any_positions_whether_a_run_or_not() -> None:
-    """Only a true run takes the chunked path: positions spanning a run's width in another order
-    (as a select after the shuffle gives) map one by one."""
+@pytest.mark.parametrize("chain", ["shuffle", "shuffle, select", "select, shuffle"])
+def test_a_tasks_run_maps_as_its_positions_do(chain: str) -> None:
+    """A task's positions reach the last index operator as a run (`parents_run`, mapped ahead by
+    `Permutation.run`); any other positions map one by one. Both must give the same indices."""
     n = 200_000
-    shuffle, perm = Shuffle(seed=5), Permutation(n, 5, 1)
-    for positions in ([3, 0, 1, 6], [10, 11, 12], [7, 9, 8], [4], [5, 6, 6, 7]):
-        pos = np.array(positions, dtype=np.int64)
-        assert np.array_equal(shuffle.parents(pos, n, 1), perm[pos]), positions
+    ds = gl.Dataset(gl.from_sequence(range(n)))
+    if chain == "shuffle":
+        ds = ds.shuffle(seed=5)
+    elif chain == "shuffle, select":
+        ds = ds.shuffle(seed=5).select(np.random.default_rng(0).permutation(n)[: n // 2])
+    else:
+        ds = ds.select(range(0, n, 2)).shuffle(seed=5)
+    plan, length = ds.plan, len(ds.plan.indices(0))
+    rng = np.random.default_rng(1)
+    worker = list(range(1000, 60_000, 2000))  # every other task, as one of two workers asks: mapped ahead
+    for epoch in (0, 1):
+        for start in [0, length - 1000, *rng.integers(0, length - 1000, 20).tolist(), *worker]:
+            stop = start + 1000
+            expected = plan.map_positions(np.arange(start, stop, dtype=np.int64), epoch)
+            assert np.array_equal(plan.indices(epoch, start, stop), expected), (epoch, start)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
