@@ -85,7 +85,7 @@ class DatasetIterator:
             assert tasks is not None, "a random-access chain knows its length"
             if self._next_task >= tasks:
                 return False
-            items = plan.task_indices(self.epoch, self._next_task)
+            items = None  # the task's own indices
         output = plan.run_task(self.epoch, self._next_task, items).output
         if self._tail is not None:
             self._tail.add(output, self._skip)

@@ -23,6 +23,7 @@ from globalloader.dataset.cache import MISSING, CacheOp
 from globalloader.dataset.collate import collate as default_collate
 from globalloader.dataset.combine import Combined
 from globalloader.dataset.fingerprint import digest, fingerprint
+from globalloader.dataset.gather_ahead import GatherAhead
 from globalloader.dataset.operator import RecordOp, TailOp
 from globalloader.dataset.seeds import SeedOp, derive
 from globalloader.dataset.stream import StreamReader, StreamSource
@@ -85,6 +86,9 @@ class Plan:
             and self.batch.collate is default_collate
             and not (self.maps or self.tail or self.is_stream or self.cache is not None)
         )
+        # A source whose gathers cost much per call says how many rows it would rather gather at once.
+        ahead = getattr(self.source, "gather_rows", 0) // self.task_size if self.columnar else 0
+        self.gather_ahead = GatherAhead(ahead) if ahead > 1 else None
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
         # lazily loaded model) must not make a checkpoint of this very chain look foreign.
@@ -318,20 +322,29 @@ class Plan:
         self,
         epoch: int,
         task: int,
-        items: np.ndarray | list[Any],
+        items: np.ndarray | list[Any] | None,
         skip_errors: bool = False,
         timer: Timer | None = None,
         first_map: int | None = None,
         deferred: bool = False,
     ) -> TaskResult:
-        """Build task `task` from source indices, or from (index, record) pairs whose records
-        already went through the first `first_map` maps (stream records; records served by the
-        global loader: the shared prefix, possibly no map at all). `deferred`: leave the default
-        collate's stacks for the shared-memory transport to fill."""
+        """Build task `task` from source indices (None: the task's own, `task_indices`), or from
+        (index, record) pairs whose records already went through the first `first_map` maps
+        (stream records; records served by the global loader: the shared prefix, possibly no map
+        at all). `deferred`: leave the default collate's stacks for the shared-memory transport
+        to fill."""
         timer = {} if timer is None else timer
         result = TaskResult(None)
         samples = []
         pairs = self.is_stream or first_map is not None
+        if items is None and self.gather_ahead is not None:
+            t0 = time.perf_counter()
+            batch = self.gather_ahead.read(self, epoch, task)
+            _tick(timer, "read", t0, len(batch["__key__"]))
+            result.output = self._batch_maps(batch, epoch, task, timer)
+            return result
+        if items is None:
+            items = self.task_indices(epoch, task)
         if self.columnar and not pairs and len(items):
             t0 = time.perf_counter()
             batch = self.source.read_columns(np.asarray(items, dtype=np.int64))

@@ -171,13 +171,9 @@ def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | npt.NDA
     seq = np.random.SeedSequence([op._key[0] & 0xFFFFFFFFFFFFFFFF, int(epoch), int(window), _ROWS_STREAM])
     if end - first > _EXPLICIT_ROWS:
         return Permutation(end - first, int(seq.generate_state(1, np.uint64)[0]))
-    order = np.random.Generator(np.random.PCG64(seq)).permutation(end - first)
     blocks = layout.order[window * op.window : (window + 1) * op.window]
-    sizes = op.bounds[blocks + 1] - op.bounds[blocks]
-    if (sizes[:-1] == sizes[0]).all() and sizes[-1] <= sizes[0]:  # one size, the last maybe shorter: no gather
-        shift = op.bounds[blocks] - np.arange(len(blocks), dtype=np.int64) * sizes[0]
-        uniform: npt.NDArray[np.int64] = order + shift[order // sizes[0]]
-        return uniform
     rows = np.concatenate([np.arange(op.bounds[b], op.bounds[b + 1], dtype=np.int64) for b in blocks.tolist()])
-    sources: npt.NDArray[np.int64] = rows[order]
+    # Shuffling the rows themselves swaps as shuffling arange(len(rows)) would: rows[permutation],
+    # without the gather (a random read per row).
+    sources: npt.NDArray[np.int64] = np.random.Generator(np.random.PCG64(seq)).permutation(rows)
     return sources

@@ -66,10 +66,8 @@ def _raise_remote(exc: BaseException, tb: str) -> NoReturn:
 
 
 def _run(plan: Plan, task: Task, skip_errors: bool, timer: Timer, deferred: bool = False) -> Any:
-    items = task.items
-    if items is None:
-        items = plan.task_indices(task.epoch, task.number)
-    elif task.arena is not None:  # global loader tickets: read the shared prefix's output in place
+    items = task.items  # None: the task's own indices, which the plan computes
+    if task.arena is not None:  # global loader tickets: read the shared prefix's output in place
         memory = attach(task.arena)  # items without an offset are computed here from scratch
         items = [(i, MISSING if offset is None else memory.read(offset, layout)) for i, offset, layout in items]
     return plan.run_task(task.epoch, task.number, items, skip_errors, timer, task.first_map, deferred)

@@ -23,6 +23,7 @@ from globalloader import _extras
 from globalloader.errors import ArgumentError
 
 Rows = slice | np.ndarray  # rows of one block: a run, or positions
+_SLICES = 64  # rows read in order in fewer runs than this are read as slices
 
 
 def gatherable(kind: Any, as_float: bool) -> bool:
@@ -68,6 +69,14 @@ def _numbers(values: np.ndarray, at: Rows) -> np.ndarray:
 
 def _arrow_rows(values: Any, rows: Rows) -> Any:
     return values.slice(rows.start, rows.stop - rows.start) if isinstance(rows, slice) else values.take(rows)
+
+
+def split_batch(batch: dict[str, Any], parts: list[np.ndarray]) -> list[dict[str, Any]]:
+    """The batches of the leading `parts` whose rows `batch` holds, in order (numbers as views of
+    `batch`'s arrays: each batch its own rows)."""
+    cuts = np.cumsum([len(part) for part in parts]).tolist()
+    held = len(batch["__key__"])
+    return [{name: values[a:b] for name, values in batch.items()} for a, b in pairwise([0, *cuts]) if b <= held]
 
 
 class BlockIndex:
@@ -166,9 +175,23 @@ class BlockGather:
         batch.update(zip(self._names, columns, strict=True))
         return batch
 
+    def sharing_blocks(self, parts: list[np.ndarray]) -> int:
+        """How many leading `parts` (global rows, at least one row each) have all their rows in
+        blocks of the first part."""
+        held = np.zeros(len(self._starts), dtype=bool)
+        held[self._locate(parts[0])] = True
+        for k, part in enumerate(parts[1:], start=1):
+            if not held[self._locate(part)].all():
+                return k
+        return len(parts)
+
     def _in_order(self, blocks: np.ndarray, rows: np.ndarray) -> list[Any]:
-        """Rows in increasing order: a slice of each block, joined."""
-        cuts = [0, *(np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist(), len(blocks)]
+        """Rows in increasing order: a slice of each run of consecutive rows of a block (a few
+        tasks of one worker gathered at once are a few runs), or positions in each block when
+        the runs are many and short."""
+        changes = blocks[1:] != blocks[:-1]
+        runs = np.flatnonzero(changes | (rows[1:] != rows[:-1] + 1)) + 1
+        cuts = [0, *(runs if len(runs) < _SLICES else np.flatnonzero(changes) + 1).tolist(), len(blocks)]
         pieces: list[list[Any]] = [[] for _ in self._names]
         for lo, hi in pairwise(cuts):
             first, last = int(rows[lo]), int(rows[hi - 1])
@@ -201,7 +224,7 @@ class BlockGather:
         joined = [  # one block needs no copy: takes from it make new arrays anyway
             parts[0]
             if len(parts) == 1
-            else np.concatenate(parts)
+            else np.concatenate(parts, dtype=batch_dtype(parts[0].dtype))  # widened once, not per take
             if isinstance(parts[0], np.ndarray)
             else self._pa.concat_arrays(parts)
             for parts in zip(*columns, strict=True)

@@ -17,12 +17,13 @@ from globalloader import _extras
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
 from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
-from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable
+from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable, split_batch
 from globalloader.sources._row_layout import VALUE, Layout, Step, Unpacker
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
 
 _Decoded = tuple[Unpacker | None, list[Step]]  # (row -> packed numbers, steps)
+_GATHER_ROWS = 8192
 
 
 class Parquet:
@@ -84,14 +85,19 @@ class Parquet:
         metas = [handle.metadata for handle in handles]
         self._group_start = [0]  # global row where each (file, row group) starts
         self._group_owner: list[tuple[int, int, int]] = []  # (file, row group, first row in file)
+        decoded_bytes = 0
         for f, meta in enumerate(metas):
             in_file = 0
             for g in range(meta.num_row_groups):
                 rows = meta.row_group(g).num_rows
+                decoded_bytes += meta.row_group(g).total_byte_size
                 self._group_owner.append((f, g, in_file))
                 self._group_start.append(self._group_start[-1] + rows)
                 in_file += rows
         self._len = self._group_start[-1]
+        # Rows a chain may gather in one read_columns_ahead call (dataset.gather_ahead): each call
+        # costs tens of microseconds besides its rows; at most 16 MiB of rows are gathered at once.
+        self.gather_rows = int(min(_GATHER_ROWS, (16 << 20) * max(1, self._len) // max(1, decoded_bytes)))
         self.block_starts: np.ndarray = np.array(self._group_start[:-1], dtype=np.int64)
         self.block_starts.setflags(write=False)
         self._origins = (  # each row group's file and first row in it, and the files' key prefixes
@@ -205,12 +211,23 @@ class Parquet:
         column: what collating `read_many(indices)` gives, without a record per row. Only for a
         source whose `columnar` is True (see `sources._columns`)."""
         check_columnar(self)
-        idx = check_indices(indices, self._len, self)
-        gather = self._gather
-        if gather is None:
-            gather = BlockGather(self._column_names, self.block_starts, self._len, self._origins, self._block_columns)
-            self._gather = gather
-        return gather(idx)
+        return self._gatherer()(check_indices(indices, self._len, self))
+
+    def read_columns_ahead(self, parts: list[np.ndarray]) -> list[dict[str, Any]]:
+        """`read_columns` of each part, in one gather, for the leading parts whose rows lie in the
+        row groups of the first part (at least the first part): the batches of a worker's next
+        tasks (`dataset.gather_ahead`), no more row groups than its current task holds."""
+        check_columnar(self)
+        gather = self._gatherer()
+        checked = [check_indices(part, self._len, self) for part in parts]
+        return split_batch(gather(np.concatenate(checked[: gather.sharing_blocks(checked)])), checked)
+
+    def _gatherer(self) -> BlockGather:
+        if self._gather is None:
+            self._gather = BlockGather(
+                self._column_names, self.block_starts, self._len, self._origins, self._block_columns
+            )
+        return self._gather
 
     def _block_columns(self, group: int) -> list[Any]:
         return self._cached("columns", group, self._decode_columns)
