@@ -71,6 +71,13 @@ def test_tasks_asked_in_any_order_get_their_own_rows(tmp_path: pathlib.Path, cha
             assert _kept(plan) < plan.gather_ahead.tasks
             gathered_ahead = max(gathered_ahead, _kept(plan))
     assert gathered_ahead > 0, "no request was answered from a gather ahead: the test tests nothing"
+    # A task sent with its own indices (a resumed shared-mode epoch's remaining rows) is never
+    # answered from a kept batch of the same number.
+    task = next(
+        t for t in range(1, n - 1) if plan.run_task(0, t - 1, None) and plan.run_task(0, t, None) and _kept(plan)
+    )
+    other = np.array([119, 0, 64], dtype=np.int64)
+    assert strictly_equal(plan.run_task(0, task + 1, other).output, collate([src[i] for i in other.tolist()]))
 
 
 @pytest.mark.parametrize(
