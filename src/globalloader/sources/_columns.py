@@ -125,8 +125,9 @@ class BlockGather:
     tasks touch few blocks each.
 
     A task in order reads runs of one or two blocks: slices. A task of a windowed shuffle takes
-    its rows from the same few blocks as the task before it: those blocks are merged once into
-    one array per column, and each such task is then one take per column, in the task's order.
+    its rows from the same few blocks as the task before it (or gathers several tasks at once:
+    `reused`): those blocks are merged once into one array per column, and each such task is
+    then one take per column, in the task's order.
     Other tasks read block by block, in row order, and are put in the task's order after.
 
     `starts`: each block's first global row; `length`: the source's rows; `origins`: see
@@ -150,8 +151,9 @@ class BlockGather:
         self._last: tuple[int, ...] = ()  # the blocks of the last task
         self._merged: tuple[np.ndarray, list[Any]] | None = None  # see _merge
 
-    def __call__(self, indices: np.ndarray) -> dict[str, Any]:
-        """The batch of the rows at `indices` (global, in range, at least one), in that order."""
+    def __call__(self, indices: np.ndarray, reused: bool = False) -> dict[str, Any]:
+        """The batch of the rows at `indices` (global, in range, at least one), in that order.
+        `reused`: the caller knows later tasks read the same blocks (merge them now)."""
         blocks = self._locate(indices)
         batch: dict[str, Any] = {"__key__": keys_of(self._origins, self._starts, blocks, indices)}
         if not self._names:
@@ -164,7 +166,7 @@ class BlockGather:
             places = merged[0][blocks] if merged is not None else None
             if places is None or not bool((places >= 0).all()):
                 distinct = tuple(np.unique(blocks).tolist())
-                if distinct == self._last:  # the second task in a row on these blocks: merge them
+                if reused or distinct == self._last:  # the second task in a row on these blocks: merge them
                     merged = self._merge(distinct)
                     places = merged[0][blocks]
                 self._last = distinct

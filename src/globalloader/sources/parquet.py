@@ -220,7 +220,8 @@ class Parquet:
         check_columnar(self)
         gather = self._gatherer()
         checked = [check_indices(part, self._len, self) for part in parts]
-        return split_batch(gather(np.concatenate(checked[: gather.sharing_blocks(checked)])), checked)
+        sharing = gather.sharing_blocks(checked)
+        return split_batch(gather(np.concatenate(checked[:sharing]), reused=sharing > 1), checked)
 
     def _gatherer(self) -> BlockGather:
         if self._gather is None:
