@@ -19,9 +19,9 @@ through a map that changes nothing, which makes the workers build records and co
 
 Targets: exact >= 0.5x and windowed >= 0.8x sequential rows/s (medians). Shuffle quality is
 computed in index space on the same layout (no data read) for the exact, windowed (several
-windows) and stream buffer shuffles. JSON to benchmarks/results/parquet_shuffle.json.
+windows) and stream buffer shuffles. JSON to benchmarks/results/parquet_shuffle.json (`--output`).
 
-    python benchmarks/parquet_shuffle.py [--rows 10000000] [--rounds 3] [--window 8]
+    python benchmarks/parquet_shuffle.py [--rows 10000000] [--rounds 3] [--window 8] [--gather-rows 0]
 """
 
 from __future__ import annotations
@@ -144,6 +144,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--window", type=int, default=8, help="row groups per window of the windowed shuffle")
     parser.add_argument("--naive-batches", type=int, default=6)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--gather-rows",
+        type=int,
+        default=None,
+        help="rows a worker may gather at once (Parquet.gather_rows; 0: one batch per gather; default: the source's)",
+    )
     parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "globalloader-bench-parquet")
     args = parser.parse_args()
 
@@ -166,11 +173,17 @@ def main() -> None:
         assert copy.built
         print(f"copy built in {copy_s[-1]:.1f} s: {copy.path} ({copy.path.stat().st_size / 1e6:.0f} MB)", flush=True)
 
-    modes = {  # a source each: the windowed shuffle grows its source's row-group cache
-        "sequential": gl.Dataset(gl.Parquet(str(path))).batch(args.batch),
-        "sequential_by_record": gl.Dataset(gl.Parquet(str(path))).map(unchanged).batch(args.batch),
-        "exact": gl.Dataset(gl.Parquet(str(path)).local_copy(copies)).shuffle(seed=0).batch(args.batch),
-        "windowed": gl.Dataset(gl.Parquet(str(path))).shuffle(seed=0, window=args.window).batch(args.batch),
+    def parquet() -> gl.Parquet:  # a source each: the windowed shuffle grows its source's row-group cache
+        source = gl.Parquet(str(path))
+        if args.gather_rows is not None:
+            source.gather_rows = args.gather_rows
+        return source
+
+    modes = {
+        "sequential": gl.Dataset(parquet()).batch(args.batch),
+        "sequential_by_record": gl.Dataset(parquet()).map(unchanged).batch(args.batch),
+        "exact": gl.Dataset(parquet().local_copy(copies)).shuffle(seed=0).batch(args.batch),
+        "windowed": gl.Dataset(parquet()).shuffle(seed=0, window=args.window).batch(args.batch),
     }
     runs: dict[str, list[float]] = {name: [] for name in (*modes, "naive")}
     cpu_runs: dict[str, list[float]] = {name: [] for name in (*modes, "naive")}
@@ -208,6 +221,7 @@ def main() -> None:
         "batch": args.batch,
         "workers": args.workers,
         "window": args.window,
+        "gather_rows": modes["sequential"].plan.source.gather_rows,
         "rounds": args.rounds,
         "copy_seconds": {"median": statistics.median(copy_s), "min_max": [min(copy_s), max(copy_s)], "runs": copy_s},
         "median_rows_per_s": median,
@@ -240,9 +254,9 @@ def main() -> None:
             f"{name}: {median[name]:,.0f} rows/s = {r:.2f}x sequential ({median['sequential']:,.0f} rows/s); "
             f"per CPU second {cpu_ratio[name]:.2f}x; median of per-round ratios {statistics.median(paired[name]):.2f}x"
         )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.output.parent.mkdir(exist_ok=True)
+    args.output.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -50,9 +50,11 @@ class Parquet:
     (`Dataset(Parquet(...)).shuffle(...).batch(n)`), each batch is gathered column by column
     (`read_columns`) instead of built from a record per row: about 2.5 times as fast, and the same
     batch, key for key and dtype for dtype. `columnar` says whether the selected columns allow it
-    (numbers, booleans, text, bytes; see `sources._columns`). Records are read otherwise; their
-    decoded row groups keep their numbers packed row by row, so that rows read out of order cost
-    one cache miss for all of a row's numbers rather than one per column.
+    (numbers, booleans, text, bytes; see `sources._columns`). A worker gathers its next batches
+    on the same row groups in the same call, up to `gather_rows` rows (at most 16 MiB; see
+    `dataset.gather_ahead`). Records are read otherwise; their decoded row groups keep their
+    numbers packed row by row, so that rows read out of order cost one cache miss for all of a
+    row's numbers rather than one per column.
 
     Shuffling: a global `shuffle(seed)` reads rows in random order, so nearly every row decodes a
     whole row group (hundreds of times slower than reading in order). Pick one of:
