@@ -88,8 +88,8 @@ class WindowShuffle:
         starts = getattr(source, "block_starts", None)
         if starts is None:
             raise ArgumentError(
-                f"shuffle(window=...) needs a source made of blocks (with `block_starts`, such as gl.Parquet "
-                f"or its local_copy()); {type(source).__name__} has none: use shuffle(seed) instead"
+                f"shuffle(window=...) needs a source made of blocks (with `block_starts`, such as gl.Parquet, "
+                f"its local_copy() or gl.TarShards); {type(source).__name__} has none: use shuffle(seed) instead"
             )
         op = cls(seed, window, np.append(np.asarray(starts, dtype=np.int64), len(source)))
         keep = getattr(source, "keep_blocks", None)

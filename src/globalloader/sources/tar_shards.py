@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gzip
 import os
 import pathlib
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
@@ -41,6 +43,11 @@ class TarShards:
     `os.pread` on descriptors kept open per process for local shards, `cat_file(path, start,
     end)` for remote ones.
 
+    Shuffling: `shuffle(seed, window=w)` permutes the shards, then the samples within windows of
+    `w` shards (`block_starts`: each shard's first sample). Remote shards are then read whole, one
+    request per shard per epoch and worker instead of one per sample, and each worker process
+    keeps `2 * w` of them in memory (`keep_blocks`): pick `w` by the shards' size.
+
     Errors: a missing shard raises SourceError at construction; a truncated or corrupt tar
     (named with the byte offset) raises SourceError when indexed or streamed; an index outside
     [0, len) raises SampleIndexError.
@@ -68,18 +75,35 @@ class TarShards:
             "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
         )
         self.scanned = 0  # shards whose index had to be built by a scan (not read from cache)
+        self.kept_shards = 0  # remote shards kept whole per process (see keep_blocks)
         self._len = 0
         self._indexed = False
         self._lock = threading.Lock()
+        self._whole: OrderedDict[int, bytes] = OrderedDict()  # remote shards read whole, LRU
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"]
+        del state["_lock"], state["_whole"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._whole = OrderedDict()
+
+    @property
+    def block_starts(self) -> np.ndarray:
+        """Each shard's first sample: the blocks `shuffle(window=...)` permutes."""
+        if not self._indexed:
+            self.build_index()
+        return np.array(self._shard_start[:-1], dtype=np.int64)
+
+    def keep_blocks(self, count: int) -> None:
+        """Keep up to `count` remote shards whole in memory, per process. A windowed shuffle reads
+        its window's shards in random order: one request for each shard per epoch and worker,
+        instead of one per sample. Local shards are still read sample by sample (the page cache
+        keeps them)."""
+        self.kept_shards = max(self.kept_shards, int(count))
 
     def build_index(self) -> None:
         """Load or build every shard's index (done on first `len()` or `[i]`; idempotent)."""
@@ -172,15 +196,35 @@ class TarShards:
                     raise _changed(url, offset)
                 record[exts[ext]] = data
             return record
-        # Remote: one request for the whole sample (its members are adjacent), then slices.
+        # Remote: one request for the whole sample (its members are adjacent), or the whole
+        # shard when shards are kept; then slices.
         start = members[0][0] if members else 0
         end = max((o + s for o, s, _ in members), default=start)
-        blob = self._reader.read_remote(url, start, end - start)
-        if len(blob) != end - start:
-            raise _changed(url, start)
+        if self.kept_shards:
+            blob, start = self._whole_shard(shard), 0  # offsets then count from the shard's start
+        else:
+            blob = self._reader.read_remote(url, start, end - start)
+            if len(blob) != end - start:
+                raise _changed(url, start)
         for offset, size, ext in members:
             record[exts[ext]] = blob[offset - start : offset - start + size]
         return record
+
+    def _whole_shard(self, shard: int) -> bytes:
+        blob = self._whole.get(shard)
+        if blob is None:
+            url, size = self.shards[shard], self._stats[shard].size
+            blob = self._reader.read_remote(url, 0, size)
+            if len(blob) != size:
+                raise _changed(url, len(blob))
+            with self._lock:
+                self._whole[shard] = blob
+                while len(self._whole) > self.kept_shards:
+                    self._whole.popitem(last=False)
+        else:
+            with self._lock, contextlib.suppress(KeyError):  # another thread may have evicted it
+                self._whole.move_to_end(shard)
+        return blob
 
     def iter_records(self, shards: Any = None) -> Iterator[dict[str, Any]]:
         """Yield the records of all shards (or of the shard indices in `shards`) in file order.
