@@ -21,7 +21,7 @@ from helpers import check_resume
 def _remote_shards(name: str, n: int = 28, per_shard: int = 5) -> list[str]:
     with TarWriter(f"memory://{name}/shard-%02d.tar", maxcount=per_shard) as writer:
         for i in range(n):
-            writer.write({"__key__": f"s{i:03d}", "bin": os.urandom(300 + 7 * i), "cls": i})
+            writer.write({"__key__": f"s{i:04d}", "bin": os.urandom(300 + 7 * (i % 50)), "cls": i})
     return writer.paths
 
 
@@ -42,6 +42,7 @@ def test_remote_shards_are_read_whole_once_per_epoch(tmp_path: pathlib.Path) -> 
     urls = _remote_shards(tmp_path.name)
     reference = TarShards(urls)
     expected = {r["__key__"]: r for r in (reference[i] for i in range(len(reference)))}
+    sizes = {url: len(fsspec.filesystem("memory").cat(url)) for url in urls}
     src = TarShards(urls)
     ds = gl.Dataset(src).shuffle(seed=1, window=2)
     assert src.kept_shards == 4 and src.block_starts.tolist() == [0, 5, 10, 15, 20, 25]
@@ -53,16 +54,29 @@ def test_remote_shards_are_read_whole_once_per_epoch(tmp_path: pathlib.Path) -> 
         orders.append([r["__key__"] for r in records])
         assert sorted(orders[-1]) == sorted(expected)  # every sample once
         assert all(r == expected[r["__key__"]] for r in records)  # and its bytes
-        whole = requests[before:]
-        assert all(start == 0 for _, start, _ in whole)
-        assert len(whole) <= len(urls) and len({u for u, _, _ in whole}) == len(whole)
+        made = requests[before:]
+        whole = [url for url, start, length in made if start == 0 and length == sizes[url]]
+        assert len(set(whole)) == len(whole) <= len(urls)  # each shard read whole once at most
+        assert len(made) <= 2 * len(urls)  # shards of 5 samples: one sample alone, then the whole shard
         if epoch == 0:
-            assert len(whole) == len(urls)
+            assert sorted(whole) == sorted(urls)
     assert orders[0] != sorted(expected) and orders[0] != orders[1]
     # The control: without the window, one request per sample.
     plain = TarShards(urls)
     plain_requests = _count_requests(plain)
     assert len(list(gl.Dataset(plain).shuffle(seed=1).iterator(0))) == 28 and len(plain_requests) == 28
+
+
+def test_a_plain_shuffle_over_the_same_source_still_reads_sample_by_sample(tmp_path: pathlib.Path) -> None:
+    """The source a windowed chain made keep shards serves a plain shuffle too: over many shards,
+    no shard gets enough of its samples read close together to be read whole."""
+    urls = _remote_shards(tmp_path.name, n=4000, per_shard=40)
+    src = TarShards(urls)
+    gl.Dataset(src).shuffle(seed=0, window=4)
+    assert src.kept_shards == 8
+    requests = _count_requests(src)
+    assert len(list(gl.Dataset(src).shuffle(seed=3).iterator(0))) == 4000
+    assert len(requests) == 4000 and all(start > 0 for _, start, _ in requests)
 
 
 @pytest.mark.parametrize("where", ["local", "remote"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gzip
 import os
 import pathlib
@@ -23,6 +22,7 @@ from globalloader.sources._tar_format import split_key, walk
 from globalloader.sources.base import check_index, fingerprint_of
 
 _STREAM_BUFFER = 1024 * 1024
+_READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
 
 
 class TarShards:
@@ -44,9 +44,10 @@ class TarShards:
     end)` for remote ones.
 
     Shuffling: `shuffle(seed, window=w)` permutes the shards, then the samples within windows of
-    `w` shards (`block_starts`: each shard's first sample). Remote shards are then read whole, one
-    request per shard per epoch and worker instead of one per sample, and each worker process
-    keeps `2 * w` of them in memory (`keep_blocks`): pick `w` by the shards' size.
+    `w` shards (`block_starts`: each shard's first sample). Remote shards are then read whole
+    after their first few samples (at most 9 requests per shard per epoch and worker instead of
+    one per sample), and each worker process keeps `2 * w` of them in memory (`keep_blocks`):
+    pick `w` by the shards' size.
 
     Errors: a missing shard raises SourceError at construction; a truncated or corrupt tar
     (named with the byte offset) raises SourceError when indexed or streamed; an index outside
@@ -80,16 +81,18 @@ class TarShards:
         self._indexed = False
         self._lock = threading.Lock()
         self._whole: OrderedDict[int, bytes] = OrderedDict()  # remote shards read whole, LRU
+        self._touched: OrderedDict[int, int] = OrderedDict()  # samples read ranged per recent shard, LRU
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"], state["_whole"]
+        del state["_lock"], state["_whole"], state["_touched"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
         self._whole = OrderedDict()
+        self._touched = OrderedDict()
 
     @property
     def block_starts(self) -> np.ndarray:
@@ -100,9 +103,11 @@ class TarShards:
 
     def keep_blocks(self, count: int) -> None:
         """Keep up to `count` remote shards whole in memory, per process. A windowed shuffle reads
-        its window's shards in random order: one request for each shard per epoch and worker,
-        instead of one per sample. Local shards are still read sample by sample (the page cache
-        keeps them)."""
+        its window's shards in random order: a shard is read whole once a few of its samples were
+        read while it was among the recently read shards, instead of one request per sample. Any
+        order that reads a shard's samples far apart (a plain shuffle over many shards, with the
+        same source object) still reads sample by sample. Local shards are always read sample by
+        sample (the page cache keeps them)."""
         self.kept_shards = max(self.kept_shards, int(count))
 
     def build_index(self) -> None:
@@ -200,8 +205,9 @@ class TarShards:
         # shard when shards are kept; then slices.
         start = members[0][0] if members else 0
         end = max((o + s for o, s, _ in members), default=start)
-        if self.kept_shards:
-            blob, start = self._whole_shard(shard), 0  # offsets then count from the shard's start
+        whole = self._whole_shard(shard) if self.kept_shards else None
+        if whole is not None:
+            blob, start = whole, 0  # offsets then count from the shard's start
         else:
             blob = self._reader.read_remote(url, start, end - start)
             if len(blob) != end - start:
@@ -210,20 +216,30 @@ class TarShards:
             record[exts[ext]] = blob[offset - start : offset - start + size]
         return record
 
-    def _whole_shard(self, shard: int) -> bytes:
-        blob = self._whole.get(shard)
-        if blob is None:
-            url, size = self.shards[shard], self._stats[shard].size
-            blob = self._reader.read_remote(url, 0, size)
-            if len(blob) != size:
-                raise _changed(url, len(blob))
-            with self._lock:
-                self._whole[shard] = blob
-                while len(self._whole) > self.kept_shards:
-                    self._whole.popitem(last=False)
-        else:
-            with self._lock, contextlib.suppress(KeyError):  # another thread may have evicted it
+    def _whole_shard(self, shard: int) -> bytes | None:
+        """Shard `shard` whole, if kept or now worth reading whole; None: read the sample alone.
+        Worth it after `min(8, samples / 4)` samples of it were read alone while it stayed among
+        the `4 * kept_shards` most recently read shards."""
+        with self._lock:
+            blob = self._whole.get(shard)
+            if blob is not None:
                 self._whole.move_to_end(shard)
+                return blob
+            read = self._touched.pop(shard, 0)
+            samples = self._shard_start[shard + 1] - self._shard_start[shard]
+            if read < min(_READ_ALONE, max(1, samples // 4)):
+                self._touched[shard] = read + 1
+                while len(self._touched) > 4 * self.kept_shards:
+                    self._touched.popitem(last=False)
+                return None
+        url, size = self.shards[shard], self._stats[shard].size
+        blob = self._reader.read_remote(url, 0, size)
+        if len(blob) != size:
+            raise _changed(url, len(blob))
+        with self._lock:
+            self._whole[shard] = blob
+            while len(self._whole) > self.kept_shards:
+                self._whole.popitem(last=False)
         return blob
 
     def iter_records(self, shards: Any = None) -> Iterator[dict[str, Any]]:
