@@ -151,10 +151,11 @@ class BlockGather:
         self._last: tuple[int, ...] = ()  # the blocks of the last task
         self._merged: tuple[np.ndarray, list[Any]] | None = None  # see _merge
 
-    def __call__(self, indices: np.ndarray, reused: bool = False) -> dict[str, Any]:
+    def __call__(self, indices: np.ndarray, reused: bool = False, blocks: np.ndarray | None = None) -> dict[str, Any]:
         """The batch of the rows at `indices` (global, in range, at least one), in that order.
-        `reused`: the caller knows later tasks read the same blocks (merge them now)."""
-        blocks = self._locate(indices)
+        `reused`: the caller knows later tasks read the same blocks (merge them now); `blocks`:
+        each row's block, when the caller has located them already."""
+        blocks = self._locate(indices) if blocks is None else blocks
         batch: dict[str, Any] = {"__key__": keys_of(self._origins, self._starts, blocks, indices)}
         if not self._names:
             return batch
@@ -177,15 +178,15 @@ class BlockGather:
         batch.update(zip(self._names, columns, strict=True))
         return batch
 
-    def sharing_blocks(self, parts: list[np.ndarray]) -> int:
-        """How many leading `parts` (global rows, at least one row each) have all their rows in
-        blocks of the first part."""
+    def sharing_blocks(self, rows: np.ndarray, sizes: list[int]) -> tuple[int, np.ndarray]:
+        """How many leading parts of `rows` (global rows, parts of `sizes` rows, at least one
+        each) have all their rows in blocks of the first part; and each row's block."""
+        blocks = self._locate(rows)
         held = np.zeros(len(self._starts), dtype=bool)
-        held[self._locate(parts[0])] = True
-        for k, part in enumerate(parts[1:], start=1):
-            if not held[self._locate(part)].all():
-                return k
-        return len(parts)
+        held[blocks[: sizes[0]]] = True
+        starts = np.cumsum([0, *sizes[:-1]])
+        whole = np.logical_and.reduceat(held[blocks], starts)  # each part: all its rows held
+        return (int(np.argmin(whole)) if not whole.all() else len(sizes)), blocks
 
     def _in_order(self, blocks: np.ndarray, rows: np.ndarray) -> list[Any]:
         """Rows in increasing order: a slice of each run of consecutive rows of a block (a few

@@ -222,8 +222,10 @@ class Parquet:
         check_columnar(self)
         gather = self._gatherer()
         checked = [check_indices(part, self._len, self) for part in parts]
-        sharing = gather.sharing_blocks(checked)
-        return split_batch(gather(np.concatenate(checked[:sharing]), reused=sharing > 1), checked)
+        rows = np.concatenate(checked)
+        sharing, blocks = gather.sharing_blocks(rows, [len(part) for part in checked])
+        held = sum(len(part) for part in checked[:sharing])
+        return split_batch(gather(rows[:held], reused=sharing > 1, blocks=blocks[:held]), checked)
 
     def _gatherer(self) -> BlockGather:
         if self._gather is None:
