@@ -84,5 +84,20 @@ def test_bad_arguments_are_one_clear_line():
     assert runs.returncode == 1 and runs.stderr.strip() == "globalloader: demo: runs must be an int >= 1, got 0"
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--workers", "0"], "--workers must be >= 1, got 0"),
+        (["--idle-exit", "-3"], "--idle-exit must be a number of seconds >= 0 (0: never), got -3.0"),
+        (["--idle-exit", "nan"], "--idle-exit must be a number of seconds >= 0 (0: never), got nan"),
+    ],
+)
+def test_serve_refuses_bad_numbers_before_starting(tmp_path, option, message):
+    socket = tmp_path / "s.sock"
+    result = run("serve", "--socket", str(socket), *option, check=False)
+    assert result.returncode == 1 and result.stderr.strip() == f"globalloader: {message}"
+    assert not socket.exists()
+
+
 def test_stop_without_a_server_says_so(tmp_path):
     assert "no server runs" in run("stop", "--socket", str(tmp_path / "none.sock")).stdout

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
             forwarded = ["--memory", args.memory, "--idle-exit", str(args.idle_exit)]
             forwarded += ["--socket", args.socket] if args.socket else []
-            return server.main(forwarded + (["--workers", str(args.workers)] if args.workers else []))
+            return server.main(forwarded + (["--workers", str(args.workers)] if args.workers is not None else []))
         else:
             from pathlib import Path
 

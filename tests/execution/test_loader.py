@@ -160,6 +160,30 @@ def test_argument_errors_name_the_argument():
         gl.Loader([1, 2, 3])
 
 
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("timeout", float("nan")),
+        ("timeout", float("inf")),
+        ("timeout", 0),
+        ("timeout", True),
+        ("timeout", "10"),
+        ("workers", True),
+        ("workers", 1.0),
+        ("prefetch", True),
+        ("prefetch", 0),
+        ("start_method", "thread"),
+        ("share", 1),
+        ("share", "yes"),
+        ("server", 3),
+        ("name", 3),
+    ],
+)
+def test_every_argument_is_checked_where_it_enters(argument, value):
+    with pytest.raises(ArgumentError, match=rf"Loader: {argument} must be"):
+        gl.Loader(chain(), **{argument: value})
+
+
 def test_spawned_workers_receive_lambdas_through_cloudpickle():
     ds = gl.Dataset(records(12)).map(lambda r: {**r, "label": r["label"] * 10}).batch(4)
     out = whole_epoch(gl.Loader(ds, workers=1, start_method="spawn"))

@@ -14,7 +14,7 @@ import pytest
 
 import globalloader as gl
 from globalloader.dataset.collate import collate
-from globalloader.errors import ArgumentError, SampleIndexError
+from globalloader.errors import ArgumentError, SampleIndexError, SourceError
 from globalloader.sources._columns import BlockIndex
 from helpers import check_resume, every_arrow_type, strictly_equal
 
@@ -110,11 +110,32 @@ def test_files_that_differ_are_read_by_record(tmp_path: pathlib.Path) -> None:
     a, b, c = (str(tmp_path / f"{name}.parquet") for name in "abc")
     pq.write_table(pa.table({"id": [1, 2], "t": ["x", "y"]}), a)
     pq.write_table(pa.table({"t": ["z"], "id": [3]}), b)  # same columns, another order
-    pq.write_table(pa.table({"id": [4.0], "t": ["w"]}), c)  # another type
+    pq.write_table(pa.table({"id": pa.array([4], pa.int32()), "t": ["w"]}), c)  # another width, same values
     assert gl.Parquet([a, a]).columnar
     assert not gl.Parquet([a, b]).columnar
     assert gl.Parquet([a, b], columns=["t", "id"]).columnar  # records follow the requested order
     assert not gl.Parquet([a, c]).columnar
+    assert next(iter(gl.Dataset(gl.Parquet([a, c])).batch(3)))["id"].tolist() == [1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("other", "column"),
+    [
+        ({"id": [4.0], "t": ["w"]}, "id"),  # ints in one file, floats in another
+        ({"id": [4], "t": [b"w"]}, "t"),  # text, then bytes
+        ({"id": ["4"], "t": ["w"]}, "id"),  # ints, then text: batches would turn to strings mid-epoch
+        ({"id": [4]}, "t"),  # a column missing
+        ({"id": [4], "t": ["w"], "extra": [1]}, "extra"),  # a column the first file lacks
+    ],
+)
+def test_files_whose_column_types_differ_are_refused(
+    tmp_path: pathlib.Path, other: dict[str, Any], column: str
+) -> None:
+    a, c = str(tmp_path / "a.parquet"), str(tmp_path / "c.parquet")
+    pq.write_table(pa.table({"id": [1, 2], "t": ["x", "y"]}), a)
+    pq.write_table(pa.table(other), c)
+    with pytest.raises(SourceError, match=rf"Parquet column '{column}' .*(missing from|in {a} but .* in {c})"):
+        gl.Parquet([a, c])
 
 
 def _chains(src: Any) -> dict[str, Callable[[gl.Dataset], gl.Dataset]]:

@@ -63,7 +63,7 @@ def test_copy_is_reused_by_later_constructions_and_processes(files: list[str], t
     first = gl.Parquet(files).local_copy(folder)
     again = gl.Parquet(files).local_copy(folder)
     assert first.built and not again.built and again.path == first.path
-    assert os.listdir(folder) == [first.path.name]
+    assert sorted(os.listdir(folder)) == sorted([first.path.name, f"{first.path.name}.crc32"])
     code = textwrap.dedent(
         f"""
         import globalloader as gl
@@ -85,17 +85,20 @@ def test_copy_is_rebuilt_when_a_file_changes(files: list[str], tmp_path: pathlib
     fresh = src.local_copy(folder)
     assert fresh.built and fresh.path != old.path and len(fresh) == 103
     assert strictly_equal([fresh[i] for i in range(103)], [src[i] for i in range(103)])
-    assert not old.path.exists() and [p.name for p in folder.iterdir()] == [fresh.path.name]
+    assert not old.path.exists() and sorted(p.name for p in folder.iterdir()) == [
+        fresh.path.name,
+        f"{fresh.path.name}.crc32",
+    ]
     other = gl.Parquet(files, columns=["id"]).local_copy(folder)  # other columns: another copy beside it
-    assert other.built and sorted(p.name for p in folder.iterdir()) == sorted([fresh.path.name, other.path.name])
+    assert other.built and sorted(p.name for p in folder.glob("*.arrow")) == sorted([fresh.path.name, other.path.name])
 
 
 def test_a_copy_cut_short_by_an_error_leaves_nothing(tmp_path: pathlib.Path) -> None:
     good, bad = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
     pq.write_table(pa.table({"id": list(range(40))}), good, row_group_size=10)
-    pq.write_table(pa.table({"id": ["not", "an", "int"]}), bad)
+    pq.write_table(pa.table({"id": pa.array([1, 2, 3], pa.int32())}), bad)  # the source reads both as ints
     folder = tmp_path / "copies"
-    with pytest.raises(SourceError, match=rf"{bad}: column 'id' is string, other files have 'id' as int64"):
+    with pytest.raises(SourceError, match=rf"{bad}: column 'id' is int32, other files have 'id' as int64"):
         gl.Parquet([good, bad]).local_copy(folder)
     assert list(folder.iterdir()) == []  # neither a copy nor a temporary file
 
@@ -132,7 +135,7 @@ def test_a_copy_killed_while_written_is_never_used(tmp_path: pathlib.Path) -> No
     copy = gl.Parquet(path).local_copy(folder)
     assert copy.built and [copy[i]["id"] for i in range(400)] == list(range(400))
     assert not leftover.exists()  # the dead writer's temporary file was cleared
-    assert [p.name for p in folder.iterdir()] == [copy.path.name]
+    assert sorted(p.name for p in folder.iterdir()) == [copy.path.name, f"{copy.path.name}.crc32"]
 
 
 def test_a_damaged_copy_is_written_again(files: list[str], tmp_path: pathlib.Path) -> None:
@@ -141,6 +144,28 @@ def test_a_damaged_copy_is_written_again(files: list[str], tmp_path: pathlib.Pat
     copy.path.write_bytes(data[: len(data) // 2])
     again = gl.Parquet(files).local_copy(tmp_path)
     assert again.built and strictly_equal(again[99], gl.Parquet(files)[99])
+
+
+@pytest.mark.parametrize("where", [0.3, 0.6, 0.9])
+def test_a_copy_with_flipped_bytes_of_the_same_size_is_written_again(
+    files: list[str], tmp_path: pathlib.Path, where: float
+) -> None:
+    source = gl.Parquet(files)
+    copy = source.local_copy(tmp_path)
+    data = bytearray(copy.path.read_bytes())
+    at = int(len(data) * where)
+    data[at : at + 8] = bytes(b ^ 0xFF for b in data[at : at + 8])
+    copy.path.write_bytes(bytes(data))  # same size, same Arrow framing at both ends
+    again = source.local_copy(tmp_path)
+    assert again.built and again.path == copy.path
+    assert strictly_equal([again[i] for i in range(len(source))], [source[i] for i in range(len(source))])
+    assert not gl.Parquet(files).local_copy(tmp_path).built  # the rewritten copy passes its check
+
+
+def test_a_copy_whose_checksum_is_lost_is_written_again(files: list[str], tmp_path: pathlib.Path) -> None:
+    copy = gl.Parquet(files).local_copy(tmp_path)
+    copy.path.with_name(copy.path.name + ".crc32").unlink()
+    assert gl.Parquet(files).local_copy(tmp_path).built
 
 
 def test_exact_shuffle_over_the_copy_resumes_through_the_loader(files: list[str], tmp_path: pathlib.Path) -> None:

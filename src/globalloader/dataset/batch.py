@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from globalloader.dataset.collate import PadCollate
 from globalloader.dataset.collate import collate as default_collate
 from globalloader.dataset.fingerprint import fingerprint
@@ -23,6 +25,13 @@ def check_size(n: Any, what: str) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ArgumentError(f"{what} must be an int >= 1, got {n!r}")
     return n
+
+
+def check_flag(value: Any, what: str) -> bool:
+    """A bool argument: `bool("False")` is True, so nothing else is taken for one."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{what} must be True or False, got {value!r}")
+    return bool(value)
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,8 @@ class BatchOp:
     def of(cls, n: int, drop_last: bool, collate: Callable[[list[Any]], Any] | None, pad: Any) -> BatchOp:
         if pad is not None and collate is not None:
             raise ArgumentError("batch: pad= pads with the default collate; a custom collate= pads itself")
-        return cls(n, bool(drop_last), PadCollate(pad) if pad is not None else collate or default_collate)
+        chosen = PadCollate(pad) if pad is not None else collate or default_collate
+        return cls(n, check_flag(drop_last, "batch: drop_last"), chosen)
 
     def attach(self, plan: Builder) -> None:
         plan.set_batch(self)

@@ -13,7 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from globalloader.dataset.batch import check_size
+import numpy as np
+
+from globalloader.dataset.batch import check_flag, check_size
 from globalloader.dataset.collate import PadCollate
 from globalloader.dataset.collate import collate as default_collate
 from globalloader.dataset.map import describe_fn
@@ -37,17 +39,26 @@ class BucketBatchOp:
     ) -> BucketBatchOp:
         if not callable(length_fn):
             raise ArgumentError(f"bucket_batch: length_fn must be callable, got {type(length_fn).__name__}")
-        bounds = tuple(boundaries)
-        if not bounds or any(not isinstance(b, int) for b in bounds) or list(bounds) != sorted(set(bounds)):
-            raise ArgumentError(f"bucket_batch: boundaries must be increasing ints, got {boundaries!r}")
-        sizes = (batch_size,) * (len(bounds) + 1) if isinstance(batch_size, int) else tuple(batch_size)
+        bounds = tuple(boundaries) if isinstance(boundaries, Sequence) and not isinstance(boundaries, str) else ()
+        if (
+            not bounds
+            or any(not isinstance(b, int) or isinstance(b, bool) for b in bounds)
+            or list(bounds) != sorted(set(bounds))
+        ):
+            raise ArgumentError(f"bucket_batch: boundaries must be a list of increasing ints, got {boundaries!r}")
+        if isinstance(batch_size, int):
+            sizes: tuple[int, ...] = (batch_size,) * (len(bounds) + 1)
+        elif isinstance(batch_size, Sequence) and not isinstance(batch_size, str):
+            sizes = tuple(batch_size)
+        else:
+            raise ArgumentError(f"bucket_batch: batch_size must be an int or one int per bucket, got {batch_size!r}")
         if len(sizes) != len(bounds) + 1:
             raise ArgumentError(
                 f"bucket_batch: {len(bounds)} boundaries make {len(bounds) + 1} buckets; got {len(sizes)} batch sizes"
             )
         for size in sizes:
             check_size(size, "bucket_batch: batch_size")
-        return cls(length_fn, bounds, sizes, pad, bool(drop_last))
+        return cls(length_fn, bounds, sizes, pad, check_flag(drop_last, "bucket_batch: drop_last"))
 
     def attach(self, plan: Builder) -> None:
         plan.add_tail(self, "bucket_batch")
@@ -63,6 +74,11 @@ class BucketBatchOp:
         return BucketStage(self)
 
 
+def _short(item: Any) -> str:
+    text = repr(item)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class BucketStage:
     def __init__(self, op: BucketBatchOp) -> None:
         self.op = op
@@ -76,6 +92,9 @@ class BucketStage:
             raise
         except Exception as exc:
             raise TransformError(f"bucket_batch: length_fn failed: {type(exc).__name__}: {exc}") from exc
+        number = isinstance(length, (int, float, np.integer, np.floating)) and not isinstance(length, bool)
+        if not number or length != length:  # NaN sorts nowhere
+            raise TransformError(f"bucket_batch: length_fn must return a number, got {length!r} for {_short(item)}")
         b = bisect.bisect_right(self.op.boundaries, length)
         bucket = self.buckets[b]
         bucket.append(item)

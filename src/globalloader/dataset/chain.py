@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from typing import Any
 
-from globalloader.dataset.batch import BatchOp
+import numpy as np
+
+from globalloader.dataset.batch import BatchOp, check_flag
 from globalloader.dataset.bucket import BucketBatchOp
 from globalloader.dataset.cache import CacheOp
 from globalloader.dataset.combine import Combined
@@ -181,10 +183,17 @@ class Dataset:
         `boundaries[b]` (and at least the one before); `batch_size` is one or one per bucket."""
         return self._then(BucketBatchOp.of(length_fn, boundaries, batch_size, pad, drop_last))
 
-    def pack(self, seq_len: int, key: str | None = "tokens", pad: int = 0, drop_last: bool = False) -> Dataset:
+    def pack(
+        self, seq_len: int, key: str | None = "tokens", pad: int = 0, drop_last: bool = False, dtype: Any = None
+    ) -> Dataset:
         """Concatenate 1-D token arrays (`x[key]`, or bare arrays with key=None) into rows of
-        `seq_len` with `segment_ids` and `positions`; see `globalloader.dataset.pack`."""
-        return self._then(PackOp(seq_len, key, pad, bool(drop_last)))
+        `seq_len` with `segment_ids` and `positions`; `dtype`: the rows' token dtype (default:
+        the common type of each row's documents); see `globalloader.dataset.pack`."""
+        try:
+            fixed = None if dtype is None else np.dtype(dtype)
+        except TypeError as exc:
+            raise ArgumentError(f"pack: dtype must be an integer NumPy dtype, got {dtype!r}") from exc
+        return self._then(PackOp(seq_len, key, pad, check_flag(drop_last, "pack: drop_last"), fixed))
 
     # -- running -----------------------------------------------------------------------------
     @cached_property

@@ -1,7 +1,9 @@
 """The default collate: a list of samples -> one batch of stacked NumPy arrays.
 
-Dicts collate per key, tuples and lists per position, arrays and numbers stack into one array;
-strings, bytes and other objects stay a Python list, so nothing is silently converted or lost.
+Dicts collate per key, tuples and lists per position, arrays and numbers stack into one array
+of their common dtype (NumPy's promotion rules; a mix that would change a value, such as
+numbers with text or int64 with uint64, is an `ArgumentError` naming the field); strings, bytes,
+other objects and samples of mixed kinds stay a Python list, so nothing is silently converted.
 Tensors of any framework with a `.numpy()` method are stacked as NumPy arrays too (the torch
 adapter turns batches back into tensors in the consumer, after shared-memory transport).
 """
@@ -20,18 +22,18 @@ from globalloader.errors import ArgumentError
 class Stacked:
     """A stack of equal-shaped arrays not yet copied anywhere: the shared-memory transport
     stacks it straight into its segment, saving a full copy of the batch (and the page faults
-    of a fresh multi-megabyte buffer) in every worker."""
+    of a fresh multi-megabyte buffer) in every worker. `dtype` is the items' common dtype."""
 
     __slots__ = ("dtype", "items", "nbytes", "shape")
 
-    def __init__(self, items: list[np.ndarray]) -> None:
+    def __init__(self, items: list[np.ndarray], dtype: np.dtype[Any] | None = None) -> None:
         self.items = items
         self.shape = (len(items), *items[0].shape)
-        self.dtype = items[0].dtype
-        self.nbytes = items[0].nbytes * len(items)
+        self.dtype = items[0].dtype if dtype is None else dtype
+        self.nbytes = self.dtype.itemsize * len(items) * items[0].size
 
     def stack_into(self, out: np.ndarray) -> None:
-        np.stack(self.items, out=out)
+        np.stack(self.items, out=out, casting="safe")
 
 
 def collate(samples: Sequence[Any], deferred: bool = False, pad: Any = None) -> Any:
@@ -45,7 +47,8 @@ class PadCollate:
     """The default collate with padding (`batch(n, pad=...)`); picklable, with a stable identity."""
 
     def __init__(self, pad: Any) -> None:
-        if pad is None or not (isinstance(pad, (int, float, bool, np.generic, dict))):
+        values = pad.values() if isinstance(pad, dict) else [pad]
+        if pad is None or not all(_is_number(v) or isinstance(v, (bool, np.bool_)) for v in values):
             raise ArgumentError(f"batch: pad must be a number or a dict of numbers per key, got {pad!r}")
         self.pad = pad
         self.fingerprint = repr(("pad", sorted(pad.items()) if isinstance(pad, dict) else pad))
@@ -54,12 +57,79 @@ class PadCollate:
         return _collate(list(samples), "batch", False, self.pad)
 
 
-def _padded(items: list[np.ndarray], value: Any) -> np.ndarray:
+def common_dtype(dtypes: Sequence[np.dtype[Any]], where: str) -> np.dtype[Any]:
+    """The dtype that holds every value of `dtypes` by NumPy's promotion rules, or an
+    `ArgumentError` naming `where` and two of the types when stacking would change a value:
+    numbers with text, or integers that only a float holds together (int64 with uint64)."""
+    first = dtypes[0]
+    if all(d == first for d in dtypes):
+        return first
+    kinds = {_kind(d) for d in dtypes}
+    categories = {"number" if k == "integer" else k for k in kinds}
+    other = next(d for d in dtypes if d != first)
+    try:
+        out = np.result_type(*dtypes)
+    except TypeError as exc:  # DTypePromotionError is a TypeError
+        raise ArgumentError(f"collate: {where} mixes {first} and {other}, which have no common type") from exc
+    if len(categories) > 1 or (kinds == {"integer"} and _kind(out) != "integer"):
+        raise ArgumentError(
+            f"collate: {where} mixes {first} and {other}; stacking them would change values "
+            f"(NumPy makes them {out}): cast them to one type in a map"
+        )
+    return out
+
+
+def check_exact(items: list[np.ndarray], dtype: np.dtype[Any], where: str) -> None:
+    """Refuse integers that `dtype` (a float they were promoted to, e.g. int64 with float32 ->
+    float64) does not hold exactly: NumPy's rule rounds integers beyond 2**53."""
+    if dtype.kind not in "fc":
+        return
+    for it in items:
+        with np.errstate(all="ignore"):  # a cast that overflows is what this looks for
+            same = it.dtype.kind not in "iu" or np.array_equal(it.astype(dtype).astype(it.dtype), it)
+        if not same:
+            raise ArgumentError(
+                f"collate: {where} mixes {it.dtype} with floats, and {dtype} cannot hold some of its integers "
+                "exactly: cast them to one type in a map"
+            )
+
+
+def fits(value: Any, dtype: np.dtype[Any]) -> bool:
+    """Whether `dtype` holds `value` (a pad or fill value): exactly for integers and booleans,
+    to the nearest float without overflow for floats."""
+    try:
+        with np.errstate(all="ignore"):
+            stored = np.array(value).astype(dtype, casting="unsafe").item()
+    except (OverflowError, ValueError, TypeError):
+        return False
+    if dtype.kind in "fc" and _is_number(value):
+        finite = isinstance(value, (int, np.integer)) or bool(np.isfinite(value))
+        return bool(np.isfinite(stored)) == finite and (value == value) == (stored == stored)
+    return bool(stored == value)
+
+
+def _kind(dtype: np.dtype[Any]) -> str:
+    """Numbers (bool, integers, floats, complex) promote among themselves; text, dates and
+    others only to their own kind."""
+    if dtype.kind in "iu":
+        return "integer"
+    if dtype.kind in "bfc":
+        return "number"
+    return "text" if dtype.kind in "US" else dtype.kind
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (Number, np.number)) and not isinstance(x, (bool, np.bool_))
+
+
+def _padded(items: list[np.ndarray], value: Any, dtype: np.dtype[Any], where: str) -> np.ndarray:
     ndims = {it.ndim for it in items}
     if len(ndims) > 1:
-        raise ArgumentError(f"collate: cannot pad arrays of different ranks {sorted(ndims)}")
+        raise ArgumentError(f"collate: cannot pad arrays of different ranks {sorted(ndims)} in {where}")
+    if not fits(value, dtype):
+        raise ArgumentError(f"collate: pad={value!r} does not fit {where}'s dtype {dtype}: pick a value it holds")
     shape = tuple(max(sizes) for sizes in zip(*(it.shape for it in items), strict=True))
-    out = np.full((len(items), *shape), value, dtype=items[0].dtype)
+    out = np.full((len(items), *shape), value, dtype=dtype)
     for k, it in enumerate(items):
         out[k][tuple(slice(0, d) for d in it.shape)] = it
     return out
@@ -77,25 +147,36 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
         pads = pad if isinstance(pad, dict) else dict.fromkeys(first, pad)
         return {k: _collate([it[k] for it in items], f"{where}[{k!r}]", deferred, pads.get(k)) for k in first}
     if isinstance(first, (tuple, list)) and not isinstance(first, str):
-        if any(len(it) != len(first) for it in items):
-            raise ArgumentError(f"collate: samples in {where} have different lengths")
+        if any(not isinstance(it, (tuple, list)) or len(it) != len(first) for it in items):
+            raise ArgumentError(f"collate: samples in {where} have different lengths or types")
         scalar_pad = None if isinstance(pad, dict) else pad
         columns = [_collate([it[j] for it in items], f"{where}[{j}]", deferred, scalar_pad) for j in range(len(first))]
         return tuple(columns) if isinstance(first, tuple) else columns
-    if isinstance(first, np.ndarray) and first.dtype != object:
+    if all(isinstance(it, np.ndarray) and it.dtype != object for it in items):
+        dtype = common_dtype([it.dtype for it in items], where)
+        if dtype != first.dtype or any(it.dtype != dtype for it in items):
+            check_exact(items, dtype, where)
         shapes = {it.shape for it in items}
         if len(shapes) > 1 and pad is not None and not isinstance(pad, dict):
-            return _padded(items, pad)
+            return _padded(items, pad, dtype, where)
         if len(shapes) > 1:
             raise ArgumentError(
                 f"collate: arrays in {where} have different shapes {sorted(shapes)}; "
                 "resize them in a map, pad them with batch(n, pad=0), or pass collate="
             )
-        return Stacked(items) if deferred and first.nbytes else np.stack(items)
-    if isinstance(first, (Number, np.generic)) and not isinstance(first, bool | np.bool_):
-        return np.asarray(items)
-    if isinstance(first, (bool, np.bool_)):
+        if deferred and first.size:
+            return Stacked(items, dtype)
+        return np.stack(items).astype(dtype, copy=False)
+    if all(_is_number(it) for it in items):
+        values = np.asarray(items)
+        if values.dtype == object:  # Python ints beyond 64 bits: no NumPy type holds them
+            return items
+        arrays = [np.asarray(it) for it in items]
+        common_dtype([a.dtype for a in arrays], where)  # refuses int64 with uint64
+        check_exact(arrays, values.dtype, where)
+        return values
+    if all(isinstance(it, (bool, np.bool_)) for it in items):
         return np.asarray(items, dtype=bool)
-    if hasattr(first, "numpy") and hasattr(first, "shape"):
+    if all(hasattr(it, "numpy") and hasattr(it, "shape") for it in items):
         return _collate([it.numpy() for it in items], where, deferred, pad)
     return items

@@ -27,6 +27,24 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 EXHAUSTED = ("stop", "cycle")
+MAX_SCHEDULE = 1 << 28  # positions of one mix epoch (10 bytes each): beyond, weights are surely a mistake
+
+
+def _normalized(weights: Sequence[float] | None, parts: int) -> tuple[float, ...]:
+    """`weights` as proportions that sum to 1; each must be a finite number > 0."""
+    bad = ArgumentError(f"mix: weights must be {parts} finite numbers > 0, got {weights!r}")
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != parts:
+        raise bad
+    if any(isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) for x in weights):
+        raise bad
+    w = np.asarray(weights, dtype=np.float64)
+    if not (np.isfinite(w).all() and (w > 0).all()):
+        raise bad
+    w = w / w.max()  # huge weights would overflow their sum
+    w = w / w.sum()
+    if not (w > 0).all():
+        raise ArgumentError(f"mix: weights {list(weights)} differ by more than a float can hold; check them")
+    return tuple(w.tolist())
 
 
 class Combined:
@@ -46,12 +64,7 @@ class Combined:
         self.kind, self.parts, self.on_exhausted = kind, parts, on_exhausted
         if on_exhausted not in EXHAUSTED:
             raise ArgumentError(f"{kind}: on_exhausted must be one of {EXHAUSTED}, got {on_exhausted!r}")
-        self.weights: tuple[float, ...] | None = None
-        if weights is not None:
-            w = [float(x) for x in weights]
-            if len(w) != len(parts) or any(not x > 0 or x != x for x in w):
-                raise ArgumentError(f"mix: weights must be {len(parts)} positive numbers, got {weights!r}")
-            self.weights = tuple(x / sum(w) for x in w)
+        self.weights = _normalized(weights, len(parts)) if kind == "mix" else None
         self.plans: list[Any] = [p.plan for p in parts]
         self.seed: int | None = None
 
@@ -100,10 +113,19 @@ class Combined:
         """(part, ordinal in the part) at every position of a mix's epoch."""
         assert self.weights is not None
         n = self.part_lengths
+        empty = [k for k, size in enumerate(n) if size == 0]
+        if empty:
+            part = self.parts[empty[0]]
+            raise ArgumentError(f"mix: part {empty[0]} ({part!r}) has no samples; mix only non-empty parts")
         if self.on_exhausted == "stop":
             total = min(int(np.floor(n_c / w)) for n_c, w in zip(n, self.weights, strict=True))
         else:
             total = max(int(np.ceil(n_c / w)) for n_c, w in zip(n, self.weights, strict=True))
+        if total > MAX_SCHEDULE:
+            raise ArgumentError(
+                f"mix: weights {self.weights} over parts of {n} samples make an epoch of {total:,} samples "
+                f"(more than {MAX_SCHEDULE:,}); check the weights"
+            )
         times = [(np.arange(int(np.ceil(total * w)) + 1) + 0.5) / w for w in self.weights]
         part = np.concatenate([np.full(len(t), c, dtype=np.int16) for c, t in enumerate(times)])
         order = np.argsort(np.concatenate(times), kind="stable")[:total]

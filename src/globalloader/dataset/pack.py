@@ -4,6 +4,10 @@ Documents are laid end to end; one that does not fit continues at the start of t
 so no token is dropped and no space is wasted except at the end of the epoch. Each row comes
 with `segment_ids` (1, 2, ... per document piece in the row, 0 for padding) and `positions`
 (restarting at 0 for each piece), so attention can be masked between documents.
+
+Token values are never changed: a row's dtype is `dtype=` when given (a document holding a token
+it cannot store is a `TransformError`), else the common type of the documents in the row by
+NumPy's promotion rules (int8 then int64 documents make an int64 row).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from globalloader.dataset.batch import check_size
+from globalloader.dataset.collate import common_dtype, fits
 from globalloader.errors import ArgumentError, TransformError
 
 if TYPE_CHECKING:
@@ -28,13 +33,21 @@ class PackOp:
     key: str | None = "tokens"
     pad: int = 0
     drop_last: bool = False
+    dtype: np.dtype[Any] | None = None
 
     def __post_init__(self) -> None:
         check_size(self.seq_len, "pack: seq_len")
+        if self.seq_len > np.iinfo(np.int32).max:
+            raise ArgumentError(f"pack: seq_len must fit the int32 positions, got {self.seq_len}")
         if self.key is not None and not isinstance(self.key, str):
             raise ArgumentError(f"pack: key must be a str or None (bare arrays), got {self.key!r}")
         if isinstance(self.pad, bool) or not isinstance(self.pad, (int, np.integer)):
             raise ArgumentError(f"pack: pad must be an int token id, got {self.pad!r}")
+        if self.dtype is not None:
+            if not isinstance(self.dtype, np.dtype) or self.dtype.kind not in "iu":
+                raise ArgumentError(f"pack: dtype must be an integer NumPy dtype, got {self.dtype!r}")
+            if not fits(self.pad, self.dtype):
+                raise ArgumentError(f"pack: pad={self.pad} does not fit dtype {self.dtype}")
 
     def attach(self, plan: Builder) -> None:
         plan.add_tail(self, "pack")
@@ -43,7 +56,8 @@ class PackOp:
         return self.describe()
 
     def describe(self) -> tuple[object, ...]:
-        return ("pack", self.seq_len, self.key, int(self.pad), self.drop_last)
+        fixed = () if self.dtype is None else (self.dtype.str,)
+        return ("pack", self.seq_len, self.key, int(self.pad), self.drop_last, *fixed)
 
     def stage(self, seed: int, epoch: int, position: int) -> PackStage:
         return PackStage(self)
@@ -66,6 +80,14 @@ class PackStage:
             raise TransformError(
                 f"pack: {key or 'the record'} must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}"
             )
+        dtype = self.op.dtype
+        if dtype is not None and tokens.dtype != dtype and len(tokens):
+            low, high = tokens.min(), tokens.max()
+            if not (fits(low.item(), dtype) and fits(high.item(), dtype)):
+                raise TransformError(
+                    f"pack: {key or 'the record'} holds tokens {low}..{high} that dtype {dtype} cannot hold"
+                )
+            tokens = tokens.astype(dtype)
         return tokens
 
     def feed(self, item: Any) -> list[Any]:
@@ -83,8 +105,13 @@ class PackStage:
         return [self._row()] if self.pieces and not self.op.drop_last else []
 
     def _row(self) -> dict[str, np.ndarray]:
-        n = self.op.seq_len
-        tokens = np.full(n, self.op.pad, dtype=self.pieces[0].dtype)
+        n, name = self.op.seq_len, self.op.key or "tokens"
+        dtype = common_dtype([p.dtype for p in self.pieces], f"pack[{name!r}]")
+        if not fits(self.op.pad, dtype):
+            raise ArgumentError(
+                f"pack: pad={self.op.pad} does not fit the {name!r} dtype {dtype}; pass pack(dtype=...) that holds both"
+            )
+        tokens = np.full(n, self.op.pad, dtype=dtype)
         segments = np.zeros(n, dtype=np.int32)
         positions = np.zeros(n, dtype=np.int32)
         at = 0
@@ -93,7 +120,7 @@ class PackStage:
             tokens[at:end], segments[at:end], positions[at:end] = piece, s, np.arange(len(piece))
             at = end
         self.pieces, self.filled = [], 0
-        return {self.op.key or "tokens": tokens, "segment_ids": segments, "positions": positions}
+        return {name: tokens, "segment_ids": segments, "positions": positions}
 
     def state(self) -> Any:
         return [p.copy() for p in self.pieces]

@@ -10,6 +10,9 @@ resumes in either mode.
 from __future__ import annotations
 
 import contextlib
+import math
+import multiprocessing
+import os
 import warnings
 from typing import Any, Self
 
@@ -25,6 +28,10 @@ from globalloader.execution.workers import InlinePool, ProcessPool, ThreadPool
 MODES = ("process", "thread")
 ON_ERROR = ("raise", "skip")
 SHARE = (False, True, "auto")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Loader:
@@ -70,18 +77,25 @@ class Loader:
     ) -> None:
         if not isinstance(dataset, Dataset):
             raise ArgumentError(f"Loader: dataset must be a globalloader.Dataset, got {type(dataset).__name__}")
-        if not isinstance(workers, int) or workers < 0:
+        if not _is_int(workers) or workers < 0:
             raise ArgumentError(f"Loader: workers must be an int >= 0, got {workers!r}")
         if mode not in MODES:
             raise ArgumentError(f"Loader: mode must be one of {MODES}, got {mode!r}")
         if on_error not in ON_ERROR:
             raise ArgumentError(f"Loader: on_error must be one of {ON_ERROR}, got {on_error!r}")
-        if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
+        if prefetch is not None and (not _is_int(prefetch) or prefetch < 1):
             raise ArgumentError(f"Loader: prefetch must be an int >= 1, got {prefetch!r}")
-        if share not in SHARE:
+        if not any(share is choice for choice in SHARE):
             raise ArgumentError(f"Loader: share must be one of {SHARE}, got {share!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ArgumentError(f"Loader: timeout must be a number of seconds > 0, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ArgumentError(f"Loader: timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if start_method not in multiprocessing.get_all_start_methods():
+            raise ArgumentError(
+                f"Loader: start_method must be one of {multiprocessing.get_all_start_methods()}, got {start_method!r}"
+            )
+        for what, value in (("server", server), ("name", name)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ArgumentError(f"Loader: {what} must be a str or None, got {value!r}")
         self.dataset, self.plan = dataset, dataset.plan
         self.share, self.server, self.server_memory, self.name = share, server, server_memory, name
         self._session: SharedSession | None = None
@@ -96,7 +110,7 @@ class Loader:
     # -- epochs and positions ----------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` at the next iteration (keeps a loaded mid-epoch position of that epoch)."""
-        if not isinstance(epoch, int) or epoch < 0:
+        if not _is_int(epoch) or epoch < 0:
             raise ArgumentError(f"set_epoch: epoch must be an int >= 0, got {epoch!r}")
         if epoch != self._position.epoch:
             self._position = Position(epoch)

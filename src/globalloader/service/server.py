@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import errno
 import hashlib
+import math
 import os
 import selectors
 import signal
@@ -634,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     memory = launcher.parse_size(args.memory)
     if args.workers < 1:
         raise ServerStartError(f"--workers must be >= 1, got {args.workers}")
+    if not 0 <= args.idle_exit < math.inf:
+        raise ServerStartError(f"--idle-exit must be a number of seconds >= 0 (0: never), got {args.idle_exit}")
     lock = launcher.own_socket(path)
     if lock is None:
         print(f"globalloader server: another server owns {path}; exiting", file=sys.stderr, flush=True)

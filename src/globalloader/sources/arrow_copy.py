@@ -18,6 +18,7 @@ import pathlib
 import socket
 import threading
 import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -102,10 +103,10 @@ class ArrowCopy:
         self.path = base / f"parquet-{where}-{self._content}.arrow"
         self.built = False  # whether this construction wrote the copy (False: reused one)
         self._reset()
-        if not self._open():
+        if not self._open(verify=True):
             self._build(source, progress)
             self.built = True
-            if not self._open():
+            if not self._open(verify=False):
                 raise SourceError(f"the Arrow copy {self.path} just written cannot be read back; delete it and retry")
 
     # -- process state --------------------------------------------------------------------------
@@ -138,8 +139,13 @@ class ArrowCopy:
     def _expected_metadata(self) -> bytes:
         return f"{_FORMAT}:{self._content}:{len(self._origins)}:{self._len}".encode()
 
-    def _open(self) -> bool:
-        """Map the copy; False if it is missing or is not the complete copy of this source."""
+    @property
+    def _checksum_path(self) -> pathlib.Path:
+        return self.path.with_name(self.path.name + ".crc32")
+
+    def _open(self, verify: bool = False) -> bool:
+        """Map the copy; False if it is missing or is not the complete copy of this source
+        (`verify`: nor when its bytes do not match the checksum written with it)."""
         pa = self._pa
         try:
             mapped = pa.memory_map(str(self.path), "r")
@@ -151,11 +157,21 @@ class ArrowCopy:
             metadata.get(_META_KEY) != self._expected_metadata()
             or LAYOUT_KEY not in metadata
             or reader.num_record_batches != len(self._origins)
+            or (verify and not self._intact(mapped.fileno()))
         ):
             return False
         self._layout = Layout.from_json(metadata[LAYOUT_KEY])
         self._reader, self._map = reader, mapped
         return True
+
+    def _intact(self, fd: int) -> bool:
+        """Whether the mapped file's CRC-32 is the one written beside it: a flipped byte that
+        keeps the size and the Arrow framing is caught here, before any row is served."""
+        try:
+            expected = self._checksum_path.read_text().strip()
+        except OSError:
+            return False
+        return f"{_crc32(fd):08x}" == expected
 
     def _build(self, source: Any, progress: bool | None) -> None:
         folder = self.path.parent
@@ -166,21 +182,27 @@ class ArrowCopy:
         self._remove_stale()
         token = f"{_host()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         tmp = folder / f".{self.path.name}.{token}.tmp"
+        crc_tmp = folder / f".{self._checksum_path.name}.{token}.tmp"
         try:
             self._write(source, tmp, progress)
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)  # the rename must never publish data still in flight
+                checksum = f"{_crc32(fd):08x}"
             finally:
                 os.close(fd)
+            crc_tmp.write_text(checksum)  # the checksum goes first: a copy is never without one
+            os.replace(crc_tmp, self._checksum_path)
             os.replace(tmp, self.path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
+            crc_tmp.unlink(missing_ok=True)
             raise SourceError(
                 f"cannot write the Arrow copy {self.path}: {exc.strerror or exc}; free space there or pass folder="
             ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
+            crc_tmp.unlink(missing_ok=True)
             raise
 
     def _write(self, source: Any, tmp: pathlib.Path, progress: bool | None) -> None:
@@ -232,8 +254,8 @@ class ArrowCopy:
         writers on this machine that died before finishing."""
         where = self.path.name.split("-")[1]
         host = _host()
-        for other in self.path.parent.glob(f"parquet-{where}-*.arrow"):
-            if other.name != self.path.name:
+        for other in self.path.parent.glob(f"parquet-{where}-*.arrow*"):
+            if other.name not in (self.path.name, self._checksum_path.name):
                 with contextlib.suppress(OSError):
                     other.unlink()
         for tmp in self.path.parent.glob(f".parquet-{where}-*.tmp"):
@@ -336,6 +358,15 @@ def _check_types(first: list[tuple[str, Any]], names: list[str], columns: list[A
                 f"{file}: column {name!r} is {column.type}, other files have {first_name!r} as {first_type}; "
                 "an Arrow copy needs one schema: select columns or rewrite the files with one type"
             )
+
+
+def _crc32(fd: int) -> int:
+    """CRC-32 of a whole open file, read in 16 MiB pieces (zlib's CRC runs at GB/s)."""
+    crc, offset = 0, 0
+    while piece := os.pread(fd, 16 << 20, offset):
+        crc = zlib.crc32(piece, crc)
+        offset += len(piece)
+    return crc
 
 
 def _hash(parts: list[str]) -> str:

@@ -26,6 +26,20 @@ _Decoded = tuple[Unpacker | None, list[Step]]  # (row -> packed numbers, steps)
 _GATHER_ROWS = 8192
 
 
+def _kind(arrow_type: Any) -> str:
+    """What a column's values are when read: types of one kind read as the same Python values."""
+    pa = _extras.require("pyarrow", "parquet")
+    for kind, test in (
+        ("integer", pa.types.is_integer),
+        ("float", pa.types.is_floating),
+        ("text", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
+        ("bytes", lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)),
+    ):
+        if test(arrow_type):
+            return kind
+    return str(arrow_type)
+
+
 class Parquet:
     """Rows of one or more Parquet files, addressable by global row index.
 
@@ -109,6 +123,7 @@ class Parquet:
         )
         self._stats = stats
         self.int_columns_as_float: frozenset[str] = exact_columns_with_nulls(metas, self.columns)
+        self._check_same_columns([handle.schema_arrow for handle in handles])
         self.columnar: bool = self._gatherable([handle.schema_arrow for handle in handles])
         self.fingerprint: str = fingerprint_of(
             "Parquet",
@@ -170,6 +185,28 @@ class Parquet:
             if missing:
                 raise SourceError(f"Parquet file {self.files[f]} has no column(s) {missing}; it has {sorted(names)}")
         return handle
+
+    def _check_same_columns(self, schemas: list[Any]) -> None:
+        """Every file has the selected columns, each of one kind in every file (integers of any
+        width, floats of any width, text, bytes, or else one exact type), so a batch never
+        changes type mid-epoch; otherwise a SourceError names the column and two files."""
+        first = schemas[0]
+        names = self.columns or first.names
+        for f, schema in enumerate(schemas[1:], start=1):
+            extra = [n for n in schema.names if n not in names] if self.columns is None else []
+            for name in [*names, *extra]:
+                if name not in schema.names or name not in first.names:
+                    where = self.files[f] if name not in schema.names else self.files[0]
+                    raise SourceError(
+                        f"Parquet column {name!r} is missing from {where} but not from the other files; "
+                        "select the columns all files have with columns=[...]"
+                    )
+                a, b = first.field(name).type, schema.field(name).type
+                if _kind(a) != _kind(b):
+                    raise SourceError(
+                        f"Parquet column {name!r} is {a} in {self.files[0]} but {b} in {self.files[f]}; "
+                        "rewrite the files with one type for it"
+                    )
 
     def _gatherable(self, schemas: list[Any]) -> bool:
         """Whether batches can be gathered by column (`read_columns`): every file has the same
