@@ -343,3 +343,12 @@ def test_without_ray_the_import_names_the_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("MissingExtraError") and "globalloader[ray]" in out.stdout
+
+
+def test_files_whose_column_types_differ_are_combined_only_without_a_change() -> None:
+    from globalloader.ray.shuffle import _conform
+
+    wide = np.array([1, 2], np.int64)
+    assert _conform(np.array([3], np.int32), wide, "x", "b.parquet", "a.parquet").tolist() == [3]
+    with pytest.raises(SourceError, match=r"column 'x' is int64 in b.parquet but int8 in a.parquet"):
+        _conform(np.array([300], np.int64), np.array([1], np.int8), "x", "b.parquet", "a.parquet")

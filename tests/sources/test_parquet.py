@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import globalloader as gl
 from globalloader.errors import ArgumentError, SampleIndexError, SourceError
 from globalloader.sources import Parquet, Source
 
@@ -98,6 +99,21 @@ def test_a_nullable_int_column_without_a_null_count_is_read_as_float(tmp_path: p
     src = Parquet(path)
     assert src.int_columns_as_float == {"maybe"}
     assert src[1] == {"__key__": f"{path}:1", "maybe": 2.0, "never": 4} and type(src[1]["never"]) is int
+
+
+@pytest.mark.parametrize("read", ["record", "batch", "copy"])
+def test_an_int_column_with_nulls_beyond_float_precision_is_refused(tmp_path: pathlib.Path, read: str) -> None:
+    """Read as float64 for its nulls, 2**53 + 1 would round to 2**53: named, never changed."""
+    path = str(tmp_path / "big.parquet")
+    pq.write_table(pa.table({"x": pa.array([2**53 + 1, None, 3], pa.int64())}), path)
+    source = Parquet(path)
+    reads = {
+        "record": lambda: source[2],
+        "batch": lambda: list(gl.Dataset(source).batch(3)),
+        "copy": lambda: source.local_copy(tmp_path / "copy")[2],
+    }
+    with pytest.raises(SourceError, match=r"Parquet column 'x' holds nulls, so it is read as float64, but .*740993"):
+        reads[read]()
 
 
 def test_random_order_and_cache_bound(files: list[str]) -> None:

@@ -127,7 +127,8 @@ class Combined:
                 f"(more than {MAX_SCHEDULE:,}); check the weights"
             )
         times = [(np.arange(int(np.ceil(total * w)) + 1) + 0.5) / w for w in self.weights]
-        part = np.concatenate([np.full(len(t), c, dtype=np.int16) for c, t in enumerate(times)])
+        kind = np.int16 if len(times) < 2**15 else np.int32
+        part = np.concatenate([np.full(len(t), c, dtype=kind) for c, t in enumerate(times)])
         order = np.argsort(np.concatenate(times), kind="stable")[:total]
         part = part[order]
         ordinal = np.empty(total, dtype=np.int64)

@@ -32,9 +32,14 @@ class Select:
     @classmethod
     def of(cls, indices: object) -> Select:
         try:
-            arr = np.array(indices, dtype=np.int64).reshape(-1)
+            given = np.asarray(indices if not isinstance(indices, (str, bytes)) else [indices])
         except (TypeError, ValueError) as exc:
             raise ArgumentError(f"select: indices must be integers, got {type(indices).__name__}") from exc
+        if given.size and (given.dtype.kind not in "iu" or (given.dtype.kind == "u" and given.max() >= 2**63)):
+            raise ArgumentError(  # 1.5 -> 1, True -> 1 or "3" -> 3 would select what nobody asked for
+                f"select: indices must be integers, got {given.dtype} values such as {given.reshape(-1)[0]!r}"
+            )
+        arr = given.astype(np.int64).reshape(-1)
         arr.setflags(write=False)
         return cls(arr)
 

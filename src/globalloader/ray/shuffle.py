@@ -136,7 +136,11 @@ def _conform(rows: np.ndarray, like: np.ndarray, name: str, url: str, first_url:
         raise SourceError(
             f"column {name!r} has row shape {rows.shape[1:]} in {url} but {like.shape[1:]} in {first_url}"
         )
-    return rows if rows.dtype == like.dtype else rows.astype(like.dtype)
+    if rows.dtype == like.dtype:
+        return rows
+    if not np.can_cast(rows.dtype, like.dtype, "safe"):  # int64 into int8 would wrap: never silently
+        raise SourceError(f"column {name!r} is {rows.dtype} in {url} but {like.dtype} in {first_url}")
+    return rows.astype(like.dtype)
 
 
 def _put_rows(target: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from globalloader import _extras
+from globalloader.errors import SourceError
 
 
 def is_exact(kind: Any) -> bool:
@@ -55,19 +56,30 @@ def exact_columns_with_nulls(metas: list[Any], columns: list[str] | None) -> fro
     return frozenset(found)
 
 
-def to_python(column: Any, as_float: bool = False) -> list[Any]:
+def as_float64(column: Any, name: str) -> np.ndarray:
+    """An integer or boolean column that holds nulls, as float64 with NaN for them. Arrow's safe
+    cast refuses an integer beyond 2**53, which float64 would round: that is a SourceError
+    naming the column, never a changed value."""
+    pa = _extras.require("pyarrow", "parquet")
+    try:
+        return np.asarray(column.cast(pa.float64()).to_numpy(zero_copy_only=False))
+    except pa.ArrowInvalid as exc:
+        raise SourceError(
+            f"Parquet column {name!r} holds nulls, so it is read as float64, but {exc}: float64 would round it; "
+            "fill its nulls or select it out with columns=[...]"
+        ) from None
+
+
+def to_python(column: Any) -> list[Any]:
     """One column of a row group as a list of Python values (lists as NumPy arrays).
 
     Numeric columns go through NumPy's `tolist`, several times faster than Arrow's `to_pylist`:
-    float nulls become NaN, and `as_float` reads an integer or boolean column as float64 with NaN
-    for nulls. List columns become one ndarray per row.
+    float nulls become NaN. List columns become one ndarray per row.
     """
     pa = _extras.require("pyarrow", "parquet")
     kind = column.type
     if is_list(kind):
         return list(column.to_numpy(zero_copy_only=False))
-    if as_float:
-        return np.asarray(column.cast(pa.float64()).to_numpy()).tolist()
     if pa.types.is_floating(kind) or (column.null_count == 0 and is_exact(kind)):
         return np.asarray(column.to_numpy()).tolist()
     return column.to_pylist()

@@ -21,6 +21,7 @@ import numpy as np
 
 from globalloader import _extras
 from globalloader.errors import ArgumentError
+from globalloader.sources._arrow_values import as_float64
 
 Rows = slice | np.ndarray  # rows of one block: a run, or positions
 _SLICES = 64  # rows read in order in fewer runs than this are read as slices
@@ -47,7 +48,7 @@ def batch_dtype(kind: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype(bool) if kind.kind == "b" else np.dtype(np.float64 if kind.kind == "f" else np.int64)
 
 
-def batch_values(column: Any, as_float: bool) -> Any:
+def batch_values(column: Any, name: str, as_float: bool) -> Any:
     """One gatherable Arrow column of a block, ready to gather from: numbers as a NumPy array of
     their own dtype (float nulls NaN; `as_float`: float64 with NaN for nulls), widened to their
     batch dtype only in the rows a batch takes; text and bytes stay an Arrow array, made Python
@@ -56,7 +57,7 @@ def batch_values(column: Any, as_float: bool) -> Any:
     pa = _extras.require("pyarrow", "parquet")
     kind = column.type
     if as_float:
-        return np.asarray(column.cast(pa.float64()).to_numpy(zero_copy_only=False))
+        return as_float64(column, name)
     if pa.types.is_floating(kind) or pa.types.is_integer(kind) or pa.types.is_boolean(kind):
         return np.asarray(column.to_numpy(zero_copy_only=False))
     return column

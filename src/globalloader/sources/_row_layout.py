@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from globalloader import _extras
-from globalloader.sources._arrow_values import is_exact, is_list, to_python
+from globalloader.sources._arrow_values import as_float64, is_exact, is_list, to_python
 
 PACKED = "globalloader.packed_rows"  # the packed column's name (the last column of the copy)
 LAYOUT_KEY = b"globalloader.layout"  # schema metadata: the Layout as JSON
@@ -108,9 +108,9 @@ class Layout:
         if not fields:
             return None
         records = np.zeros(len(columns[0]), dtype=self.dtype)
-        for column, (_, kind, slot, _) in zip(columns, self.columns, strict=True):
+        for column, (name, kind, slot, _) in zip(columns, self.columns, strict=True):
             if kind == VALUE:
-                records[f"{slot}"] = _values(column, records.dtype[f"{slot}"])
+                records[f"{slot}"] = _values(column, name, records.dtype[f"{slot}"])
             elif kind in (TEXT, BYTES):
                 records[f"{slot}"], records[f"{slot + 1}"] = _spans(column)
         return records
@@ -168,11 +168,11 @@ class Layout:
         return lambda row: unpack_from(data, row * width)
 
 
-def _values(column: Any, dtype: np.dtype[Any]) -> np.ndarray:
+def _values(column: Any, name: str, dtype: np.dtype[Any]) -> np.ndarray:
     """A number column as `Parquet` reads it (nulls NaN, integers with nulls as float64)."""
     pa = _extras.require("pyarrow", "parquet")
     if dtype.kind == "f" and not pa.types.is_floating(column.type):
-        column = column.cast(pa.float64())
+        return as_float64(column, name)
     return np.asarray(column.to_numpy(zero_copy_only=False), dtype=dtype)
 
 

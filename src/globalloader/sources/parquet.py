@@ -342,7 +342,7 @@ class Parquet:
         """A row group ready for gathers by column (`sources._columns.batch_values`)."""
         table = self.read_block(group)
         return [
-            batch_values(column.combine_chunks(), name in self.int_columns_as_float)
+            batch_values(column.combine_chunks(), name, name in self.int_columns_as_float)
             for name, column in zip(table.column_names, table.columns, strict=True)
         ]
 
