@@ -51,8 +51,10 @@ class Parquet:
     object arrays: a null in a float column is NaN; an integer or boolean column that holds a
     null anywhere in the source (by the footers' null counts, or may hold one: a nullable column
     whose footer has no null count) is read as float64 everywhere, with NaN for nulls, so its
-    dtype is the same in every batch (`int_columns_as_float` names them). Nulls in other columns
-    (text, bytes, nested) are None.
+    dtype is the same in every batch (`int_columns_as_float` names them); such a column holding an
+    integer beyond 2**53, which float64 would round, is a SourceError. Nulls in other columns
+    (text, bytes, nested) are None. Files whose selected columns differ in kind (ints in one, floats
+    or text in another, a column missing) are refused when the source is made.
 
     Random access: the footers give every row group's row count; a bisect over the cumulative
     counts finds the row group, which is decoded whole (Parquet's unit of compression) and kept
