@@ -1,0 +1,102 @@
+"""The random number generator states a DataLoader resume restores, as JSON-able values.
+
+A pass of torch's DataLoader draws from three kinds of RNG: the loader's `generator` (or torch's
+global RNG) for the base seed and the sampler's order, the samplers' own generators, and, inside
+each worker, the global `torch`, `random` and `numpy` RNGs the dataset code draws from. To give
+a resumed pass the very values an uninterrupted one gets, a state records these RNGs' states;
+this module turns them into plain strings, ints and lists (so a state can go into any checkpoint,
+JSON included) and back, refusing a malformed one with a `StateError` naming the field.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import random
+from typing import Any
+
+import numpy as np
+
+from globalloader.errors import StateError
+from globalloader.torch.tensors import torch
+
+_RANDOM_VERSION = 3  # random.getstate()'s format: (3, 625 words, gauss_next)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any, field: str) -> bytes:
+    if not isinstance(text, str):
+        raise StateError(f"load_state_dict: {field} should be a base64 str, got {type(text).__name__}")
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as exc:
+        raise StateError(f"load_state_dict: {field} is not valid base64 ({exc})") from exc
+
+
+def torch_state(state: Any) -> str:
+    """A torch RNG state (the ByteTensor of `get_rng_state`/`Generator.get_state`) as a str."""
+    return _b64(state.numpy().tobytes())
+
+
+def torch_state_tensor(text: Any, field: str) -> Any:
+    """The ByteTensor `torch_state` was made from (checked to be a CPU generator's state)."""
+    data = _unb64(text, field)
+    if len(data) != torch.get_rng_state().numel():
+        raise StateError(f"load_state_dict: {field} is not a torch CPU RNG state ({len(data)} bytes)")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def set_generator_state(generator: Any, text: Any, field: str) -> None:
+    """Put a `torch_state` back into `generator` (None: torch's global RNG)."""
+    state = torch_state_tensor(text, field)
+    try:
+        if generator is None:
+            torch.set_rng_state(state)
+        else:
+            generator.set_state(state)
+    except RuntimeError as exc:  # a state of the wrong size or kind
+        raise StateError(f"load_state_dict: {field} is not a torch CPU RNG state ({exc})") from exc
+
+
+def process_rng() -> dict[str, Any]:
+    """The states of this process's global `torch`, `random` and `numpy` RNGs."""
+    version, words, gauss = random.getstate()
+    _, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "torch": torch_state(torch.get_rng_state()),
+        "random": [version, _b64(np.asarray(words, dtype=np.uint32).tobytes()), gauss],
+        "numpy": [_b64(np.asarray(key, dtype=np.uint32).tobytes()), int(pos), int(has_gauss), float(cached)],
+    }
+
+
+def set_process_rng(state: Any, field: str) -> None:
+    """Put back the states `process_rng` returned (`field` names it in errors)."""
+    decoded = decode_process_rng(state, field)
+    torch.set_rng_state(decoded[0])
+    random.setstate(decoded[1])
+    np.random.set_state(decoded[2])
+
+
+def decode_process_rng(state: Any, field: str) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
+    """(torch ByteTensor, random state, numpy state) of a `process_rng` value, checked."""
+    try:
+        version, words, gauss = state["random"]
+        key, pos, has_gauss, cached = state["numpy"]
+        torch_text = state["torch"]
+    except (TypeError, KeyError, ValueError) as exc:
+        raise StateError(f"load_state_dict: {field} is not a process RNG state ({exc!r})") from exc
+    torch_bytes = torch_state_tensor(torch_text, f"{field}.torch")
+    random_words = np.frombuffer(_unb64(words, f"{field}.random"), dtype=np.uint32)
+    numpy_key = np.frombuffer(_unb64(key, f"{field}.numpy"), dtype=np.uint32)
+    if version != _RANDOM_VERSION or random_words.size != 625 or not (gauss is None or isinstance(gauss, float)):
+        raise StateError(f"load_state_dict: {field}.random is not a random.getstate() of this Python")
+    if numpy_key.size != 624 or not isinstance(pos, int) or not 0 <= pos <= 624 or has_gauss not in (0, 1):
+        raise StateError(f"load_state_dict: {field}.numpy is not a numpy.random MT19937 state")
+    if not isinstance(cached, float):
+        raise StateError(f"load_state_dict: {field}.numpy's cached gaussian should be a float, got {cached!r}")
+    random_state = (version, tuple(int(w) for w in random_words), gauss)
+    numpy_state = ("MT19937", numpy_key.copy(), pos, has_gauss, cached)
+    return torch_bytes, random_state, numpy_state
