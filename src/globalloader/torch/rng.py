@@ -89,14 +89,19 @@ def decode_process_rng(state: Any, field: str) -> tuple[Any, tuple[Any, ...], tu
     except (TypeError, KeyError, ValueError) as exc:
         raise StateError(f"load_state_dict: {field} is not a process RNG state ({exc!r})") from exc
     torch_bytes = torch_state_tensor(torch_text, f"{field}.torch")
-    random_words = np.frombuffer(_unb64(words, f"{field}.random"), dtype=np.uint32)
-    numpy_key = np.frombuffer(_unb64(key, f"{field}.numpy"), dtype=np.uint32)
-    if version != _RANDOM_VERSION or random_words.size != 625 or not (gauss is None or isinstance(gauss, float)):
+    random_words = _unb64(words, f"{field}.random")
+    numpy_key = _unb64(key, f"{field}.numpy")
+    if version != _RANDOM_VERSION or len(random_words) != 625 * 4 or not (gauss is None or isinstance(gauss, float)):
         raise StateError(f"load_state_dict: {field}.random is not a random.getstate() of this Python")
-    if numpy_key.size != 624 or not isinstance(pos, int) or not 0 <= pos <= 624 or has_gauss not in (0, 1):
+    if len(numpy_key) != 624 * 4 or not isinstance(pos, int) or not 0 <= pos <= 624 or has_gauss not in (0, 1):
         raise StateError(f"load_state_dict: {field}.numpy is not a numpy.random MT19937 state")
     if not isinstance(cached, float):
         raise StateError(f"load_state_dict: {field}.numpy's cached gaussian should be a float, got {cached!r}")
-    random_state = (version, tuple(int(w) for w in random_words), gauss)
-    numpy_state = ("MT19937", numpy_key.copy(), pos, has_gauss, cached)
+    random_state = (version, tuple(np.frombuffer(random_words, dtype=np.uint32).tolist()), gauss)
+    numpy_state = ("MT19937", np.frombuffer(numpy_key, dtype=np.uint32).copy(), pos, has_gauss, cached)
+    try:  # what the RNGs themselves check (e.g. random's position word), on throwaway instances
+        random.Random().setstate(random_state)
+        np.random.RandomState().set_state(numpy_state)
+    except (ValueError, TypeError) as exc:
+        raise StateError(f"load_state_dict: {field} is not a valid RNG state ({exc})") from exc
     return torch_bytes, random_state, numpy_state
