@@ -113,6 +113,50 @@ def test_resume_in_any_pass_gives_the_uninterrupted_samples_and_random_values(wo
         assert rest == expected, f"pass {p + 1}, batch {k}: same samples, other in-worker random values"
 
 
+class Sparse(torch.utils.data.Dataset):
+    """Draws from a different RNG on different samples, nothing on some; numpy's gaussians come in
+    pairs (the second is cached, no new words drawn): the RNG states a worker reports after a task
+    change in every way and not at all."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        gauss = float(np.random.randn()) if i % 2 == 0 else 0.0
+        uniform = torch.rand(()).item() if i % 3 == 0 else 0.0
+        python = random.random() if i % 5 == 0 else 0.0
+        return torch.tensor([float(i), gauss, uniform, python], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_resume_after_any_batch_restores_rngs_that_moved_partly_or_not_at_all(workers):
+    def make(cls: Any) -> Any:
+        generator = torch.Generator().manual_seed(5)
+        return cls(
+            Sparse(), batch_size=1, shuffle=True, num_workers=workers, persistent_workers=True, generator=generator
+        )
+
+    reference_loader = make(torch.utils.data.DataLoader)
+    reference = run(reference_loader, 2)
+    del reference_loader
+    loader = make(gt.DataLoader)
+    states, samples = [], []
+    for p in range(2):
+        it = iter(loader)
+        states.append((p, len(samples), json.loads(json.dumps(loader.state_dict()))))
+        for batch in it:
+            samples += rows(batch)
+            states.append((p, len(samples), json.loads(json.dumps(loader.state_dict()))))
+    loader.close()
+    assert samples == reference
+    for p, delivered, state in states:
+        resumed = make(gt.DataLoader)
+        resumed.load_state_dict(state)
+        rest = run(resumed, 2 - p)
+        resumed.close()
+        assert rest == reference[delivered:], f"pass {p + 1}, resumed after {delivered} samples"
+
+
 def test_a_state_is_small_plain_data():
     loader = gt.DataLoader(Drawing(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
     it = iter(loader)

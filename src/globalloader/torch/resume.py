@@ -26,7 +26,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from globalloader.errors import StateError
-from globalloader.torch.rng import decode_process_rng, set_generator_state, torch_state, torch_state_tensor
+from globalloader.torch.rng import (
+    decode_process_rng,
+    encode_process_rng,
+    set_generator_state,
+    torch_state,
+    torch_state_tensor,
+)
 from globalloader.torch.tensors import torch
 
 if TYPE_CHECKING:
@@ -43,7 +49,7 @@ class Resume(NamedTuple):
     skip: int = 0  # batches of the pass already taken
     base_seed: int | None = None  # the pass's base seed (fresh_workers: what drawing must give again)
     fresh_workers: bool = True  # False: the workers keep `base_seed`, none is drawn
-    workers: list[Any] | None = None  # per worker: RNG states to start from (None: as seeded)
+    workers: list[Any] | None = None  # per worker: RNG states (`process_rng`) to start from (None: as seeded)
 
     def check_drawn(self, seed: int) -> None:
         """Refuse a state whose RNG states do not draw the base seed it recorded."""
@@ -67,7 +73,9 @@ class Progress:
         self.busy_s = 0.0  # workers (or the main process) loading
         self.base_seed: int | None = None
         self.fresh_workers = True
-        self.workers: list[Any] | None = None  # per worker, where its part of the pass stands
+        # per worker, its RNG states where its part of the pass stands: None (as seeded), a
+        # `process_rng` dict (a resumed state) or what the worker sent (`RngReporter.changed`)
+        self.workers: list[Any] | None = None
 
 
 def _samplers(loader: LoaderSettings) -> list[Any]:
@@ -79,13 +87,31 @@ def _samplers(loader: LoaderSettings) -> list[Any]:
     return found
 
 
+def _sampler_generators(loader: LoaderSettings) -> list[tuple[str | None, Any]]:
+    """Per sampler: (kind, generator); kind "own", "loader" (the loader's generator), "shared" (an
+    earlier sampler's) or None (no torch Generator). Each generator is recorded once."""
+    seen: list[Any] = []
+    found: list[tuple[str | None, Any]] = []
+    for sampler in _samplers(loader):
+        generator = getattr(sampler, "generator", None)
+        if not isinstance(generator, torch.Generator):
+            found.append((None, None))
+        elif generator is loader.generator:
+            found.append(("loader", generator))
+        elif any(generator is g for g in seen):
+            found.append(("shared", generator))
+        else:
+            found.append(("own", generator))
+            seen.append(generator)
+    return found
+
+
 def rng_snapshot(loader: LoaderSettings) -> dict[str, Any]:
     """The RNG states a pass starts from: torch's global one, the loader's and the samplers' generators."""
-    generators = [getattr(s, "generator", None) for s in _samplers(loader)]
     return {
         "torch": torch_state(torch.get_rng_state()),
         "loader": None if loader.generator is None else torch_state(loader.generator.get_state()),
-        "samplers": [torch_state(g.get_state()) if isinstance(g, torch.Generator) else None for g in generators],
+        "samplers": [torch_state(g.get_state()) if kind == "own" else None for kind, g in _sampler_generators(loader)],
     }
 
 
@@ -94,9 +120,10 @@ def restore_rng(loader: LoaderSettings, snapshot: dict[str, Any]) -> None:
     set_generator_state(None, snapshot["torch"], "rng.torch")
     if loader.generator is not None:
         set_generator_state(loader.generator, snapshot["loader"], "rng.loader")
-    for i, (sampler, state) in enumerate(zip(_samplers(loader), snapshot["samplers"], strict=True)):
-        if state is not None:
-            set_generator_state(sampler.generator, state, f"rng.samplers[{i}]")
+    generators = _sampler_generators(loader)
+    for i, ((kind, generator), state) in enumerate(zip(generators, snapshot["samplers"], strict=True)):
+        if kind == "own":
+            set_generator_state(generator, state, f"rng.samplers[{i}]")
 
 
 def built(loader: LoaderSettings) -> dict[str, Any]:
@@ -110,7 +137,7 @@ def built(loader: LoaderSettings) -> dict[str, Any]:
         "batch_sampler": None if loader.batch_sampler is None else type(loader.batch_sampler).__name__,
         "batches_per_pass": None if loader._dataset_kind_iterable else _length(loader._index_sampler),
         "generator": loader.generator is not None,
-        "sampler_generators": [isinstance(getattr(s, "generator", None), torch.Generator) for s in _samplers(loader)],
+        "sampler_generators": [kind for kind, _ in _sampler_generators(loader)],
         "num_workers": loader.num_workers,
         "persistent_workers": loader.persistent_workers,
     }
@@ -134,9 +161,14 @@ def make_state(loader: LoaderSettings, progress: Progress, epoch: int | None, pr
         "rng": progress.snapshot,
         "base_seed": progress.base_seed,
         "fresh_workers": progress.fresh_workers,
-        "workers": progress.workers,
+        "workers": None if progress.workers is None else [_encoded(w) for w in progress.workers],
         "process_rng": process,
     }
+
+
+def _encoded(rng: Any) -> Any:
+    """A worker's RNG states as a state records them: None, already encoded, or as the worker sent them."""
+    return encode_process_rng(rng) if isinstance(rng, tuple) else rng
 
 
 def check_state(loader: LoaderSettings, state: Any) -> Resume:
@@ -168,7 +200,7 @@ def check_state(loader: LoaderSettings, state: Any) -> Resume:
     epoch = state.get("epoch")
     if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
         raise StateError(f"load_state_dict: epoch should be None or an int >= 0, got {epoch!r}")
-    _check_snapshot(state.get("rng"), len(ours["sampler_generators"]))
+    _check_snapshot(state.get("rng"), ours["generator"], ours["sampler_generators"])
     fresh = state.get("fresh_workers")
     if not isinstance(fresh, bool):
         raise StateError(f"load_state_dict: fresh_workers should be a bool, got {fresh!r}")
@@ -202,7 +234,8 @@ def _field(state: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
-def _check_snapshot(snapshot: Any, samplers: int) -> None:
+def _check_snapshot(snapshot: Any, has_generator: bool, kinds: list[str | None]) -> None:
+    samplers = len(kinds)
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("samplers"), list):
         raise StateError(f"load_state_dict: rng should be the RNG states of a pass start, got {snapshot!r:.80}")
     if len(snapshot["samplers"]) != samplers:
@@ -210,8 +243,14 @@ def _check_snapshot(snapshot: Any, samplers: int) -> None:
             f"load_state_dict: rng.samplers has {len(snapshot['samplers'])} entries, this DataLoader {samplers}"
         )
     torch_state_tensor(snapshot.get("torch"), "rng.torch")
-    for field, state in [("rng.loader", snapshot.get("loader"))] + [
-        (f"rng.samplers[{i}]", s) for i, s in enumerate(snapshot["samplers"])
-    ]:
+    if (snapshot.get("loader") is None) is has_generator:
+        raise StateError("load_state_dict: rng.loader should be the generator's state exactly when there is one")
+    if snapshot.get("loader") is not None:
+        torch_state_tensor(snapshot["loader"], "rng.loader")
+    for i, (kind, state) in enumerate(zip(kinds, snapshot["samplers"], strict=True)):
+        if (state is not None) != (kind == "own"):
+            raise StateError(
+                f"load_state_dict: rng.samplers[{i}] should be a state exactly when that sampler has its own generator"
+            )
         if state is not None:
-            torch_state_tensor(state, field)
+            torch_state_tensor(state, f"rng.samplers[{i}]")

@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+
+try:
+    from numpy.random.mtrand import get_bit_generator
+except ImportError:  # numpy < 1.25 cannot hand out its global bit generator: full states every task
+    get_bit_generator = None  # type: ignore[assignment]
 
 from globalloader.errors import StateError
 from globalloader.torch.tensors import torch
 
 _RANDOM_VERSION = 3  # random.getstate()'s format: (3, 625 words, gauss_next)
+_MT_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos
 
 
 def _b64(data: bytes) -> str:
@@ -63,13 +70,54 @@ def set_generator_state(generator: Any, text: Any, field: str) -> None:
 
 def process_rng() -> dict[str, Any]:
     """The states of this process's global `torch`, `random` and `numpy` RNGs."""
-    version, words, gauss = random.getstate()
-    _, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return encode_process_rng(_capture())
+
+
+def _capture() -> tuple[bytes, Any, Any]:
+    return torch.get_rng_state().numpy().tobytes(), random.getstate(), np.random.get_state(legacy=True)
+
+
+def encode_process_rng(raw: tuple[bytes, Any, Any]) -> dict[str, Any]:
+    """The JSON-able form of what `RngReporter.changed` (or a capture) returned."""
+    torch_bytes, (version, words, gauss), (_, key, pos, has_gauss, cached) = raw
     return {
-        "torch": torch_state(torch.get_rng_state()),
+        "torch": _b64(torch_bytes),
         "random": [version, _b64(np.asarray(words, dtype=np.uint32).tobytes()), gauss],
         "numpy": [_b64(np.asarray(key, dtype=np.uint32).tobytes()), int(pos), int(has_gauss), float(cached)],
     }
+
+
+class RngReporter:
+    """In a worker: its global RNGs' states after a task, or None when none has moved since the
+    last report (a dataset that draws nothing costs a check of ~25 us a task, no states sent).
+
+    The check reads torch's and random's states and numpy's MT19937 words and position in place;
+    numpy's cached second gaussian can change without them, so while one is cached the full
+    state is taken every time.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, Any, bytes | None] | None = None
+        self._gauss_cached = True
+
+    def changed(self) -> tuple[bytes, Any, Any] | None:
+        seen = (torch.get_rng_state().numpy().tobytes(), random.getstate(), _numpy_words())
+        if seen[2] is not None and not self._gauss_cached and seen == self._last:
+            return None
+        numpy_state = cast("tuple[Any, ...]", np.random.get_state(legacy=True))
+        self._last, self._gauss_cached = seen, bool(numpy_state[3])
+        raw = (seen[0], seen[1], numpy_state)
+        return raw
+
+
+def _numpy_words() -> bytes | None:
+    """numpy's global MT19937 state (key words and position) read in place, None if it is another generator."""
+    if get_bit_generator is None:
+        return None
+    generator = get_bit_generator()
+    if not isinstance(generator, np.random.MT19937):
+        return None
+    return ctypes.string_at(generator.ctypes.state_address, _MT_STATE_BYTES)
 
 
 def set_process_rng(state: Any, field: str) -> None:

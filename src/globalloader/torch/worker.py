@@ -32,7 +32,7 @@ import numpy as np
 
 from globalloader.errors import WorkerError
 from globalloader.torch.collate import stack_collate
-from globalloader.torch.rng import process_rng, set_process_rng
+from globalloader.torch.rng import RngReporter, set_process_rng
 from globalloader.torch.tensors import torch
 from globalloader.transport.codec import copy_arrays, encode_tree
 from globalloader.transport.names import remove_leftovers
@@ -118,7 +118,8 @@ def worker_main(
         failure = (exc, traceback.format_exc())
     if rng is not None:  # after worker_init_fn: what it drew is part of the state being restored
         set_process_rng(rng, "worker rng")
-    report_rng = not spec.iterable  # an iterable dataset resumes by replaying its batches, RNG draws included
+    # An iterable dataset resumes by replaying its batches (RNG draws included): no report per task.
+    reporter = None if spec.iterable else RngReporter()
     try:
         while True:
             msg = conn.recv()
@@ -134,7 +135,9 @@ def worker_main(
                     failure = None
                 except Exception as exc:  # noqa: BLE001 - the dataset's __iter__ failed: reported as the next result
                     failure = (exc, traceback.format_exc())
-                conn.send_bytes(pickle.dumps((generation, -1, RESET, None, 0.0, process_rng())))
+                reset_reporter = RngReporter()  # the full state: the consumer starts the pass from it
+                conn.send_bytes(pickle.dumps((generation, -1, RESET, None, 0.0, reset_reporter.changed())))
+                reporter = None if spec.iterable else reset_reporter
                 continue
             start = time.perf_counter()
             reply: tuple[int, int, int, Any, float]
@@ -149,7 +152,7 @@ def worker_main(
                     reply = (generation, number, EXHAUSTED, None, 0.0)
                 except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
                     reply = (generation, number, FAILED, _sendable(exc, traceback.format_exc()), 0.0)
-            state = process_rng() if report_rng else None
+            state = None if reporter is None else reporter.changed()
             conn.send_bytes(pickle.dumps((*reply, state), protocol=pickle.HIGHEST_PROTOCOL))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return
