@@ -156,7 +156,6 @@ class WorkerIter(_BaseIter):
             self._base_seed = resume.base_seed  # type: ignore[assignment] # checked by check_state
         context = loader.multiprocessing_context or torch.multiprocessing.get_context()
         self._pool = WorkerPool(spec, context, self._base_seed, shared_seed, resume.workers)
-        self._worker_rng: list[Any] = [None] * self._num_workers  # the last RNG state each worker sent
         self._workers = self._pool.procs
         self._generation = 0
         self._begin(progress, resume.fresh_workers, resume.workers, resume.skip)
@@ -176,7 +175,7 @@ class WorkerIter(_BaseIter):
         states: list[Any] = [None] * self._num_workers
         waiting = set(range(self._num_workers))
         while waiting:
-            worker, (generation, _, kind, payload, _, rng) = self._receive(pool)
+            worker, (generation, _, kind, payload, _, rng) = pool.receive(self._timeout)
             if kind == RESET and generation == self._generation:
                 states[worker] = rng
                 waiting.discard(worker)
@@ -214,14 +213,6 @@ class WorkerIter(_BaseIter):
                     ) from None
             self._replaying = False
         self._num_yielded = skip
-
-    def _receive(self, pool: WorkerPool) -> tuple[int, tuple]:
-        """The next reply, its RNG state made whole: a worker sends None when it has not changed."""
-        worker, reply = pool.receive(self._timeout)
-        if reply[-1] is None:
-            return worker, (*reply[:-1], self._worker_rng[worker])
-        self._worker_rng[worker] = reply[-1]
-        return worker, reply
 
     def _put_task(self) -> None:
         try:
@@ -261,7 +252,7 @@ class WorkerIter(_BaseIter):
                 return self._take(number, *self._ready.pop(number))
             start = time.perf_counter()
             pool = self._live_pool()
-            worker, (generation, number, kind, payload, busy, rng) = self._receive(pool)
+            worker, (generation, number, kind, payload, busy, rng) = pool.receive(self._timeout)
             self._progress.wait_s += time.perf_counter() - start
             if generation != self._generation:  # a reply to an earlier pass: drop it
                 if kind == BATCH:
@@ -288,7 +279,9 @@ class WorkerIter(_BaseIter):
         if number == self._received:
             self._received += 1
         self._progress.batches += 1  # taken, even if it raised
-        if rng is not None:  # where this worker's next task starts from
+        # Where this worker's next task starts from. None: unchanged since its previous task, which
+        # was delivered before this one (a worker's replies are delivered in the order it sent them).
+        if rng is not None:
             self._progress.workers[worker] = rng  # type: ignore[index] # set by _begin
         self._put_task()
         if kind == FAILED:
