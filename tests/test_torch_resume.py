@@ -157,6 +157,39 @@ def test_resume_after_any_batch_restores_rngs_that_moved_partly_or_not_at_all(wo
         assert rest == reference[delivered:], f"pass {p + 1}, resumed after {delivered} samples"
 
 
+class DrawingStream(torch.utils.data.IterableDataset):
+    """An iterable dataset sharded by worker, drawing from the three RNGs for each item."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, SAMPLES, step):
+            yield torch.tensor(
+                [float(i), torch.rand(()).item(), random.random(), float(np.random.rand())], dtype=torch.float64
+            )
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_an_iterable_dataset_resumes_with_its_random_values_too(persistent):
+    def make(cls: Any) -> Any:
+        torch.manual_seed(3)
+        return cls(DrawingStream(), batch_size=BATCH, num_workers=2, persistent_workers=persistent)
+
+    reference_loader = make(torch.utils.data.DataLoader)
+    reference = run(reference_loader, PASSES)
+    del reference_loader
+    loader = make(gt.DataLoader)
+    samples, states = run_with_states(loader)
+    loader.close()
+    assert samples == reference
+    for (p, k), (delivered, state) in states.items():
+        resumed = make(gt.DataLoader)
+        resumed.load_state_dict(state)
+        rest = run(resumed, PASSES - p)
+        resumed.close()
+        assert rest == reference[delivered:], f"pass {p + 1}, batch {k}"
+
+
 def test_a_state_is_small_plain_data():
     loader = gt.DataLoader(Drawing(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
     it = iter(loader)
