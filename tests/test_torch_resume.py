@@ -157,6 +157,36 @@ def test_resume_after_any_batch_restores_rngs_that_moved_partly_or_not_at_all(wo
         assert rest == reference[delivered:], f"pass {p + 1}, resumed after {delivered} samples"
 
 
+def reseed_numpy(worker_id: int) -> None:
+    """The classic worker_init_fn: numpy reseeded from torch's worker seed (and a draw of its own)."""
+    np.random.seed((torch.initial_seed() + worker_id) % 2**32)
+    torch.rand(())
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_what_worker_init_fn_draws_or_seeds_is_part_of_the_resumed_state(persistent):
+    def make(cls: Any) -> Any:
+        generator = torch.Generator().manual_seed(8)
+        return cls(
+            Drawing(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=persistent,
+            generator=generator, worker_init_fn=reseed_numpy,
+        )  # fmt: skip
+
+    reference_loader = make(torch.utils.data.DataLoader)
+    reference = run(reference_loader, PASSES)
+    del reference_loader
+    loader = make(gt.DataLoader)
+    samples, states = run_with_states(loader)
+    loader.close()
+    assert samples == reference
+    for (p, k), (delivered, state) in states.items():
+        resumed = make(gt.DataLoader)
+        resumed.load_state_dict(state)
+        rest = run(resumed, PASSES - p)
+        resumed.close()
+        assert rest == reference[delivered:], f"pass {p + 1}, batch {k}"
+
+
 class DrawingStream(torch.utils.data.IterableDataset):
     """An iterable dataset sharded by worker, drawing from the three RNGs for each item."""
 
