@@ -470,6 +470,71 @@ def test_workers_forked_after_torch_ran_threads_do_not_deadlock():
     assert done.stdout.strip() == "[[47998.0, 47998.0], [47998.0, 47998.0]]"
 
 
+def test_a_failed_iterator_is_freed_at_once_and_never_finalized_in_a_forked_worker():
+    """An iterator whose pass raised used to stay alive in a reference cycle through its error's
+    traceback; a worker forked later inherited it, and the worker's garbage collector finalized
+    it there: 'Exception ignored ... can only join a child process' on the job's stderr (and its
+    shared memory unlinked from the wrong process)."""
+    done = run_script(
+        """
+        import gc, os, time
+        import torch
+        from globalloader.torch import DataLoader
+
+        class Failing(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                if i == 1:
+                    raise KeyError("broken")
+                return i
+
+        class Collecting(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                gc.collect()  # a worker's garbage collector runs at some point; here, at once
+                return i
+
+        def alive(pid):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().split()[2] not in "ZX"
+            except FileNotFoundError:  # ended and reaped
+                return False
+
+        gc.disable()  # garbage stays uncollected in this process, as between two collections
+        it = iter(DataLoader(Failing(), batch_size=1, num_workers=1, multiprocessing_context="fork"))
+        pid = it._workers[0].pid
+        next(it)
+        try:
+            next(it)
+        except KeyError:
+            pass
+        del it  # nothing else holds the failed iterator: its worker stops now
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("failed iterator's worker alive:", alive(pid))
+
+        it = iter(DataLoader(Failing(), batch_size=1, num_workers=1, multiprocessing_context="fork"))
+        next(it)
+        try:
+            next(it)
+        except KeyError as exc:
+            cycle = [exc, it]
+            cycle.append(cycle)  # the user's own reference cycle keeps it until a collection
+        del it, cycle
+        loader = DataLoader(Collecting(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+        print([b.tolist() for b in loader])
+    """,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["failed iterator's worker alive: False", "[[0, 1], [2, 3]]"]
+    assert done.stderr == ""  # the workers' stderr too: they inherit the script's
+
+
 @pytest.mark.slow
 def test_no_worker_outlives_its_parent():
     parent = subprocess.Popen(

@@ -5,8 +5,9 @@ are torch's (see `iterators` and `worker`); what differs is underneath: batches 
 workers through shared memory in one copy (no pickled queue, no per-batch file descriptors), and
 the default collate stacks samples straight into that memory. On top:
 
-- `state_dict()` / `load_state_dict()`: resume a pass exactly where it stopped (same order, same
-  seeds; map-style datasets skip the delivered batches without loading them);
+- `state_dict()` / `load_state_dict()`: resume a pass exactly where it stopped: the same order,
+  and the same values drawn from `torch`, `random` and `numpy` in workers (see `resume`);
+  map-style datasets skip the delivered batches without loading them;
 - `stats()`: batches, time the training loop waited, time workers were busy;
 - `set_epoch(epoch)`: passed on to a sampler that has one (DistributedSampler);
 - `share=True`: feed the job from the machine's global loader server (`globalloader.Loader`),
@@ -22,7 +23,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, StateError
-from globalloader.torch.iterators import InProcessIter, Progress, WorkerIter, restore_rng, rng_snapshot
+from globalloader.torch.iterators import InProcessIter, WorkerIter
+from globalloader.torch.resume import STATE_KIND, Progress, Resume, check_state, make_state, restore_rng, rng_snapshot
+from globalloader.torch.rng import process_rng, set_process_rng
 from globalloader.torch.shared import SharedChain
 
 if TYPE_CHECKING:
@@ -33,7 +36,6 @@ else:
 T_co = TypeVar("T_co", covariant=True)
 
 _FIXED_AFTER_INIT = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
-_STATE_KIND = "globalloader.torch.DataLoader"
 
 
 class ArgumentTypeError(ArgumentError, TypeError):
@@ -173,7 +175,7 @@ class DataLoader(Generic[T_co]):
         self._IterableDataset_len_called: int | None = None
         self._iterator = None
         self._progress: Progress | None = None  # of the current pass (stats, state_dict)
-        self._resume: dict[str, Any] | None = None
+        self._resume: tuple[Resume, dict[str, Any]] | None = None  # (how, state) for the next iter()
         self._shared = SharedChain.build(self, share, server) if share else None
         _warn_if_too_many_workers(num_workers)
         object.__setattr__(self, "_initialized", True)
@@ -235,22 +237,27 @@ class DataLoader(Generic[T_co]):
     def __iter__(self) -> Iterator[T_co]:
         if self._shared is not None:
             return iter(self._shared)
-        skip, resume = 0, self._resume
-        self._resume = None
-        if resume is not None:
-            restore_rng(self, resume["rng"])
-            skip = resume["batches"]
+        pending, self._resume = self._resume, None
+        resume = None
+        if pending is not None:
+            resume, state = pending
+            restore_rng(self, state["rng"])
         progress = Progress(rng_snapshot(self))
         if self.persistent_workers and self.num_workers > 0:
+            if resume is not None and self._iterator is not None:
+                self.close()  # its workers run another pass: start them from the state's seeds
             if self._iterator is None:
-                self._iterator = WorkerIter(self, progress, skip)
+                self._iterator = WorkerIter(self, progress, resume)
             else:
-                self._iterator._reset(self, progress, skip=skip)
+                self._iterator._reset(self, progress)
             iterator: Any = self._iterator
         elif self.num_workers > 0:
-            iterator = WorkerIter(self, progress, skip)
+            iterator = WorkerIter(self, progress, resume)
         else:
-            iterator = InProcessIter(self, progress, skip)
+            iterator = InProcessIter(self, progress, resume)
+        if pending is not None and pending[1]["process_rng"] is not None:
+            # after the pass's own draws: where this process's RNGs stood when the state was taken
+            set_process_rng(pending[1]["process_rng"], "process_rng")
         self._progress = progress
         return iterator
 
@@ -267,34 +274,44 @@ class DataLoader(Generic[T_co]):
 
     def state_dict(self) -> dict[str, Any]:
         """Where the current pass stands: load it into a DataLoader built the same way to go on
-        from the next batch, with the same order and seeds."""
+        from the next batch, with the same order, seeds and in-worker random values.
+
+        Plain data (ints, strs, bools, None, lists and dicts of them): it can be saved as JSON.
+        """
         if self._shared is not None:
-            return {"kind": _STATE_KIND, "shared": self._shared.state_dict()}
-        progress = self._progress or Progress(rng_snapshot(self))
-        return {
-            "kind": _STATE_KIND,
-            "batches": progress.batches,
-            "rng": progress.snapshot,
-            "epoch": self._sampler_epoch(),
-        }
+            return {"kind": STATE_KIND, "shared": self._shared.state_dict()}
+        if self._resume is not None:  # loaded, not yet resumed: still the loaded state's position
+            return self._resume[1]
+        progress = self._progress
+        if progress is None:  # no pass yet: the next one starts from the RNGs as they are
+            return make_state(self, Progress(rng_snapshot(self)), self._sampler_epoch(), None)
+        if not self.in_order and self.num_workers > 0 and progress.batches > 0 and not progress.done:
+            raise StateError(
+                "state_dict: with in_order=False the batches taken so far are not the first ones of the "
+                "pass, so no position can resume it; build the DataLoader with in_order=True to checkpoint mid-pass"
+            )
+        return make_state(self, progress, self._sampler_epoch(), process_rng())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next `iter()` continue the pass `state` was taken from."""
-        if not isinstance(state, dict) or state.get("kind") != _STATE_KIND:
-            raise StateError(f"load_state_dict: not a {_STATE_KIND} state dict (got {type(state).__name__})")
+        """Make the next `iter()` continue the pass `state` was taken from.
+
+        Refused with a `StateError` if the state is malformed, out of range, or was taken from a
+        DataLoader built differently (the message says what differs).
+        """
         if self._shared is not None:
+            if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
+                raise StateError(f"load_state_dict: not a {STATE_KIND} state dict (got {type(state).__name__})")
             if "shared" not in state:
                 raise StateError("load_state_dict: this state comes from a DataLoader without share=")
             self._shared.load_state_dict(state["shared"])
             return
-        if "batches" not in state:
-            raise StateError("load_state_dict: this state comes from a DataLoader with share=; build it the same way")
+        resume = check_state(self, state)
         if state["epoch"] is not None:
             self.set_epoch(state["epoch"])
-        self._resume = state
+        self._resume = (resume, state)
 
     def stats(self) -> dict[str, Any]:
-        """Batches delivered this pass, seconds the loop waited for them, seconds workers were busy."""
+        """Batches taken this pass, seconds the loop waited for them, seconds workers were busy."""
         if self._shared is not None:
             return self._shared.stats()
         progress = self._progress or Progress({})

@@ -9,24 +9,29 @@ With workers, task `i` goes to worker `i mod num_workers` (skipping workers whos
 exhausted), `prefetch_factor` tasks per worker are in flight, and batches are yielded in task
 order (or as they come with `in_order=False`).
 
-Each iterator records where it stands (`position`) and the RNG states its pass started from, so
-a DataLoader can resume the pass exactly: restore those states, draw the same seeds, skip the
-batches already delivered (map-style: without loading them).
+Each iterator records in its `Progress` where the pass stands, the seed its workers were started
+with and (map-style datasets) each worker's RNG states after its last delivered batch, so a
+DataLoader can resume the pass exactly (`resume`): restore the pass's RNG states, draw the same
+seeds, start workers from the recorded RNG states, skip the batches already taken (map-style:
+without loading them; iterable: by loading and dropping them, the only way to advance them).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import traceback
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from globalloader.errors import StateError
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.pool import WorkerPool
+from globalloader.torch.resume import Progress, Resume
 from globalloader.torch.tensors import pin, torch
-from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, INLINE, Fetcher, WorkerSpec
+from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, INLINE, RESET, Fetcher, WorkerSpec
 from globalloader.transport.codec import decode_tree
 
 if TYPE_CHECKING:
@@ -36,49 +41,6 @@ if TYPE_CHECKING:
 def _draw_seed(generator: Any) -> int:
     """A 64-bit seed from `generator` (None: torch's global RNG), drawn as torch's DataLoader does."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-
-
-def _samplers(loader: LoaderSettings) -> list[Any]:
-    """The loader's sampler objects (batch sampler first), for their generators and epochs."""
-    found: list[Any] = []
-    for obj in (loader.batch_sampler, loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
-        if obj is not None and all(obj is not f for f in found):
-            found.append(obj)
-    return found
-
-
-def rng_snapshot(loader: LoaderSettings) -> dict[str, Any]:
-    """The RNG states a pass starts from: torch's global one, the loader's and the samplers' generators."""
-    generators = [getattr(s, "generator", None) for s in _samplers(loader)]
-    return {
-        "torch": torch.get_rng_state(),
-        "loader": None if loader.generator is None else loader.generator.get_state(),
-        "samplers": [g.get_state() if isinstance(g, torch.Generator) else None for g in generators],
-    }
-
-
-def restore_rng(loader: LoaderSettings, snapshot: dict[str, Any]) -> None:
-    """Put back the states of `rng_snapshot` (generators that did not exist then are left alone)."""
-    torch.set_rng_state(snapshot["torch"])
-    if loader.generator is not None and snapshot["loader"] is not None:
-        loader.generator.set_state(snapshot["loader"])
-    # not strict: a snapshot from a loader with fewer samplers restores those it has; the others are left alone
-    for sampler, state in zip(_samplers(loader), snapshot["samplers"], strict=False):
-        generator = getattr(sampler, "generator", None)
-        if isinstance(generator, torch.Generator) and state is not None:
-            generator.set_state(state)
-
-
-class Progress:
-    """Where one pass stands, kept by the DataLoader (not the iterator, which may be dropped)."""
-
-    __slots__ = ("batches", "busy_s", "snapshot", "wait_s")
-
-    def __init__(self, snapshot: dict[str, Any]) -> None:
-        self.snapshot = snapshot  # RNG states the pass started from
-        self.batches = 0  # delivered so far
-        self.wait_s = 0.0  # the consumer waiting for workers
-        self.busy_s = 0.0  # workers (or the main process) loading
 
 
 class _BaseIter:
@@ -109,7 +71,6 @@ class _BaseIter:
 
     def _deliver(self, batch: Any) -> Any:
         self._num_yielded += 1
-        self._progress.batches = self._num_yielded
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             warnings.warn(
                 f"Length of IterableDataset {self._dataset} was reported to be {self._len_called} "
@@ -128,24 +89,40 @@ class _BaseIter:
 class InProcessIter(_BaseIter):
     """num_workers=0: samples are loaded in the calling thread, when a batch is asked for."""
 
-    def __init__(self, loader: LoaderSettings, progress: Progress, skip: int = 0) -> None:
+    def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume | None = None) -> None:
         super().__init__(loader, progress)
+        resume = resume or Resume()
         dataset = self._dataset
         if self._datapipe:
             rng = torch.Generator()
             rng.manual_seed(_draw_seed(loader.generator))
             dataset = torch.utils.data.graph_settings.apply_random_seed(dataset, rng)
             torch.utils.data.graph_settings.apply_sharding(dataset, 1, 0)
+        self._start_pass(loader)  # the sampler first, then the base seed: torch's order
         self._base_seed = _draw_seed(loader.generator)  # drawn as torch does, so the RNG streams match
-        self._start_pass(loader)
+        resume.check_drawn(self._base_seed)
+        progress.base_seed = self._base_seed
         default = torch.utils.data.default_collate
         self._fetch = Fetcher(_spec(loader, dataset), dataset, default_collate=default)
-        for _ in range(skip):
-            self._advance(fetch=self._iterable)
-            self._num_yielded += 1
+        for taken in range(resume.skip):
+            try:
+                self._advance(fetch=self._iterable)
+            except StopIteration:
+                raise StateError(
+                    f"load_state_dict: the state's position batches={resume.skip} is past the end of this "
+                    f"pass ({taken} batches): the dataset is not the one the state was taken from"
+                ) from None
+            except Exception:  # noqa: BLE001 - a batch that raised when it was first taken: it counts, as it did then
+                continue
+        self._num_yielded = resume.skip
 
     def _advance(self, fetch: bool = True) -> Any:
-        index = next(self._sampler_iter)
+        try:
+            index = next(self._sampler_iter)
+        except StopIteration:
+            self._progress.done = True
+            raise
+        self._progress.batches += 1  # taken, even if loading it raises
         return self._fetch(index) if fetch else None
 
     def __next__(self) -> Any:
@@ -160,8 +137,9 @@ class WorkerIter(_BaseIter):
 
     _pool: WorkerPool | None = None  # None once shut down
 
-    def __init__(self, loader: LoaderSettings, progress: Progress, skip: int = 0) -> None:
+    def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume | None = None) -> None:
         super().__init__(loader, progress)
+        resume = resume or Resume()
         self._num_workers = loader.num_workers
         self._prefetch = (loader.prefetch_factor or 2) * loader.num_workers
         self._in_order = loader.in_order
@@ -170,37 +148,70 @@ class WorkerIter(_BaseIter):
         spec = _spec(loader, loader.dataset)
         self._default_collate = spec.collate_fn is None and self._auto_collation
         shared_seed = _draw_seed(loader.generator) if self._datapipe else None
-        self._base_seed = _draw_seed(loader.generator)
+        self._start_pass(loader)  # the sampler first, then the base seed: torch's order
+        if resume.fresh_workers:
+            self._base_seed = _draw_seed(loader.generator)
+            resume.check_drawn(self._base_seed)
+        else:  # persistent workers past their first pass: they keep the seed they were started with
+            self._base_seed = resume.base_seed  # type: ignore[assignment] # checked by check_state
         context = loader.multiprocessing_context or torch.multiprocessing.get_context()
-        self._pool = WorkerPool(spec, context, self._base_seed, shared_seed)
+        self._pool = WorkerPool(spec, context, self._base_seed, shared_seed, resume.workers)
         self._workers = self._pool.procs
         self._generation = 0
-        self._reset(loader, progress, first=True, skip=skip)
+        self._begin(progress, resume.fresh_workers, resume.workers, resume.skip)
 
-    def _reset(self, loader: LoaderSettings, progress: Progress, first: bool = False, skip: int = 0) -> None:
-        """Start a pass: a new sampler walk, and (persistent workers) fresh dataset iterators."""
+    def _reset(self, loader: LoaderSettings, progress: Progress) -> None:
+        """Start the next pass of persistent workers: a new sampler walk, fresh dataset iterators.
+
+        Waits, as torch does, until every worker has begun the pass, so that whatever it drew
+        for tasks of the pass before (prefetched, never delivered) is in the RNG state it reports.
+        """
         pool = self._live_pool()
-        self._progress = progress
         self._start_pass(loader)
         self._generation += 1
+        shared_seed = _draw_seed(loader.generator) if self._datapipe else None
+        for w in range(self._num_workers):
+            pool.send(w, "reset", self._generation, 0, shared_seed)
+        states: list[Any] = [None] * self._num_workers
+        waiting = set(range(self._num_workers))
+        while waiting:
+            worker, (generation, _, kind, payload, _, rng) = pool.receive(self._timeout)
+            if kind == RESET and generation == self._generation:
+                states[worker] = rng
+                waiting.discard(worker)
+            elif kind == BATCH:  # a reply to the pass before: drop it
+                self._drop(worker, payload)
+        self._begin(progress, False, states, 0)
+
+    def _begin(self, progress: Progress, fresh: bool, states: list[Any] | None, skip: int) -> None:
+        """Record where the pass starts, skip `skip` batches, send the first tasks."""
+        self._progress = progress
+        progress.base_seed, progress.fresh_workers = self._base_seed, fresh
+        progress.workers = list(states) if states is not None else [None] * self._num_workers
         self._active = [True] * self._num_workers
         self._cycle = itertools.cycle(range(self._num_workers))
         self._waiting: dict[int, int] = {}  # task -> worker, no reply yet
-        self._ready: dict[int, tuple[int, int, Any]] = {}  # task -> (worker, kind, payload)
-        if not first:
-            shared_seed = _draw_seed(loader.generator) if self._datapipe else None
-            for w in range(self._num_workers):
-                pool.send(w, "reset", self._generation, 0, shared_seed)
-        if not self._iterable:  # skip delivered batches without loading them
+        self._ready: dict[int, tuple[int, int, Any, Any]] = {}  # task -> (worker, kind, payload, rng)
+        self._replaying = False
+        if not self._iterable:  # skip taken batches without loading them
             for _ in range(skip):
                 next(self._sampler_iter, None)
                 next(self._cycle)
+            progress.batches = skip
         self._sent = self._received = skip if not self._iterable else 0
         for _ in range(self._prefetch):
             self._put_task()
-        if self._iterable:
-            for _ in range(skip):
-                self._next_batch()
+        if self._iterable:  # the only way to advance an iterable: load its batches again, dropping them
+            self._replaying = True
+            for taken in range(skip):
+                try:
+                    self._next_batch()
+                except StopIteration:
+                    raise StateError(
+                        f"load_state_dict: the state's position batches={skip} is past the end of this pass "
+                        f"({taken} batches): the dataset is not the one the state was taken from"
+                    ) from None
+            self._replaying = False
         self._num_yielded = skip
 
     def _put_task(self) -> None:
@@ -232,6 +243,7 @@ class WorkerIter(_BaseIter):
                 self._waiting.pop(self._received, None)  # its worker ran out of items: nothing will come
                 self._received += 1
             else:
+                self._progress.done = True
                 if not self._persistent:
                     self._shutdown_workers()
                 raise StopIteration
@@ -240,7 +252,7 @@ class WorkerIter(_BaseIter):
                 return self._take(number, *self._ready.pop(number))
             start = time.perf_counter()
             pool = self._live_pool()
-            worker, (generation, number, kind, payload, busy) = pool.receive(self._timeout)
+            worker, (generation, number, kind, payload, busy, rng) = pool.receive(self._timeout)
             self._progress.wait_s += time.perf_counter() - start
             if generation != self._generation:  # a reply to an earlier pass: drop it
                 if kind == BATCH:
@@ -260,14 +272,21 @@ class WorkerIter(_BaseIter):
                 self._put_task()
                 continue
             if number == self._received or not self._in_order:
-                return self._take(number, worker, kind, payload)
-            self._ready[number] = (worker, kind, payload)
+                return self._take(number, worker, kind, payload, rng)
+            self._ready[number] = (worker, kind, payload, rng)
 
-    def _take(self, number: int, worker: int, kind: int, payload: Any) -> Any:
+    def _take(self, number: int, worker: int, kind: int, payload: Any, rng: Any) -> Any:
         if number == self._received:
             self._received += 1
+        self._progress.batches += 1  # taken, even if it raised
+        # Where this worker's next task starts from. None: unchanged since its previous task, which
+        # was delivered before this one (a worker's replies are delivered in the order it sent them).
+        if rng is not None:
+            self._progress.workers[worker] = rng  # type: ignore[index] # set by _begin
         self._put_task()
         if kind == FAILED:
+            if self._replaying:  # it raised when it was first taken; not again
+                return None
             exc, tb = payload
             if tb:
                 exc.__cause__ = _RemoteTraceback(f"in DataLoader worker {worker}:\n{tb}")
@@ -286,7 +305,15 @@ class WorkerIter(_BaseIter):
         return self._pool
 
     def __next__(self) -> Any:
-        return self._deliver(self._next_batch())
+        try:
+            return self._deliver(self._next_batch())
+        except Exception as exc:
+            # The frames below hold the error in their locals: a cycle (error -> traceback -> frame
+            # -> error) that would keep this iterator and its workers alive until the garbage
+            # collector runs, maybe in a process forked by then. Without it, dropping the error frees them.
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__.tb_next)
+            raise
 
     def _shutdown_workers(self) -> None:
         """Stop the workers now (also what `del` of the iterator does)."""

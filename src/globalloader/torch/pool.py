@@ -39,8 +39,17 @@ class LoaderTimeout(WorkerError, RuntimeError):
 class WorkerPool:
     """`num_workers` processes started from `context`, each with its copy of `spec.dataset`."""
 
-    def __init__(self, spec: WorkerSpec, context: Any, base_seed: int, shared_seed: int | None) -> None:
-        self.prefix = f"gl-{os.getpid()}-t{id(self) & 0xFFFFFF:x}-"
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        context: Any,
+        base_seed: int,
+        shared_seed: int | None,
+        rng: list[dict[str, Any] | None] | None = None,
+    ) -> None:
+        """`rng[w]`: the RNG states worker `w` starts its first task from (None: as seeded)."""
+        self.owner = os.getpid()  # a forked child inherits this object: only the owner may stop it
+        self.prefix = f"gl-{self.owner}-t{id(self) & 0xFFFFFF:x}-"
         self.reader = BatchReader()
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
@@ -51,7 +60,16 @@ class WorkerPool:
                 ours, theirs = context.Pipe(duplex=True)
                 proc = context.Process(
                     target=worker_main,
-                    args=(spec, theirs, w, base_seed, shared_seed, f"{self.prefix}{w}-", os.getpid()),
+                    args=(
+                        spec,
+                        theirs,
+                        w,
+                        base_seed,
+                        shared_seed,
+                        f"{self.prefix}{w}-",
+                        self.owner,
+                        None if rng is None else rng[w],
+                    ),
                     daemon=True,
                     name=f"globalloader-torch-worker-{w}",
                 )
@@ -116,7 +134,15 @@ class WorkerPool:
                 self.conns[worker].send(None)
 
     def close(self) -> None:
-        """Stop every worker (killing any that has not stopped in a few seconds), unlink leftovers."""
+        """Stop every worker (killing any that has not stopped in a few seconds), unlink leftovers.
+
+        Does nothing in any process but the one that started the pool: a process forked later (a
+        worker of another iterator) holds a copy of this object, and its garbage collector may
+        finalize that copy; stopping, joining or unlinking from there would reach into the
+        owner's workers and shared memory.
+        """
+        if os.getpid() != self.owner:
+            return
         for w in range(len(self.conns)):
             self.stop(w)
         deadline = time.monotonic() + _STOP_GRACE

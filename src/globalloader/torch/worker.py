@@ -7,6 +7,9 @@ into a shared-memory segment (`transport.segments`), sending back a message of a
 What a dataset sees is what torch documents: `torch.utils.data.get_worker_info()` gives the
 worker's id, count, seed and dataset copy; `torch`, `random` and `numpy` are seeded from the
 iterator's base seed and the worker id; `worker_init_fn(worker_id)` runs once, after seeding.
+For resume, a worker of a map-style dataset reports the state of those three RNGs after each task
+(the state its next task starts from), and one started to resume a pass puts back the state it
+is given before its first task.
 Intra-op threads are set to one first thing, so a worker forked after the main process used
 torch's thread pool never waits on threads that fork did not copy. A watchdog thread ends the
 worker within half a second of its parent's death, even while the dataset code is stuck.
@@ -29,17 +32,19 @@ import numpy as np
 
 from globalloader.errors import WorkerError
 from globalloader.torch.collate import stack_collate
+from globalloader.torch.rng import RngReporter, set_process_rng
 from globalloader.torch.tensors import torch
 from globalloader.transport.codec import copy_arrays, encode_tree
 from globalloader.transport.names import remove_leftovers
 from globalloader.transport.process import single_threaded_torch, tune_allocator
 from globalloader.transport.segments import BatchWriter
 
-# Result kinds a worker sends: (generation, task, kind, payload, busy seconds)
+# Result kinds a worker sends: (generation, task, kind, payload, busy seconds, RNG state or None)
 BATCH = 0  # payload: a BatchMessage
 FAILED = 1  # payload: (exception, traceback text)
 EXHAUSTED = 2  # an iterable dataset's copy in this worker has no more items
 INLINE = 3  # payload: (encoded tree, bytearray of its arrays): a batch too small for a segment
+RESET = 4  # the worker has started a new pass (persistent workers); its RNG state comes along
 
 # Batches with fewer array bytes travel inside the message: cheaper than a segment round trip, and
 # a loop that keeps many small batches alive holds no mapping (nor file descriptor) per batch.
@@ -78,8 +83,13 @@ def worker_main(
     shared_seed: int | None,
     prefix: str,
     main_pid: int,
+    rng: dict[str, Any] | None = None,
 ) -> None:
-    """Run tasks from `conn` until told to stop (None), the pipe closes, or the parent dies."""
+    """Run tasks from `conn` until told to stop (None), the pipe closes, or the parent dies.
+
+    `rng`: the RNG states (`rng.process_rng`) to start the first task from, instead of the
+    freshly seeded ones: the worker resumes a pass its predecessor had begun.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     single_threaded_torch()  # before any torch op: the parent's thread pool did not survive the fork
     _watch_parent(main_pid, prefix)
@@ -106,6 +116,10 @@ def worker_main(
         fetch = Fetcher(spec, dataset)
     except Exception as exc:  # noqa: BLE001 - the user's setup failed: reported as the first task's result, as torch does
         failure = (exc, traceback.format_exc())
+    if rng is not None:  # after worker_init_fn: what it drew is part of the state being restored
+        set_process_rng(rng, "worker rng")
+    # An iterable dataset resumes by replaying its batches (RNG draws included): no report per task.
+    reporter = None if spec.iterable else RngReporter()
     try:
         while True:
             msg = conn.recv()
@@ -121,6 +135,9 @@ def worker_main(
                     failure = None
                 except Exception as exc:  # noqa: BLE001 - the dataset's __iter__ failed: reported as the next result
                     failure = (exc, traceback.format_exc())
+                reset_reporter = RngReporter()  # the full state: the consumer starts the pass from it
+                conn.send_bytes(pickle.dumps((generation, -1, RESET, None, 0.0, reset_reporter.changed())))
+                reporter = None if spec.iterable else reset_reporter
                 continue
             start = time.perf_counter()
             reply: tuple[int, int, int, Any, float]
@@ -135,7 +152,8 @@ def worker_main(
                     reply = (generation, number, EXHAUSTED, None, 0.0)
                 except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
                     reply = (generation, number, FAILED, _sendable(exc, traceback.format_exc()), 0.0)
-            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+            state = None if reporter is None else reporter.changed()
+            conn.send_bytes(pickle.dumps((*reply, state), protocol=pickle.HIGHEST_PROTOCOL))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return
     finally:
