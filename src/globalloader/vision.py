@@ -1,9 +1,13 @@
-"""Image decoding and augmentation on Pillow and NumPy, for loaders that cannot use torchvision.
+"""Image decoding and augmentation on libjpeg-turbo, Pillow and NumPy, for loaders without torchvision.
 
-Speed comes from doing as little pixel work as possible: crop and resize happen in one Pillow call
-(`Image.resize(size, box=...)`), JPEGs are decoded at a reduced scale in the DCT when the output is
-at least twice smaller ("draft"), an image becomes a NumPy array once, and `normalize` runs two
-in-place float32 ufunc passes over long rows.
+Speed comes from doing as little pixel work as possible: JPEGs are decoded by libjpeg-turbo straight
+into a NumPy array (simplejpeg, in the `vision` extra; Pillow decodes other formats, and JPEGs
+when simplejpeg is missing or `decoder="pillow"`), at 1/2, 1/4 or 1/8 scale in the DCT domain when
+the crop still keeps at least the output's pixels ("draft"); crop and resize happen in one Pillow
+call (`Image.resize(size, box=...)`) on the crop's region only, the flip on the small output, and
+`normalize` runs two in-place float32 ufunc passes over long rows (or is left to the training step:
+`normalize=False` and `globalloader.torch.normalize_batch`). Both decoders give the same shapes and
+dtypes and values within a grey level or two of each other (the same libjpeg-turbo algorithms).
 
 Functions take and return the same kind of image they are given (Pillow image or uint8 HWC array).
 Random functions draw from a caller's `numpy.random.Generator`, so the dataset chain decides the
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader import _extras
+from globalloader import _extras, _jpeg
 from globalloader.errors import ArgumentError, CorruptSampleError
 
 if TYPE_CHECKING:
@@ -76,6 +80,9 @@ IMAGE_EXTENSIONS: tuple[str, ...] = (
 # Where a record keeps its image when no field is named, in this order: ImageFolder's "image",
 # then the image extensions.
 IMAGE_FIELDS: tuple[str, ...] = ("image", *IMAGE_EXTENSIONS)
+# Which decoder the record transforms use for JPEG bytes: "auto" is libjpeg-turbo through simplejpeg
+# when installed (else Pillow); "pillow" always Pillow (the reference the fast path is tested against).
+DECODERS: tuple[str, ...] = ("auto", "pillow")
 
 
 def _pil() -> Any:
@@ -134,6 +141,62 @@ def _finish(
     except _decode_errors() as exc:
         raise CorruptSampleError(f"cannot decode image {name}: {exc}") from exc
     return img, scale
+
+
+def _open_any(data: Any, name: str, mode: str | None, decoder: str) -> _jpeg.JpegHeader | PILImage.Image:
+    """Read only the header: libjpeg-turbo's for the JPEGs it decodes here, else Pillow's."""
+    if decoder == "auto":
+        header = _jpeg.read_header(_buffer(data), mode, _pil().MAX_IMAGE_PIXELS)
+        if header is not None:
+            return header
+    return _open(data, name)
+
+
+def _size(opened: _jpeg.JpegHeader | PILImage.Image) -> tuple[int, int]:
+    """(width, height) of the full image."""
+    return (opened.width, opened.height) if isinstance(opened, _jpeg.JpegHeader) else opened.size
+
+
+def _decode_scaled(
+    data: Any,
+    name: str,
+    mode: str | None,
+    opened: _jpeg.JpegHeader | PILImage.Image,
+    factor: int,
+    as_pil: bool = False,
+) -> tuple[PILImage.Image | np.ndarray, float]:
+    """Pixels at 1/factor scale and the scale got: libjpeg-turbo's array (`as_pil`: a Pillow image
+    on that array's memory, RGBX or L, no copy), else Pillow's image.
+
+    Pillow is asked for (width // factor, height // factor), for which its draft picks exactly
+    `factor`, so the two decoders agree; Pillow also decodes what libjpeg-turbo declined.
+    """
+    if isinstance(opened, _jpeg.JpegHeader):
+        array = opened.decode(_buffer(data), factor, padded=as_pil)
+        if array is not None:
+            return (_map_pil(array) if as_pil else array), float(factor)
+        opened = _open(data, name)
+    width, height = opened.size
+    return _finish(opened, name, mode, (width // factor, height // factor) if factor > 1 else None)
+
+
+def _map_pil(array: np.ndarray) -> PILImage.Image:
+    """A read-only Pillow image (RGBX or L) using a contiguous uint8 HWC array's memory."""
+    mode = {4: "RGBX", 1: "L"}[array.shape[2]]
+    return _pil().frombuffer(mode, (array.shape[1], array.shape[0]), array, "raw", mode, 0, 1)
+
+
+def _pixels(img: PILImage.Image | np.ndarray) -> np.ndarray:
+    """`to_array`, with RGBX (from `_map_pil`) packed to RGB on the way."""
+    if isinstance(img, np.ndarray) or img.mode != "RGBX":
+        return to_array(img)
+    width, height = img.size
+    return np.frombuffer(img.tobytes("raw", "RGB"), np.uint8).reshape(height, width, 3)
+
+
+def _buffer(data: Any) -> Any:
+    """Encoded bytes as a buffer (a 1-D uint8 array becomes a view of its memory)."""
+    return np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data
 
 
 def decode_image(
@@ -335,6 +398,27 @@ def _array_to_pil(array: np.ndarray) -> PILImage.Image:
     return _pil().fromarray(np.ascontiguousarray(array))
 
 
+def _resize_region(
+    image: PILImage.Image | np.ndarray, size_wh: tuple[int, int], box: tuple[float, float, float, float]
+) -> PILImage.Image:
+    """Bilinear resize of `box` (left, top, right, bottom) to `size_wh`, reading only that region.
+
+    A decoded array is handed to Pillow as the box plus the filter's reach (so the result is
+    exactly a resize of the whole image with `box=`), never copied whole.
+    """
+    if not isinstance(image, np.ndarray):
+        return image.resize(size_wh, _resample(None), box=box)
+    left, top, right, bottom = box
+    # Bilinear reaches 1 source pixel per output step, more when shrinking; +1 for rounding.
+    reach_x = math.ceil(max((right - left) / size_wh[0], 1.0)) + 1
+    reach_y = math.ceil(max((bottom - top) / size_wh[1], 1.0)) + 1
+    height, width = image.shape[:2]
+    x0, y0 = max(int(left) - reach_x, 0), max(int(top) - reach_y, 0)
+    x1, y1 = min(math.ceil(right) + reach_x, width), min(math.ceil(bottom) + reach_y, height)
+    region = _array_to_pil(image[y0:y1, x0:x1])
+    return region.resize(size_wh, _resample(None), box=(left - x0, top - y0, right - x0, bottom - y0))
+
+
 # ---------------------------------------------------------------------------------- normalize
 
 
@@ -460,6 +544,16 @@ def _as_pil(value: Any, name: str, mode: str | None) -> PILImage.Image:
     return img.convert(mode) if mode is not None and img.mode != mode else img
 
 
+def _check_decoder(decoder: Any, transform: str) -> None:
+    if decoder not in DECODERS:
+        raise ArgumentError(f"{transform}: decoder must be one of {DECODERS}, got {decoder!r}")
+
+
+def _check_flag(value: Any, name: str, transform: str) -> None:
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{transform}: {name} must be True or False, got {value!r}")
+
+
 def _tuple2(value: Sequence[float], name: str) -> tuple[float, float]:
     if len(value) != 2:
         raise ArgumentError(f"{name} must be a (low, high) pair, got {value!r}")
@@ -472,8 +566,10 @@ class Decode:
 
     Deterministic (the shareable prefix, e.g. `Decode(resize=256)`): the same bytes always give
     the same array, so the service decodes each sample once for every job. `resize` sets the
-    shorter side; with `draft` a large JPEG is decoded at reduced scale first. Corrupt bytes
-    raise CorruptSampleError naming the record's `__key__` (and `__url__`).
+    shorter side; with `draft` a large JPEG is decoded at 1/2, 1/4 or 1/8 scale first (the
+    largest that still covers the target). JPEGs decode with libjpeg-turbo (`decoder="auto"`)
+    or Pillow (`decoder="pillow"`); see the module's docstring. Corrupt bytes raise
+    CorruptSampleError naming the record's `__key__` (and `__url__`).
 
     `field` None (the default) finds the image: the first of IMAGE_FIELDS the record has ("image"
     for ImageFolder, "jpg", "png"... for tar shards); the result stays in that field. A record
@@ -484,9 +580,11 @@ class Decode:
     resize: int | None = None
     mode: str | None = "RGB"
     draft: bool = True
+    decoder: str = "auto"
 
     def __post_init__(self) -> None:
         _check_field(self.field, "Decode")
+        _check_decoder(self.decoder, "Decode")
         if self.resize is not None and (
             not isinstance(self.resize, int) or isinstance(self.resize, bool) or self.resize <= 0
         ):
@@ -501,18 +599,18 @@ class Decode:
             if self.resize is not None:
                 image = resize_shorter(image, self.resize)
             return {**record, field: to_array(image)}
-        img = _open(value, name)
+        opened = _open_any(value, name, self.mode, self.decoder)
         if self.resize is None:
-            img, _ = _finish(img, name, self.mode, None)
-            return {**record, field: to_array(img)}
-        width, height = img.size
+            pixels, _ = _decode_scaled(value, name, self.mode, opened, 1)
+            return {**record, field: to_array(pixels)}
+        width, height = _size(opened)
         target = _shorter_to(width, height, self.resize)
-        drafting = self.draft and target[0] < width
-        img, scale = _finish(img, name, self.mode, target if drafting else None)
-        if img.size != target:
-            box = (0.0, 0.0, width / scale, height / scale)
-            img = img.resize(target, _resample(None), box=box)
-        return {**record, field: to_array(img)}
+        factor = _jpeg.dct_factor(width, height, *target) if self.draft and target[0] < width else 1
+        resizing = (-(-width // factor), -(-height // factor)) != target
+        pixels, scale = _decode_scaled(value, name, self.mode, opened, factor, as_pil=resizing)
+        if _image_hw(pixels)[::-1] != target:
+            pixels = _resize_region(pixels, target, (0.0, 0.0, width / scale, height / scale))
+        return {**record, field: _pixels(pixels)}
 
 
 @dataclass(frozen=True)
@@ -520,9 +618,13 @@ class RandomResizedCropFlipNormalize:
     """The ImageNet training transform: random resized crop, horizontal flip, normalize.
 
     `field` may hold encoded bytes, a Pillow image or a uint8 array; it becomes a float32 array,
-    (size, size, 3) or, with `chw`, (3, size, size). From bytes, the crop box is drawn from the
-    header's size before decoding, so a JPEG is decoded only as finely as the crop needs
-    (`draft`). Draws, in order: the crop (see `random_resized_crop_box`), then the flip.
+    (size, size, 3) or, with `chw`, (3, size, size), normalized with `mean` and `std`; with
+    `normalize=False` a uint8 array of the same shape (0..255), to normalize on the device in the
+    training step (`globalloader.torch.normalize_batch`). From bytes, the crop box is drawn from
+    the header's size before decoding, so a JPEG is decoded at the smallest DCT scale (1/2, 1/4,
+    1/8) at which the crop still has at least `size` pixels (`draft`); then one bilinear resample
+    of the crop's region to `size`, the flip on the output and one normalize pass. Draws, in
+    order: the crop (see `random_resized_crop_box`), then the flip, with either `decoder`.
     `field` None finds the image as `Decode` does.
     """
 
@@ -536,9 +638,13 @@ class RandomResizedCropFlipNormalize:
     chw: bool = False
     mode: str | None = "RGB"
     draft: bool = True
+    normalize: bool = True
+    decoder: str = "auto"
 
     def __post_init__(self) -> None:
         _check_field(self.field, type(self).__name__)
+        _check_decoder(self.decoder, type(self).__name__)
+        _check_flag(self.normalize, "normalize", type(self).__name__)
         _hw(self.size)
         if not isinstance(self.size, int):
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
@@ -560,21 +666,35 @@ class RandomResizedCropFlipNormalize:
         name = sample_name(record)
         out_h, out_w = _hw(self.size)
         if _is_encoded(value):
-            img = _open(value, name)
-            width, height = img.size
+            opened = _open_any(value, name, self.mode, self.decoder)
+            width, height = _size(opened)
             left, top, w, h = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
-            # Request a decode no smaller than the crop needs: ceil(full * out / crop) per side.
-            min_size = (-(-width * out_w // w), -(-height * out_h // h)) if self.draft else None
-            img, s = _finish(img, name, self.mode, min_size)
+            factor = _jpeg.dct_factor(w, h, out_w, out_h) if self.draft else 1
+            pixels, s = _decode_scaled(value, name, self.mode, opened, factor, as_pil=True)
             box = (left / s, top / s, (left + w) / s, (top + h) / s)
         else:
-            img = _as_pil(value, name, self.mode)
-            width, height = img.size
+            pixels = value if _in_mode(value, self.mode) else _as_pil(value, name, self.mode)
+            height, width = _image_hw(pixels)
             left, top, w, h = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
             box = (left, top, left + w, top + h)
-        img = img.resize((out_w, out_h), _resample(None), box=box)
-        img = hflip(img, rng, self.flip_p)  # in Pillow: cheap, and the array stays contiguous
-        return {**record, field: normalize(to_array(img), self.mean, self.std, self.chw)}
+        img = _resize_region(pixels, (out_w, out_h), box)
+        img = hflip(img, rng, self.flip_p)  # on the small output, in Pillow: cheap and contiguous
+        return {**record, field: _output(_pixels(img), self)}
+
+
+def _in_mode(value: Any, mode: str | None) -> bool:
+    """Whether `value` is a uint8 HWC array already in `mode` (so Pillow need not convert it)."""
+    if not isinstance(value, np.ndarray) or value.dtype != np.uint8 or value.ndim != 3:
+        return False
+    return mode is None or value.shape[2] == {"RGB": 3, "L": 1}.get(mode)
+
+
+def _output(array: np.ndarray, transform: RandomResizedCropFlipNormalize | RandomCropFlipNormalize) -> np.ndarray:
+    """The transform's result: float32 normalized, or with normalize=False the uint8 pixels
+    (contiguous, HWC or CHW); both with the layout `chw` asks for."""
+    if transform.normalize:
+        return normalize(array, transform.mean, transform.std, transform.chw)
+    return np.ascontiguousarray(array.transpose(2, 0, 1) if transform.chw else array)
 
 
 @dataclass(frozen=True)
@@ -583,7 +703,8 @@ class RandomCropFlipNormalize:
 
     The per-job half of a shared pipeline: after a shared `Decode(resize=256)`, each job crops its
     own `size` region (a view), flips and normalizes in one pass to float32 (HWC, or CHW with
-    `chw`). Draws, in order: crop top, crop left, flip. `field` None finds the image as `Decode` does.
+    `chw`; uint8 with `normalize=False`). Draws, in order: crop top, crop left, flip. `field`
+    None finds the image as `Decode` does.
     """
 
     field: str | None = None
@@ -592,9 +713,11 @@ class RandomCropFlipNormalize:
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     chw: bool = False
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         _check_field(self.field, type(self).__name__)
+        _check_flag(self.normalize, "normalize", type(self).__name__)
         _hw(self.size)
         if not isinstance(self.size, int):
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
@@ -618,4 +741,4 @@ class RandomCropFlipNormalize:
                 f"{crop_hw[0]}x{crop_hw[1]}; resize it first (Decode(resize=...))"
             )
         array = hflip(random_crop(array, crop_hw, rng), rng, self.flip_p)
-        return {**record, field: normalize(array, self.mean, self.std, self.chw)}
+        return {**record, field: _output(array, self)}
