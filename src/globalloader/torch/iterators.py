@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from globalloader.execution.timeline import StepTimeline
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.pool import WorkerPool
 from globalloader.torch.tensors import pin, torch
@@ -72,13 +73,14 @@ def restore_rng(loader: LoaderSettings, snapshot: dict[str, Any]) -> None:
 class Progress:
     """Where one pass stands, kept by the DataLoader (not the iterator, which may be dropped)."""
 
-    __slots__ = ("batches", "busy_s", "snapshot", "wait_s")
+    __slots__ = ("batches", "busy_s", "snapshot", "timeline", "wait_s")
 
     def __init__(self, snapshot: dict[str, Any]) -> None:
         self.snapshot = snapshot  # RNG states the pass started from
         self.batches = 0  # delivered so far
         self.wait_s = 0.0  # the consumer waiting for workers
         self.busy_s = 0.0  # workers (or the main process) loading
+        self.timeline = StepTimeline()  # each batch's wait, for `DataLoader.report()`
 
 
 class _BaseIter:
@@ -110,6 +112,7 @@ class _BaseIter:
     def _deliver(self, batch: Any) -> Any:
         self._num_yielded += 1
         self._progress.batches = self._num_yielded
+        self._progress.timeline.delivered(self._progress.wait_s if self._uses_workers else self._progress.busy_s)
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             warnings.warn(
                 f"Length of IterableDataset {self._dataset} was reported to be {self._len_called} "
