@@ -53,7 +53,7 @@ def test_compute_bound_drop_in_over_two_epochs(tmp_path: Path):
     loader = gt.DataLoader(Slow(32, 0.0), batch_size=4, num_workers=2, persistent_workers=True)
     for _ in range(2):
         for _ in loader:
-            time.sleep(0.03)
+            time.sleep(0.1)  # long enough for the workers to keep up on a loaded machine
     path = loader.report(tmp_path / "r.html")
     loader.close()
     sentence = diagnosis(path)

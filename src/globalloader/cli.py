@@ -16,6 +16,8 @@ _SOCKET_HELP = (
 _ENVIRONMENT = """environment variables:
   GLOBALLOADER_SOCKET     the server's socket when --socket is not given (serve, stop, status,
                           and every Loader(share=True) without server=)
+  GLOBALLOADER_DASHBOARD_TOKEN  status --web: a fixed token (at least 16 characters) instead of a
+                          new random one per start, e.g. for a Prometheus scrape config
   GLOBALLOADER_CACHE_DIR  where tar indexes, disk caches and the demo's images are kept
                           (default: $XDG_CACHE_HOME/globalloader, else ~/.cache/globalloader)"""
 

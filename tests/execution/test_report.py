@@ -32,8 +32,8 @@ def fast_decode(i):
     return np.full(8, i, np.int64)
 
 
-def run(decode, step_s: float, workers: int = 2) -> gl.Loader:
-    ds = gl.Dataset(gl.from_sequence(list(range(BATCHES * BATCH)))).map(decode).batch(BATCH)
+def run(decode, step_s: float, workers: int = 2, batches: int = BATCHES) -> gl.Loader:
+    ds = gl.Dataset(gl.from_sequence(list(range(batches * BATCH)))).map(decode).batch(BATCH)
     loader = gl.Loader(ds, workers=workers)
     for _ in loader:
         time.sleep(step_s)
@@ -66,7 +66,8 @@ def test_input_bound_run_is_diagnosed_with_its_costliest_stage_and_a_worker_coun
 
 
 def test_compute_bound_run_is_diagnosed_as_such(tmp_path: Path):
-    with run(fast_decode, step_s=0.03) as loader:
+    # 100 ms a step: the workers keep up even on a machine loaded with other work
+    with run(fast_decode, step_s=0.1, batches=16) as loader:
         record = loader.run_record()
         loader.report(tmp_path / "r.html")
     sentence = diagnose(record)
@@ -75,7 +76,7 @@ def test_compute_bound_run_is_diagnosed_as_such(tmp_path: Path):
     assert waiting < INPUT_BOUND * 100, sentence
     assert re.search(r"the loop's own work \((\d+\.\d) ms per batch\) sets the pace", sentence), sentence
     per_batch = float(re.search(r"\((\d+\.\d) ms per batch\)", sentence).group(1))
-    assert 25 <= per_batch <= 200, sentence  # the 30 ms sleep, give or take a loaded machine
+    assert 95 <= per_batch <= 400, sentence  # the 100 ms sleep, give or take a loaded machine
     assert html.escape(sentence) in (tmp_path / "r.html").read_text()
 
 

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import re
-import select
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import CLI, Server, pool_segments
+from helpers import Dashboard, Server, pool_segments
 
 
 @pytest.fixture
@@ -20,35 +16,6 @@ def server(tmp_path: Path):
     srv.stop()
     assert not srv.socket.exists(), "the socket file was left behind"
     assert f"gl-pool-{srv.proc.pid}" not in pool_segments(), "the memory pool was left in /dev/shm"
-
-
-class Dashboard:
-    """`globalloader status --web --port 0` for one test, as its own process; `url` has the token."""
-
-    def __init__(self, socket: Path, log: Path) -> None:
-        self.proc = subprocess.Popen(
-            [*CLI, "status", "--web", "--port", "0", "--socket", str(socket)],
-            stdout=subprocess.PIPE,
-            stderr=open(log, "w"),  # noqa: SIM115 - the child owns it; closed with the process
-            text=True,
-        )
-        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
-        line = self.proc.stdout.readline() if ready else ""
-        match = re.search(r"(http://127\.0\.0\.1:(\d+))/\?token=([\w-]+)", line)
-        if not match:
-            self.stop()
-            raise AssertionError(f"the dashboard printed no address: {line!r} {log.read_text()}")
-        self.url, self.base, self.port, self.token = match.group(0), match.group(1), int(match.group(2)), match.group(3)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
 
 
 @pytest.fixture

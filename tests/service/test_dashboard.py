@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from globalloader.service.launcher import status
 from globalloader.service.metrics import JOB_COUNTERS, JOB_GAUGES, SERVER_COUNTERS, SERVER_GAUGES
-from helpers import Server
+from helpers import CLI, Dashboard, Server
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
 
@@ -61,6 +63,24 @@ def test_every_path_needs_the_token(dashboard):
     assert "script-src 'self'" in headers["Content-Security-Policy"] and headers["Referrer-Policy"] == "no-referrer"
     assert get(dashboard, "/dashboard.js", {"Cookie": cookie})[0] == 200
     assert get(dashboard, "/api/status", {"Cookie": cookie + "x"})[0] == 403
+
+
+def test_a_fixed_token_from_the_environment(server, tmp_path: Path):
+    fixed = "scrape-token-0123456789"
+    board = Dashboard(server.socket, tmp_path / "d.log", env={**os.environ, "GLOBALLOADER_DASHBOARD_TOKEN": fixed})
+    try:
+        assert board.token == fixed
+        assert get(board, "/metrics", {"Authorization": f"Bearer {fixed}"})[0] == 200
+    finally:
+        board.stop()
+    short = subprocess.run(
+        [*CLI, "status", "--web", "--port", "0", "--socket", str(server.socket)],
+        env={**os.environ, "GLOBALLOADER_DASHBOARD_TOKEN": "short"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert short.returncode == 1 and "GLOBALLOADER_DASHBOARD_TOKEN must be at least 16" in short.stderr
 
 
 def test_read_only_loopback_only_and_no_foreign_host(dashboard):

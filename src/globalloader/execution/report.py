@@ -167,12 +167,12 @@ def _throughput(figure: Any, record: RunRecord) -> str:
     t = record.timeline
     fig = figure(figsize=(8, 4.2))
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    starts = [k * t.width for k in range(len(t.steps))]
-    top.step(starts, [n / t.width for n in t.steps], where="post", color="#3b6fb6")
+    edges = [k * t.width for k in range(len(t.steps) + 1)]
+    top.stairs([n / t.width for n in t.steps], edges, color="#3b6fb6", linewidth=1.5)
     top.set_ylabel(f"{_plural(record.step)}/s")
     top.grid(alpha=0.3)
     shares = [100 * w / (w + b) if w + b > 0 else 0.0 for w, b in zip(t.waits, t.loops, strict=True)]
-    bottom.step(starts, shares, where="post", color="#c0504d")
+    bottom.stairs(shares, edges, color="#c0504d", linewidth=1.5)
     bottom.set_ylim(0, 100)
     bottom.set_ylabel("% waiting")
     bottom.set_xlabel(f"seconds since the first step (buckets of {t.width:g} s)")

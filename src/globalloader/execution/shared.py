@@ -78,6 +78,7 @@ class SharedSession:
 
     def start_run(self, epoch: int, indices: np.ndarray) -> int:
         run, self._runs = self._runs, self._runs + 1
+        self.client.send("heartbeat", self.client.progress)  # the last pass's final count, before it ends
         self.client.progress = (run, 0, *self.client.progress[2:])
         self.client.send("run", run, epoch, indices)
         return run

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
+import re
 import secrets
 import sys
 import threading
@@ -249,7 +251,13 @@ class Dashboard(ThreadingHTTPServer):
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ArgumentError(f"--port must be 0 (any free port) to 65535, got {port!r}")
         self.socket_path = socket_path
-        self.token = secrets.token_urlsafe(32)
+        # A fixed token (for a Prometheus scrape config) from the environment; else a new one per start.
+        self.token = os.environ.get("GLOBALLOADER_DASHBOARD_TOKEN") or secrets.token_urlsafe(32)
+        if not re.fullmatch(r"[A-Za-z0-9_-]{16,}", self.token):
+            raise ArgumentError(
+                "$GLOBALLOADER_DASHBOARD_TOKEN must be at least 16 letters, digits, '-' or '_' "
+                f"(it guards the dashboard), got {len(self.token)} characters"
+            )
         try:
             super().__init__(("127.0.0.1", port), _Handler)
         except OSError as exc:

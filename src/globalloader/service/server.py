@@ -81,6 +81,7 @@ class Job:
     asking_since: float = 0.0  # when its turn to draw began (see Server._draw)
     delivered: int = 0  # this pass
     consumed: int = 0  # this epoch, as the client last reported it
+    earlier: int = 0  # consumed in the passes before this one (so the rate runs on across epochs)
     loop: tuple[float, float] = (0.0, 0.0)  # the training loop's seconds (waiting, working), as last reported
     rate: list[tuple[float, int, float, float]] = field(default_factory=list)  # (time, consumed, *loop) samples
 
@@ -359,8 +360,8 @@ class Server:
         self.pool.refile()  # this job now wants its whole set again
         job.set_digest, job.run, job.open = digest, int(run), True
         job.epoch, job.size, job.wanted = int(epoch), len(indices), 0
+        job.earlier += job.consumed  # the client reported its last pass's final count just before
         job.drawn = job.delivered = job.consumed = 0
-        job.rate = [(time.monotonic(), 0, *job.loop)]
 
     def _forget_pass(self, job: Job) -> None:
         """Drop the job's references and pending tickets (its pass ended or was abandoned)."""
@@ -545,7 +546,7 @@ class Server:
             elif now - conn.last_seen > protocol.SILENT_DEAD_S and not alive(conn.pid):
                 self._close(conn, f"is gone (silent {now - conn.last_seen:.0f} s, process ended)")
             else:
-                job.rate = [*job.rate, (now, job.consumed, *job.loop)][-10:]
+                job.rate = [*job.rate, (now, job.earlier + job.consumed, *job.loop)][-10:]
 
     # -- status and main loop ----------------------------------------------------------------
     def _job_status(self, job: Job) -> dict[str, Any]:

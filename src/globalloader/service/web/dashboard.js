@@ -3,7 +3,7 @@
 "use strict";
 
 const COLORS = ["#3b6fb6", "#c0504d", "#9bbb59", "#8064a2", "#f79646", "#4bacc6", "#7f7f7f", "#d4a017"];
-const POLL_MS = 1000;
+const POLL_MS = 2000;  // the dashboard polls the server every second: at most 3 s behind
 
 function el(tag, text, cls) {
   const node = document.createElement(tag);
