@@ -8,6 +8,8 @@ import datetime
 import decimal
 import math
 import os
+import re
+import select
 import signal
 import socket
 import struct
@@ -165,6 +167,36 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
         )
+
+
+class Dashboard:
+    """`globalloader status --web --port 0` for one test, as its own process; `url` has the token."""
+
+    def __init__(self, socket: Path, log: Path, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [*CLI, "status", "--web", "--port", "0", "--socket", str(socket)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=open(log, "w"),  # noqa: SIM115 - the child owns it; closed with the process
+            text=True,
+        )
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        line = self.proc.stdout.readline() if ready else ""
+        match = re.search(r"(http://127\.0\.0\.1:(\d+))/\?token=([\w-]+)", line)
+        if not match:
+            self.stop()
+            raise AssertionError(f"the dashboard printed no address: {line!r} {log.read_text()}")
+        self.url, self.base, self.port, self.token = match.group(0), match.group(1), int(match.group(2)), match.group(3)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
 
 
 def _stop_process(proc: subprocess.Popen, path: Path) -> None:

@@ -16,6 +16,8 @@ _SOCKET_HELP = (
 _ENVIRONMENT = """environment variables:
   GLOBALLOADER_SOCKET     the server's socket when --socket is not given (serve, stop, status,
                           and every Loader(share=True) without server=)
+  GLOBALLOADER_DASHBOARD_TOKEN  status --web: a fixed token (at least 16 characters) instead of a
+                          new random one per start, e.g. for a Prometheus scrape config
   GLOBALLOADER_CACHE_DIR  where tar indexes, disk caches and the demo's images are kept
                           (default: $XDG_CACHE_HOME/globalloader, else ~/.cache/globalloader)"""
 
@@ -78,9 +80,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     stop = command("stop", "stop the global loader server cleanly")
     stop.add_argument("--socket", default=None, help=_SOCKET_HELP)
-    status = command("status", "live table of the server's jobs, pool and savings")
+    status = command("status", "live table (or, with --web, dashboard) of the server's jobs, pool and savings")
     status.add_argument("--socket", default=None, help=_SOCKET_HELP)
     status.add_argument("--once", action="store_true", help="print one table and exit")
+    status.add_argument(
+        "--web",
+        action="store_true",
+        help="serve a live dashboard and Prometheus /metrics on 127.0.0.1 (its address, with a token, is printed)",
+    )
+    status.add_argument("--port", type=int, default=8470, help="the dashboard's port with --web (0: any free port)")
     return parser
 
 
@@ -112,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(args.socket) if args.socket else protocol.default_socket()
             if args.command == "stop":
                 print("stopped" if launcher.stop(path) else f"no server runs at {path}")
+            elif args.web:
+                from globalloader.service import dashboard
+
+                dashboard.serve(path, port=args.port)
             else:
                 status.watch(path, once=args.once)
     except GlobalLoaderError as exc:

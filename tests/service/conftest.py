@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Server, pool_segments
+from helpers import Dashboard, Server, pool_segments
 
 
 @pytest.fixture
@@ -16,3 +16,11 @@ def server(tmp_path: Path):
     srv.stop()
     assert not srv.socket.exists(), "the socket file was left behind"
     assert f"gl-pool-{srv.proc.pid}" not in pool_segments(), "the memory pool was left in /dev/shm"
+
+
+@pytest.fixture
+def dashboard(server, tmp_path: Path):
+    board = Dashboard(server.socket, tmp_path / "dashboard.log")
+    yield board
+    board.stop()
+    assert board.proc.returncode in (0, 130), (tmp_path / "dashboard.log").read_text()

@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--on-error", default="raise")
     p.add_argument("--hold-gil-at", type=int, default=-1, help="after this batch, hold the GIL for 8 s")
     p.add_argument("--pause-at", type=int, default=-1, help="after this batch, wait for OUT.go to exist")
+    p.add_argument("--name", default=None, help="the job's name in `globalloader status`")
     args = p.parse_args()
     share = {"true": True, "auto": "auto"}[args.share]
     indices = list(range(args.start, args.stop))
@@ -68,6 +69,7 @@ def main() -> None:
             share=share,
             server=args.socket,
             on_error=args.on_error,
+            name=args.name,
         ) as loader,
     ):
         try:

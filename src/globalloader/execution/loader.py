@@ -14,11 +14,13 @@ import math
 import multiprocessing
 import os
 import warnings
+from pathlib import Path
 from typing import Any, Self
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.iterator import check_state, make_state
 from globalloader.errors import ArgumentError
+from globalloader.execution import report as input_report
 from globalloader.execution.local import LocalRun
 from globalloader.execution.run import UNAVAILABLE, EpochRun, Position
 from globalloader.execution.shared import SharedRun, SharedSession
@@ -202,6 +204,30 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Per stage: items, busy seconds; workers' idle time; the consumer's wait; skipped samples."""
         return self.statistics.report()
+
+    def report(self, path: str | os.PathLike[str] = "input-report.html") -> Path:
+        """Write one self-contained HTML page on this Loader's run so far: throughput over time,
+        time per stage, the loop's wait per step, and a diagnosis (input- or compute-bound, and
+        how many workers would help). Needs matplotlib (`pip install 'globalloader[report]'`)."""
+        return input_report.write(path, self.run_record())
+
+    def run_record(self) -> input_report.RunRecord:
+        """What `report()` draws: the loop's timeline and the workers' time per stage."""
+        stats = self.statistics.report()
+        notes = []
+        if self.share:
+            notes.append(
+                "Shared mode: the shared maps ran on the global loader server and are not in this job's "
+                "worker time; see `globalloader status --web` for the server's side."
+            )
+        return input_report.RunRecord(
+            timeline=self.statistics.timeline,
+            stages={name: stage["busy_s"] for name, stage in stats["stages"].items()},
+            workers=self.workers,
+            worker_idle_s=stats["workers"]["wait_s"] if self.workers else None,
+            step="batch" if self.plan.batch is not None else "sample",
+            notes=notes,
+        )
 
     def _close_pool(self) -> None:
         pool, self.pool = self.pool, None

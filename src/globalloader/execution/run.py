@@ -58,6 +58,7 @@ class EpochRun:
         self._pool, self._width = host.pool, max(1, host.workers)
         self._skipped: list[tuple[int, str]] = []
         self._last_yield: float | None = None
+        host.statistics.new_pass()
 
     def __iter__(self) -> EpochRun:
         return self

@@ -78,7 +78,8 @@ class SharedSession:
 
     def start_run(self, epoch: int, indices: np.ndarray) -> int:
         run, self._runs = self._runs, self._runs + 1
-        self.client.progress = (run, 0)
+        self.client.send("heartbeat", self.client.progress)  # the last pass's final count, before it ends
+        self.client.progress = (run, 0, *self.client.progress[2:])
         self.client.send("run", run, epoch, indices)
         return run
 
@@ -262,7 +263,7 @@ class SharedRun(EpochRun):
             self.consumed.extend(tail.fed_indices)
             tail.fed_indices.clear()
             if item is not NEED:
-                self._client.progress = (self.run, len(self.consumed))
+                self._report_progress()
                 return item
             got = self._collect()
             if got is not None:
@@ -290,8 +291,12 @@ class SharedRun(EpochRun):
                 self._pending.extend(output)
                 self._pending_indices.extend([i] for i in indices if i not in skipped)
         self.consumed.extend(self._pending_indices.popleft())
-        self._client.progress = (self.run, len(self.consumed))
+        self._report_progress()
         return self._pending.popleft()
+
+    def _report_progress(self) -> None:
+        """What the next heartbeat tells the server: consumed samples and the loop's clock."""
+        self._client.progress = (self.run, len(self.consumed), *self.host.statistics.loop_seconds())
 
     def _end_run(self) -> None:
         """Tell the server this run holds nothing any more (after its tasks were collected)."""

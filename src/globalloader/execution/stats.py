@@ -11,6 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from globalloader.execution.timeline import StepTimeline
+
 
 def warn_skipped(skipped: list[tuple[int, str]], epoch: int) -> None:
     """on_error="skip" never drops a sample silently: one warning per epoch that skipped any."""
@@ -29,6 +31,7 @@ class LoaderStats:
         self._worker_idle = 0.0
         self._consumer = {"items": 0, "wait_s": 0.0, "busy_s": 0.0}
         self._skipped = 0
+        self.timeline = StepTimeline()  # the same waits over time, for `Loader.report()`
 
     def add_task(self, timer: dict[str, list[float]], idle: float, skipped: int) -> None:
         for stage, (items, busy) in timer.items():
@@ -43,12 +46,20 @@ class LoaderStats:
         """Samples dropped before any task ran them (shared mode: the server could not load them)."""
         self._skipped += count
 
+    def new_pass(self) -> None:
+        self.timeline.begin()
+
     def consumer_wait(self, seconds: float) -> None:
         self._consumer["items"] += 1
         self._consumer["wait_s"] += seconds
+        self.timeline.step(seconds)
 
     def consumer_busy(self, seconds: float) -> None:
         self._consumer["busy_s"] += seconds
+
+    def loop_seconds(self) -> tuple[float, float]:
+        """(seconds the training loop waited for data, seconds it spent in its own body) so far."""
+        return self._consumer["wait_s"], self._consumer["busy_s"]
 
     def report(self) -> dict[str, Any]:
         stages = {name: {"items": int(n), "busy_s": round(busy, 6)} for name, (n, busy) in self._stages.items()}

@@ -42,7 +42,8 @@ class Client:
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._gone: GlobalLoaderError | None = None
-        self.progress: tuple[int, int] = (-1, 0)  # (run, samples consumed): sent with heartbeats
+        # (run, samples consumed, seconds the loop waited, seconds it worked): sent with heartbeats
+        self.progress: tuple[int, int, float, float] = (-1, 0, 0.0, 0.0)
         threading.Thread(target=self._read, daemon=True, name="globalloader-client-read").start()
         threading.Thread(target=self._beat, daemon=True, name="globalloader-client-beat").start()
 

@@ -41,7 +41,8 @@ MESSAGES: dict[str, tuple[str, ...]] = {
     "want": ("run", "count"),  # send `count` more tickets of this run
     "release": ("run", "indices"),  # the job no longer reads these samples
     "end": ("run",),  # the pass is over or abandoned: drop its references and pending tickets
-    "heartbeat": ("progress",),  # (run, samples consumed) from a client; None from the server
+    # From a client: (run, samples consumed, seconds its loop waited, seconds its loop worked); None from the server.
+    "heartbeat": ("progress",),
     "bye": (),
     "status": (),  # a one-shot connection: answered with "status", then closed
     "stop": (),

@@ -82,13 +82,23 @@ class Job:
     asking_since: float = 0.0  # when its turn to draw began (see Server._draw)
     delivered: int = 0  # this pass
     consumed: int = 0  # this epoch, as the client last reported it
-    rate: list[tuple[float, int]] = field(default_factory=list)  # (time, consumed) samples
+    earlier: int = 0  # consumed in the passes before this one (so the rate runs on across epochs)
+    loop: tuple[float, float] = (0.0, 0.0)  # the training loop's seconds (waiting, working), as last reported
+    rate: list[tuple[float, int, float, float]] = field(default_factory=list)  # (time, consumed, *loop) samples
 
     def samples_per_s(self) -> float:
         if len(self.rate) < 2:
             return 0.0
-        (t0, n0), (t1, n1) = self.rate[0], self.rate[-1]
+        (t0, n0, _, _), (t1, n1, _, _) = self.rate[0], self.rate[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def wait_share(self) -> float:
+        """Of the loop's time over the last few seconds, the share it waited for data."""
+        if len(self.rate) < 2:
+            return 0.0
+        (_, _, w0, b0), (_, _, w1, b1) = self.rate[0], self.rate[-1]
+        total = (w1 - w0) + (b1 - b0)
+        return (w1 - w0) / total if total > 0 else 0.0
 
 
 @dataclass
@@ -351,8 +361,8 @@ class Server:
         self.pool.refile()  # this job now wants its whole set again
         job.set_digest, job.run, job.open = digest, int(run), True
         job.epoch, job.size, job.wanted = int(epoch), len(indices), 0
+        job.earlier += job.consumed  # the client reported its last pass's final count just before
         job.drawn = job.delivered = job.consumed = 0
-        job.rate = [(time.monotonic(), 0)]
 
     def _forget_pass(self, job: Job) -> None:
         """Drop the job's references and pending tickets (its pass ended or was abandoned)."""
@@ -396,8 +406,10 @@ class Server:
 
     def _on_heartbeat(self, conn: Connection, progress: Any) -> None:
         job = conn.job
-        if job is not None and isinstance(progress, tuple) and len(progress) == 2 and progress[0] == job.run:
+        if job is not None and isinstance(progress, tuple) and len(progress) in (2, 4) and progress[0] == job.run:
             job.consumed = int(progress[1])
+            if len(progress) == 4:
+                job.loop = (float(progress[2]), float(progress[3]))
         self._send(conn, "heartbeat", None)
 
     def _on_bye(self, conn: Connection) -> None:
@@ -535,7 +547,7 @@ class Server:
             elif now - conn.last_seen > protocol.SILENT_DEAD_S and not alive(conn.pid):
                 self._close(conn, f"is gone (silent {now - conn.last_seen:.0f} s, process ended)")
             else:
-                job.rate = [*job.rate, (now, job.consumed)][-10:]
+                job.rate = [*job.rate, (now, job.earlier + job.consumed, *job.loop)][-10:]
 
     # -- status and main loop ----------------------------------------------------------------
     def _job_status(self, job: Job) -> dict[str, Any]:
@@ -550,6 +562,9 @@ class Server:
             "delivered": job.delivered,
             "samples_per_s": round(job.samples_per_s(), 1),
             "followed_share": round(s.get("followed", 0) / requests, 3) if requests else 0.0,
+            "wait_share": round(job.wait_share(), 3),
+            "loop_wait_s": round(job.loop[0], 3),
+            "loop_busy_s": round(job.loop[1], 3),
             "state": "done" if job.size and job.consumed >= job.size else "loading",
         }
 
@@ -566,6 +581,7 @@ class Server:
             "decodes_saved": requests - decodes,
             "workers": self.decoders.size,
             "worker_restarts": self.decoders.restarts,
+            "decode_s": round(self.decoders.decode_s, 3),
         }
 
     def serve_forever(self) -> None:

@@ -20,9 +20,12 @@ import multiprocessing
 import os
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, StateError
+from globalloader.execution.timeline import StepTimeline
+from globalloader.torch import report as input_report
 from globalloader.torch.iterators import InProcessIter, WorkerIter
 from globalloader.torch.resume import STATE_KIND, Progress, Resume, check_state, make_state, restore_rng, rng_snapshot
 from globalloader.torch.rng import process_rng, set_process_rng
@@ -175,6 +178,8 @@ class DataLoader(Generic[T_co]):
         self._IterableDataset_len_called: int | None = None
         self._iterator = None
         self._progress: Progress | None = None  # of the current pass (stats, state_dict)
+        self._timeline = StepTimeline()  # every pass's batches, for report()
+        self._earlier_busy_s = 0.0  # loading seconds of the passes before the current one
         self._resume: tuple[Resume, dict[str, Any]] | None = None  # (how, state) for the next iter()
         self._shared = SharedChain.build(self, share, server) if share else None
         _warn_if_too_many_workers(num_workers)
@@ -243,6 +248,7 @@ class DataLoader(Generic[T_co]):
             resume, state = pending
             restore_rng(self, state["rng"])
         progress = Progress(rng_snapshot(self))
+        self._count_pass(progress)
         if self.persistent_workers and self.num_workers > 0:
             if resume is not None and self._iterator is not None:
                 self.close()  # its workers run another pass: start them from the state's seeds
@@ -321,6 +327,19 @@ class DataLoader(Generic[T_co]):
             "worker_busy_s": progress.busy_s,
             "workers": self.num_workers,
         }
+
+    def report(self, path: str | os.PathLike[str] = "input-report.html") -> Path:
+        """Write one self-contained HTML page on this DataLoader's run so far: throughput over
+        time, loading time, the loop's wait per batch and a diagnosis (see `globalloader.Loader.report`)."""
+        busy_s = self._earlier_busy_s + (self._progress.busy_s if self._progress is not None else 0.0)
+        return input_report.write(path, self._timeline, busy_s, self.num_workers, getattr(self._shared, "loader", None))
+
+    def _count_pass(self, progress: Progress) -> None:
+        """A new pass: its batches go on the run's timeline; the last pass's loading time is kept."""
+        if self._progress is not None:
+            self._earlier_busy_s += self._progress.busy_s
+        progress.timeline = self._timeline
+        self._timeline.begin()
 
     def close(self) -> None:
         """Stop persistent workers now (they also stop when the DataLoader is collected)."""

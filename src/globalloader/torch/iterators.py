@@ -71,6 +71,7 @@ class _BaseIter:
 
     def _deliver(self, batch: Any) -> Any:
         self._num_yielded += 1
+        self._progress.timeline.delivered(self._progress.wait_s if self._uses_workers else self._progress.busy_s)
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             warnings.warn(
                 f"Length of IterableDataset {self._dataset} was reported to be {self._len_called} "
