@@ -29,12 +29,12 @@ from globalloader.dataset.plan import Plan
 from globalloader.dataset.tail import Tail
 from globalloader.errors import StateError
 from globalloader.sampling.elastic import Layer, Remaining
-from globalloader.sampling.sharding import shard_positions
+from globalloader.sampling.sharding import UNEVEN_POLICIES, shard_positions
 
 _PART_NAMES = {
     "seed": "the root seed (seed())",
     "source": "the source (its files or records)",
-    "index": "the index operators (select, shuffle, shard's uneven policy)",
+    "index": "the index operators (select, shuffle)",
     "maps": "the maps, filters or flat_maps (their functions or the values they read)",
     "batch": "batch()'s drop_last or collate",
     "batch_maps": "the maps after batch()",
@@ -92,13 +92,13 @@ def _shard(plan: Plan) -> tuple[int, Shard | None]:
 
 
 def chain_digests(plan: Plan) -> dict[str, str]:
-    """The chain's identity by part, leaving out what an elastic resume may change: shard's rank
-    and world size, and the batch size."""
+    """The chain's identity by part, leaving out what an elastic resume may change: the shard
+    (where it is, at the end of the index operators, is checked on loading) and the batch size."""
     cached = _DIGESTS.get(plan)
     if cached is None:
         parts = dict(plan.resume_parts)
         index = zip(plan.index_ops, parts["index"], strict=True)
-        parts["index"] = [("shard", d[3]) if isinstance(op, Shard) else d for op, d in index]
+        parts["index"] = [d for op, d in index if not isinstance(op, Shard)]
         parts["batch"] = None if parts["batch"] is None else parts["batch"][1:]
         parts["tail"] = [(name, ident[1:] if name == "BatchOp" else ident) for name, ident in parts["tail"]]
         cached = _DIGESTS[plan] = {k: digest(v)[:12] for k, v in parts.items()}
@@ -122,7 +122,7 @@ class EpochOrder:
         self.remaining = remaining = Remaining(total)
         for step in base.steps:
             if isinstance(step, Layer):
-                remaining.consume(step, uneven)
+                remaining.consume(step)
             else:
                 sources = plan.map_positions(remaining.positions(np.arange(len(remaining))), epoch, self._ops)
                 remaining.drop(_without(sources, step.indices))
@@ -170,7 +170,7 @@ def make_state(
         "task": task,
         "offset": offset,
         "samples": task * plan.task_size + offset,
-        "shard": [0, 1] if shard is None else [shard.rank, shard.world_size],
+        "shard": [0, 1, "none"] if shard is None else [shard.rank, shard.world_size, shard.uneven],
         "chain": chain_digests(plan),
     }
     if tail is not None:
@@ -235,25 +235,25 @@ def _check_range(plan: Plan, order: EpochOrder, task: int, offset: int) -> None:
 
 def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Resume:
     """A state (ranks in lockstep) or every rank's, from another rank, world or batch size."""
-    _check_same_chain(plan, states)
-    ops, shard = _shard(plan)
     if plan.is_stream:
         raise StateError(
-            "a stream's state loads only into the same rank and world size "
+            "a stream's state loads only into the same chain, rank and world size "
             "(elastic resume needs a random-access source)"
         )
+    _check_same_chain(plan, states)
+    ops, shard = _shard(plan)
     if ops < len(plan.index_ops) - 1:
         after = ", ".join(str(op.describe()[0]) for op in plan.index_ops[ops + 1 :])
         raise StateError(f"elastic resume needs shard() to be the last index operator, but {after} follows it")
     epochs = {int(s["epoch"]) for s in states}
     bases = {repr(s.get("base")) for s in states}
-    worlds = {_rank_world(s)[1] for s in states}
+    worlds = {_rank_world(s)[1:] for s in states}
     if len(epochs) > 1 or len(bases) > 1 or len(worlds) > 1:
         raise StateError(
-            f"the states were taken at different points (epochs {sorted(epochs)}, world sizes {sorted(worlds)}): "
+            f"the states were taken at different points (epochs {sorted(epochs)}, shards {sorted(worlds)}): "
             "give the states every rank saved at the same checkpoint"
         )
-    epoch, world = epochs.pop(), worlds.pop()
+    epoch, (world, old_uneven) = epochs.pop(), worlds.pop()
     base = Base(()) if states[0].get("base") is None else Base.from_json(states[0]["base"])
     shared = [s.get("consumed") is not None for s in states]
     if len(states) == 1 and world > 1 and (plan.grouped or shared[0]):
@@ -272,20 +272,29 @@ def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Resume:
         states = sorted(states, key=lambda s: _rank_world(s)[0])
     if any(shared) and not all(shared):
         raise StateError("the states mix shared mode (consumed sets) and local positions: give one run's states")
-    uneven = "pad" if shard is None else shard.uneven
     before = EpochOrder(plan, epoch, base).remaining  # what remained when the old world started
     assert before is not None
     if all(shared):
         taken = [i for s in states for i in _indices(s["consumed"], "consumed", plan.source_length)]
         step: Layer | Taken = Taken(tuple(taken))
-        done = len(taken) >= sum(before.share(r, world, uneven) for r in range(world))
+        done = len(taken) >= sum(before.share(r, world, old_uneven) for r in range(world))
     else:
         samples = [int(s["samples"]) for s in states]
         counts = samples * world if len(states) == 1 else samples
-        step = Layer(world, tuple(counts))
-        done = all(c >= before.share(r, world, uneven) for r, c in enumerate(counts))
+        step = Layer(world, tuple(counts), old_uneven)
+        done = all(c >= before.share(r, world, old_uneven) for r, c in enumerate(counts))
     if done:  # the old world had finished this epoch: the next one is whole
         return Resume(epoch + 1)
+    same_world = (world, old_uneven) == ((1, "none") if shard is None else (shard.world_size, shard.uneven))
+    if same_world and isinstance(step, Layer) and len(states) == 1 and not plan.grouped:
+        # Another rank, or another batch size, of the same world in lockstep: this rank's own
+        # position in the same share (exactly as if it had been this rank's state), when it falls
+        # on a whole batch; otherwise what remains is shared out from here (below).
+        task, offset = divmod(step.counts[0], plan.task_size)
+        if plan.batch is None or not offset:
+            order = EpochOrder(plan, epoch, base if base.steps else None)
+            _check_range(plan, order, task, offset)
+            return Resume(epoch, task, offset, None, order.base, None)
     order = EpochOrder(plan, epoch, Base((*base.steps, step)))  # checks the counts against the shares
     tail = None
     if plan.grouped:
@@ -322,15 +331,16 @@ def _check_same_chain(plan: Plan, states: list[dict[str, Any]]) -> None:
             raise StateError(f"state dict was taken from a different chain: {'; '.join(differ)} differ")
 
 
-def _rank_world(state: dict[str, Any]) -> tuple[int, int]:
-    value = state.get("shard", [0, 1])
+def _rank_world(state: dict[str, Any]) -> tuple[int, int, str]:
+    """The (rank, world size, uneven policy) of the shard a state was taken from."""
+    value = state.get("shard", [0, 1, "none"])
     try:
-        rank, world = (int(v) for v in value)
-    except (TypeError, ValueError) as exc:
-        raise StateError(f"state dict field 'shard' must be [rank, world_size], got {value!r:.100}") from exc
-    if not 0 <= rank < world:
-        raise StateError(f"state dict field 'shard' must be [rank, world_size], got {value!r:.100}")
-    return rank, world
+        rank, world, uneven = int(value[0]), int(value[1]), str(value[2])
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise StateError(f"state dict field 'shard' must be [rank, world_size, uneven], got {value!r:.100}") from exc
+    if not 0 <= rank < world or uneven not in UNEVEN_POLICIES:
+        raise StateError(f"state dict field 'shard' must be [rank, world_size, uneven], got {value!r:.100}")
+    return rank, world, uneven
 
 
 def _indices(value: Any, field: str, bound: int | None = None) -> list[int]:

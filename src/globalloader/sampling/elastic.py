@@ -20,19 +20,17 @@ import numpy as np
 import numpy.typing as npt
 
 from globalloader.errors import StateError
-from globalloader.sampling.sharding import shard_length
+from globalloader.sampling.sharding import UNEVEN_POLICIES, shard_length
 
 
 @dataclass(frozen=True)
 class Layer:
-    """What ranks 0..world-1 of one world consumed: `counts[r]` positions of rank r's share."""
+    """What ranks 0..world-1 of one world consumed: `counts[r]` positions of rank r's share,
+    shared out by the `uneven` policy of that world's `shard`."""
 
     world: int
     counts: tuple[int, ...]
-
-    @classmethod
-    def lockstep(cls, world: int, count: int) -> Layer:
-        return cls(world, (count,) * world)
+    uneven: str = "none"
 
     def to_json(self) -> dict[str, Any]:
         """Counts run-length encoded ([[count, ranks], ...]): ranks in lockstep cost one pair."""
@@ -42,28 +40,28 @@ class Layer:
                 runs[-1][1] += 1
             else:
                 runs.append([c, 1])
-        return {"world": self.world, "counts": runs}
+        return {"world": self.world, "counts": runs, "uneven": self.uneven}
 
     @classmethod
     def from_json(cls, value: Any) -> Layer:
         try:
-            world = int(value["world"])
+            world, uneven = int(value["world"]), value["uneven"]
             counts = tuple(int(c) for c, times in value["counts"] for _ in range(int(times)))
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"state dict field 'base' holds a malformed layer {value!r:.200}: {exc}") from exc
-        if world < 1 or len(counts) != world or min(counts) < 0:
+        if world < 1 or len(counts) != world or min(counts) < 0 or uneven not in UNEVEN_POLICIES:
             raise StateError(f"state dict field 'base' holds a malformed layer {value!r:.200}")
-        return cls(world, counts)
+        return cls(world, counts, uneven)
 
 
 class Remaining:
     """The global positions of an epoch of `n` not consumed by `layers`, in epoch order."""
 
-    def __init__(self, n: int, layers: tuple[Layer, ...] = (), uneven: str = "pad") -> None:
+    def __init__(self, n: int, layers: tuple[Layer, ...] = ()) -> None:
         self.start, self.stop = 0, n  # a suffix [start, stop) while every layer was in lockstep
         self.array: npt.NDArray[np.int64] | None = None
         for layer in layers:
-            self.consume(layer, uneven)
+            self.consume(layer)
 
     def __len__(self) -> int:
         return self.stop - self.start if self.array is None else len(self.array)
@@ -78,9 +76,9 @@ class Remaining:
         """How many positions rank `rank` of `world` takes of what remains."""
         return shard_length(len(self), rank, world, uneven)
 
-    def consume(self, layer: Layer, uneven: str) -> None:
+    def consume(self, layer: Layer) -> None:
         """Remove what the ranks of `layer` consumed (each rank's share is strided over what remains)."""
-        m, world = len(self), layer.world
+        m, world, uneven = len(self), layer.world, layer.uneven
         for rank, count in enumerate(layer.counts):
             if count > self.share(rank, world, uneven):
                 raise StateError(
