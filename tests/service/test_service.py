@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import globalloader as gl
-from globalloader.errors import ServerGone
+from globalloader.errors import ServerGone, StateError
 from globalloader.service.launcher import request
 from helpers import Server, pool_segments
 
@@ -188,6 +188,29 @@ def test_shared_state_dict_resumes_exactly_what_remains(server):
             resumed.load_state_dict(state)
             rest = [int(i) for batch in resumed for i in batch["index"]]
         assert Counter(head + rest) == Counter(range(120))
+
+
+def test_shared_states_of_every_rank_merge_into_another_world(server):
+    """Shared mode records each rank's consumed set: the list of every rank's merges, and the new
+    world (shared or not) shares out exactly the samples no old rank consumed."""
+
+    def ds(rank: int, world: int) -> gl.Dataset:
+        source = gl.from_sequence(list(range(120)))
+        return gl.Dataset(source).shuffle(2).map(square, shared=True).shard(rank, world, "none").batch(8)
+
+    seen, states = [], []
+    for rank, taken in enumerate([3, 1]):
+        with gl.Loader(ds(rank, 2), workers=1, share=True, server=str(server.socket)) as loader:
+            it = iter(loader)
+            seen += [int(i) for _ in range(taken) for i in next(it)["index"]]
+            states.append(json.loads(json.dumps(loader.state_dict())))
+    with pytest.raises(StateError, match="load the list of every rank's state"):
+        gl.Loader(ds(0, 3)).load_state_dict(states[0])
+    for rank in range(3):
+        with gl.Loader(ds(rank, 3), workers=1, share=rank == 1, server=str(server.socket)) as resumed:
+            resumed.load_state_dict(states)
+            seen += [int(i) for batch in resumed for i in batch["index"]]
+    assert Counter(seen) == Counter(range(120))
 
 
 def test_status_command_shows_jobs_pool_and_savings(server, tmp_path):

@@ -4,6 +4,8 @@ The position is (task, offset): the next task to run and, for unbatched chains, 
 samples were already yielded. It is what `state_dict()` returns and all a resume needs, because a
 task's output is a pure function of (chain, epoch, task); the Loader uses the same position. A
 chain with a tail (`dataset.tail`) adds the tail's state, and its offset counts samples fed to it.
+An epoch resumed from another rank or world size runs this rank's share of what the old world left
+(`dataset.resume`), its position counted in that share.
 """
 
 from __future__ import annotations
@@ -14,39 +16,9 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.plan import Plan
+from globalloader.dataset.resume import Base, EpochOrder, load_state, make_state
 from globalloader.dataset.tail import NEED, Tail
 from globalloader.errors import StateError
-
-
-def make_state(plan: Plan, epoch: int, task: int, offset: int, tail: dict[str, Any] | None = None) -> dict[str, Any]:
-    state = {"fingerprint": plan.resume_fingerprint, "epoch": epoch, "task": task, "offset": offset}
-    if tail is not None:
-        state["tail"] = tail
-    return state
-
-
-def check_state(plan: Plan, state: dict[str, Any]) -> tuple[int, int, int, dict[str, Any] | None]:
-    """(epoch, task, offset) from a state dict, refusing one taken from a different chain.
-
-    The check uses the sharing key's walk (source, operators, maps' code and everything they
-    read), leniently: a value whose state cannot be seen (a lock or file a function captured)
-    counts by its type only, so every chain can be checkpointed, and two chains differing only
-    inside such a value are not told apart. Maps with an explicit key are compared by that key.
-    """
-    try:
-        fingerprint, epoch, task, offset = (state[k] for k in ("fingerprint", "epoch", "task", "offset"))
-    except (KeyError, TypeError) as exc:
-        raise StateError(f"not a globalloader state dict (missing {exc}): {state!r:.200}") from exc
-    expected = plan.resume_fingerprint
-    if fingerprint != expected:
-        raise StateError(
-            "state dict was taken from a different chain (source, operators, functions or values "
-            f"they read changed): fingerprint {fingerprint} != {expected}"
-        )
-    tail = state.get("tail")
-    if (tail is not None) != plan.grouped and (tail is not None or task or offset):
-        raise StateError("state dict was taken from a different chain (its tail operators differ)")
-    return int(epoch), int(task), int(offset), tail
 
 
 class DatasetIterator:
@@ -56,7 +28,8 @@ class DatasetIterator:
         self.plan, self.epoch = plan, epoch
         self._start(task, offset)
 
-    def _start(self, task: int, offset: int, tail: dict[str, Any] | None = None) -> None:
+    def _start(self, task: int, offset: int, tail: dict[str, Any] | None = None, base: Base | None = None) -> None:
+        self._order = EpochOrder(self.plan, self.epoch, base)
         self._next_task = task
         self._current, self._taken = task, 0  # task whose output is pending, items taken from it
         self._pending: deque[Any] = deque()
@@ -81,11 +54,11 @@ class DatasetIterator:
             if items is None:
                 return False
         else:
-            tasks = plan.num_tasks()
+            tasks = self._order.num_tasks()
             assert tasks is not None, "a random-access chain knows its length"
             if self._next_task >= tasks:
                 return False
-            items = None  # the task's own indices
+            items = self._order.task_items(self._next_task)  # None: the task's own indices
         output = plan.run_task(self.epoch, self._next_task, items).output
         if self._tail is not None:
             self._tail.add(output, self._skip)
@@ -112,12 +85,17 @@ class DatasetIterator:
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the items yielded so far."""
+        plan, base = self.plan, self._order.base
         if self._tail is not None:
-            return make_state(self.plan, self.epoch, self._current, self._tail.fed, self._tail.state())
+            return make_state(plan, self.epoch, self._current, self._tail.fed, self._tail.state(), base)
         if self._pending:
-            return make_state(self.plan, self.epoch, self._current, self._taken)
-        return make_state(self.plan, self.epoch, self._next_task, 0)
+            return make_state(plan, self.epoch, self._current, self._taken, base=base)
+        return make_state(plan, self.epoch, self._next_task, 0, base=base)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, task, offset, tail = check_state(self.plan, state)
-        self._start(task, offset, tail)
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """A state of this chain, or one (or every rank's) from another rank or world size."""
+        resume = load_state(self.plan, state)
+        if resume.consumed is not None:
+            raise StateError("a shared-mode state (a consumed set) loads into a Loader, not a Dataset iterator")
+        self.epoch = resume.epoch
+        self._start(resume.task, resume.offset, resume.tail, resume.base)

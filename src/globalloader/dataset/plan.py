@@ -92,7 +92,9 @@ class Plan:
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
         # lazily loaded model) must not make a checkpoint of this very chain look foreign.
-        self.resume_fingerprint = self.identity(strict=False)
+        # Its parts too: the elastic resume check (`dataset.resume`) names those that differ.
+        self.resume_parts = self.identity_parts(strict=False)
+        self.resume_fingerprint = digest(*self.resume_parts.values())
         if self.cache is not None and self.cache.path is not None:
             if not isinstance(getattr(self.source, "fingerprint", None), str):
                 raise ArgumentError(
@@ -202,16 +204,20 @@ class Plan:
         """Strict: the sharing key. Lenient (`resume_fingerprint`, the state_dict check): the same
         walk, except that values whose state cannot be seen (a lock a lambda captured) count by
         their type only, so any chain can be checkpointed."""
+        return digest(*self.identity_parts(strict).values())
+
+    def identity_parts(self, strict: bool) -> dict[str, Any]:
+        """What `identity` digests, by part (the elastic resume check names the parts that differ)."""
         batch = self.batch
-        return digest(
-            self.seed,
-            self._source_identity(strict),
-            [op.describe() for op in self.index_ops],
-            [(type(m).__name__, m.identity(strict), m.shared) for m in self.maps],
-            None if batch is None else batch.identity(strict),
-            [(type(m).__name__, m.identity(strict)) for m in self.batch_maps],
-            [(type(op).__name__, op.identity(strict)) for op in self.tail],
-        )
+        return {
+            "seed": self.seed,
+            "source": self._source_identity(strict),
+            "index": [op.describe() for op in self.index_ops],
+            "maps": [(type(m).__name__, m.identity(strict), m.shared) for m in self.maps],
+            "batch": None if batch is None else batch.identity(strict),
+            "batch_maps": [(type(m).__name__, m.identity(strict)) for m in self.batch_maps],
+            "tail": [(type(op).__name__, op.identity(strict)) for op in self.tail],
+        }
 
     def _source_identity(self, strict: bool) -> str:
         """Its `fingerprint` string, else a walk of its content (kept: sources do not change)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.iterator import check_state, make_state
+from globalloader.dataset.resume import EpochOrder, load_state, make_state
 from globalloader.errors import ArgumentError
 from globalloader.execution import report as input_report
 from globalloader.execution.local import LocalRun
@@ -119,17 +119,20 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: loading it into a new Loader yields exactly the remaining items
-        (in shared mode: exactly the samples not yet consumed this epoch)."""
-        epoch, task, offset, consumed, tail = self._run.position() if self._run is not None else self._position
-        state = make_state(self.plan, epoch, task, offset, tail)
+        (in shared mode: exactly the samples not yet consumed this epoch). Small and JSON-able
+        (a shared-mode state lists the samples consumed; a tail's state holds its records)."""
+        epoch, task, offset, consumed, tail, base = self._run.position() if self._run is not None else self._position
+        state = make_state(self.plan, epoch, task, offset, tail, base)
         if consumed is not None:
             state["consumed"] = [int(i) for i in consumed]
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Continue from `state`: this Loader's own, one taken by another rank or world size of the
+        same chain (ranks in lockstep), or the list of every rank's (see docs/elastic.md)."""
         self._abandon_run()
-        epoch, task, offset, tail = check_state(self.plan, state)
-        self._position = Position(epoch, task, offset, state.get("consumed"), tail)
+        epoch, task, offset, tail, base, consumed = load_state(self.plan, state)
+        self._position = Position(epoch, task, offset, consumed, tail, base)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -138,10 +141,10 @@ class Loader:
     def __iter__(self) -> EpochRun:
         self._abandon_run()
         position = self._position
-        epoch, task, offset, consumed, tail = position
+        epoch, task, offset, consumed, tail, base = position
         if self.share and consumed is None:  # a local position: the samples it had consumed
-            consumed = self.plan.indices(epoch, 0, task * self.plan.task_size + offset).tolist()
-            position = Position(epoch, 0, 0, consumed, tail)
+            consumed = EpochOrder(self.plan, epoch, base).indices(0, task * self.plan.task_size + offset).tolist()
+            position = Position(epoch, 0, 0, consumed, tail, base)
         if self.share and self._session is None:  # before any worker starts: a bad chain fails here
             try:
                 self._session = SharedSession(self.plan, self.server, self.server_memory, self.name, self.timeout)
@@ -169,7 +172,7 @@ class Loader:
             self._session = None
         if self.pool is None:
             self.pool = self._start_pool()
-        self._run = LocalRun(self, Position(position.epoch, 0, 0, position.consumed or [], position.tail))
+        self._run = LocalRun(self, position._replace(task=0, offset=0, consumed=position.consumed or []))
         return self._run
 
     def _start_pool(self) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from globalloader.dataset.resume import EpochOrder
 from globalloader.dataset.tail import NEED, Tail
 from globalloader.execution.run import EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
@@ -20,8 +21,9 @@ from globalloader.execution.workers import Task
 
 class LocalRun(EpochRun):
     def __init__(self, host: Host, position: Position) -> None:
-        epoch, task, offset, consumed, tail = position
+        epoch, task, offset, consumed, tail, base = position
         super().__init__(host, epoch)
+        self._epoch_order = EpochOrder(self.plan, epoch, base)
         self._next_submit = self._next_result = task
         self._current, self._taken = task, 0
         self._pending: deque[Any] = deque()
@@ -32,20 +34,20 @@ class LocalRun(EpochRun):
         if self._tail is not None:
             self._tail.fed = offset
         self._consumed = consumed
-        self._order = None if consumed is None else remaining_indices(self.plan.indices(epoch), consumed)
+        self._order = None if consumed is None else remaining_indices(self._epoch_order.indices(), consumed)
         self._total = None if self.plan.is_stream else self._count_tasks()
 
     def _count_tasks(self) -> int:
         if self._order is None:
-            total = self.plan.num_tasks()
+            total = self._epoch_order.num_tasks()
             assert total is not None, "a random-access chain knows its length"
             return total
         n, batch = len(self._order), self.plan.batch
         return batch.count(n) if batch is not None else -(-n // self.plan.task_size)
 
     def _indices(self, t: int) -> np.ndarray | None:
-        if self._order is None:
-            return None  # the worker maps the task's positions itself: that work runs in parallel
+        if self._order is None:  # None: the worker maps the task's positions itself, in parallel
+            return self._epoch_order.task_items(t)
         size = self.plan.task_size
         return self._order[t * size : (t + 1) * size]
 
@@ -59,10 +61,11 @@ class LocalRun(EpochRun):
             task, offset = self._current, self._skip_first
         else:
             task, offset = self._next_result, 0
+        base = self._epoch_order.base
         if self._order is None:
-            return Position(self.epoch, task, offset, None, tail)
+            return Position(self.epoch, task, offset, None, tail, base)
         done = self._order[: task * self.plan.task_size + offset].tolist()
-        return Position(self.epoch, 0, 0, list(self._consumed or []) + done, tail)
+        return Position(self.epoch, 0, 0, list(self._consumed or []) + done, tail, base)
 
     def _submit(self) -> None:
         plan = self.plan

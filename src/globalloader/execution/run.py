@@ -4,7 +4,8 @@ results from the worker pool, the end of the epoch, and the position a resume ne
 A position is (epoch, task, offset, consumed, tail): a local run counts tasks and items taken
 from the current one; a run whose order is not a pure function of the seed (shared mode) instead
 names the samples already consumed this epoch (`consumed`, with task = offset = 0). A chain with
-a tail (`dataset.tail`) adds the tail's state.
+a tail (`dataset.tail`) adds the tail's state; an epoch resumed from another rank or world size
+its `base`, and positions count in this rank's share of what that left.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 import numpy as np
 
 from globalloader.dataset.plan import Plan
+from globalloader.dataset.resume import Base
 from globalloader.errors import ServerGoneError, ServerStartError
 from globalloader.execution.stats import LoaderStats, warn_skipped
 from globalloader.execution.workers import Task
@@ -27,6 +29,7 @@ class Position(NamedTuple):
     offset: int = 0
     consumed: list[int] | None = None
     tail: dict[str, Any] | None = None
+    base: Base | None = None  # what other worlds consumed of this epoch (`dataset.resume`)
 
 
 UNAVAILABLE = (ServerGoneError, ServerStartError)  # the server is not there: share="auto" goes on alone

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
+from globalloader.dataset.resume import EpochOrder
 from globalloader.dataset.tail import NEED, Tail
 from globalloader.errors import SAMPLE_ERRORS, ServerGoneError, SharedPrefixError, StateError
 from globalloader.execution.run import UNAVAILABLE, EpochRun, Host, Position, remaining_indices
@@ -112,7 +113,8 @@ class SharedRun(EpochRun):
         self.consumed = list(position.consumed or [])
         self._tail = Tail(self.plan.tail, self.plan.seed, epoch, position.tail) if self.plan.grouped else None
         self._session, self._client = session, session.client
-        todo = remaining_indices(self.plan.indices(epoch), self.consumed)
+        self._base = position.base
+        todo = remaining_indices(EpochOrder(self.plan, epoch, self._base).indices(), self.consumed)
         unique, counts = np.unique(todo, return_counts=True)
         # The sampler serves a set; the few padding repeats ("pad" sharding) are loaded locally.
         self._extra: deque[int] = deque(np.repeat(unique, counts - 1).tolist())
@@ -139,7 +141,8 @@ class SharedRun(EpochRun):
     def position(self) -> Position:
         if self._fallback is not None:
             return self._fallback.position()
-        return Position(self.epoch, 0, 0, list(self.consumed), None if self._tail is None else self._tail.state())
+        tail = None if self._tail is None else self._tail.state()
+        return Position(self.epoch, 0, 0, list(self.consumed), tail, self._base)
 
     # -- tickets from the server -------------------------------------------------------------
     def _ask(self, need: int) -> None:
