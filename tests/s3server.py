@@ -20,7 +20,11 @@ _ERROR = (
     '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
     "<Resource>{path}</Resource><RequestId>gl-test</RequestId></Error>"
 )
-_CODES = {403: ("AccessDenied", "Access Denied"), 404: ("NoSuchKey", "The specified key does not exist.")}
+_CODES = {
+    403: ("AccessDenied", "Access Denied"),
+    404: ("NoSuchKey", "The specified key does not exist."),
+    503: ("SlowDown", "Please reduce your request rate."),
+}
 
 
 def free_port() -> int:
@@ -53,7 +57,7 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     Rates are per request, drawn from a seeded generator: `slowdown` answers 503 SlowDown,
     `reset` drops the connection (half of them after part of the body). `forced` maps a key
-    substring to a status (403/404) answered for every request on it. `latency` seconds are
+    substring to a status (403, 404 or 503) answered for every request on it. `latency` seconds are
     added to each request. `bytes_sent[key]` counts the body bytes of successful GETs.
     """
 
@@ -76,6 +80,9 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a request cut off at the end of a test (the server stopped) is no news
 
     def total_bytes(self, prefix: str = "") -> int:
         with self.lock:
@@ -207,3 +214,15 @@ def options(endpoint: str) -> dict[str, Any]:
         "secret": "testing",
         "client_kwargs": {"region_name": "us-east-1"},
     }
+
+
+def write_shards(bucket: str, opts: dict[str, Any], n: int = 40, per_shard: int = 8, size: int = 2000) -> list[str]:
+    """Tar shards of `n` samples (random bytes of about `size`, and the index as cls) in `bucket`."""
+    import os
+
+    from globalloader.sources import TarWriter
+
+    with TarWriter(f"s3://{bucket}/shard-%03d.tar", maxcount=per_shard, storage_options=opts) as writer:
+        for i in range(n):
+            writer.write({"__key__": f"s{i:05d}", "bin": os.urandom(size + i % 7), "cls": i})
+    return writer.paths

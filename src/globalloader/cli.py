@@ -1,4 +1,4 @@
-"""`globalloader` command line: serve | stop | status | demo."""
+"""`globalloader` command line: serve | stop | status | demo | cache."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ _SOCKET_HELP = (
 _ENVIRONMENT = """environment variables:
   GLOBALLOADER_SOCKET     the server's socket when --socket is not given (serve, stop, status,
                           and every Loader(share=True) without server=)
-  GLOBALLOADER_CACHE_DIR  where tar indexes, disk caches and the demo's images are kept
-                          (default: $XDG_CACHE_HOME/globalloader, else ~/.cache/globalloader)"""
+  GLOBALLOADER_CACHE_DIR  where tar indexes, disk caches, downloaded objects and the demo's
+                          images are kept (default: $XDG_CACHE_HOME/globalloader, else
+                          ~/.cache/globalloader)
+  GLOBALLOADER_CACHE_LIMIT  size limit of the downloaded objects, e.g. 50GB (default: 20GB)"""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -81,7 +83,21 @@ def _parser() -> argparse.ArgumentParser:
     status = command("status", "live table of the server's jobs, pool and savings")
     status.add_argument("--socket", default=None, help=_SOCKET_HELP)
     status.add_argument("--once", action="store_true", help="print one table and exit")
+    cache = command("cache", "the machine-wide cache of downloaded objects: how big it is, or empty it")
+    cache.add_argument("action", choices=["info", "clear"], help="info: folder, size, limit; clear: delete all")
     return parser
+
+
+def _cache(action: str) -> None:
+    from globalloader.storage import ObjectCache
+
+    cache = ObjectCache()
+    if action == "clear":
+        print(f"freed {cache.clear():,} bytes in {cache.root}")
+        return
+    entries = cache.entries()
+    used = sum(size for _, size, _ in entries)
+    print(f"folder   {cache.root}\nobjects  {len(entries)}\nsize     {used:,} bytes\nlimit    {cache.limit:,} bytes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 shared=args.shared,
                 shared_memory=args.shared_memory,
             )
+        elif args.command == "cache":
+            _cache(args.action)
         elif args.command == "serve":
             from globalloader.service import server
 
