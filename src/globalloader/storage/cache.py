@@ -83,9 +83,10 @@ class Entry(NamedTuple):
     size: int  # the whole object's size
     version: str
     block: int = -1  # -1: the whole object; else block number (of `block_size` bytes)
+    block_size: int = 0
 
     def name(self) -> str:
-        ident = f"{self.url}\0{self.size}\0{self.version}\0{self.block}".encode()
+        ident = f"{self.url}\0{self.size}\0{self.version}\0{self.block}\0{self.block_size}".encode()
         return hashlib.sha256(ident).hexdigest()[:40]
 
 
@@ -143,10 +144,10 @@ class ObjectCache:
             if found is not None:
                 return found
             self._write(path, entry, download)
-        self.evict()
-        found = self._open_existing(path)
+            found = self._open_existing(path)  # under our shared lock before eviction runs
         if found is None:
-            raise StorageError(f"cache entry {path} of {entry.url} vanished right after it was written")
+            raise StorageError(f"cache entry {path} of {entry.url} cannot be read right after it was written")
+        self.evict()
         return found
 
     def _open_existing(self, path: pathlib.Path) -> CachedFile | None:

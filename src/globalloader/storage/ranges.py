@@ -16,7 +16,7 @@ from globalloader.storage import retry
 from globalloader.storage._fork import reset_in_forked_children
 from globalloader.storage._fs import LOCAL_SCHEMES, scheme_of
 from globalloader.storage.cache import CachedFile
-from globalloader.storage.store import BLOCK_SIZE, FileStat, Store
+from globalloader.storage.store import FileStat, Store
 
 _CACHED_OPEN = 16  # cache entries a reader keeps open (each pins its entry against eviction)
 
@@ -82,10 +82,10 @@ class RangeReader:
             return b""
         if self.whole and stat.size <= self.store.whole_max:
             return self._read_entry(url, stat, -1, start, end - start)
-        parts = []
-        for block in range(start // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
-            base = block * BLOCK_SIZE
-            lo, hi = max(start, base), min(end, base + BLOCK_SIZE)
+        parts, size = [], self.store.block_size
+        for block in range(start // size, (end - 1) // size + 1):
+            base = block * size
+            lo, hi = max(start, base), min(end, base + size)
             parts.append(self._read_entry(url, stat, block, lo - base, hi - lo))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

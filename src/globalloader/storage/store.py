@@ -45,7 +45,8 @@ class FileStat(NamedTuple):
 class Store:
     """URLs -> bytes for one source: `storage_options` go to fsspec (endpoint, key, secret,
     anon, ...); `cache_limit` (bytes or "20GB"; default $GLOBALLOADER_CACHE_LIMIT, else 20 GB)
-    bounds the machine cache; `cache=False` reads remote objects without it."""
+    bounds the machine cache; `cache=False` reads remote objects without it. `block_size`: the
+    bytes per cached block of a large object, and per request of a download."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class Store:
         *,
         cache: bool = True,
         retry_policy: retry.RetryPolicy = retry.DEFAULT,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ArgumentError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
@@ -63,6 +65,7 @@ class Store:
         self.cache_limit = cache_limit
         self.use_cache = bool(cache)
         self.retry_policy = retry_policy
+        self.block_size = parse_size(block_size, "block_size")
         self._reset()
         reset_in_forked_children(self)
 
@@ -142,7 +145,8 @@ class Store:
     def open_cached(self, url: str, stat: FileStat, block: int = -1) -> CachedFile:
         """The whole object (block -1) or one block of it, from the machine cache (downloaded
         there first if missing). A store whose object no longer has `stat` is a SourceError."""
-        entry = Entry(url, stat.size, stat.version, block)
+        size = self.block_size
+        entry = Entry(url, stat.size, stat.version, block, size if block >= 0 else 0)
 
         def download(write: Any) -> None:
             fresh = self.stat(url)
@@ -151,9 +155,9 @@ class Store:
                     f"{url} changed since the source was made (size {stat.size} -> {fresh.size}, version "
                     f"{stat.version!r} -> {fresh.version!r}); construct the source again"
                 )
-            first, end = (0, stat.size) if block < 0 else (block * BLOCK_SIZE, min(stat.size, (block + 1) * BLOCK_SIZE))
-            for start in range(first, end, BLOCK_SIZE):
-                stop = min(end, start + BLOCK_SIZE)
+            first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
+            for start in range(first, end, size):
+                stop = min(end, start + size)
                 data = self.read_range(url, start, stop)
                 if len(data) != stop - start:
                     raise SourceError(f"{url} returned {len(data)} bytes for [{start}, {stop}): it changed while read")
@@ -177,7 +181,7 @@ class Store:
         stat = stat or self.stat(url)
         if not self.cached(url):
             return
-        blocks = [-1] if stat.size <= self.whole_max else range(-(-stat.size // BLOCK_SIZE))
+        blocks = [-1] if stat.size <= self.whole_max else range(-(-stat.size // self.block_size))
         for block in blocks:
             self.open_cached(url, stat, block).close()
 
