@@ -77,6 +77,7 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.requests: collections.Counter[str] = collections.Counter()  # "GET /bucket/key" -> count
         self.faults: collections.Counter[str] = collections.Counter()  # kind -> count
+        self.in_flight = self.most_in_flight = 0  # GETs being answered at once
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()
@@ -128,6 +129,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             proxy.requests[f"{method} {path}"] += 1
             draw = proxy.rng.random()
             cut = proxy.rng.random()
+            if method == "GET":
+                proxy.in_flight += 1
+                proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
+        try:
+            self._answer(method, path, body, draw, cut)
+        finally:
+            if method == "GET":
+                with proxy.lock:
+                    proxy.in_flight -= 1
+
+    def _answer(self, method: str, path: str, body: bytes, draw: float, cut: float) -> None:
+        proxy = self.server
         if proxy.latency:
             time.sleep(proxy.latency)
         forced = next((status for part, status in proxy.forced.items() if part in path), None)

@@ -273,10 +273,21 @@ class TarShards:
                 raise ArgumentError(f"shards must hold indices in 0..{len(self.shards) - 1}, got {i!r}")
             yield from _stream_shard(self.store, self.shards[i], self._stats[i] if self._remote[i] else None)
 
-    def prefetch(self, shards: Any) -> None:
-        """Download these shard indices into the machine cache in the background, a few at a
-        time, in the order given (a no-op for local shards and uncached URLs)."""
-        self.store.prefetch([(self.shards[i], self._stats[i]) for i in shards if self._cached[i]])
+    @property
+    def remote(self) -> bool:
+        """Whether any shard is read through the machine cache (so `prefetch` has work to do)."""
+        return any(self._cached)
+
+    def prefetch(self, indices: Any) -> None:
+        """Download the shards of these sample indices into the machine cache in the background,
+        a few at a time, in the order they are first named (cached shards cost no request)."""
+        if not self.remote:
+            return
+        if not self._indexed:
+            self.build_index()
+        shards = np.searchsorted(self._shard_start, np.asarray(indices, dtype=np.int64), side="right") - 1
+        wanted = [i for i in dict.fromkeys(shards.tolist()) if self._cached[i]]
+        self.store.prefetch([(self.shards[i], self._stats[i]) for i in wanted])
 
     def close(self) -> None:
         """Close this process's open shard files (later reads reopen them)."""

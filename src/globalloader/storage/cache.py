@@ -27,7 +27,6 @@ import hashlib
 import os
 import pathlib
 import re
-import shutil
 import socket
 import struct
 import threading
@@ -201,7 +200,11 @@ class ObjectCache:
     @contextlib.contextmanager
     def _download_lock(self, path: pathlib.Path, entry: Entry) -> Iterator[None]:
         lock_path = self._locks / f"{path.name}.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # the folder was removed under us (rm -rf of the cache)
+            self._locks.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             deadline = time.monotonic() + LOCK_TIMEOUT
             pause = 0.002
@@ -294,14 +297,15 @@ class ObjectCache:
                         os.unlink(item.path)
 
     def clear(self) -> int:
-        """Delete every entry not in use (and the lock files); returns bytes freed."""
+        """Delete every entry not in use, and the lock files of the deleted ones (a process
+        waiting on one at that moment may then download its entry a second time: wasted bytes,
+        never a wrong entry); returns bytes freed."""
         freed = 0
         for path, size, _ in self.entries():
             if _remove_unused(path):
                 freed += size
+                (self._locks / f"{path.name}.lock").unlink(missing_ok=True)
         self._remove_dead_temporaries()
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self._locks)
         return freed
 
 

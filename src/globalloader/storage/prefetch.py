@@ -1,8 +1,9 @@
 """Background downloads into the machine cache, ahead of the reads that will need them.
 
-A few daemon threads per process take (url, stat) requests in order, skip ones already asked
-for, and fetch each into the cache; at most `depth` wait in the queue (older requests are
-dropped when the reader has moved on). A failed prefetch is not an error: the read that needs
+A few daemon threads per process take URL requests in order, skip ones already queued or
+downloading, and fetch each into the cache (an object already there costs an open, no request);
+at most `depth` wait in the queue (the newest requests beyond it are dropped: the readers fetch
+them themselves when they get there). A failed prefetch is not an error: the read that needs
 the object fetches it again and raises what fails. Daemon threads never delay the exit.
 """
 
@@ -24,7 +25,7 @@ class Prefetcher:
     def __init__(self, fetch: Callable[[str], None], threads: int = IN_FLIGHT, depth: int = DEPTH) -> None:
         self._fetch, self._threads, self._depth = fetch, threads, depth
         self._queue: collections.deque[str] = collections.deque()
-        self._asked: set[str] = set()
+        self._asked: set[str] = set()  # queued or downloading
         self._cond = threading.Condition()
         self._started = False
         self.failures = 0  # prefetches that failed (the reads then fetch and report)
@@ -54,3 +55,6 @@ class Prefetcher:
                 self._fetch(url)
             except (GlobalLoaderError, OSError):
                 self.failures += 1
+            finally:
+                with self._cond:
+                    self._asked.discard(url)
