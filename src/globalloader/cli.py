@@ -1,4 +1,4 @@
-"""`globalloader` command line: serve | stop | status | demo."""
+"""`globalloader` command line: serve | stop | status | demo | cache."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ _ENVIRONMENT = """environment variables:
                           and every Loader(share=True) without server=)
   GLOBALLOADER_DASHBOARD_TOKEN  status --web: a fixed token (at least 16 characters) instead of a
                           new random one per start, e.g. for a Prometheus scrape config
-  GLOBALLOADER_CACHE_DIR  where tar indexes, disk caches and the demo's images are kept
-                          (default: $XDG_CACHE_HOME/globalloader, else ~/.cache/globalloader)"""
+  GLOBALLOADER_CACHE_DIR  where tar indexes, disk caches, downloaded objects and the demo's
+                          images are kept (default: $XDG_CACHE_HOME/globalloader, else
+                          ~/.cache/globalloader)
+  GLOBALLOADER_CACHE_LIMIT  size limit of the downloaded objects, e.g. 50GB (default: 20GB)"""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -89,7 +91,21 @@ def _parser() -> argparse.ArgumentParser:
         help="serve a live dashboard and Prometheus /metrics on 127.0.0.1 (its address, with a token, is printed)",
     )
     status.add_argument("--port", type=int, default=8470, help="the dashboard's port with --web (0: any free port)")
+    cache = command("cache", "the machine-wide cache of downloaded objects: how big it is, or empty it")
+    cache.add_argument("action", choices=["info", "clear"], help="info: folder, size, limit; clear: delete all")
     return parser
+
+
+def _cache(action: str) -> None:
+    from globalloader.storage import ObjectCache
+
+    cache = ObjectCache()
+    if action == "clear":
+        print(f"freed {cache.clear():,} bytes in {cache.root}")
+        return
+    entries = cache.entries()
+    used = sum(size for _, size, _ in entries)
+    print(f"folder   {cache.root}\nobjects  {len(entries)}\nsize     {used:,} bytes\nlimit    {cache.limit:,} bytes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 shared=args.shared,
                 shared_memory=args.shared_memory,
             )
+        elif args.command == "cache":
+            _cache(args.action)
         elif args.command == "serve":
             from globalloader.service import server
 

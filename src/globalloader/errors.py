@@ -28,6 +28,24 @@ class SourceError(GlobalLoaderError):
     """A file cannot be found, opened or parsed (missing file, truncated tar, bad Parquet)."""
 
 
+class StorageError(SourceError):
+    """Object storage failed (`globalloader.storage`): the message names the URL and what was tried."""
+
+
+class RemoteAccessError(StorageError):
+    """A permanent remote fault (not found, access denied, bad credentials): never retried."""
+
+
+class RemoteReadError(StorageError):
+    """A transient remote fault (5xx, throttling, reset, timeout) outlasted the retries: the
+    message gives the URL, the attempts made and the time spent."""
+
+
+class CacheFullError(StorageError):
+    """The machine-wide object cache cannot take an object: its disk is full, or the object is
+    larger than the cache limit allows while the rest is in use."""
+
+
 class CorruptSampleError(GlobalLoaderError):
     """One sample's bytes cannot be decoded; the message names the sample's key and file."""
 

@@ -17,6 +17,9 @@ from globalloader.dataset.resume import EpochOrder
 from globalloader.dataset.tail import NEED, Tail
 from globalloader.execution.run import EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
+from globalloader.sources.base import Prefetching
+
+_PREFETCH_TASKS = 8  # tasks past the submitted ones whose remote objects are fetched ahead
 
 
 class LocalRun(EpochRun):
@@ -36,6 +39,9 @@ class LocalRun(EpochRun):
         self._consumed = consumed
         self._order = None if consumed is None else remaining_indices(self._epoch_order.indices(), consumed)
         self._total = None if self.plan.is_stream else self._count_tasks()
+        source = self.plan.source
+        self._prefetch_to = task  # tasks before this one were announced to the source
+        self._prefetcher = source if isinstance(source, Prefetching) and source.remote and self._total else None
 
     def _count_tasks(self) -> int:
         if self._order is None:
@@ -85,6 +91,22 @@ class LocalRun(EpochRun):
                 items = self._indices(t)
             self._submit_task(Task(self.epoch, t, items))
             self._next_submit += 1
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell a remote source which samples the next tasks read, so that it downloads them
+        while the workers compute the tasks before: the epoch's order is known in advance."""
+        if self._prefetcher is None or self._total is None:
+            return
+        last = min(self._total, self._next_submit + _PREFETCH_TASKS)
+        if self._prefetch_to >= last:
+            return
+        indices: list[np.ndarray] = []
+        for t in range(self._prefetch_to, last):
+            given = self._indices(t)
+            indices.append(given if given is not None else self.plan.task_indices(self.epoch, t))
+        self._prefetcher.prefetch(np.concatenate(indices))
+        self._prefetch_to = last
 
     def _collect(self) -> Any:
         """The next task's result, in order; None at the end of the epoch."""

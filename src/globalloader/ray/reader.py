@@ -10,7 +10,8 @@ axis 0, ready for `np.take`:
 - `fixed_size_list<number>[k]`: a (rows, k) array;
 - anything else (variable-length bytes or str, lists, structs, tar fields): a 1-D object array.
 
-Local paths are read directly, any other URL through fsspec. Errors name the file.
+Local paths are read directly, any other URL through `globalloader.storage` (the machine-wide
+cache, retries). Errors name the file.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from globalloader import _extras
+from globalloader import _extras, storage
 from globalloader.errors import SourceError
-from globalloader.sources import _files
 
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -74,8 +74,8 @@ def _parquet_file(url: str) -> Iterator[Any]:
     """A ParquetFile for a local path or any fsspec URL, closed (with its file) afterwards."""
     pq = _extras.require("pyarrow.parquet", "ray")
     with contextlib.ExitStack() as stack:
-        remote = bool(_files.scheme_of(url))
-        source = stack.enter_context(_files.open_file(url, "rb")) if remote else url
+        remote = bool(storage.scheme_of(url))
+        source = stack.enter_context(storage.open_read(storage.Store(), url)) if remote else url
         handle = pq.ParquetFile(source, memory_map=not remote)  # mapped: no read copy, ~15% less CPU
         stack.callback(handle.close)
         yield handle

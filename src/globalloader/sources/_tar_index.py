@@ -20,8 +20,8 @@ from typing import NamedTuple
 import numpy as np
 
 from globalloader.errors import SourceError
-from globalloader.sources._files import FileStat, cache_key
 from globalloader.sources._tar_format import split_key, walk
+from globalloader.storage import FileStat, cache_key
 
 _VERSION = 1
 _SCAN_BLOCK_LOCAL = 64 * 1024

@@ -26,9 +26,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from globalloader import _extras, _paths
+from globalloader import _extras, _paths, storage
 from globalloader.errors import ArgumentError, SourceError
-from globalloader.sources import _files
 from globalloader.sources._columns import check_columnar
 from globalloader.sources._mapped_columns import MappedColumns
 from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
@@ -117,7 +116,7 @@ class ArrowCopy:
         self._mapped: MappedColumns | None = None
         self._decoded: OrderedDict[tuple[int, str], list[Any]] = OrderedDict()
         self._lock = threading.Lock()
-        _files.reset_in_forked_children(self)
+        storage.reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
         # The mapping and the views into it stay valid in the child; a lock another thread held

@@ -33,6 +33,18 @@ class Source(Protocol):
     def __getitem__(self, index: int) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class Prefetching(Protocol):
+    """A source whose records live in remote objects it can fetch ahead of the reads: the loader
+    tells it which source indices the next tasks will read (`prefetch`), in order, when
+    `remote` is true."""
+
+    @property
+    def remote(self) -> bool: ...
+
+    def prefetch(self, indices: np.ndarray) -> None: ...
+
+
 def check_index(index: Any, length: int, source: object) -> int:
     """Return `index` as an int in [0, length), or raise the error that names it.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from globalloader import _extras
+from globalloader import _extras, storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files
 from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
@@ -86,19 +86,27 @@ class Parquet:
     """
 
     def __init__(
-        self, paths: Any, columns: list[str] | None = None, *, cached_row_groups: int = 4, threads: int = 8
+        self,
+        paths: Any,
+        columns: list[str] | None = None,
+        *,
+        cached_row_groups: int = 4,
+        threads: int = 8,
+        storage_options: dict[str, Any] | None = None,
+        cache_limit: int | str | None = None,
     ) -> None:
         self._pq = _extras.require("pyarrow.parquet", "parquet")
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ArgumentError(f"columns must be a list of str or None, got {columns!r}")
         if not isinstance(cached_row_groups, int) or cached_row_groups < 1:
             raise ArgumentError(f"cached_row_groups must be a positive int, got {cached_row_groups!r}")
-        self.files: list[str] = _files.expand_urls(paths, "paths")
+        self.store = storage.Store(storage_options, cache_limit)
+        self.files: list[str] = _files.expand_urls(paths, "paths", self.store)
         self.columns: list[str] | None = list(columns) if columns is not None else None
         self.cached_row_groups = cached_row_groups
         self._reset_handles()
         with ThreadPoolExecutor(min(max(1, threads), len(self.files))) as pool:
-            stats = list(pool.map(_files.stat, self.files))
+            stats = list(pool.map(self.store.stat, self.files))
             handles = list(pool.map(self._checked_file, range(len(self.files))))
         metas = [handle.metadata for handle in handles]
         self._group_start = [0]  # global row where each (file, row group) starts
@@ -141,7 +149,7 @@ class Parquet:
         self._local = threading.local()
         self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()
         self._gather: BlockGather | None = None
-        _files.reset_in_forked_children(self)
+        storage.reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
         # Decoded row groups stay valid in the child; only the open files must not be shared.
@@ -165,13 +173,16 @@ class Parquet:
         handle = handles.get(f)
         if handle is None:
             url = self.files[f]
+            recorded = getattr(self, "_stats", None)  # None while the constructor reads the footers
             try:
-                source = _files.open_file(url, "rb") if _files.scheme_of(url) else url
+                # Remote files by cached blocks: a footer and a few columns download only those.
+                stat = recorded[f] if recorded else None
+                remote = bool(storage.scheme_of(url))
+                source = storage.open_read(self.store, url, stat, whole=False) if remote else url
                 handle = self._pq.ParquetFile(source)
             except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
                 raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
-            recorded = getattr(self, "_stats", None)  # None while the constructor reads the footers
-            if recorded is not None and _files.stat(url) != recorded[f]:
+            if recorded is not None and self.store.stat(url) != recorded[f]:
                 raise SourceError(
                     f"Parquet file {url} changed since the source was made (size or version differs): its rows "
                     "no longer match the indices; make the source again"
@@ -381,7 +392,7 @@ class Parquet:
 
     def file_versions(self) -> list[tuple[str, int, str]]:
         """(location, size, version) of every file, as read at construction: what a copy is keyed by."""
-        return [(_files.cache_key(u), s.size, s.version) for u, s in zip(self.files, self._stats, strict=True)]
+        return [(storage.cache_key(u), s.size, s.version) for u, s in zip(self.files, self._stats, strict=True)]
 
     def local_copy(self, folder: str | os.PathLike[str] | None = None, *, progress: bool | None = None) -> ArrowCopy:
         """The same records from a local memory-mapped Arrow copy, where any row is cheap (for an

@@ -15,7 +15,7 @@ from typing import IO, Any
 import numpy as np
 from tqdm import tqdm
 
-from globalloader import _paths
+from globalloader import _paths, storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _files, _tar_index
 from globalloader.sources._tar_format import split_key, walk
@@ -40,14 +40,18 @@ class TarShards:
     shard's location, size and mtime/ETag, and reused by later constructions (`scanned` counts
     the shards this instance had to scan). The index is built on the first `len()` or `[i]`
     (or `build_index()`), so `iter_records()` alone never needs it. Reads are ranged:
-    `os.pread` on descriptors kept open per process for local shards, `cat_file(path, start,
-    end)` for remote ones.
+    `os.pread` on descriptors kept open per process for local shards.
+
+    Remote shards (`s3://`, `gs://`, ...; `storage_options=` go to fsspec) are downloaded whole,
+    once per machine, into the machine-wide cache (`cache_limit=`, see `globalloader.storage`)
+    and read from there by every worker, job and epoch; the index scan reads the cached file, so
+    it costs no extra download. `prefetch(shards)` downloads shards ahead in the background.
+    `cache=False` reads them by ranged requests instead (one per sample).
 
     Shuffling: `shuffle(seed, window=w)` permutes the shards, then the samples within windows of
-    `w` shards (`block_starts`: each shard's first sample). Remote shards are then read whole
-    after their first few samples (at most 9 requests per shard per epoch and worker instead of
-    one per sample), and each worker process keeps `2 * w` of them in memory (`keep_blocks`):
-    pick `w` by the shards' size.
+    `w` shards (`block_starts`: each shard's first sample). Shards of a URL the cache does not
+    hold (`memory://`, `cache=False`) are then read whole after their first few samples and each
+    worker process keeps `2 * w` of them in memory (`keep_blocks`).
 
     Errors: a missing shard raises SourceError at construction; a truncated or corrupt tar
     (named with the byte offset) raises SourceError when indexed or streamed; an index outside
@@ -57,7 +61,15 @@ class TarShards:
     """
 
     def __init__(
-        self, urls: Any, *, index_dir: str | os.PathLike[str] | None = None, threads: int = 8, max_open: int = 256
+        self,
+        urls: Any,
+        *,
+        index_dir: str | os.PathLike[str] | None = None,
+        threads: int = 8,
+        max_open: int = 256,
+        storage_options: dict[str, Any] | None = None,
+        cache_limit: int | str | None = None,
+        cache: bool = True,
     ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ArgumentError(f"threads must be a positive int, got {threads!r}")
@@ -65,13 +77,18 @@ class TarShards:
             raise ArgumentError(f"max_open must be an int >= 0, got {max_open!r}")
         if index_dir is not None and not isinstance(index_dir, (str, os.PathLike)):
             raise ArgumentError(f"index_dir must be a str, a path or None, got {index_dir!r}")
-        self.shards: list[str] = _files.expand_urls(urls, "urls")
+        self.store = storage.Store(storage_options, cache_limit, cache=cache)
+        self.shards: list[str] = _files.expand_urls(urls, "urls", self.store)
         self._index_dir = index_dir
         self._threads = min(threads, len(self.shards))
-        self._reader = _files.RangeReader(max_open)
-        self._remote = [bool(_files.scheme_of(url)) for url in self.shards]
+        self._reader = storage.RangeReader(self.store, max_open, whole=True)
+        self._remote = [bool(storage.scheme_of(url)) for url in self.shards]
+        # Shards held in the machine cache are read whole from it, never kept in memory.
+        self._cached = [self.store.cached(url) for url in self.shards]
         with ThreadPoolExecutor(self._threads) as pool:
-            self._stats = list(pool.map(_files.stat, self.shards))
+            self._stats = list(pool.map(self.store.stat, self.shards))
+        for url, st in zip(self.shards, self._stats, strict=True):
+            self._reader.expect(url, st)
         self.fingerprint: str = fingerprint_of(
             "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
         )
@@ -147,7 +164,9 @@ class TarShards:
         index = _tar_index.load(path) if path is not None else None
         if index is not None:
             return index, False
-        index = _tar_index.scan(lambda start, n: self._reader.read(url, start, n), url, st.size, self._remote[i])
+        # A cached shard is downloaded whole by its first read, so the scan reads local bytes.
+        remote = self._remote[i] and not self._cached[i]
+        index = _tar_index.scan(lambda start, n: self._reader.read(url, start, n), url, st.size, remote)
         if path is not None:
             _tar_index.save(path, index)
         return index, True
@@ -193,8 +212,8 @@ class TarShards:
         record: dict[str, Any] = {"__key__": self._keys[k0:k1].decode("utf-8", "surrogateescape"), "__url__": url}
         exts = self._exts
         members = self._members[m0:m1].tolist()
-        if not self._remote[shard]:
-            read = self._reader.read_local
+        if not self._remote[shard] or self._cached[shard]:
+            read = self._reader.read_local if not self._remote[shard] else self._reader.read_remote
             for offset, size, ext in members:
                 data = read(url, offset, size)
                 if len(data) != size:
@@ -252,7 +271,23 @@ class TarShards:
         for i in chosen:
             if not isinstance(i, int) or not 0 <= i < len(self.shards):
                 raise ArgumentError(f"shards must hold indices in 0..{len(self.shards) - 1}, got {i!r}")
-            yield from _stream_shard(self.shards[i])
+            yield from _stream_shard(self.store, self.shards[i], self._stats[i] if self._remote[i] else None)
+
+    @property
+    def remote(self) -> bool:
+        """Whether any shard is read through the machine cache (so `prefetch` has work to do)."""
+        return any(self._cached)
+
+    def prefetch(self, indices: Any) -> None:
+        """Download the shards of these sample indices into the machine cache in the background,
+        a few at a time, in the order they are first named (cached shards cost no request)."""
+        if not self.remote:
+            return
+        if not self._indexed:
+            self.build_index()
+        shards = np.searchsorted(self._shard_start, np.asarray(indices, dtype=np.int64), side="right") - 1
+        wanted = [i for i in dict.fromkeys(shards.tolist()) if self._cached[i]]
+        self.store.prefetch([(self.shards[i], self._stats[i]) for i in wanted])
 
     def close(self) -> None:
         """Close this process's open shard files (later reads reopen them)."""
@@ -270,8 +305,8 @@ def _changed(url: str, offset: int) -> SourceError:
     )
 
 
-def _stream_shard(url: str) -> Iterator[dict[str, Any]]:
-    with _files.open_file(url, "rb") as raw:
+def _stream_shard(store: storage.Store, url: str, stat: storage.FileStat | None) -> Iterator[dict[str, Any]]:
+    with storage.open_read(store, url, stat) as raw:
         stream: IO[bytes] = raw
         if raw.read(2) == b"\x1f\x8b":
             raw.seek(0)

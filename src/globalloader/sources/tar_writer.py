@@ -11,8 +11,8 @@ from typing import IO, Any, Self
 
 import numpy as np
 
+from globalloader import storage
 from globalloader.errors import ArgumentError
-from globalloader.sources import _files
 
 
 class TarWriter:
@@ -20,7 +20,9 @@ class TarWriter:
 
     `pattern` is a plain path (one shard) or contains a printf field (`out-%06d.tar`), filled
     with 0, 1, 2, ... as shards roll over at `maxcount` samples or `maxsize` bytes (a sample is
-    never split; a shard holds at least one). Local paths or fsspec URLs.
+    never split; a shard holds at least one). Local paths or fsspec URLs (`storage_options=` go
+    to fsspec); a remote shard is written to a local temporary file and uploaded, with retries,
+    when it is finished.
 
     `write(sample)` takes a dict with a str `"__key__"` (no dot in its last path component,
     since the first dot starts the extension) and one entry per field; other `__x__` entries
@@ -35,11 +37,17 @@ class TarWriter:
     """
 
     def __init__(
-        self, pattern: str | os.PathLike[str], maxcount: int | None = None, maxsize: int | None = None
+        self,
+        pattern: str | os.PathLike[str],
+        maxcount: int | None = None,
+        maxsize: int | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(pattern, (str, os.PathLike)):
             raise ArgumentError(f"pattern must be a str or path, got {type(pattern).__name__}")
         self.pattern = os.fspath(pattern)
+        self.store = storage.Store(storage_options)
         for name, value in (("maxcount", maxcount), ("maxsize", maxsize)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ArgumentError(f"{name} must be a positive int or None, got {value!r}")
@@ -98,7 +106,7 @@ class TarWriter:
         if not self._numbered and self.paths:
             raise ArgumentError(f"pattern {self.pattern!r} names one shard only")
         # Both stay open across write() calls until the shard is full; _finish_shard closes them.
-        self._file = _files.open_file(path, "wb")
+        self._file = self.store.open_write(path)
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115
         self.paths.append(path)
         self._count = self._size = 0

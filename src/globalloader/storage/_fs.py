@@ -1,0 +1,131 @@
+"""URL -> fsspec filesystem, with the client's own retries turned off and its errors sorted.
+
+Every retry happens in `storage.retry`, so the total behaviour is bounded in one place: S3's
+client (s3fs over aiobotocore) is made with one attempt per call in both of its retry layers
+(s3fs's `retries` and botocore's `total_max_attempts`), a connect and a read timeout. Options
+from the caller (`storage_options=`: endpoint, key/secret, anon, ...) are passed to fsspec as
+they are; where they say nothing, the standard AWS/GCS environment and config files apply.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import weakref
+from typing import Any
+
+from globalloader import _extras
+from globalloader.errors import SourceError
+
+CONNECT_TIMEOUT = 10.0  # seconds for one TCP connect to the object store
+READ_TIMEOUT = 30.0  # seconds without a byte on an open response
+# Schemes that are not object storage: the machine cache never holds them (`memory://` lives in
+# one process, `file://` is a local file already).
+LOCAL_SCHEMES = frozenset({"file", "local", "memory"})
+
+# Errno values of faults that may pass: s3fs maps 503/SlowDown to EBUSY and 500 to EREMOTEIO.
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EBUSY,
+        errno.EREMOTEIO,
+        errno.EIO,
+        errno.EAGAIN,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ECONNREFUSED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+    }
+)
+# Client exceptions that are not OSErrors, by class name (so botocore and aiohttp are never
+# imported for a local run): connection drops, timeouts, truncated or unparsable responses.
+_TRANSIENT_NAMES = frozenset(
+    {
+        "HTTPClientError",
+        "ConnectionError",
+        "ConnectionClosedError",
+        "EndpointConnectionError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseParserError",
+        "IncompleteReadError",
+        "IncompleteRead",
+        "ClientPayloadError",
+        "ClientConnectionError",
+        "ServerDisconnectedError",
+        "FSTimeoutError",
+        "ProtocolError",
+    }
+)
+_THROTTLING = ("SlowDown", "reduce your request rate", "Throttl", "ServiceUnavailable", "InternalError")
+
+
+def scheme_of(url: str) -> str:
+    """The URL's scheme, or "" for a local path."""
+    head, sep, _ = url.partition("://")
+    return head if sep and "/" not in head else ""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed call may succeed if made again (5xx, throttling, reset, timeout)."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    if any(cls.__name__ in _TRANSIENT_NAMES for cls in type(exc).__mro__):
+        return True
+    text = str(exc)
+    return any(mark in text for mark in _THROTTLING)
+
+
+def filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str]:
+    """(fsspec filesystem, path) for `url`; instances are shared per process and options."""
+    fsspec = _extras.require("fsspec", "remote")
+    scheme = scheme_of(url)
+    kwargs = dict(options or {})
+    if scheme in ("s3", "s3a"):
+        kwargs = _s3_defaults(kwargs)
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **kwargs)
+    except (ImportError, ValueError, TypeError) as exc:
+        raise SourceError(f"cannot open {url}: {exc}") from None
+    if scheme in ("s3", "s3a"):
+        fs.retries = 1  # s3fs's own loop: one attempt; storage.retry decides the rest
+    return fs, path
+
+
+def _s3_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    config = dict(kwargs.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    config.setdefault("connect_timeout", CONNECT_TIMEOUT)
+    config.setdefault("read_timeout", READ_TIMEOUT)
+    kwargs["config_kwargs"] = config
+    return kwargs
+
+
+def _forget_inherited_clients() -> None:
+    """In a forked child: drop the close-at-exit hooks of the S3 clients the parent made.
+
+    fsspec makes new filesystem instances in a child; the inherited ones would be collected,
+    and their finalizers would close the parent's aiobotocore sessions on an event loop that does
+    not run here ("... attached to a different loop" tracebacks at exit). Their sockets and event
+    loop are the parent's (closing them here could unregister the parent's sockets from its
+    epoll set): the child keeps them untouched until it exits.
+    """
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is None:
+        return
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        info = finalizer.peek()
+        if info is not None and isinstance(info[0], s3fs.S3FileSystem):
+            finalizer.detach()
+            _INHERITED.append(info[0])
+
+
+_INHERITED: list[Any] = []  # the parent's S3 clients, kept so their __del__ never runs here
+
+
+os.register_at_fork(after_in_child=_forget_inherited_clients)

@@ -1,0 +1,352 @@
+"""The machine-wide object cache: remote objects (or fixed blocks of them) kept on local disk.
+
+One folder per machine (`$GLOBALLOADER_CACHE_DIR/objects`, see `_paths.cache_dir`), shared by
+every process and job of the user. Properties, each relied on elsewhere:
+
+- Keyed by everything that decides the bytes: URL, size and version (ETag, generation or
+  mtime), plus the block number for a block. A changed object has another key, so it is never
+  served stale.
+- An entry is written to a temporary file and renamed into place, with a 16-byte trailer holding
+  a CRC-32 and the length of the data. A process killed mid-download leaves a temporary file,
+  never an entry; an entry whose length or checksum is wrong (checked once per process and
+  entry) is deleted and fetched again.
+- Concurrent readers of a missing entry wait on one exclusive file lock (flock) per entry while
+  one of them downloads, so K processes download each object once.
+- Readers hold a shared flock on the entry while they read; eviction (least recently used by
+  mtime, which every open refreshes) takes an exclusive one without waiting and skips entries in
+  use, so it never deletes what a reader has open. Entries in use may take the cache past its
+  limit until they are closed.
+- A full disk first evicts what it can, then is a CacheFullError naming the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import pathlib
+import re
+import socket
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+from globalloader import _paths
+from globalloader.errors import ArgumentError, CacheFullError, StorageError
+
+DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
+LIMIT_ENV = "GLOBALLOADER_CACHE_LIMIT"
+LOCK_TIMEOUT = 900.0  # seconds to wait for another process's download of the same entry
+_TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
+_MAGIC = b"GLC1"
+_WRITE_CHUNK = 1 << 20
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+_UNITS |= {"T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int, what: str) -> int:
+    """Bytes from an int or a string such as "20GB", "512MiB" or "1000000"."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 1:
+            raise ArgumentError(f"{what} must be positive, got {text!r}")
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ArgumentError(f"{what} must be a byte count such as 20GB, 512MiB or 1000000, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def resolve_limit(limit: int | str | None) -> int:
+    """The cache limit: the argument, else $GLOBALLOADER_CACHE_LIMIT, else DEFAULT_LIMIT."""
+    if limit is not None:
+        return parse_size(limit, "cache_limit")
+    env = os.environ.get(LIMIT_ENV)
+    return parse_size(env, LIMIT_ENV) if env else DEFAULT_LIMIT
+
+
+def default_root() -> pathlib.Path:
+    """Where entries live (read per call, so the environment can redirect it)."""
+    return _paths.cache_dir("objects")
+
+
+class Entry(NamedTuple):
+    """One cached object or block: where it comes from and which version of it."""
+
+    url: str
+    size: int  # the whole object's size
+    version: str
+    block: int = -1  # -1: the whole object; else block number (of `block_size` bytes)
+    block_size: int = 0
+
+    def name(self) -> str:
+        ident = f"{self.url}\0{self.size}\0{self.version}\0{self.block}\0{self.block_size}".encode()
+        return hashlib.sha256(ident).hexdigest()[:40]
+
+
+class CachedFile:
+    """An open cache entry: ranged reads with `pread`, under a shared lock until `close()`."""
+
+    def __init__(self, fd: int, length: int, path: pathlib.Path) -> None:
+        self.fd, self.length, self.path = fd, length, path
+
+    def pread(self, start: int, length: int) -> bytes:
+        length = max(0, min(length, self.length - start))
+        parts, got = [], 0
+        while got < length:
+            data = os.pread(self.fd, length - got, start + got)
+            if not data:
+                raise StorageError(f"cache entry {self.path} ended at {start + got}, expected {self.length} bytes")
+            parts.append(data)
+            got += len(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # also drops the shared lock
+            self.fd = -1
+
+
+_verified: set[tuple[int, int, int, int]] = set()  # (dev, inode, mtime_ns, size) checked here
+_verified_lock = threading.Lock()
+
+
+class ObjectCache:
+    """Entries on local disk, shared by every process of the machine (see the module doc)."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, limit: int | str | None = None) -> None:
+        self.root = pathlib.Path(root) if root is not None else default_root()
+        self.limit = resolve_limit(limit)
+        self._locks = self.root / "locks"
+        try:
+            self._locks.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the object cache {self.root}: {exc.strerror}") from None
+
+    def open(self, entry: Entry, download: Callable[[Callable[[bytes], None]], None]) -> CachedFile:
+        """The entry, opened under a shared lock; downloaded first if missing or damaged.
+
+        `download(write)` must call `write(chunk)` with the entry's bytes in order; it runs in
+        one process of the machine at a time per entry, the others wait for it.
+        """
+        path = self.root / entry.name()
+        found = self._open_existing(path)
+        if found is not None:
+            return found
+        with self._download_lock(path, entry):
+            found = self._open_existing(path)  # another process finished it while we waited
+            if found is not None:
+                return found
+            self._write(path, entry, download)
+            found = self._open_existing(path)  # under our shared lock before eviction runs
+        if found is None:
+            raise StorageError(f"cache entry {path} of {entry.url} cannot be read right after it was written")
+        self.evict()
+        return found
+
+    def _open_existing(self, path: pathlib.Path) -> CachedFile | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # eviction holds LOCK_EX only for an unlink
+            st = os.fstat(fd)
+            if st.st_nlink == 0:  # evicted between our open and our lock
+                os.close(fd)
+                return None
+            length = self._check(fd, st, path)
+            if length is None:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                return None
+            os.utime(fd)  # least recently used = oldest mtime
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        return CachedFile(fd, length, path)
+
+    @staticmethod
+    def _check(fd: int, st: os.stat_result, path: pathlib.Path) -> int | None:
+        """The data length if the trailer and (once per process) the CRC agree; else None."""
+        if st.st_size < _TRAILER.size:
+            return None
+        magic, crc, length = _TRAILER.unpack(os.pread(fd, _TRAILER.size, st.st_size - _TRAILER.size))
+        if magic != _MAGIC or length != st.st_size - _TRAILER.size:
+            return None
+        ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        if ident in _verified:
+            return length
+        running, offset = 0, 0
+        while offset < length:
+            data = os.pread(fd, min(16 << 20, length - offset), offset)
+            if not data:
+                return None
+            running = zlib.crc32(data, running)
+            offset += len(data)
+        if running != crc:
+            return None
+        with _verified_lock:
+            _verified.add(ident)
+        return length
+
+    @contextlib.contextmanager
+    def _download_lock(self, path: pathlib.Path, entry: Entry) -> Iterator[None]:
+        lock_path = self._locks / f"{path.name}.lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # the folder was removed under us (rm -rf of the cache)
+            self._locks.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + LOCK_TIMEOUT
+            pause = 0.002
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StorageError(
+                            f"waited {LOCK_TIMEOUT:.0f} s for another process to download {entry.url} "
+                            f"into the cache {self.root}; if none is running, remove {lock_path}"
+                        ) from None
+                    time.sleep(pause)
+                    pause = min(0.05, pause * 2)
+            yield
+        finally:
+            os.close(fd)
+
+    def _write(self, path: pathlib.Path, entry: Entry, download: Callable[[Callable[[bytes], None]], None]) -> None:
+        for last_try in (False, True):
+            try:
+                self._write_once(path, download)
+                return
+            except OSError as exc:
+                if exc.errno not in (28, 122) or last_try:  # ENOSPC, EDQUOT
+                    if exc.errno in (28, 122):
+                        raise CacheFullError(
+                            f"no space left in the object cache {self.root} for {entry.url}: {exc.strerror}; "
+                            f"free disk space, lower {LIMIT_ENV} or point GLOBALLOADER_CACHE_DIR elsewhere"
+                        ) from None
+                    raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
+                self.evict(keep_free=entry.size)
+
+    def _write_once(self, path: pathlib.Path, download: Callable[[Callable[[bytes], None]], None]) -> None:
+        tmp = path.with_name(f"{path.name}.{_TMP_TAG}.{uuid.uuid4().hex[:8]}.tmp")
+        crc = length = 0
+        try:
+            with open(tmp, "wb", buffering=_WRITE_CHUNK) as out:
+
+                def write(chunk: bytes) -> None:
+                    nonlocal crc, length
+                    out.write(chunk)
+                    crc = zlib.crc32(chunk, crc)
+                    length += len(chunk)
+
+                download(write)
+                out.write(_TRAILER.pack(_MAGIC, crc, length))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def entries(self) -> list[tuple[pathlib.Path, int, float]]:
+        """(path, bytes, last use) of every complete entry."""
+        found = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
+            for item in it:
+                if item.name.endswith(".tmp") or not item.is_file(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = item.stat(follow_symlinks=False)
+                    found.append((pathlib.Path(item.path), st.st_size, st.st_mtime))
+        return found
+
+    def evict(self, keep_free: int = 0) -> int:
+        """Delete least recently used entries not in use until the cache fits its limit (and
+        `keep_free` more bytes); remove temporary files of dead downloads. Returns bytes freed."""
+        self._remove_dead_temporaries()
+        entries = self.entries()
+        total = sum(size for _, size, _ in entries)
+        freed = 0
+        for path, size, _ in sorted(entries, key=lambda e: e[2]):
+            if total - freed + keep_free <= self.limit:
+                break
+            if _remove_unused(path):
+                freed += size
+        return freed
+
+    def _remove_dead_temporaries(self) -> None:
+        host = socket.gethostname()
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
+            for item in it:
+                parts = item.name.split(".")
+                if len(parts) != 4 or parts[3] != "tmp":
+                    continue
+                owner_host, _, pid = parts[1].rpartition("-")
+                if owner_host == _host_tag(host) and pid.isdigit() and not _alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(item.path)
+
+    def clear(self) -> int:
+        """Delete every entry not in use, and the lock files of the deleted ones (a process
+        waiting on one at that moment may then download its entry a second time: wasted bytes,
+        never a wrong entry); returns bytes freed."""
+        freed = 0
+        for path, size, _ in self.entries():
+            if _remove_unused(path):
+                freed += size
+                (self._locks / f"{path.name}.lock").unlink(missing_ok=True)
+        self._remove_dead_temporaries()
+        return freed
+
+
+def _host_tag(host: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", host)
+
+
+_TMP_TAG = f"{_host_tag(socket.gethostname())}-{os.getpid()}"
+
+
+def _refresh_tmp_tag() -> None:
+    global _TMP_TAG
+    _TMP_TAG = f"{_host_tag(socket.gethostname())}-{os.getpid()}"
+
+
+os.register_at_fork(after_in_child=_refresh_tmp_tag)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_unused(path: pathlib.Path) -> bool:
+    """Unlink `path` unless a reader holds it (its shared lock makes ours fail at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)

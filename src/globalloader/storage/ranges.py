@@ -1,0 +1,231 @@
+"""Ranged reads from many files: local descriptors kept per process, remote objects through the
+Store (the machine cache, or retried ranged requests), and a file object over any of them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import IO, Any
+
+from globalloader.errors import SourceError
+from globalloader.storage import retry
+from globalloader.storage._fork import reset_in_forked_children
+from globalloader.storage._fs import LOCAL_SCHEMES, scheme_of
+from globalloader.storage.cache import CachedFile
+from globalloader.storage.store import FileStat, Store
+
+_CACHED_OPEN = 16  # cache entries a reader keeps open (each pins its entry against eviction)
+
+
+class RangeReader:
+    """Ranged reads from many files, handles opened lazily and kept per process.
+
+    Local files: one descriptor per file, opened on first use and read with `os.pread`, which
+    needs no seek and is safe from many threads at once. Descriptors are never pickled, and a
+    forked child drops the ones it inherited (an at-fork hook, so reads pay no pid check) and
+    reopens its own. At most `max_open` descriptors stay open; reads from further files open
+    and close each time. Remote objects: through `store`'s machine cache, whole (`whole=True`,
+    for shards read end to end) or by blocks, up to 16 entries kept open; objects the cache does
+    not hold, one retried ranged request per read. `expect(url, stat)` records the size and
+    version a source was built on, so the cache key and the change check use them.
+    """
+
+    def __init__(self, store: Store | None = None, max_open: int = 256, *, whole: bool = True) -> None:
+        self.store = store if store is not None else Store()
+        self.max_open, self.whole = max_open, whole
+        self._stats: dict[str, FileStat] = {}
+        self._reset()
+        reset_in_forked_children(self)
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._fds: dict[str, int] = {}
+        self._entries: OrderedDict[tuple[str, int], CachedFile] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"store": self.store, "max_open": self.max_open, "whole": self.whole, "_stats": self._stats}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+        reset_in_forked_children(self)
+
+    def expect(self, url: str, stat: FileStat) -> None:
+        """Read `url` as the object of this size and version (a changed object is an error)."""
+        self._stats[url] = stat
+
+    def read(self, url: str, start: int, length: int) -> bytes:
+        """Up to `length` bytes at `start` (fewer only at the end of the file)."""
+        if scheme_of(url):
+            return self.read_remote(url, start, length)
+        return self.read_local(url, start, length)
+
+    def read_local(self, url: str, start: int, length: int) -> bytes:
+        """`read` for a path known to be local (skips the scheme check on hot paths)."""
+        fd = self._fds.get(url)
+        if fd is None:
+            return self._read_local_cold(url, start, length)
+        return _pread_full(fd, length, start, url)
+
+    def read_remote(self, url: str, start: int, length: int) -> bytes:
+        """`read` for a URL known to have a scheme."""
+        if not self.store.cached(url):
+            return self.store.read_range(url, start, start + length)
+        stat = self._stats.get(url) or self.store.stat(url)
+        end = min(start + length, stat.size)
+        if start >= end:
+            return b""
+        if self.whole and stat.size <= self.store.whole_max:
+            return self._read_entry(url, stat, -1, start, end - start)
+        parts, size = [], self.store.block_size
+        for block in range(start // size, (end - 1) // size + 1):
+            base = block * size
+            lo, hi = max(start, base), min(end, base + size)
+            parts.append(self._read_entry(url, stat, block, lo - base, hi - lo))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _read_entry(self, url: str, stat: FileStat, block: int, start: int, length: int) -> bytes:
+        # Reads happen under the lock, so that no other thread closes the entry mid-read; a
+        # download happens outside it.
+        key = (url, block)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return entry.pread(start, length)
+        opened = self.store.open_cached(url, stat, block)
+        with self._lock:
+            entry = self._entries.setdefault(key, opened)
+            if entry is not opened:
+                opened.close()
+            while len(self._entries) > _CACHED_OPEN:
+                self._entries.popitem(last=False)[1].close()
+            return entry.pread(start, length)
+
+    def _read_local_cold(self, url: str, start: int, length: int) -> bytes:
+        # Open outside the lock; the lock only decides whether the descriptor is kept (a thread
+        # that lost the race closes its own). Kept descriptors are closed only by close().
+        fd = _open_fd(url)
+        with self._lock:
+            kept = self._fds.get(url)
+            if kept is None and len(self._fds) < self.max_open:
+                self._fds[url] = kept = fd
+        if kept == fd:
+            return _pread_full(fd, length, start, url)
+        try:
+            return _pread_full(kept if kept is not None else fd, length, start, url)
+        finally:
+            os.close(fd)
+
+    def _after_fork(self) -> None:
+        # The inherited descriptors are the parent's bookkeeping; close the child's copies only
+        # (a cache entry's shared lock stays with the parent's descriptor).
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for entry in self._entries.values():
+            with contextlib.suppress(OSError):
+                entry.close()
+        self._reset()
+
+    def close(self) -> None:
+        """Close this process's descriptors and cache entries (reads reopen them)."""
+        if self._pid == os.getpid():
+            with self._lock:
+                for fd in self._fds.values():
+                    os.close(fd)
+                for entry in self._entries.values():
+                    entry.close()
+        self._reset()
+
+
+def open_read(store: Store, url: str, stat: FileStat | None = None, *, whole: bool = True) -> IO[bytes]:
+    """A buffered, seekable binary file for reading `url`: local files directly, objects in the
+    machine cache whole (`whole=True`, unless large) or by blocks, other URLs by retried ranged
+    reads."""
+    if not scheme_of(url):
+        try:
+            return open(url, "rb")
+        except FileNotFoundError:
+            raise SourceError(f"file not found: {url}") from None
+        except OSError as exc:
+            raise SourceError(f"cannot open {url}: {exc.strerror}") from None
+    if scheme_of(url) in LOCAL_SCHEMES:
+        fs, path = store._fs(url)
+        return retry.call(lambda: fs.open(path, "rb"), url, "open", store.retry_policy)
+    stat = stat or store.stat(url)
+    reader = RangeReader(store, whole=whole)
+    reader.expect(url, stat)
+    raw = RangeFile(lambda start, n: reader.read_remote(url, start, n), stat.size, url, reader.close)
+    return io.BufferedReader(raw, buffer_size=1 << 20)
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over `read(start, length)` of an object of `size` bytes."""
+
+    def __init__(
+        self, read: Callable[[int, int], bytes], size: int, name: str, on_close: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__()
+        self._read, self._size, self.name, self._pos, self._on_close = read, size, name, 0, on_close
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self._size - self._pos)
+        if want <= 0:
+            return 0
+        data = self._read(self._pos, want)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed and self._on_close is not None:
+            self._on_close()
+        super().close()
+
+
+def _open_fd(url: str) -> int:
+    try:
+        return os.open(url, os.O_RDONLY)
+    except FileNotFoundError:
+        raise SourceError(f"file not found: {url}") from None
+    except OSError as exc:
+        raise SourceError(f"cannot open {url}: {exc.strerror}") from None
+
+
+def _pread_full(fd: int, length: int, start: int, url: str) -> bytes:
+    try:
+        data = os.pread(fd, length, start)
+        if len(data) == length or not data:
+            return data
+        # Linux caps one read near 2 GiB; loop for huge members, stop at the end of the file.
+        parts = [data]
+        got = len(data)
+        while got < length:
+            more = os.pread(fd, length - got, start + got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
+    except OSError as exc:
+        raise SourceError(f"cannot read {url} at offset {start}: {exc.strerror}") from None

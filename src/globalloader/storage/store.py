@@ -1,0 +1,240 @@
+"""Store: how a source reaches its URLs (fsspec options, retries, the machine-wide cache).
+
+Local paths (no `scheme://`) use the os module. Remote objects are fetched through fsspec with
+every call retried by `storage.retry`; objects of object stores (any scheme but `file://`,
+`memory://`) are read through the machine cache (`storage.cache`): whole when they are shards or
+files up to `whole_max` bytes, in fixed `block_size` blocks otherwise, so reading a Parquet
+footer and one column does not download the whole file. Uploads are written to a local
+temporary file and put in one retried call when closed.
+
+A Store holds only its settings, so it pickles to worker processes; clients, the cache and
+`info()` answers (kept `INFO_TTL` seconds) are made per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob as _glob
+import io
+import os
+import tempfile
+import threading
+import time
+from typing import IO, Any, NamedTuple
+
+from globalloader.errors import ArgumentError, SourceError
+from globalloader.storage import retry
+from globalloader.storage._fork import reset_in_forked_children
+from globalloader.storage._fs import LOCAL_SCHEMES, filesystem, scheme_of
+from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
+from globalloader.storage.prefetch import Prefetcher
+
+INFO_TTL = 10.0  # seconds an object's size and version are reused without asking again
+BLOCK_SIZE = 8 << 20  # bytes per cached block, and per request of a whole download
+# fsspec `info()` fields that change when an object's content changes, most specific first.
+_VERSION_FIELDS = ("ETag", "etag", "md5", "generation", "mtime", "LastModified", "last_modified", "updated", "created")
+
+
+class FileStat(NamedTuple):
+    """Size and a version string (mtime or ETag) that changes when the content changes."""
+
+    size: int
+    version: str
+
+
+class Store:
+    """URLs -> bytes for one source: `storage_options` go to fsspec (endpoint, key, secret,
+    anon, ...); `cache_limit` (bytes or "20GB"; default $GLOBALLOADER_CACHE_LIMIT, else 20 GB)
+    bounds the machine cache; `cache=False` reads remote objects without it. `block_size`: the
+    bytes per cached block of a large object, and per request of a download."""
+
+    def __init__(
+        self,
+        storage_options: dict[str, Any] | None = None,
+        cache_limit: int | str | None = None,
+        *,
+        cache: bool = True,
+        retry_policy: retry.RetryPolicy = retry.DEFAULT,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ArgumentError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+        if cache_limit is not None:
+            parse_size(cache_limit, "cache_limit")
+        self.storage_options = dict(storage_options or {})
+        self.cache_limit = cache_limit
+        self.use_cache = bool(cache)
+        self.retry_policy = retry_policy
+        self.block_size = parse_size(block_size, "block_size")
+        self._reset()
+        reset_in_forked_children(self)
+
+    def _after_fork(self) -> None:
+        self._reset()  # the prefetch threads and a lock held at the fork stay in the parent
+
+    def _reset(self) -> None:
+        self._prefetcher: Prefetcher | None = None
+        self._wanted: dict[str, FileStat] = {}
+        self._cache: ObjectCache | None = None
+        self._infos: dict[str, tuple[float, FileStat]] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            k: v for k, v in self.__dict__.items() if k not in ("_cache", "_infos", "_lock", "_prefetcher", "_wanted")
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+        reset_in_forked_children(self)
+
+    @property
+    def cache(self) -> ObjectCache:
+        """This process's handle on the machine cache (made on first use)."""
+        if self._cache is None:
+            self._cache = ObjectCache(limit=self.cache_limit)
+        return self._cache
+
+    @property
+    def whole_max(self) -> int:
+        """Objects up to this size are cached whole; larger ones in blocks."""
+        return min(1 << 30, self.cache.limit // 4)
+
+    def cached(self, url: str) -> bool:
+        """Whether reads of `url` go through the machine cache."""
+        scheme = scheme_of(url)
+        return self.use_cache and bool(scheme) and scheme not in LOCAL_SCHEMES
+
+    def _fs(self, url: str) -> tuple[Any, str]:
+        return filesystem(url, self.storage_options)
+
+    def stat(self, url: str) -> FileStat:
+        """Size and version of one file; a SourceError naming it when it is missing."""
+        if not scheme_of(url):
+            return _local_stat(url)
+        now = time.monotonic()
+        known = self._infos.get(url)
+        if known is not None and now - known[0] < INFO_TTL:
+            return known[1]
+        fs, path = self._fs(url)
+        info = retry.call(lambda: fs.info(path), url, "stat", self.retry_policy)
+        if info.get("type", "file") != "file":
+            raise SourceError(f"not a regular file: {url}")
+        version = next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), "")
+        stat = FileStat(int(info["size"]), version)
+        with self._lock:
+            self._infos[url] = (now, stat)
+        return stat
+
+    def glob(self, pattern: str) -> list[str]:
+        """Sorted URLs matching a glob pattern."""
+        if not scheme_of(pattern):
+            return sorted(_glob.glob(pattern))
+        fs, path = self._fs(pattern)
+        found = retry.call(lambda: fs.glob(path), pattern, "list", self.retry_policy)
+        return sorted(fs.unstrip_protocol(p) for p in found)
+
+    def read_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a remote object, straight from the store (retried)."""
+        fs, path = self._fs(url)
+        return retry.call(
+            lambda: fs.cat_file(path, start=start, end=end), url, f"read [{start}, {end}) of", self.retry_policy
+        )
+
+    def open_cached(self, url: str, stat: FileStat, block: int = -1) -> CachedFile:
+        """The whole object (block -1) or one block of it, from the machine cache (downloaded
+        there first if missing). A store whose object no longer has `stat` is a SourceError."""
+        size = self.block_size
+        entry = Entry(url, stat.size, stat.version, block, size if block >= 0 else 0)
+
+        def download(write: Any) -> None:
+            fresh = self.stat(url)
+            if fresh != stat:
+                raise SourceError(
+                    f"{url} changed since the source was made (size {stat.size} -> {fresh.size}, version "
+                    f"{stat.version!r} -> {fresh.version!r}); construct the source again"
+                )
+            first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
+            for start in range(first, end, size):
+                stop = min(end, start + size)
+                data = self.read_range(url, start, stop)
+                if len(data) != stop - start:
+                    raise SourceError(f"{url} returned {len(data)} bytes for [{start}, {stop}): it changed while read")
+                write(data)
+
+        return self.cache.open(entry, download)
+
+    def prefetch(self, objects: list[tuple[str, FileStat]]) -> None:
+        """Download these objects into the machine cache in the background (see `prefetch`)."""
+        objects = [(url, stat) for url, stat in objects if self.cached(url)]
+        if not objects:
+            return
+        with self._lock:
+            if self._prefetcher is None:
+                self._prefetcher = Prefetcher(lambda url: self.fetch(url, self._wanted[url]))
+            self._wanted.update(objects)
+        self._prefetcher.request(url for url, _ in objects)
+
+    def fetch(self, url: str, stat: FileStat | None = None) -> None:
+        """Make sure the whole object (or all its blocks) is in the machine cache."""
+        stat = stat or self.stat(url)
+        if not self.cached(url):
+            return
+        blocks = [-1] if stat.size <= self.whole_max else range(-(-stat.size // self.block_size))
+        for block in blocks:
+            self.open_cached(url, stat, block).close()
+
+    def open_write(self, url: str) -> IO[bytes]:
+        """A binary file for writing `url`: remote objects are uploaded when it is closed."""
+        if not scheme_of(url):
+            return _local_open(url, "wb")
+        return _Upload(self, url)
+
+
+class _Upload(io.BufferedWriter):
+    """Writes go to a local temporary file; `close()` puts it at the URL in one retried call."""
+
+    def __init__(self, store: Store, url: str) -> None:
+        self._store, self._url = store, url
+        self._tmp = tempfile.NamedTemporaryFile(prefix="gl-upload-", delete=False)  # noqa: SIM115
+        super().__init__(io.FileIO(self._tmp.name, "wb"), buffer_size=1 << 20)
+        self._tmp.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            super().close()
+            fs, path = self._store._fs(self._url)
+            retry.call(lambda: fs.put_file(self._tmp.name, path), self._url, "upload to", self._store.retry_policy)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp.name)
+
+
+def _local_stat(url: str) -> FileStat:
+    try:
+        st = os.stat(url)
+    except FileNotFoundError:
+        raise SourceError(f"file not found: {url}") from None
+    except OSError as exc:
+        raise SourceError(f"cannot stat {url}: {exc.strerror}") from None
+    if not os.path.isfile(url):
+        raise SourceError(f"not a regular file: {url}")
+    return FileStat(st.st_size, str(st.st_mtime_ns))
+
+
+def _local_open(url: str, mode: str) -> IO[bytes]:
+    try:
+        parent = os.path.dirname(url)
+        if "w" in mode and parent:
+            os.makedirs(parent, exist_ok=True)
+        return open(url, mode)
+    except OSError as exc:
+        raise SourceError(f"cannot open {url}: {exc.strerror}") from None
+
+
+def cache_key(url: str) -> str:
+    """A location string stable across working directories (absolute path for local files)."""
+    return url if scheme_of(url) else os.path.abspath(url)

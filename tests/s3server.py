@@ -1,0 +1,241 @@
+"""A real S3-compatible server for tests (moto's server mode on loopback) and a fault-injecting
+HTTP proxy in front of it: latency, 503 SlowDown, connection resets (before a response or in the
+middle of its body), forced 403/404 per key, and a count of requests and bytes per key."""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import http.server
+import random
+import socket
+import socketserver
+import struct
+import threading
+import time
+import uuid
+from typing import Any
+
+_ERROR = (
+    '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
+    "<Resource>{path}</Resource><RequestId>gl-test</RequestId></Error>"
+)
+_CODES = {
+    403: ("AccessDenied", "Access Denied"),
+    404: ("NoSuchKey", "The specified key does not exist."),
+    503: ("SlowDown", "Please reduce your request rate."),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """moto's ThreadedMotoServer on a free loopback port."""
+
+    def __init__(self) -> None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+
+        self.port = free_port()
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """Forwards every request to `upstream`, injecting faults on GET/HEAD once `faults_on`.
+
+    Rates are per request, drawn from a seeded generator: `slowdown` answers 503 SlowDown,
+    `reset` drops the connection (half of them after part of the body). `forced` maps a key
+    substring to a status (403, 404 or 503) answered for every request on it. `latency` seconds are
+    added to each request. `bytes_sent[key]` counts the body bytes of successful GETs.
+    """
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, upstream_port: int, *, seed: int = 0) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.upstream_port = upstream_port
+        self.latency = 0.0
+        self.slowdown = 0.0
+        self.reset = 0.0
+        self.faults_on = False
+        self.forced: dict[str, int] = {}
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.bytes_sent: collections.Counter[str] = collections.Counter()
+        self.requests: collections.Counter[str] = collections.Counter()  # "GET /bucket/key" -> count
+        self.faults: collections.Counter[str] = collections.Counter()  # kind -> count
+        self.in_flight = self.most_in_flight = 0  # GETs being answered at once
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a request cut off at the end of a test (the server stopped) is no news
+
+    def total_bytes(self, prefix: str = "") -> int:
+        with self.lock:
+            return sum(n for key, n in self.bytes_sent.items() if key.startswith(prefix))
+
+    def count(self, method: str, prefix: str = "") -> int:
+        with self.lock:
+            return sum(n for key, n in self.requests.items() if key.startswith(f"{method} {prefix}"))
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FaultProxy
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:
+        self._proxy("GET")
+
+    def do_HEAD(self) -> None:
+        self._proxy("HEAD")
+
+    def do_PUT(self) -> None:
+        self._proxy("PUT")
+
+    def do_POST(self) -> None:
+        self._proxy("POST")
+
+    def do_DELETE(self) -> None:
+        self._proxy("DELETE")
+
+    def _proxy(self, method: str) -> None:
+        proxy = self.server
+        path = self.path.split("?", 1)[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        with proxy.lock:
+            proxy.requests[f"{method} {path}"] += 1
+            draw = proxy.rng.random()
+            cut = proxy.rng.random()
+            if method == "GET":
+                proxy.in_flight += 1
+                proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
+        try:
+            self._answer(method, path, body, draw, cut)
+        finally:
+            if method == "GET":
+                with proxy.lock:
+                    proxy.in_flight -= 1
+
+    def _answer(self, method: str, path: str, body: bytes, draw: float, cut: float) -> None:
+        proxy = self.server
+        if proxy.latency:
+            time.sleep(proxy.latency)
+        forced = next((status for part, status in proxy.forced.items() if part in path), None)
+        if forced is not None:
+            self._error(forced, _CODES[forced], path, method)
+            return
+        faulty = proxy.faults_on and method in ("GET", "HEAD")
+        if faulty and draw < proxy.slowdown:
+            with proxy.lock:
+                proxy.faults["503"] += 1
+            self._error(503, ("SlowDown", "Please reduce your request rate."), path, method)
+            return
+        if faulty and draw < proxy.slowdown + proxy.reset and (method == "HEAD" or cut < 0.5):
+            with proxy.lock:
+                proxy.faults["reset"] += 1
+            self._reset()
+            return
+        upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+            upstream.request(method, self.path, body=body, headers=headers)
+            response = upstream.getresponse()
+            data = response.read()
+        finally:
+            upstream.close()
+        self.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
+                self.send_header(key, value)
+        length = response.getheader("Content-Length") if method == "HEAD" else None
+        self.send_header("Content-Length", length or str(len(data)))
+        self.end_headers()
+        if method == "HEAD":
+            return
+        if faulty and draw < proxy.slowdown + proxy.reset and len(data) > 1:  # reset mid-body
+            with proxy.lock:
+                proxy.faults["reset"] += 1
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self._reset()
+            return
+        self.wfile.write(data)
+        if method == "GET" and 200 <= response.status < 300:
+            with proxy.lock:
+                proxy.bytes_sent[path] += len(data)
+
+    def _error(self, status: int, code: tuple[str, str], path: str, method: str) -> None:
+        body = _ERROR.format(code=code[0], message=code[1], path=path).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if method != "HEAD":
+            self.wfile.write(body)
+
+    def _reset(self) -> None:
+        # SO_LINGER 0: close() sends a TCP RST, the client sees "connection reset by peer".
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        self.connection.close()
+
+
+def new_bucket(endpoint: str) -> str:
+    """Create a bucket with a fresh name on the server; returns the name."""
+    import boto3
+
+    name = f"gl-{uuid.uuid4().hex[:12]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=name)
+    return name
+
+
+def options(endpoint: str) -> dict[str, Any]:
+    """storage_options for s3fs against `endpoint`."""
+    return {
+        "endpoint_url": endpoint,
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+
+
+def write_shards(bucket: str, opts: dict[str, Any], n: int = 40, per_shard: int = 8, size: int = 2000) -> list[str]:
+    """Tar shards of `n` samples (random bytes of about `size`, and the index as cls) in `bucket`."""
+    import os
+
+    from globalloader.sources import TarWriter
+
+    with TarWriter(f"s3://{bucket}/shard-%03d.tar", maxcount=per_shard, storage_options=opts) as writer:
+        for i in range(n):
+            writer.write({"__key__": f"s{i:05d}", "bin": os.urandom(size + i % 7), "cls": i})
+    return writer.paths

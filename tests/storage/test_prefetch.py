@@ -1,0 +1,53 @@
+"""Prefetch: the loader announces the samples of the next tasks, the source downloads their
+shards into the machine cache ahead of the workers, several at once."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any
+
+import numpy as np
+from s3server import write_shards
+
+import globalloader as gl
+from globalloader.sources import TarShards
+
+
+def test_prefetch_downloads_the_named_shards_in_the_background(s3: dict[str, Any]) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=40, per_shard=4)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
+    src = TarShards(urls, storage_options=s3["options"], cache=True)
+    assert len(src) == 40
+    src.close()  # the index scan filled the cache and holds its entries open
+    src.store.cache.clear()  # start cold
+    before = proxy.count("GET", prefix)
+    src.prefetch(np.array([39, 0, 1, 17]))  # shards 9, 0 and 4
+    deadline = time.monotonic() + 20
+    while proxy.count("GET", prefix) - before < 3:
+        assert time.monotonic() < deadline, "the prefetch never ran"
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert proxy.count("GET", prefix) - before == 3
+    fetched = [url for url in urls if proxy.count("GET", f"/{s3['bucket']}/{url.rsplit('/', 1)[1]}") == 2]
+    assert fetched == [urls[0], urls[4], urls[9]]
+    assert src[39]["cls"] == b"39" and proxy.count("GET", prefix) - before == 3  # served from the cache
+
+
+def test_a_loader_downloads_ahead_of_its_workers(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=48, per_shard=4)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
+    indexes = tmp_path / "indexes"
+    first = TarShards(urls, storage_options=s3["options"], index_dir=indexes)
+    assert len(first) == 48 and first.scanned == len(urls)
+    first.close()
+    first.store.cache.clear()
+    src = TarShards(urls, storage_options=s3["options"], index_dir=indexes)  # indexes known, objects not
+    assert len(src) == 48 and src.scanned == 0 and src.remote
+    proxy.latency, proxy.most_in_flight = 0.05, 0
+    before = proxy.count("GET", prefix)
+    with gl.Loader(gl.Dataset(src).shuffle(seed=1, window=2).batch(4), workers=1) as loader:
+        keys = [k for batch in loader for k in batch["__key__"]]
+    assert sorted(keys) == [f"s{i:05d}" for i in range(48)]
+    assert proxy.count("GET", prefix) - before == len(urls)  # each shard once
+    assert proxy.most_in_flight >= 2  # one worker alone reads one at a time: these came ahead

@@ -1,0 +1,112 @@
+"""Sources over s3:// on a real S3 server: exact resume in local and shared mode, Parquet column
+reads by cached blocks, and no traceback from the S3 client at exit in any mode."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from s3server import write_shards
+
+import globalloader as gl
+from globalloader import storage
+from globalloader.sources import Parquet, TarShards
+from helpers import Server, check_resume
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_resume_over_s3_shards_is_exact_with_process_workers(s3: dict[str, Any], window: int | None) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=30, per_shard=4, size=300)
+    src = TarShards(urls, storage_options=s3["options"])
+    ds = (gl.Dataset(src).shuffle(seed=2, window=window) if window else gl.Dataset(src).shuffle(seed=2)).batch(3)
+    full = check_resume(lambda: gl.Loader(ds, workers=2), at=4)
+    keys = [k for batch in full for k in batch["__key__"]]
+    assert sorted(keys) == [f"s{i:05d}" for i in range(30)] and keys != sorted(keys)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_resume_over_s3_shards_in_shared_mode_serves_exactly_what_remains(
+    s3: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    """Shared mode's resume promise (docs/resume.md): the rest of the epoch, each sample once."""
+    urls = write_shards(s3["bucket"], s3["options"], n=30, per_shard=4, size=300)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
+    src = TarShards(urls, storage_options=s3["options"])
+    ds = gl.Dataset(src).shuffle(seed=5, window=2).batch(3)
+    server = Server(tmp_path / "s.sock")
+    try:
+        with gl.Loader(ds, workers=2, share=True, server=str(server.socket)) as loader:
+            it = iter(loader)
+            head = [k for _ in range(4) for k in next(it)["__key__"]]
+            state = loader.state_dict()
+        for share in (True, False):
+            with gl.Loader(ds, workers=2, share=share, server=str(server.socket)) as resumed:
+                resumed.load_state_dict(state)
+                rest = [k for batch in resumed for k in batch["__key__"]]
+            assert sorted(head + rest) == [f"s{i:05d}" for i in range(30)]
+    finally:
+        server.stop()
+    assert proxy.total_bytes(prefix) == sum(st.size for st in src._stats)  # all read from one cache
+    log = (tmp_path / "s.log").read_text()
+    assert "Traceback" not in log and "different loop" not in log, log
+
+
+def test_parquet_over_s3_reads_the_same_rows(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    table = pa.table({"a": np.arange(5000, dtype=np.int64), "b": [f"row {i}" for i in range(5000)]})
+    local = str(tmp_path / "t.parquet")
+    pq.write_table(table, local, row_group_size=1000)
+    url = f"s3://{s3['bucket']}/t.parquet"
+    storage.Store(s3["options"])._fs(url)[0].put_file(local, url)
+    remote, here = Parquet(url, storage_options=s3["options"]), Parquet(local)
+    rows = [7, 4999, 0, 2500]
+    assert [remote[i]["a"] for i in rows] == [here[i]["a"] for i in rows] == rows
+    assert remote[2500]["b"] == "row 2500"
+
+
+def test_a_parquet_column_read_downloads_only_its_blocks(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    rng = np.random.default_rng(0)
+    table = pa.table({name: rng.random(250_000) for name in "abcdefgh"})  # 8 columns of 2 MB
+    local = str(tmp_path / "wide.parquet")
+    pq.write_table(table, local, compression="none")
+    url = f"s3://{s3['bucket']}/wide.parquet"
+    store = storage.Store(s3["options"], block_size="1MiB", cache_limit="4MB")  # whole objects up to 1 MB
+    store._fs(url)[0].put_file(local, url)
+    proxy, size = s3["proxy"], os.path.getsize(local)
+    with storage.open_read(store, url, whole=False) as f:
+        column = pq.ParquetFile(f).read(columns=["c"]).column("c").to_numpy()
+    assert np.array_equal(column, table.column("c").to_numpy())
+    downloaded = proxy.total_bytes(f"/{s3['bucket']}/wide")
+    assert downloaded <= size / 3  # the footer's block and the column's: not the whole file
+
+
+_JOB = """
+import sys
+sys.path.insert(0, {tests!r})
+import globalloader as gl
+from globalloader.sources import TarShards
+from s3server import options
+src = TarShards({urls!r}, storage_options=options({endpoint!r}), cache={cache!r})
+chain = gl.Dataset(src).shuffle(seed=0, window=2).batch(4)
+with gl.Loader(chain, workers=2, mode={mode!r}) as loader:
+    print(sum(len(b["cls"]) for b in loader))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "cache"), [("process", False), ("process", True), ("thread", False)])
+def test_no_traceback_at_exit_from_the_s3_client(s3: dict[str, Any], mode: str, cache: bool) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=24, per_shard=4, size=300)
+    tests = str(pathlib.Path(__file__).parents[1])
+    code = _JOB.format(tests=tests, urls=urls, endpoint=s3["proxy"].url, cache=cache, mode=mode)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "24", result.stderr
+    assert result.stderr.strip() == "", result.stderr  # no "attached to a different loop", no warnings

@@ -1,0 +1,94 @@
+"""Retries against a real S3 server behind a fault-injecting proxy: transient faults are retried
+within bounds and epochs stay exact; permanent ones are named at once, never retried."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from s3server import write_shards
+
+import globalloader as gl
+from globalloader import storage
+from globalloader.errors import RemoteAccessError, RemoteReadError, SourceError
+from globalloader.sources import TarShards
+
+
+def _records(src: TarShards) -> dict[str, dict[str, Any]]:
+    return {r["__key__"]: r for r in (src[i] for i in range(len(src)))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", [True, False])
+def test_epochs_are_exact_under_503s_and_connection_resets(s3: dict[str, Any], cache: bool) -> None:
+    # Small shards, so that even a cached run (two requests per shard) meets many faults.
+    urls = write_shards(s3["bucket"], s3["options"], n=30, per_shard=1 if cache else 5)
+    expected = _records(TarShards(urls, storage_options=s3["options"], cache=False))
+    proxy = s3["proxy"]
+    proxy.faults_on, proxy.slowdown, proxy.reset = True, 0.10, 0.05
+    src = TarShards(urls, storage_options=s3["options"], cache=cache)
+    chain = gl.Dataset(src).shuffle(seed=3).batch(5)
+    with gl.Loader(chain, workers=2) as loader:
+        batches = list(loader)
+    keys = [k for b in batches for k in b["__key__"]]
+    assert sorted(keys) == sorted(expected)  # every sample exactly once
+    for batch in batches:
+        for key, data in zip(batch["__key__"], batch["bin"], strict=True):
+            assert data == expected[key]["bin"]
+    assert proxy.faults["503"] + proxy.faults["reset"] > 0  # the faults did happen
+    if not cache:  # hundreds of requests: both kinds
+        assert proxy.faults["503"] > 0 and proxy.faults["reset"] > 0
+
+
+@pytest.mark.parametrize("status", [403, 404])
+def test_permanent_errors_are_named_at_once_and_not_retried(s3: dict[str, Any], status: int) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=8, per_shard=4)
+    proxy = s3["proxy"]
+    proxy.forced["shard-001"] = status
+    start = time.monotonic()
+    with pytest.raises(RemoteAccessError, match=r"shard-001\.tar") as info:
+        TarShards(urls, storage_options=s3["options"])
+    assert time.monotonic() - start < 5.0
+    assert ("access denied" if status == 403 else "file not found") in str(info.value)
+    assert isinstance(info.value, SourceError)
+    key = f"/{s3['bucket']}/shard-001.tar"
+    assert proxy.count("HEAD", key) + proxy.count("GET", key) == 1  # one request, no retry
+
+
+def test_a_transient_fault_that_persists_ends_in_a_named_error(s3: dict[str, Any]) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=4, per_shard=4)
+    proxy = s3["proxy"]
+    proxy.forced["shard-000"] = 503
+    policy = storage.RetryPolicy(attempts=4, base=0.01, cap=0.05, deadline=30.0)
+    store = storage.Store(s3["options"], retry_policy=policy)
+    with pytest.raises(
+        RemoteReadError, match=r"stat .*shard-000.tar: 4 attempt\(s\) in .* transient faults.*Service Unavailable"
+    ):
+        store.stat(urls[0])
+    key = f"/{s3['bucket']}/shard-000.tar"
+    assert proxy.count("HEAD", key) == 4
+
+
+def test_a_deadline_bounds_the_retries(s3: dict[str, Any]) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=4, per_shard=4)
+    proxy = s3["proxy"]
+    proxy.forced["shard-000"] = 503
+    store = storage.Store(
+        s3["options"], retry_policy=storage.RetryPolicy(attempts=1000, base=0.2, cap=0.2, deadline=1.0)
+    )
+    start = time.monotonic()
+    with pytest.raises(RemoteReadError, match="attempt"):
+        store.stat(urls[0])
+    assert time.monotonic() - start < 3.0
+    assert 2 <= proxy.count("HEAD", f"/{s3['bucket']}/shard-000.tar") < 20
+
+
+def test_backoff_grows_with_jitter_and_a_cap() -> None:
+    policy = storage.RetryPolicy(base=0.1, cap=1.0)
+    delays = [[policy.delay(n) for n in range(8)] for _ in range(50)]
+    for run in delays:
+        assert all(0.05 <= d <= 1.5 for d in run)
+    means = [sum(run[n] for run in delays) / len(delays) for n in range(8)]
+    assert means[0] < means[2] < means[3] and abs(means[7] - 1.0) < 0.2
+    assert len({round(run[0], 6) for run in delays}) > 40  # jittered, not fixed
