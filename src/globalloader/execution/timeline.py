@@ -44,6 +44,7 @@ class StepTimeline:
         self.count = 0
         self.wait_s = self.loop_s = 0.0
         self.first_wait: float | None = None  # the first step's wait (workers starting, caches cold)
+        self.span = 0.0  # seconds from the origin to the latest step (the last bucket ends there)
         self._last: float | None = None  # when the previous step of this pass reached the loop
         self._total = 0.0  # the pass's running wait, for `delivered`
 
@@ -66,6 +67,7 @@ class StepTimeline:
             self.first_wait = wait
         loop = max(0.0, asked - self._last) if self._last is not None else 0.0
         self._last = now
+        self.span = now - self.origin
         self.count += 1
         self.wait_s += wait
         self.loop_s += loop
