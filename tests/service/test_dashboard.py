@@ -192,3 +192,36 @@ def test_the_dashboard_goes_on_across_a_server_restart(server, dashboard):
         assert dashboard.proc.poll() is None
     finally:
         again.stop()
+
+
+@pytest.mark.slow
+def test_waiting_and_busy_shares_tell_input_bound_from_compute_bound(server, dashboard, tmp_path: Path):
+    def job_status(name: str) -> dict[str, Any] | None:
+        return next((j for j in status(server.socket)["jobs"] if j["name"] == name), None)
+
+    # Input-bound: every sample takes the server's decode workers 0.1 s; the loop does nothing.
+    waiting = server.job(tmp_path / "w.out", "--start", "20", "--slow-decode", "--name", "waiting")
+    try:
+        job = wait_for(lambda: (j := job_status("waiting")) and j["consumed"] >= 40 and j, "the slow job", 60)
+        time.sleep(3)  # a full rate window
+        job = job_status("waiting")
+        assert job["wait_share"] > 0.7 and job["samples_per_s"] > 0, job
+        assert job["loop_wait_s"] > 3 * job["loop_busy_s"], job
+        report = status(server.socket)
+        assert report["decode_s"] >= 0.09 * report["decodes"], report  # each decode slept 0.1 s
+        points = api(dashboard)["points"][-3:]
+        assert all(p["decoders_busy"] > 0.6 for p in points), points  # both decode workers at it
+    finally:
+        waiting.kill()
+        waiting.wait()
+    # Compute-bound: decodes are instant; the loop spends 0.2 s on each batch.
+    working = server.job(tmp_path / "c.out", "--start", "20", "--epochs", "3", "--sleep", "0.2", "--name", "working")
+    try:
+        wait_for(lambda: (j := job_status("working")) and j["consumed"] >= 60, "the busy job", 60)
+        time.sleep(3)
+        job = job_status("working")
+        assert job["wait_share"] < 0.2 and job["samples_per_s"] > 0, job
+        assert job["loop_busy_s"] > 3 * job["loop_wait_s"], job
+    finally:
+        working.kill()
+        working.wait()
