@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from globalloader._extras import require
 from globalloader.errors import ArgumentError, GlobalLoaderError
 from globalloader.service import launcher, metrics
 
@@ -250,6 +251,7 @@ class Dashboard(ThreadingHTTPServer):
     def __init__(self, socket_path: Path, port: int = DEFAULT_PORT, interval: float = POLL_S) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ArgumentError(f"--port must be 0 (any free port) to 65535, got {port!r}")
+        require("prometheus_client", "service")  # /metrics needs it: say so now, not at the first scrape
         self.socket_path = socket_path
         # A fixed token (for a Prometheus scrape config) from the environment; else a new one per start.
         self.token = os.environ.get("GLOBALLOADER_DASHBOARD_TOKEN") or secrets.token_urlsafe(32)
