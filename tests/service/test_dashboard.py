@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from globalloader.service.dashboard import History
 from globalloader.service.launcher import status
-from globalloader.service.metrics import JOB_COUNTERS, JOB_GAUGES, SERVER_COUNTERS, SERVER_GAUGES
+from globalloader.service.metrics import JOB_COUNTERS, JOB_GAUGES, SERVER_COUNTERS, SERVER_GAUGES, exposition
 from helpers import CLI, Dashboard, Server
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
@@ -225,3 +226,27 @@ def test_waiting_and_busy_shares_tell_input_bound_from_compute_bound(server, das
     finally:
         working.kill()
         working.wait()
+
+
+def test_a_cache_section_in_the_status_becomes_metrics_and_points(server):
+    """The object-storage cache's figures, when a server's status has them (a real status plus a
+    `cache` section as the cache reports it): counters, gauges, and rates between two polls."""
+    real = status(server.socket)
+    first = {**real, "cache": {"downloaded_bytes": 1000, "hits": 5, "misses": 2, "bytes": 4096, "dir": "/x"}}
+    second = {**real, "cache": {**first["cache"], "downloaded_bytes": 3000, "hits": 9}}
+    body, _ = exposition(lambda: second)
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert samples["globalloader_cache_downloaded_bytes_total"] == 3000
+    assert samples["globalloader_cache_hits_total"] == 9 and samples["globalloader_cache_misses_total"] == 2
+    assert samples["globalloader_cache_bytes"] == 4096 and not any("dir" in name for name in samples)
+    history = History(iter([first, second]).__next__)
+    history.poll()
+    time.sleep(0.2)
+    history.poll()
+    point = history.snapshot()["points"][-1]
+    assert point["cache_downloaded"] > 0 and point["cache_hits"] > 0, point
+    plain = History(lambda: real)
+    plain.poll()
+    plain.poll()
+    points = plain.snapshot()["points"]
+    assert len(points) == 2 and "saved" in points[-1] and "cache_downloaded" not in points[-1], "no cache, no chart"

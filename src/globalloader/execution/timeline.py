@@ -2,9 +2,9 @@
 
 Per time bucket: steps taken, seconds waited for data, seconds spent in the loop's own body. Buckets
 start one second wide and double (neighbours merged) whenever there would be more than
-`MAX_BUCKETS`, so a week-long run costs the same few kilobytes as a minute. Each step's wait also
-goes into a log-scale histogram (10 bins per decade, 1 us to 1000 s). Recording a step is a few
-float additions: cheap enough for every `next()`.
+`MAX_BUCKETS`, so a week-long run costs no more memory than a half-hour one (a few hundred KB).
+Each step's wait also goes into a log-scale histogram (10 bins per decade, 1 us to 1000 s).
+Recording a step is a few float additions: cheap enough for every `next()`.
 
 A "step" is one item the loop takes: a batch for batched chains (and for the torch drop-in), a
 sample otherwise. Time between passes (evaluation, checkpointing) is not counted as the loop's.
