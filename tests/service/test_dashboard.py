@@ -250,3 +250,15 @@ def test_a_cache_section_in_the_status_becomes_metrics_and_points(server):
     plain.poll()
     points = plain.snapshot()["points"]
     assert len(points) == 2 and "saved" in points[-1] and "cache_downloaded" not in points[-1], "no cache, no chart"
+
+
+def test_a_status_it_cannot_read_is_said_not_fatal(server):
+    real = status(server.socket)
+    statuses = iter([real, {**real, "pool": None}, real])
+    history = History(lambda: next(statuses))
+    for _ in range(3):
+        history.poll()
+        time.sleep(0.05)
+    snapshot = history.snapshot()
+    assert snapshot["answering"] and len(snapshot["points"]) == 2
+    assert any("cannot read the server's status" in e["text"] for e in snapshot["events"]), snapshot["events"]

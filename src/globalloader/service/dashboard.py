@@ -99,8 +99,16 @@ class History:
             return
         now = time.monotonic()
         with self._lock:
-            self._note_changes(status)
-            self._points.append(self._point(now, status))
+            try:
+                self._note_changes(status)
+                point = self._point(now, status)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # another version's status
+                self._error = f"cannot read the server's status ({type(exc).__name__}: {exc})"
+                if self._down_since is None:
+                    self._down_since = time.time()
+                    self._event(self._error)
+                return
+            self._points.append(point)
             self._previous, self._latest = (now, status), status
             self._down_since, self._error = None, ""
 
