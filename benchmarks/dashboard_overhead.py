@@ -255,7 +255,13 @@ def main() -> None:
         "watchers_cpu_cores_used": cpu,
         "watchers_cpu_share_of_machine": round(sum(cpu.values()) / (os.cpu_count() or 1), 4),
         "server_status_request_ms": round(status_ms, 3),
-        "targets": {"ratio >= 0.98": ratio >= 0.98},
+        # Epoch-to-epoch swing of the unwatched job alone: a 2% drop is measurable only well below it.
+        "unwatched_spread": round(max(runs["unwatched"]) / min(runs["unwatched"]) - 1, 4),
+        "targets": {
+            "ratio >= 0.98": ratio >= 0.98,
+            "ratio resolvable (unwatched spread < 4%)": max(runs["unwatched"]) / min(runs["unwatched"]) - 1 < 0.04,
+            "watchers' CPU < 2% of the machine": sum(cpu.values()) / (os.cpu_count() or 1) < 0.02,
+        },
         "note": "2 cores shared with other work; the two modes alternate so drift hits both alike",
         "runs": runs,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -265,7 +271,8 @@ def main() -> None:
     print(
         f"\nmedian samples/s: unwatched {median['unwatched']:.0f} (min {min(runs['unwatched']):.0f}, max "
         f"{max(runs['unwatched']):.0f}), watched {median['watched']:.0f} (min {min(runs['watched']):.0f}, max "
-        f"{max(runs['watched']):.0f}); ratio {ratio:.3f} (target >= 0.98); per round "
+        f"{max(runs['watched']):.0f}); ratio {ratio:.3f} (target >= 0.98; the unwatched epochs alone spread "
+        f"{max(runs['unwatched']) / min(runs['unwatched']) - 1:.0%}); per round "
         + ", ".join(f"{r:.3f}" for r in per_round)
     )
     print(

@@ -4,7 +4,9 @@ own measurements, on an input-bound and a compute-bound run with real worker pro
 from __future__ import annotations
 
 import html
+import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 
 import globalloader.torch as gt
 from globalloader.execution.report import INPUT_BOUND
+from helpers import Server
 
 
 class Slow(torch.utils.data.Dataset):
@@ -61,3 +64,27 @@ def test_compute_bound_drop_in_over_two_epochs(tmp_path: Path):
         INPUT_BOUND * 100
     ), sentence
     assert re.search(r"<th>batches</th><td>16</td>", path.read_text()), "both epochs' batches are counted"
+
+
+class Fingerprinted(Slow):
+    """A dataset that says what it holds, so share=True may key its samples by it."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        super().__init__(n, seconds)
+        self.fingerprint = f"slow-{n}-{seconds}"
+
+
+@pytest.mark.slow
+def test_shared_drop_in_reports_its_loaders_run(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the server imports this module's dataset
+    server = Server(tmp_path / "s.sock")
+    try:
+        dataset = Fingerprinted(48, 0.01)
+        loader = gt.DataLoader(dataset, batch_size=4, num_workers=1, share=True, server=str(server.socket))
+        batches = sum(1 for _ in loader)
+        page = loader.report(tmp_path / "shared.html").read_text()
+        loader.close()
+    finally:
+        server.stop()
+    assert batches == 12 and "<th>batches</th><td>12</td>" in page
+    assert "Shared mode: the shared maps ran on the global loader server" in page

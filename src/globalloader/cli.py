@@ -139,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "stop":
                 print("stopped" if launcher.stop(path) else f"no server runs at {path}")
             elif args.web:
+                from globalloader.errors import ArgumentError
                 from globalloader.service import dashboard
+
+                if args.once:
+                    raise ArgumentError("status: --once and --web exclude each other")
 
                 dashboard.serve(path, port=args.port)
             else:

@@ -101,7 +101,9 @@ def test_bad_paths_are_named(tmp_path: Path):
             loader.report(tmp_path / "missing" / "report.html")
 
 
-def test_too_few_steps_say_so():
+def test_too_few_steps_say_so(tmp_path: Path):
+    never_run = gl.Loader(gl.Dataset(gl.from_sequence([1, 2, 3])).batch(2))
+    assert "too few steps to tell" in never_run.report(tmp_path / "empty.html").read_text()
     timeline = StepTimeline()
     timeline.step(0.5)
     record = gl.Loader(gl.Dataset(gl.from_sequence([1]))).run_record()

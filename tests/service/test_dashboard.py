@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from globalloader.service.dashboard import History
 from globalloader.service.launcher import status
-from globalloader.service.metrics import JOB_COUNTERS, JOB_GAUGES, SERVER_COUNTERS, SERVER_GAUGES
+from globalloader.service.metrics import JOB_COUNTERS, JOB_GAUGES, SERVER_COUNTERS, SERVER_GAUGES, exposition
 from helpers import CLI, Dashboard, Server
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
@@ -192,3 +193,72 @@ def test_the_dashboard_goes_on_across_a_server_restart(server, dashboard):
         assert dashboard.proc.poll() is None
     finally:
         again.stop()
+
+
+@pytest.mark.slow
+def test_waiting_and_busy_shares_tell_input_bound_from_compute_bound(server, dashboard, tmp_path: Path):
+    def job_status(name: str) -> dict[str, Any] | None:
+        return next((j for j in status(server.socket)["jobs"] if j["name"] == name), None)
+
+    # Input-bound: every sample takes the server's decode workers 0.1 s; the loop does nothing.
+    waiting = server.job(tmp_path / "w.out", "--start", "20", "--slow-decode", "--name", "waiting")
+    try:
+        job = wait_for(lambda: (j := job_status("waiting")) and j["consumed"] >= 40 and j, "the slow job", 60)
+        time.sleep(3)  # a full rate window
+        job = job_status("waiting")
+        assert job["wait_share"] > 0.7 and job["samples_per_s"] > 0, job
+        assert job["loop_wait_s"] > 3 * job["loop_busy_s"], job
+        report = status(server.socket)
+        assert report["decode_s"] >= 0.09 * report["decodes"], report  # each decode slept 0.1 s
+        points = api(dashboard)["points"][-3:]
+        assert all(p["decoders_busy"] > 0.6 for p in points), points  # both decode workers at it
+    finally:
+        waiting.kill()
+        waiting.wait()
+    # Compute-bound: decodes are instant; the loop spends 0.2 s on each batch.
+    working = server.job(tmp_path / "c.out", "--start", "20", "--epochs", "3", "--sleep", "0.2", "--name", "working")
+    try:
+        wait_for(lambda: (j := job_status("working")) and j["consumed"] >= 60, "the busy job", 60)
+        time.sleep(3)
+        job = job_status("working")
+        assert job["wait_share"] < 0.2 and job["samples_per_s"] > 0, job
+        assert job["loop_busy_s"] > 3 * job["loop_wait_s"], job
+    finally:
+        working.kill()
+        working.wait()
+
+
+def test_a_cache_section_in_the_status_becomes_metrics_and_points(server):
+    """The object-storage cache's figures, when a server's status has them (a real status plus a
+    `cache` section as the cache reports it): counters, gauges, and rates between two polls."""
+    real = status(server.socket)
+    first = {**real, "cache": {"downloaded_bytes": 1000, "hits": 5, "misses": 2, "bytes": 4096, "dir": "/x"}}
+    second = {**real, "cache": {**first["cache"], "downloaded_bytes": 3000, "hits": 9}}
+    body, _ = exposition(lambda: second)
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert samples["globalloader_cache_downloaded_bytes_total"] == 3000
+    assert samples["globalloader_cache_hits_total"] == 9 and samples["globalloader_cache_misses_total"] == 2
+    assert samples["globalloader_cache_bytes"] == 4096 and not any("dir" in name for name in samples)
+    history = History(iter([first, second]).__next__)
+    history.poll()
+    time.sleep(0.2)
+    history.poll()
+    point = history.snapshot()["points"][-1]
+    assert point["cache_downloaded"] > 0 and point["cache_hits"] > 0, point
+    plain = History(lambda: real)
+    plain.poll()
+    plain.poll()
+    points = plain.snapshot()["points"]
+    assert len(points) == 2 and "saved" in points[-1] and "cache_downloaded" not in points[-1], "no cache, no chart"
+
+
+def test_a_status_it_cannot_read_is_said_not_fatal(server):
+    real = status(server.socket)
+    statuses = iter([real, {**real, "pool": None}, real])
+    history = History(lambda: next(statuses))
+    for _ in range(3):
+        history.poll()
+        time.sleep(0.05)
+    snapshot = history.snapshot()
+    assert snapshot["answering"] and len(snapshot["points"]) == 2
+    assert any("cannot read the server's status" in e["text"] for e in snapshot["events"]), snapshot["events"]

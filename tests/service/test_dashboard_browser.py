@@ -1,6 +1,7 @@
 """The dashboard in a real browser: Debian's Chromium, headless, driven by Playwright, against a
 real server with two real jobs. The page loads with the token and not without it, shows both
-jobs by name with rates above zero, and shows it when one leaves. A screenshot is kept."""
+jobs by name with rates above zero, shows it when one leaves and when the server stops. A
+screenshot is kept (its path is printed)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ def test_the_page_shows_two_live_jobs_and_one_leaving(server, dashboard, browser
         assert rate_of(page, "alpha") > 0, "the other job goes on"
         page.screenshot(path=str(tmp_path / "dashboard-after.png"), full_page=True)
         assert shot.stat().st_size > 10_000
+
+        server.stop()  # the page says so and keeps the last state; it does not break
+        page.wait_for_selector("#connection.down", timeout=30_000)
+        assert "stopped answering" in page.locator("#connection").inner_text()
+        assert page.locator('#jobs tbody tr[data-job="alpha"]').count() == 1
         assert errors == [], errors
     finally:
         for job in jobs.values():

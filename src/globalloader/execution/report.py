@@ -167,8 +167,10 @@ def _throughput(figure: Any, record: RunRecord) -> str:
     t = record.timeline
     fig = figure(figsize=(8, 4.2))
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    edges = [k * t.width for k in range(len(t.steps) + 1)]
-    top.stairs([n / t.width for n in t.steps], edges, color="#3b6fb6", linewidth=1.5)
+    edges = [k * t.width for k in range(len(t.steps))]
+    edges.append(max(t.span, edges[-1] + 1e-3) if edges else t.width)  # the last bucket ends at the last step
+    rates = [n / (end - start) for n, start, end in zip(t.steps, edges, edges[1:], strict=False)]
+    top.stairs(rates, edges, color="#3b6fb6", linewidth=1.5)
     top.set_ylabel(f"{_plural(record.step)}/s")
     top.grid(alpha=0.3)
     shares = [100 * w / (w + b) if w + b > 0 else 0.0 for w, b in zip(t.waits, t.loops, strict=True)]

@@ -2,9 +2,9 @@
 
 Per time bucket: steps taken, seconds waited for data, seconds spent in the loop's own body. Buckets
 start one second wide and double (neighbours merged) whenever there would be more than
-`MAX_BUCKETS`, so a week-long run costs the same few kilobytes as a minute. Each step's wait also
-goes into a log-scale histogram (10 bins per decade, 1 us to 1000 s). Recording a step is a few
-float additions: cheap enough for every `next()`.
+`MAX_BUCKETS`, so a week-long run costs no more memory than a half-hour one (a few hundred KB).
+Each step's wait also goes into a log-scale histogram (10 bins per decade, 1 us to 1000 s).
+Recording a step is a few float additions: cheap enough for every `next()`.
 
 A "step" is one item the loop takes: a batch for batched chains (and for the torch drop-in), a
 sample otherwise. Time between passes (evaluation, checkpointing) is not counted as the loop's.
@@ -44,6 +44,7 @@ class StepTimeline:
         self.count = 0
         self.wait_s = self.loop_s = 0.0
         self.first_wait: float | None = None  # the first step's wait (workers starting, caches cold)
+        self.span = 0.0  # seconds from the origin to the latest step (the last bucket ends there)
         self._last: float | None = None  # when the previous step of this pass reached the loop
         self._total = 0.0  # the pass's running wait, for `delivered`
 
@@ -66,6 +67,7 @@ class StepTimeline:
             self.first_wait = wait
         loop = max(0.0, asked - self._last) if self._last is not None else 0.0
         self._last = now
+        self.span = now - self.origin
         self.count += 1
         self.wait_s += wait
         self.loop_s += loop

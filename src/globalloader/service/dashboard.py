@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from globalloader._extras import require
 from globalloader.errors import ArgumentError, GlobalLoaderError
 from globalloader.service import launcher, metrics
 
@@ -98,8 +99,16 @@ class History:
             return
         now = time.monotonic()
         with self._lock:
-            self._note_changes(status)
-            self._points.append(self._point(now, status))
+            try:
+                self._note_changes(status)
+                point = self._point(now, status)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # another version's status
+                self._error = f"cannot read the server's status ({type(exc).__name__}: {exc})"
+                if self._down_since is None:
+                    self._down_since = time.time()
+                    self._event(self._error)
+                return
+            self._points.append(point)
             self._previous, self._latest = (now, status), status
             self._down_since, self._error = None, ""
 
@@ -250,6 +259,7 @@ class Dashboard(ThreadingHTTPServer):
     def __init__(self, socket_path: Path, port: int = DEFAULT_PORT, interval: float = POLL_S) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ArgumentError(f"--port must be 0 (any free port) to 65535, got {port!r}")
+        require("prometheus_client", "service")  # /metrics needs it: say so now, not at the first scrape
         self.socket_path = socket_path
         # A fixed token (for a Prometheus scrape config) from the environment; else a new one per start.
         self.token = os.environ.get("GLOBALLOADER_DASHBOARD_TOKEN") or secrets.token_urlsafe(32)
