@@ -187,6 +187,27 @@ def test_what_worker_init_fn_draws_or_seeds_is_part_of_the_resumed_state(persist
         assert rest == reference[delivered:], f"pass {p + 1}, batch {k}"
 
 
+def test_a_persistent_loader_resumes_a_state_loaded_into_itself():
+    """Its workers run on from another pass: they are replaced by workers started from the state."""
+
+    def make(cls: Any) -> Any:
+        return build(cls, 2, True, True, True)
+
+    reference_loader = make(torch.utils.data.DataLoader)
+    reference = run(reference_loader, 3)
+    del reference_loader
+    loader = make(gt.DataLoader)
+    first = run(loader, 1)
+    it = iter(loader)
+    head = [row for _ in range(2) for row in rows(next(it))]
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert first + head + [row for batch in it for row in rows(batch)] + run(loader, 1) == reference
+    loader.load_state_dict(state)  # back to the middle of pass 2, in the same loader
+    rest = run(loader, 2)
+    loader.close()
+    assert rest == reference[len(first) + len(head) :]
+
+
 class DrawingStream(torch.utils.data.IterableDataset):
     """An iterable dataset sharded by worker, drawing from the three RNGs for each item."""
 
