@@ -187,6 +187,61 @@ def test_what_worker_init_fn_draws_or_seeds_is_part_of_the_resumed_state(persist
         assert rest == reference[delivered:], f"pass {p + 1}, batch {k}"
 
 
+class GlobalRngSampler(torch.utils.data.Sampler):
+    """A user's sampler drawing its order from numpy's and random's global RNGs, not torch's."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __iter__(self):
+        order = np.random.permutation(SAMPLES).tolist()
+        random.shuffle(order)
+        return iter(order)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_drawing_from_numpy_or_random_resumes_its_order(workers):
+    def make(cls: Any) -> Any:
+        torch.manual_seed(4)
+        random.seed(4)
+        np.random.seed(4)
+        return cls(Drawing(), batch_size=BATCH, sampler=GlobalRngSampler(), num_workers=workers)
+
+    reference_loader = make(torch.utils.data.DataLoader)
+    reference = run(reference_loader, PASSES)
+    del reference_loader
+    loader = make(gt.DataLoader)
+    samples, states = run_with_states(loader)
+    assert samples == reference
+    for (p, k), (delivered, state) in states.items():
+        resumed = make(gt.DataLoader)
+        random.seed(99)  # elsewhere: the state must restore them
+        np.random.seed(99)
+        resumed.load_state_dict(state)
+        assert run(resumed, PASSES - p) == reference[delivered:], f"pass {p + 1}, batch {k}"
+
+
+def test_a_persistent_loader_resumes_a_state_loaded_into_itself():
+    """Its workers run on from another pass: they are replaced by workers started from the state."""
+
+    def make(cls: Any) -> Any:
+        return build(cls, 2, True, True, True)
+
+    reference_loader = make(torch.utils.data.DataLoader)
+    reference = run(reference_loader, 3)
+    del reference_loader
+    loader = make(gt.DataLoader)
+    first = run(loader, 1)
+    it = iter(loader)
+    head = [row for _ in range(2) for row in rows(next(it))]
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert first + head + [row for batch in it for row in rows(batch)] + run(loader, 1) == reference
+    loader.load_state_dict(state)  # back to the middle of pass 2, in the same loader
+    rest = run(loader, 2)
+    loader.close()
+    assert rest == reference[len(first) + len(head) :]
+
+
 class DrawingStream(torch.utils.data.IterableDataset):
     """An iterable dataset sharded by worker, drawing from the three RNGs for each item."""
 
@@ -266,6 +321,7 @@ def test_a_state_out_of_range_or_malformed_is_refused():
         return gt.DataLoader(Drawing(), batch_size=BATCH, shuffle=True, num_workers=2)
 
     state = state_after(make(), 2)
+    process = state["rng"]["process"]
     cases = [
         ({"batches": 6}, r"batches=6 is out of range: between 0 and 5"),
         ({"batches": -1}, r"batches=-1 is out of range"),
@@ -275,8 +331,9 @@ def test_a_state_out_of_range_or_malformed_is_refused():
         ({"base_seed": 1 << 70}, r"base_seed should be None or a 64-bit int"),
         ({"workers": [None]}, r"workers should be None or a list of 2 RNG states"),
         ({"workers": [None, {"torch": "AAAA"}]}, r"workers\[1\] is not a process RNG state"),
-        ({"rng": {**state["rng"], "torch": "!!"}}, r"rng.torch is not valid base64"),
-        ({"rng": {**state["rng"], "torch": "AAAA"}}, r"rng.torch is not a torch CPU RNG state \(3 bytes\)"),
+        ({"rng": {**state["rng"], "process": {**process, "torch": "!!"}}}, r"rng.process.torch is not valid base64"),
+        ({"rng": {**state["rng"], "process": {**process, "torch": "AAAA"}}}, r"rng.process.torch is not a torch CPU"),
+        ({"rng": {**state["rng"], "loader": "AAAA"}}, r"rng.loader should be the generator's state exactly when"),
         ({"process_rng": {**state["process_rng"], "random": [3, "AAAA", None]}}, r"process_rng.random is not"),
         ({"version": 1}, r"state version 1"),
         ({"built": None}, r"'built' missing"),

@@ -6,8 +6,9 @@ sampler's order; each worker seeds `torch` and `random` with base seed + worker 
 from both, and the dataset draws from those as it loads. A state records what is needed to give
 a resumed pass the very same values, and nothing that can be recomputed:
 
-- `rng`: the states of the loader's and samplers' generators and of torch's global RNG at the
-  start of the pass (the sampler's order and the base seed are drawn again from them);
+- `rng`: the states of the loader's and samplers' generators and of this process's global RNGs
+  (torch's, random's, numpy's) at the start of the pass (the sampler's order and the base seed
+  are drawn again from them);
 - `base_seed` and `fresh_workers`: the seed the pass's workers were started with, and whether
   the pass drew it (False: persistent workers past their first pass, which keep their seed);
 - `workers`: per worker, the state of its `torch`/`random`/`numpy` RNGs where its part of the
@@ -30,7 +31,9 @@ from globalloader.execution.timeline import StepTimeline
 from globalloader.torch.rng import (
     decode_process_rng,
     encode_process_rng,
+    process_rng,
     set_generator_state,
+    set_process_rng,
     torch_state,
     torch_state_tensor,
 )
@@ -119,9 +122,10 @@ def _sampler_generators(loader: LoaderSettings) -> list[tuple[str | None, Any]]:
 
 
 def rng_snapshot(loader: LoaderSettings) -> dict[str, Any]:
-    """The RNG states a pass starts from: torch's global one, the loader's and the samplers' generators."""
+    """The RNG states a pass starts from: this process's global ones, the loader's and the samplers' generators."""
     return {
-        "torch": torch_state(torch.get_rng_state()),
+        # torch's global RNG (base seed, RandomSampler), random's and numpy's (a sampler may draw from them)
+        "process": process_rng(),
         "loader": None if loader.generator is None else torch_state(loader.generator.get_state()),
         "samplers": [torch_state(g.get_state()) if kind == "own" else None for kind, g in _sampler_generators(loader)],
     }
@@ -129,7 +133,7 @@ def rng_snapshot(loader: LoaderSettings) -> dict[str, Any]:
 
 def restore_rng(loader: LoaderSettings, snapshot: dict[str, Any]) -> None:
     """Put back the states of `rng_snapshot` (checked by `check_state` beforehand)."""
-    set_generator_state(None, snapshot["torch"], "rng.torch")
+    set_process_rng(snapshot["process"], "rng.process")
     if loader.generator is not None:
         set_generator_state(loader.generator, snapshot["loader"], "rng.loader")
     generators = _sampler_generators(loader)
@@ -254,7 +258,7 @@ def _check_snapshot(snapshot: Any, has_generator: bool, kinds: list[str | None])
         raise StateError(
             f"load_state_dict: rng.samplers has {len(snapshot['samplers'])} entries, this DataLoader {samplers}"
         )
-    torch_state_tensor(snapshot.get("torch"), "rng.torch")
+    decode_process_rng(snapshot.get("process"), "rng.process")
     if (snapshot.get("loader") is None) is has_generator:
         raise StateError("load_state_dict: rng.loader should be the generator's state exactly when there is one")
     if snapshot.get("loader") is not None:
