@@ -14,7 +14,7 @@ import warnings
 from typing import Any, Self
 
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.resume import EpochOrder, load_state, make_state
+from globalloader.dataset.resume import epoch_order, load_state, make_state
 from globalloader.errors import ArgumentError
 from globalloader.execution.local import LocalRun
 from globalloader.execution.run import UNAVAILABLE, EpochRun, Position
@@ -127,7 +127,7 @@ class Loader:
         position = self._position
         epoch, task, offset, consumed, tail, base = position
         if self.share and consumed is None:  # a local position: the samples it had consumed
-            consumed = EpochOrder(self.plan, epoch, base).indices(0, task * self.plan.task_size + offset).tolist()
+            consumed = epoch_order(self.plan, epoch, base).indices(0, task * self.plan.task_size + offset).tolist()
             position = Position(epoch, 0, 0, consumed, tail, base)
         if self.share and self._session is None:  # before any worker starts: a bad chain fails here
             try:
