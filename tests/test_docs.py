@@ -22,7 +22,15 @@ DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 MKDOCS = (ROOT / "mkdocs.yml").read_text()
 # Pages whose examples run here; the others start a server (shared) or a Ray cluster (ray).
-RUN_AS_WRITTEN = ("getting-started.md", "chain.md", "resume.md", "errors.md", "torch.md", "observe.md")
+RUN_AS_WRITTEN = (
+    "getting-started.md",
+    "chain.md",
+    "resume.md",
+    "elastic.md",
+    "errors.md",
+    "torch.md",
+    "observe.md",
+)
 
 
 def _examples(page: Path) -> list[str]:

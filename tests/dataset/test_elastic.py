@@ -410,3 +410,50 @@ def test_a_finished_epoch_resumes_at_the_next_one():
     it.load_state_dict(states)
     assert it.epoch == 1
     assert all(np.array_equal(a, b) for a, b in zip(it, ds(0, 3).iterator(epoch=1), strict=True))
+
+
+# -- real files: Parquet row groups and tar shards, windowed shuffle, process workers
+
+
+@pytest.mark.parametrize("kind", ["parquet", "tar"])
+def test_real_files_with_a_windowed_shuffle_continue_in_another_world(tmp_path, kind):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == "parquet":
+        pq.write_table(pa.table({"id": np.arange(150)}), tmp_path / "rows.parquet", row_group_size=20)
+        source = gl.Parquet(str(tmp_path / "rows.parquet"))
+    else:
+        with gl.TarWriter(str(tmp_path / "shard-%02d.tar"), maxcount=25) as writer:
+            for i in range(150):
+                writer.write({"__key__": f"s{i:04d}", "id": i})
+        source = gl.TarShards(str(tmp_path / "shard-{00..05}.tar"))
+
+    def ids(batch: Any) -> list[int]:
+        return [int(i) for i in batch["id"]]
+
+    def ds(rank: int, world: int) -> gl.Dataset:
+        chain = gl.Dataset(source).shuffle(seed=4, window=2)
+        if kind == "tar":
+            chain = chain.map(lambda r: {"id": int(r["id"])})
+        return chain.shard(rank, world, "none").batch(5)
+
+    order = [i for batch in ds(0, 1).iterator() for i in ids(batch)]
+    states, seen, consumed = [], [], set()
+    for rank, taken in enumerate([4, 1, 6]):  # ranks out of step
+        loader = gl.Loader(ds(rank, 3), workers=2)
+        it = iter(loader)
+        got = [i for _ in range(taken) for i in ids(next(it))]
+        assert got == order[rank::3][: len(got)]
+        consumed.update(range(rank, 3 * len(got), 3)[: len(got)])
+        seen += got
+        states.append(loader.state_dict())
+        loader.close()
+    remaining = [i for p, i in enumerate(order) if p not in consumed]
+    for rank in range(2):
+        with gl.Loader(ds(rank, 2), workers=2) as loader:
+            loader.load_state_dict(states)
+            got = [i for batch in loader for i in ids(batch)]
+        assert got == remaining[rank::2]
+        seen += got
+    assert sorted(seen) == list(range(150))

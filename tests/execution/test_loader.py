@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -188,3 +190,27 @@ def test_spawned_workers_receive_lambdas_through_cloudpickle():
     ds = gl.Dataset(records(12)).map(lambda r: {**r, "label": r["label"] * 10}).batch(4)
     out = whole_epoch(gl.Loader(ds, workers=1, start_method="spawn"))
     assert [int(x) for b in out for x in b["label"]] == [i * 10 for i in range(12)]
+
+
+def test_a_consumer_that_handles_sigterm_still_exits_with_workers_running(tmp_path):
+    """Lightning installs a SIGTERM handler that logs and goes on; forked workers inherit it, and
+    multiprocessing ends daemonic workers at exit with SIGTERM and waits for them: a worker must
+    reset it, or the training script never exits."""
+    script = tmp_path / "consumer.py"
+    script.write_text(
+        "import signal\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('SIGTERM ignored', flush=True))\n"
+        "import globalloader as gl\n"
+        "loader = gl.Loader(gl.Dataset(list(range(480))).shuffle(0).batch(8), workers=2)\n"
+        "it = iter(loader)\n"
+        "next(it)\n"  # left without close(), as a framework leaves its loader
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "SIGTERM ignored" not in out

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.plan import Plan
-from globalloader.dataset.resume import Base, EpochOrder, load_state, make_state
+from globalloader.dataset.resume import Base, epoch_order, load_state, make_state
 from globalloader.dataset.tail import NEED, Tail
 from globalloader.errors import StateError
 
@@ -29,7 +29,7 @@ class DatasetIterator:
         self._start(task, offset)
 
     def _start(self, task: int, offset: int, tail: dict[str, Any] | None = None, base: Base | None = None) -> None:
-        self._order = EpochOrder(self.plan, self.epoch, base)
+        self._order = epoch_order(self.plan, self.epoch, base)
         self._next_task = task
         self._current, self._taken = task, 0  # task whose output is pending, items taken from it
         self._pending: deque[Any] = deque()

@@ -17,6 +17,7 @@ again; the next epoch is a whole one.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -41,6 +42,7 @@ _PART_NAMES = {
     "tail": "pack, bucket_batch or the operators after a filter or flat_map",
 }
 _DIGESTS: weakref.WeakKeyDictionary[Plan, dict[str, str]] = weakref.WeakKeyDictionary()
+_ORDERS: weakref.WeakKeyDictionary[Plan, OrderedDict[tuple[int, Base | None], EpochOrder]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,12 @@ def chain_digests(plan: Plan) -> dict[str, str]:
 
 class EpochOrder:
     """This rank's share of an epoch that starts from `base` (None: the whole epoch): how many
-    samples, and the source indices of any run of its positions."""
+    samples, and the source indices of any run of its positions. `after`: an order whose base
+    is a prefix of `base`, whose remaining positions are taken over instead of recomputed.
+    Build them with `epoch_order`, which keeps the last few: loading a state and the run after
+    it need the same one."""
 
-    def __init__(self, plan: Plan, epoch: int, base: Base | None = None) -> None:
+    def __init__(self, plan: Plan, epoch: int, base: Base | None = None, after: EpochOrder | None = None) -> None:
         self.plan, self.epoch, self.base = plan, epoch, base
         self.length: int | None = plan.samples
         self.remaining: Remaining | None = None  # what the earlier worlds left of the global order
@@ -119,8 +124,14 @@ class EpochOrder:
         uneven = "pad" if self._shard is None else self._shard.uneven
         total = plan.lengths[self._ops]
         assert total is not None, "elastic resume is refused for streams"
-        self.remaining = remaining = Remaining(total)
-        for step in base.steps:
+        done = 0
+        if after is not None and after.remaining is not None and after.base is not None:
+            self.remaining, done = after.remaining.copy(), len(after.base.steps)
+            assert base.steps[:done] == after.base.steps, "`after` starts from another base"
+        else:
+            self.remaining = Remaining(total)
+        remaining = self.remaining
+        for step in base.steps[done:]:
             if isinstance(step, Layer):
                 remaining.consume(step)
             else:
@@ -153,6 +164,17 @@ class EpochOrder:
         if self._shard is not None:
             local = shard_positions(local, len(self.remaining), self._shard.rank, self._shard.world_size)
         return self.plan.map_positions(self.remaining.positions(local), self.epoch, self._ops)
+
+
+def epoch_order(plan: Plan, epoch: int, base: Base | None = None, after: EpochOrder | None = None) -> EpochOrder:
+    """An `EpochOrder`, kept (the last few per plan): O(n) to build for ranks out of step, and a
+    load, its range check and the run after it ask for the same one. Orders never change once built."""
+    kept = _ORDERS.setdefault(plan, OrderedDict())
+    order = kept.pop((epoch, base), None) or EpochOrder(plan, epoch, base, after)
+    kept[(epoch, base)] = order
+    while len(kept) > 4:
+        kept.popitem(last=False)
+    return order
 
 
 def make_state(
@@ -212,7 +234,7 @@ def _exact(plan: Plan, state: dict[str, Any]) -> Resume:
     if consumed is not None:
         consumed = _indices(consumed, "consumed", plan.source_length)
     elif not plan.is_stream:  # a stream's length is not known: its position is checked as it is read
-        _check_range(plan, EpochOrder(plan, epoch, base), task, offset)
+        _check_range(plan, epoch_order(plan, epoch, base), task, offset)
     return Resume(epoch, task, offset, tail, base, consumed)
 
 
@@ -272,7 +294,8 @@ def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Resume:
         states = sorted(states, key=lambda s: _rank_world(s)[0])
     if any(shared) and not all(shared):
         raise StateError("the states mix shared mode (consumed sets) and local positions: give one run's states")
-    before = EpochOrder(plan, epoch, base).remaining  # what remained when the old world started
+    start = epoch_order(plan, epoch, base)
+    before = start.remaining  # what remained when the old world started
     assert before is not None
     if all(shared):
         taken = [i for s in states for i in _indices(s["consumed"], "consumed", plan.source_length)]
@@ -292,10 +315,10 @@ def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Resume:
         # on a whole batch; otherwise what remains is shared out from here (below).
         task, offset = divmod(step.counts[0], plan.task_size)
         if plan.batch is None or not offset:
-            order = EpochOrder(plan, epoch, base if base.steps else None)
+            order = epoch_order(plan, epoch, base if base.steps else None)
             _check_range(plan, order, task, offset)
             return Resume(epoch, task, offset, None, order.base, None)
-    order = EpochOrder(plan, epoch, Base((*base.steps, step)))  # checks the counts against the shares
+    order = epoch_order(plan, epoch, Base((*base.steps, step)), start)  # checks the counts against the shares
     tail = None
     if plan.grouped:
         rank, new_world = (0, 1) if shard is None else (shard.rank, shard.world_size)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.resume import EpochOrder, load_state, make_state
+from globalloader.dataset.resume import epoch_order, load_state, make_state
 from globalloader.errors import ArgumentError
 from globalloader.execution import report as input_report
 from globalloader.execution.local import LocalRun
@@ -143,7 +143,7 @@ class Loader:
         position = self._position
         epoch, task, offset, consumed, tail, base = position
         if self.share and consumed is None:  # a local position: the samples it had consumed
-            consumed = EpochOrder(self.plan, epoch, base).indices(0, task * self.plan.task_size + offset).tolist()
+            consumed = epoch_order(self.plan, epoch, base).indices(0, task * self.plan.task_size + offset).tolist()
             position = Position(epoch, 0, 0, consumed, tail, base)
         if self.share and self._session is None:  # before any worker starts: a bad chain fails here
             try:

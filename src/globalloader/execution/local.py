@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from globalloader.dataset.resume import EpochOrder
+from globalloader.dataset.resume import epoch_order
 from globalloader.dataset.tail import NEED, Tail
 from globalloader.execution.run import EpochRun, Host, Position, remaining_indices
 from globalloader.execution.workers import Task
@@ -26,7 +26,7 @@ class LocalRun(EpochRun):
     def __init__(self, host: Host, position: Position) -> None:
         epoch, task, offset, consumed, tail, base = position
         super().__init__(host, epoch)
-        self._epoch_order = EpochOrder(self.plan, epoch, base)
+        self._epoch_order = epoch_order(self.plan, epoch, base)
         self._next_submit = self._next_result = task
         self._current, self._taken = task, 0
         self._pending: deque[Any] = deque()

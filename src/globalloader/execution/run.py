@@ -1,7 +1,7 @@
 """What every pass over an epoch shares, local or fed by the server: the consumer's clock, task
 results from the worker pool, the end of the epoch, and the position a resume needs.
 
-A position is (epoch, task, offset, consumed, tail): a local run counts tasks and items taken
+A position is (epoch, task, offset, consumed, tail, base): a local run counts tasks and items taken
 from the current one; a run whose order is not a pure function of the seed (shared mode) instead
 names the samples already consumed this epoch (`consumed`, with task = offset = 0). A chain with
 a tail (`dataset.tail`) adds the tail's state; an epoch resumed from another rank or world size

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.resume import EpochOrder
+from globalloader.dataset.resume import epoch_order
 from globalloader.dataset.tail import NEED, Tail
 from globalloader.errors import SAMPLE_ERRORS, ServerGoneError, SharedPrefixError, StateError
 from globalloader.execution.run import UNAVAILABLE, EpochRun, Host, Position, remaining_indices
@@ -114,7 +114,7 @@ class SharedRun(EpochRun):
         self._tail = Tail(self.plan.tail, self.plan.seed, epoch, position.tail) if self.plan.grouped else None
         self._session, self._client = session, session.client
         self._base = position.base
-        todo = remaining_indices(EpochOrder(self.plan, epoch, self._base).indices(), self.consumed)
+        todo = remaining_indices(epoch_order(self.plan, epoch, self._base).indices(), self.consumed)
         unique, counts = np.unique(todo, return_counts=True)
         # The sampler serves a set; the few padding repeats ("pad" sharding) are loaded locally.
         self._extra: deque[int] = deque(np.repeat(unique, counts - 1).tolist())

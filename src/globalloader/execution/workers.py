@@ -149,6 +149,9 @@ class ThreadPool:
 def _process_main(plan: Any, skip_errors: bool, conn: Connection, prefix: str, parent: int) -> None:
     """A worker process: run tasks from `conn`, write outputs to shared memory, send messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    # A SIGTERM handler the consumer installed (Lightning logs and goes on) must not keep a worker
+    # alive: multiprocessing ends daemonic workers at exit with SIGTERM and then waits for them.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     tune_allocator()
     single_threaded_torch()
     if isinstance(plan, bytes):

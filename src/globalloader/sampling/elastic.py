@@ -66,6 +66,12 @@ class Remaining:
     def __len__(self) -> int:
         return self.stop - self.start if self.array is None else len(self.array)
 
+    def copy(self) -> Remaining:
+        other = Remaining(0)
+        other.start, other.stop = self.start, self.stop
+        other.array = self.array  # never written in place: consume and drop replace it
+        return other
+
     def positions(self, index: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Global positions at `index` (indices into what remains)."""
         if self.array is None:
