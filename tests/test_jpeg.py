@@ -31,7 +31,7 @@ def jpeg(array: np.ndarray, mode: str | None = None, **options: object) -> bytes
     if mode is not None:
         img = img.convert(mode)
     buffer = io.BytesIO()
-    img.save(buffer, "JPEG", quality=90, **options)
+    img.save(buffer, "JPEG", **{"quality": 90, **options})
     return buffer.getvalue()
 
 
@@ -128,6 +128,22 @@ def test_random_resized_crop_matches_the_pillow_path(height, width, size):
     fast, slow = crop_both(normalized, data, 3)
     assert fast.dtype == np.float32 and fast.shape == slow.shape == (3, *vision._hw(size))
     assert np.abs(fast - slow).max() <= 1.0 / (255 * min(vision.IMAGENET_STD)) + 1e-5
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"progressive": True}, {"subsampling": 0}, {"subsampling": 1}, {"optimize": True, "quality": 60}],
+    ids=["progressive", "444", "422", "optimized_q60"],
+)
+def test_other_jpeg_encodings_match_the_pillow_path(options):
+    data = jpeg(photo(600, 800), **options)
+    assert _jpeg.read_header(data, "RGB", None) is not None
+    transform = RandomResizedCropFlipNormalize(size=96, normalize=False)
+    for seed in range(4):
+        assert_close_uint8(*crop_both(transform, data, seed))
+    assert_close_uint8(
+        Decode(resize=150)({"jpg": data})["jpg"], Decode(resize=150, decoder="pillow")({"jpg": data})["jpg"]
+    )
 
 
 @pytest.mark.parametrize(("height", "width"), [(1001, 777), (1200, 1600)])

@@ -50,3 +50,9 @@ def test_the_lint_extra_brings_the_gate_tools_and_never_torch():
     assert {"ruff", "mypy", "import-linter", "pre-commit"} <= lint.keys()
     # The gates run without the heavy extras; mypy reads their own hints only where installed.
     assert not {"torch", "ray", "pillow", "pyarrow"} & lint.keys()
+
+
+def test_the_fast_jpeg_decoder_is_in_the_vision_and_test_extras():
+    extras = PROJECT["project"]["optional-dependencies"]
+    # The test extra too: without it the tests of the libjpeg-turbo path would compare Pillow to itself.
+    assert "simplejpeg" in _names(extras["vision"]) and "simplejpeg" in _names(extras["test"])

@@ -11,6 +11,9 @@ a sample is never rejected here that the Pillow path would accept).
 libjpeg-turbo decodes at 1/2, 1/4 or 1/8 scale by shortening the inverse DCT, several times less
 pixel work than a full decode. `dct_factor` picks the largest factor at which the crop still keeps
 at least the output's pixels, and the Pillow path uses the same rule, so both give the same image.
+The whole image is decoded at that scale: decoding only the crop's rows and columns needs
+libjpeg's scanline API (TurboJPEG 3's cropping region), which neither simplejpeg nor Pillow
+expose; the resample then reads only the crop's region of the decoded pixels.
 """
 
 from __future__ import annotations

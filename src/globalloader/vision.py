@@ -27,7 +27,7 @@ import operator
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -85,6 +85,7 @@ IMAGE_FIELDS: tuple[str, ...] = ("image", *IMAGE_EXTENSIONS)
 DECODERS: tuple[str, ...] = ("auto", "pillow")
 
 
+@cache  # called a few times per sample: the import machinery costs more than the flip
 def _pil() -> Any:
     return _extras.require("PIL.Image", "vision")
 
