@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import http.client
 import http.server
+import json
 import random
 import socket
 import socketserver
@@ -58,7 +59,8 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
     Rates are per request, drawn from a seeded generator: `slowdown` answers 503 SlowDown,
     `reset` drops the connection (half of them after part of the body). `forced` maps a key
     substring to a status (403, 404 or 503) answered for every request on it. `latency` seconds are
-    added to each request. `bytes_sent[key]` counts the body bytes of successful GETs.
+    added to each request. `bytes_sent[key]` counts the body bytes of successful GETs; GET
+    /__stats__ answers their total and the count of GETs as JSON, for other processes.
     """
 
     daemon_threads = True
@@ -123,6 +125,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _proxy(self, method: str) -> None:
         proxy = self.server
         path = self.path.split("?", 1)[0]
+        if path == "/__stats__":  # for other processes (benchmarks): bytes and GETs so far
+            data = json.dumps({"bytes": proxy.total_bytes(), "gets": proxy.count("GET")}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         with proxy.lock:
