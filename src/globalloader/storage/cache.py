@@ -66,7 +66,7 @@ def resolve_limit(limit: int | str | None) -> int:
     """The cache limit: the argument, else $GLOBALLOADER_CACHE_LIMIT, else DEFAULT_LIMIT."""
     if limit is not None:
         return parse_size(limit, "cache_limit")
-    env = os.environ.get(LIMIT_ENV)
+    env = os.environ.get("GLOBALLOADER_CACHE_LIMIT")
     return parse_size(env, LIMIT_ENV) if env else DEFAULT_LIMIT
 
 
