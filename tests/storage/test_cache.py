@@ -66,7 +66,8 @@ def test_bytes_per_epoch_cold_once_warm_zero_with_process_workers(s3: dict[str, 
     assert proxy.count("GET", prefix) == len(urls)
 
 
-def _read_all(urls: list[str], opts: dict[str, Any], out: Any) -> None:
+def _read_all(urls: list[str], opts: dict[str, Any], out: Any, start: Any) -> None:
+    start.wait(60)  # both processes ask for the same shards at the same moment
     src = TarShards(urls, storage_options=opts)
     out.put(sorted(src[i]["__key__"] for i in range(len(src))))
 
@@ -75,10 +76,10 @@ def _read_all(urls: list[str], opts: dict[str, Any], out: Any) -> None:
 def test_two_processes_at_once_download_each_object_once(s3: dict[str, Any]) -> None:
     urls = write_shards(s3["bucket"], s3["options"], n=40, per_shard=4)
     proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
-    proxy.latency = 0.02  # downloads overlap
+    proxy.latency = 0.2  # downloads overlap
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_read_all, args=(urls, s3["options"], out)) for _ in range(2)]
+    out, start = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_read_all, args=(urls, s3["options"], out, start)) for _ in range(2)]
     for p in procs:
         p.start()
     results = [out.get(timeout=120) for _ in procs]

@@ -70,13 +70,16 @@ class Store:
         reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
-        self._reset()  # the prefetch threads and a lock held at the fork stay in the parent
+        # The prefetch threads and a lock held at the fork stay in the parent; the sizes and
+        # versions already asked for stay valid (a forked worker asks no HEAD again).
+        self._reset(keep_infos=True)
 
-    def _reset(self) -> None:
+    def _reset(self, keep_infos: bool = False) -> None:
         self._prefetcher: Prefetcher | None = None
         self._wanted: dict[str, FileStat] = {}
         self._cache: ObjectCache | None = None
-        self._infos: dict[str, tuple[float, FileStat]] = {}
+        known: dict[str, tuple[float, FileStat]] = getattr(self, "_infos", {}) if keep_infos else {}
+        self._infos = dict(known)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
