@@ -110,3 +110,32 @@ def test_no_traceback_at_exit_from_the_s3_client(s3: dict[str, Any], mode: str, 
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0 and result.stdout.strip() == "24", result.stderr
     assert result.stderr.strip() == "", result.stderr  # no "attached to a different loop", no warnings
+
+
+def test_image_folder_on_a_url_reads_through_the_cache(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    local = tmp_path / "images"
+    for cls in ("cat", "dog"):
+        (local / cls / "sub").mkdir(parents=True)
+        for i in range(3):
+            (local / cls / f"{i}.jpg").write_bytes(os.urandom(500 + i))
+        (local / cls / "sub" / "x.png").write_bytes(b"png" * 10)
+        (local / cls / "notes.txt").write_text("not an image")
+    fs = storage.Store(s3["options"])._fs(f"s3://{s3['bucket']}")[0]
+    fs.put(f"{local}/", f"{s3['bucket']}/images/", recursive=True)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/images"
+    remote = gl.ImageFolder(f"s3://{s3['bucket']}/images/", storage_options=s3["options"])
+    here = gl.ImageFolder(local)
+    assert remote.classes == here.classes == ["cat", "dog"] and len(remote) == len(here) == 8
+    assert proxy.count("HEAD", prefix) == 0  # sizes and versions came with the listing
+    for i in range(len(here)):
+        assert remote[i] == here[i]
+    assert proxy.count("GET", prefix) == 8  # each image downloaded once
+    with gl.Loader(gl.Dataset(remote).shuffle(seed=0), workers=2) as loader:
+        assert sorted(r["__key__"] for r in loader) == sorted(here[i]["__key__"] for i in range(8))
+    assert proxy.count("GET", prefix) == 8  # the workers read the machine cache
+    again = gl.ImageFolder(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
+    assert again.fingerprint == remote.fingerprint
+    fs.pipe_file(f"{s3['bucket']}/images/dog/0.jpg", b"changed")
+    changed = gl.ImageFolder(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
+    dog0 = [changed[i]["image"] for i in range(8) if changed[i]["__key__"] == "dog/0"]
+    assert changed.fingerprint != remote.fingerprint and dog0 == [b"changed"]

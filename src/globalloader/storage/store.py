@@ -138,6 +138,20 @@ class Store:
         found = retry.call(lambda: fs.glob(path), pattern, "list", self.retry_policy)
         return sorted(fs.unstrip_protocol(p) for p in found)
 
+    def find(self, root: str) -> dict[str, FileStat]:
+        """Every file below a remote folder with its size and version, from one listing (which
+        also fills the per-process memo of `stat`)."""
+        fs, path = self._fs(root)
+        found = retry.call(lambda: fs.find(path, detail=True), root, "list", self.retry_policy)
+        now, out = time.monotonic(), {}
+        for name, info in found.items():
+            if info.get("type", "file") == "file":
+                version = next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), "")
+                out[fs.unstrip_protocol(name)] = FileStat(int(info["size"]), version)
+        with self._lock:
+            self._infos.update((url, (now, stat)) for url, stat in out.items())
+        return out
+
     def read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a remote object, straight from the store (retried)."""
         fs, path = self._fs(url)
