@@ -3,7 +3,7 @@
 The same JPEG samples + labels (synthetic pictures, 160x160, about 15 KB each; `--samples`
 3000 in 15 shards of about 3 MB: the ~64 MB shards of a real set scaled down to this machine)
 in each system's own format on one moto S3 server (server mode, loopback), behind a proxy
-that adds `--latency` per request and counts the bytes it serves (tests/s3server.py):
+that adds `--latency` per request and counts the bytes it serves (`globalloader.demo.s3`):
 
 - globalloader: tar shards, `gl.Dataset(gl.TarShards("s3://...")).shuffle(seed=0, window=2)
   .map(decode).batch(32)` in `gl.Loader(workers=2)`; and the same chain over the same shards on
@@ -48,10 +48,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
-
-from s3server import FaultProxy, MotoServer, new_bucket, options  # noqa: E402  (the tests' S3 harness)
+from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
 
 RESULTS = Path(__file__).parent / "results" / "remote.json"
 SYSTEMS = ("gl", "gl-local", "mosaic", "litdata")

@@ -158,7 +158,7 @@ def open_read(store: Store, url: str, stat: FileStat | None = None, *, whole: bo
         except OSError as exc:
             raise SourceError(f"cannot open {url}: {exc.strerror}") from None
     if scheme_of(url) in LOCAL_SCHEMES:
-        fs, path = store._fs(url)
+        fs, path = store.filesystem(url)
         return retry.call(lambda: fs.open(path, "rb"), url, "open", store.retry_policy)
     stat = stat or store.stat(url)
     reader = RangeReader(store, whole=whole)

@@ -109,7 +109,9 @@ class Store:
         scheme = scheme_of(url)
         return self.use_cache and bool(scheme) and scheme not in LOCAL_SCHEMES
 
-    def _fs(self, url: str) -> tuple[Any, str]:
+    def filesystem(self, url: str) -> tuple[Any, str]:
+        """(fsspec filesystem, path) for `url` with this store's options (for writes and
+        listings outside the sources; reads go through the methods below)."""
         return filesystem(url, self.storage_options)
 
     def stat(self, url: str) -> FileStat:
@@ -120,7 +122,7 @@ class Store:
         known = self._infos.get(url)
         if known is not None and now - known[0] < INFO_TTL:
             return known[1]
-        fs, path = self._fs(url)
+        fs, path = self.filesystem(url)
         info = retry.call(lambda: fs.info(path), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
@@ -134,14 +136,14 @@ class Store:
         """Sorted URLs matching a glob pattern."""
         if not scheme_of(pattern):
             return sorted(_glob.glob(pattern))
-        fs, path = self._fs(pattern)
+        fs, path = self.filesystem(pattern)
         found = retry.call(lambda: fs.glob(path), pattern, "list", self.retry_policy)
         return sorted(fs.unstrip_protocol(p) for p in found)
 
     def find(self, root: str) -> dict[str, FileStat]:
         """Every file below a remote folder with its size and version, from one listing (which
         also fills the per-process memo of `stat`)."""
-        fs, path = self._fs(root)
+        fs, path = self.filesystem(root)
         found = retry.call(lambda: fs.find(path, detail=True), root, "list", self.retry_policy)
         now, out = time.monotonic(), {}
         for name, info in found.items():
@@ -154,7 +156,7 @@ class Store:
 
     def read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a remote object, straight from the store (retried)."""
-        fs, path = self._fs(url)
+        fs, path = self.filesystem(url)
         return retry.call(
             lambda: fs.cat_file(path, start=start, end=end), url, f"read [{start}, {end}) of", self.retry_policy
         )
@@ -223,7 +225,7 @@ class _Upload(io.BufferedWriter):
             return
         try:
             super().close()
-            fs, path = self._store._fs(self._url)
+            fs, path = self._store.filesystem(self._url)
             retry.call(lambda: fs.put_file(self._tmp.name, path), self._url, "upload to", self._store.retry_policy)
         finally:
             with contextlib.suppress(OSError):
