@@ -40,7 +40,7 @@ def act_three(images: int, workers: int = 2, runs: int = 1) -> dict[str, Any] | 
         print(
             f"\nact 3: {JOBS} jobs at once read {len(writer.paths)} tar shards ({dataset / 1e6:.1f} MB) from a local "
             f"S3 server (+{LATENCY * 1e3:.0f} ms per request), {workers} workers each, a windowed shuffle; "
-            f"{runs} run(s) of each"
+            f"{runs} run(s) of each, median (min-max)"
         )
         proxy.latency = LATENCY
         result: dict[str, Any] = {"dataset_bytes": dataset}
@@ -51,15 +51,19 @@ def act_three(images: int, workers: int = 2, runs: int = 1) -> dict[str, Any] | 
                 "wall_s": statistics.median(r["wall_s"] for r in rows),
                 "samples": rows[0]["samples"],
             }
-            r = result[label]
+            shown = _spread([r["bytes"] / dataset for r in rows], "{:.2f}x")
             print(
-                f"{label:<24} downloaded {r['bytes'] / 1e6:8.1f} MB ({r['bytes'] / dataset:.2f}x the shards)"
-                f"   all jobs done in {r['wall_s']:.2f} s"
+                f"{label:<24} downloaded {shown} the shards, all jobs done in {_spread([r['wall_s'] for r in rows], '{:.2f}')} s"
             )
         return result
     finally:
         proxy.stop()
         server.stop()
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """The median with the min and max, as the other acts show them."""
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def _bytes_of(urls: list[str], endpoint: str) -> int:

@@ -254,6 +254,9 @@ class ObjectCache:
                 download(write)
                 out.write(_TRAILER.pack(_MAGIC, crc, length))
             os.replace(tmp, path)
+            st = os.stat(path)  # its CRC was just computed from the bytes written: no read back
+            with _verified_lock:
+                _verified.add((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
