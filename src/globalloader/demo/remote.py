@@ -52,9 +52,8 @@ def act_three(images: int, workers: int = 2, runs: int = 1) -> dict[str, Any] | 
                 "samples": rows[0]["samples"],
             }
             shown = _spread([r["bytes"] / dataset for r in rows], "{:.2f}x")
-            print(
-                f"{label:<24} downloaded {shown} the shards, all jobs done in {_spread([r['wall_s'] for r in rows], '{:.2f}')} s"
-            )
+            wall = _spread([r["wall_s"] for r in rows], "{:.2f}")
+            print(f"{label:<24} downloaded {shown} the shards, all jobs done in {wall} s")
         return result
     finally:
         proxy.stop()
