@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from s3server import FaultProxy, MotoServer, new_bucket, options
+
+from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
 
 
 @pytest.fixture(scope="session")

@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 import pytest
-from s3server import write_shards
 
 import globalloader as gl
 from globalloader import storage
+from globalloader.demo.s3 import write_shards
 from globalloader.errors import ArgumentError, CacheFullError, SourceError
 from globalloader.sources import TarShards
 from globalloader.storage.cache import Entry, ObjectCache, parse_size, resolve_limit
@@ -66,7 +66,8 @@ def test_bytes_per_epoch_cold_once_warm_zero_with_process_workers(s3: dict[str, 
     assert proxy.count("GET", prefix) == len(urls)
 
 
-def _read_all(urls: list[str], opts: dict[str, Any], out: Any) -> None:
+def _read_all(urls: list[str], opts: dict[str, Any], out: Any, start: Any) -> None:
+    start.wait(60)  # both processes ask for the same shards at the same moment
     src = TarShards(urls, storage_options=opts)
     out.put(sorted(src[i]["__key__"] for i in range(len(src))))
 
@@ -75,10 +76,10 @@ def _read_all(urls: list[str], opts: dict[str, Any], out: Any) -> None:
 def test_two_processes_at_once_download_each_object_once(s3: dict[str, Any]) -> None:
     urls = write_shards(s3["bucket"], s3["options"], n=40, per_shard=4)
     proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
-    proxy.latency = 0.02  # downloads overlap
+    proxy.latency = 0.2  # downloads overlap
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_read_all, args=(urls, s3["options"], out)) for _ in range(2)]
+    out, start = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_read_all, args=(urls, s3["options"], out, start)) for _ in range(2)]
     for p in procs:
         p.start()
     results = [out.get(timeout=120) for _ in procs]
@@ -115,7 +116,7 @@ def test_a_changed_object_is_never_served_stale(s3: dict[str, Any]) -> None:
     opts = s3["options"]
     url = f"s3://{s3['bucket']}/one.bin"
     store = storage.Store(opts)
-    fs, path = store._fs(url)
+    fs, path = store.filesystem(url)
     fs.pipe_file(path, b"A" * 5000)
     first = storage.Store(opts)
     st1 = first.stat(url)
@@ -149,10 +150,8 @@ def test_a_damaged_entry_is_fetched_again(s3: dict[str, Any]) -> None:
 
 
 _KILLED_READER = """
-import sys, os
-sys.path.insert(0, {tests!r})
 from globalloader import storage
-from s3server import options
+from globalloader.demo.s3 import options
 store = storage.Store(options({endpoint!r}))
 print("start", flush=True)
 store.fetch({url!r})
@@ -165,10 +164,10 @@ def test_kill_9_mid_download_leaves_the_cache_consistent(s3: dict[str, Any], iso
     url = f"s3://{s3['bucket']}/big.bin"
     data = os.urandom(20 << 20)  # three requests of 8 MiB
     store = storage.Store(opts)
-    fs, path = store._fs(url)
+    fs, path = store.filesystem(url)
     fs.pipe_file(path, data)
     proxy.latency = 1.0
-    code = _KILLED_READER.format(tests=str(pathlib.Path(__file__).parents[1]), endpoint=proxy.url, url=url)
+    code = _KILLED_READER.format(endpoint=proxy.url, url=url)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
     assert child.stdout is not None and child.stdout.readline().strip() == b"start"

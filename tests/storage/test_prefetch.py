@@ -8,9 +8,9 @@ import time
 from typing import Any
 
 import numpy as np
-from s3server import write_shards
 
 import globalloader as gl
+from globalloader.demo.s3 import write_shards
 from globalloader.sources import TarShards
 
 

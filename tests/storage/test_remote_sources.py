@@ -13,10 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from s3server import write_shards
 
 import globalloader as gl
 from globalloader import storage
+from globalloader.demo.s3 import write_shards
 from globalloader.sources import Parquet, TarShards
 from helpers import Server, check_resume
 
@@ -64,7 +64,7 @@ def test_parquet_over_s3_reads_the_same_rows(s3: dict[str, Any], tmp_path: pathl
     local = str(tmp_path / "t.parquet")
     pq.write_table(table, local, row_group_size=1000)
     url = f"s3://{s3['bucket']}/t.parquet"
-    storage.Store(s3["options"])._fs(url)[0].put_file(local, url)
+    storage.Store(s3["options"]).filesystem(url)[0].put_file(local, url)
     remote, here = Parquet(url, storage_options=s3["options"]), Parquet(local)
     rows = [7, 4999, 0, 2500]
     assert [remote[i]["a"] for i in rows] == [here[i]["a"] for i in rows] == rows
@@ -78,7 +78,7 @@ def test_a_parquet_column_read_downloads_only_its_blocks(s3: dict[str, Any], tmp
     pq.write_table(table, local, compression="none")
     url = f"s3://{s3['bucket']}/wide.parquet"
     store = storage.Store(s3["options"], block_size="1MiB", cache_limit="4MB")  # whole objects up to 1 MB
-    store._fs(url)[0].put_file(local, url)
+    store.filesystem(url)[0].put_file(local, url)
     proxy, size = s3["proxy"], os.path.getsize(local)
     with storage.open_read(store, url, whole=False) as f:
         column = pq.ParquetFile(f).read(columns=["c"]).column("c").to_numpy()
@@ -88,11 +88,9 @@ def test_a_parquet_column_read_downloads_only_its_blocks(s3: dict[str, Any], tmp
 
 
 _JOB = """
-import sys
-sys.path.insert(0, {tests!r})
 import globalloader as gl
 from globalloader.sources import TarShards
-from s3server import options
+from globalloader.demo.s3 import options
 src = TarShards({urls!r}, storage_options=options({endpoint!r}), cache={cache!r})
 chain = gl.Dataset(src).shuffle(seed=0, window=2).batch(4)
 with gl.Loader(chain, workers=2, mode={mode!r}) as loader:
@@ -104,9 +102,37 @@ with gl.Loader(chain, workers=2, mode={mode!r}) as loader:
 @pytest.mark.parametrize(("mode", "cache"), [("process", False), ("process", True), ("thread", False)])
 def test_no_traceback_at_exit_from_the_s3_client(s3: dict[str, Any], mode: str, cache: bool) -> None:
     urls = write_shards(s3["bucket"], s3["options"], n=24, per_shard=4, size=300)
-    tests = str(pathlib.Path(__file__).parents[1])
-    code = _JOB.format(tests=tests, urls=urls, endpoint=s3["proxy"].url, cache=cache, mode=mode)
+    code = _JOB.format(urls=urls, endpoint=s3["proxy"].url, cache=cache, mode=mode)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0 and result.stdout.strip() == "24", result.stderr
     assert result.stderr.strip() == "", result.stderr  # no "attached to a different loop", no warnings
+
+
+def test_image_folder_on_a_url_reads_through_the_cache(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    local = tmp_path / "images"
+    for cls in ("cat", "dog"):
+        (local / cls / "sub").mkdir(parents=True)
+        for i in range(3):
+            (local / cls / f"{i}.jpg").write_bytes(os.urandom(500 + i))
+        (local / cls / "sub" / "x.png").write_bytes(b"png" * 10)
+        (local / cls / "notes.txt").write_text("not an image")
+    fs = storage.Store(s3["options"]).filesystem(f"s3://{s3['bucket']}")[0]
+    fs.put(f"{local}/", f"{s3['bucket']}/images/", recursive=True)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/images"
+    remote = gl.ImageFolder(f"s3://{s3['bucket']}/images/", storage_options=s3["options"])
+    here = gl.ImageFolder(local)
+    assert remote.classes == here.classes == ["cat", "dog"] and len(remote) == len(here) == 8
+    assert proxy.count("HEAD", prefix) == 0  # sizes and versions came with the listing
+    for i in range(len(here)):
+        assert remote[i] == here[i]
+    assert proxy.count("GET", prefix) == 8  # each image downloaded once
+    with gl.Loader(gl.Dataset(remote).shuffle(seed=0), workers=2) as loader:
+        assert sorted(r["__key__"] for r in loader) == sorted(here[i]["__key__"] for i in range(8))
+    assert proxy.count("GET", prefix) == 8  # the workers read the machine cache
+    again = gl.ImageFolder(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
+    assert again.fingerprint == remote.fingerprint
+    fs.pipe_file(f"{s3['bucket']}/images/dog/0.jpg", b"changed")
+    changed = gl.ImageFolder(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
+    dog0 = [changed[i]["image"] for i in range(8) if changed[i]["__key__"] == "dog/0"]
+    assert changed.fingerprint != remote.fingerprint and dog0 == [b"changed"]

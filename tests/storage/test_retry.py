@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 import pytest
-from s3server import write_shards
 
 import globalloader as gl
 from globalloader import storage
+from globalloader.demo.s3 import write_shards
 from globalloader.errors import RemoteAccessError, RemoteReadError, SourceError
 from globalloader.sources import TarShards
 

@@ -6,7 +6,10 @@
   `benchmarks/multi_job.py` runs it too.
 - `text`: the language-model workload's data (synthetic web and code corpora in Parquet, a
   byte-level tokenizer); `benchmarks/lm_workload.py` and the README's LM example use it.
-- `report`: the command itself: both acts, each figure the median of several runs with its spread.
+- `remote`: the third act: three jobs over tar shards in a local S3 server, without and with the
+  machine-wide cache; `s3`: that server (moto's, on loopback) and a byte-counting, fault-injecting
+  proxy, which `benchmarks/remote.py` and the tests use too.
+- `report`: the command itself: the three acts, each figure the median of several runs with its spread.
 
 Nothing in the library imports this package; it sits above the Loader and the service.
 """

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from globalloader.demo.jobs import JobSpec, run_jobs
+from globalloader.demo.remote import act_three
 from globalloader.demo.workload import demo_images, run_globalloader, run_torch
 from globalloader.errors import ArgumentError
 
@@ -44,7 +45,8 @@ def main(
 ) -> None:
     """Make the data once; act 1: one epoch with each loader, `runs` times, compared; act 2
     (unless `shared` is False): three concurrent jobs, independent then through one server,
-    `runs` times."""
+    `runs` times; act 3: three jobs over shards in a local S3 server, without and with the
+    machine-wide cache (skipped with a note when moto is not installed)."""
     if not isinstance(runs, int) or runs < 1:
         raise ArgumentError(f"demo: runs must be an int >= 1, got {runs!r}")
     root = demo_images(images)
@@ -82,6 +84,7 @@ def main(
         )
     if shared:
         act_two(root, images, workers, shared_memory, runs)
+    act_three(images, workers, runs)
 
 
 def act_two(

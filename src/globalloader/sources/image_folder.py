@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from globalloader import storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources.base import check_index, fingerprint_of
 
@@ -22,28 +23,48 @@ class ImageFolder:
     A record is `{"__key__": "class/stem", "image": bytes, "label": int}`: the bytes are the
     encoded file, decoding is a later `map` so it can run in workers and be cached.
 
+    `root` may be a URL (`s3://bucket/train`, `storage_options=` go to fsspec): one listing finds
+    every file with its size and version, and each image is read through the machine-wide cache
+    (`cache_limit=`, see `globalloader.storage`), downloaded ahead when a loader announces its
+    next tasks (`prefetch`).
+
     Errors: a missing root, or a root with no image, raises SourceError naming the folder; a
     file deleted after listing raises SourceError naming the file when it is read.
     `fingerprint` hashes every path, size and mtime; it is computed on first use (one stat per
     file) and then kept. Holds no open files, so it pickles and forks freely.
     """
 
-    def __init__(self, root: str | os.PathLike[str], extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        cache_limit: int | str | None = None,
+    ) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise ArgumentError(f"root must be a str or path, got {type(root).__name__}")
         if isinstance(extensions, str) or not all(isinstance(e, str) for e in extensions):
             raise ArgumentError(f"extensions must be a tuple of str, got {extensions!r}")
         self.root = os.fspath(root)
         self.extensions = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions)
-        if not os.path.isdir(self.root):
-            raise SourceError(f"image folder not found: {self.root}")
-        self.classes: list[str] = sorted(
-            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
-        )
+        self._remote: dict[str, storage.FileStat] | None = None  # relative path -> size, version
+        self._reader: storage.RangeReader | None = None
+        if storage.scheme_of(self.root):
+            self.root = self.root.rstrip("/")
+            self.store = storage.Store(storage_options, cache_limit)
+            self._remote = self._list_remote()
+            self.classes: list[str] = sorted({rel.split("/", 1)[0] for rel in self._remote})
+        else:
+            if not os.path.isdir(self.root):
+                raise SourceError(f"image folder not found: {self.root}")
+            self.classes = sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
         paths: list[str] = []
         labels: list[int] = []
         for label, name in enumerate(self.classes):
-            found = sorted(self._walk(name))
+            found = sorted(
+                self._walk(name) if self._remote is None else (r for r in self._remote if r.startswith(name + "/"))
+            )
             paths.extend(found)
             labels.extend([label] * len(found))
         if not paths:
@@ -54,6 +75,18 @@ class ImageFolder:
         self._paths = paths  # relative to root, with '/' separators
         self._labels = np.asarray(labels, np.int64)
         self._fingerprint: str | None = None
+
+    def _list_remote(self) -> dict[str, storage.FileStat]:
+        """Every image below a class folder of the remote root, from one listing."""
+        found = {}
+        for url, stat in self.store.find(self.root).items():
+            rel = url[len(self.root) + 1 :]
+            parts = rel.split("/")
+            if len(parts) >= 2 and not any(p.startswith(".") for p in parts) and rel.lower().endswith(self.extensions):
+                found[rel] = stat
+        if not found:
+            raise SourceError(f"image folder not found or empty: {self.root}")
+        return found
 
     def _walk(self, class_name: str) -> list[str]:
         found = []
@@ -78,12 +111,42 @@ class ImageFolder:
         if index.__class__ is not int or not 0 <= index < len(self._paths):
             index = check_index(index, len(self._paths), self)
         rel = self._paths[index]
-        path = os.path.join(self.root, rel)
-        try:
-            data = _read_whole(path)
-        except OSError as exc:
-            raise SourceError(f"cannot read image {path}: {exc.strerror}") from None
+        if self._remote is not None:
+            data = self._read_remote(rel)
+        else:
+            path = os.path.join(self.root, rel)
+            try:
+                data = _read_whole(path)
+            except OSError as exc:
+                raise SourceError(f"cannot read image {path}: {exc.strerror}") from None
         return {"__key__": rel.rsplit(".", 1)[0], "image": data, "label": int(self._labels[index])}
+
+    def _read_remote(self, rel: str) -> bytes:
+        assert self._remote is not None
+        if self._reader is None:
+            self._reader = storage.RangeReader(self.store, whole=True)
+        url, stat = f"{self.root}/{rel}", self._remote[rel]
+        self._reader.expect(url, stat)
+        data = self._reader.read_remote(url, 0, stat.size)
+        if len(data) != stat.size:
+            raise SourceError(f"image {url} has {len(data)} bytes, its listing said {stat.size}")
+        return data
+
+    @property
+    def remote(self) -> bool:
+        """Whether the images are read through the machine cache (so `prefetch` has work to do)."""
+        return self._remote is not None and self.store.cached(self.root)
+
+    def prefetch(self, indices: Any) -> None:
+        """Download the images at these indices into the machine cache in the background."""
+        if self._remote is not None and self.remote:
+            rels = [self._paths[i] for i in np.asarray(indices, dtype=np.int64).tolist()]
+            self.store.prefetch([(f"{self.root}/{rel}", self._remote[rel]) for rel in rels])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_reader"] = None  # open cache entries stay with this process
+        return state
 
     @property
     def labels(self) -> np.ndarray:
@@ -92,6 +155,9 @@ class ImageFolder:
 
     @property
     def fingerprint(self) -> str:
+        if self._fingerprint is None and self._remote is not None:
+            lines = [f"{rel}\t{st.size}\t{st.version}" for rel, st in sorted(self._remote.items())]
+            self._fingerprint = fingerprint_of("ImageFolder", [self.root, *lines])
         if self._fingerprint is None:
             lines = []
             for rel in self._paths:

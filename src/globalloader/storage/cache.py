@@ -66,7 +66,7 @@ def resolve_limit(limit: int | str | None) -> int:
     """The cache limit: the argument, else $GLOBALLOADER_CACHE_LIMIT, else DEFAULT_LIMIT."""
     if limit is not None:
         return parse_size(limit, "cache_limit")
-    env = os.environ.get(LIMIT_ENV)
+    env = os.environ.get("GLOBALLOADER_CACHE_LIMIT")
     return parse_size(env, LIMIT_ENV) if env else DEFAULT_LIMIT
 
 
@@ -254,6 +254,9 @@ class ObjectCache:
                 download(write)
                 out.write(_TRAILER.pack(_MAGIC, crc, length))
             os.replace(tmp, path)
+            st = os.stat(path)  # its CRC was just computed from the bytes written: no read back
+            with _verified_lock:
+                _verified.add((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -18,7 +18,9 @@ from globalloader.storage._fs import LOCAL_SCHEMES, scheme_of
 from globalloader.storage.cache import CachedFile
 from globalloader.storage.store import FileStat, Store
 
-_CACHED_OPEN = 16  # cache entries a reader keeps open (each pins its entry against eviction)
+# Cache entries a reader keeps open (each pins its entry against eviction): whole shards are read
+# sample by sample, blocks (Parquet column chunks) in large reads, so few need to stay open.
+_CACHED_OPEN = {True: 16, False: 2}
 
 
 class RangeReader:
@@ -29,8 +31,8 @@ class RangeReader:
     forked child drops the ones it inherited (an at-fork hook, so reads pay no pid check) and
     reopens its own. At most `max_open` descriptors stay open; reads from further files open
     and close each time. Remote objects: through `store`'s machine cache, whole (`whole=True`,
-    for shards read end to end) or by blocks, up to 16 entries kept open; objects the cache does
-    not hold, one retried ranged request per read. `expect(url, stat)` records the size and
+    for shards read end to end) or by blocks, up to 16 (whole) or 2 (blocks) entries kept open;
+    objects the cache does not hold, one retried ranged request per read. `expect(url, stat)` records the size and
     version a source was built on, so the cache key and the change check use them.
     """
 
@@ -103,7 +105,7 @@ class RangeReader:
             entry = self._entries.setdefault(key, opened)
             if entry is not opened:
                 opened.close()
-            while len(self._entries) > _CACHED_OPEN:
+            while len(self._entries) > _CACHED_OPEN[self.whole]:
                 self._entries.popitem(last=False)[1].close()
             return entry.pread(start, length)
 
@@ -156,7 +158,7 @@ def open_read(store: Store, url: str, stat: FileStat | None = None, *, whole: bo
         except OSError as exc:
             raise SourceError(f"cannot open {url}: {exc.strerror}") from None
     if scheme_of(url) in LOCAL_SCHEMES:
-        fs, path = store._fs(url)
+        fs, path = store.filesystem(url)
         return retry.call(lambda: fs.open(path, "rb"), url, "open", store.retry_policy)
     stat = stat or store.stat(url)
     reader = RangeReader(store, whole=whole)

@@ -70,13 +70,16 @@ class Store:
         reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
-        self._reset()  # the prefetch threads and a lock held at the fork stay in the parent
+        # The prefetch threads and a lock held at the fork stay in the parent; the sizes and
+        # versions already asked for stay valid (a forked worker asks no HEAD again).
+        self._reset(keep_infos=True)
 
-    def _reset(self) -> None:
+    def _reset(self, keep_infos: bool = False) -> None:
         self._prefetcher: Prefetcher | None = None
         self._wanted: dict[str, FileStat] = {}
         self._cache: ObjectCache | None = None
-        self._infos: dict[str, tuple[float, FileStat]] = {}
+        known: dict[str, tuple[float, FileStat]] = getattr(self, "_infos", {}) if keep_infos else {}
+        self._infos = dict(known)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -106,7 +109,9 @@ class Store:
         scheme = scheme_of(url)
         return self.use_cache and bool(scheme) and scheme not in LOCAL_SCHEMES
 
-    def _fs(self, url: str) -> tuple[Any, str]:
+    def filesystem(self, url: str) -> tuple[Any, str]:
+        """(fsspec filesystem, path) for `url` with this store's options (for writes and
+        listings outside the sources; reads go through the methods below)."""
         return filesystem(url, self.storage_options)
 
     def stat(self, url: str) -> FileStat:
@@ -117,7 +122,7 @@ class Store:
         known = self._infos.get(url)
         if known is not None and now - known[0] < INFO_TTL:
             return known[1]
-        fs, path = self._fs(url)
+        fs, path = self.filesystem(url)
         info = retry.call(lambda: fs.info(path), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
@@ -131,13 +136,27 @@ class Store:
         """Sorted URLs matching a glob pattern."""
         if not scheme_of(pattern):
             return sorted(_glob.glob(pattern))
-        fs, path = self._fs(pattern)
+        fs, path = self.filesystem(pattern)
         found = retry.call(lambda: fs.glob(path), pattern, "list", self.retry_policy)
         return sorted(fs.unstrip_protocol(p) for p in found)
 
+    def find(self, root: str) -> dict[str, FileStat]:
+        """Every file below a remote folder with its size and version, from one listing (which
+        also fills the per-process memo of `stat`)."""
+        fs, path = self.filesystem(root)
+        found = retry.call(lambda: fs.find(path, detail=True), root, "list", self.retry_policy)
+        now, out = time.monotonic(), {}
+        for name, info in found.items():
+            if info.get("type", "file") == "file":
+                version = next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), "")
+                out[fs.unstrip_protocol(name)] = FileStat(int(info["size"]), version)
+        with self._lock:
+            self._infos.update((url, (now, stat)) for url, stat in out.items())
+        return out
+
     def read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a remote object, straight from the store (retried)."""
-        fs, path = self._fs(url)
+        fs, path = self.filesystem(url)
         return retry.call(
             lambda: fs.cat_file(path, start=start, end=end), url, f"read [{start}, {end}) of", self.retry_policy
         )
@@ -206,7 +225,7 @@ class _Upload(io.BufferedWriter):
             return
         try:
             super().close()
-            fs, path = self._store._fs(self._url)
+            fs, path = self._store.filesystem(self._url)
             retry.call(lambda: fs.put_file(self._tmp.name, path), self._url, "upload to", self._store.retry_policy)
         finally:
             with contextlib.suppress(OSError):

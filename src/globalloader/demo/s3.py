@@ -1,12 +1,18 @@
-"""A real S3-compatible server for tests (moto's server mode on loopback) and a fault-injecting
-HTTP proxy in front of it: latency, 503 SlowDown, connection resets (before a response or in the
-middle of its body), forced 403/404 per key, and a count of requests and bytes per key."""
+"""A local S3-compatible server (moto's server mode on loopback) and an HTTP proxy in front of
+it that counts requests and bytes per key and can inject faults: latency, 503 SlowDown,
+connection resets (before a response or in the middle of its body), forced 403/404 per key.
+
+The demo's remote act, `benchmarks/remote.py` and the tests use it; it needs moto's server
+(the `test` extra). Not part of the library: nothing outside the demo imports it.
+"""
 
 from __future__ import annotations
 
 import collections
 import http.client
 import http.server
+import json
+import os
 import random
 import socket
 import socketserver
@@ -15,6 +21,8 @@ import threading
 import time
 import uuid
 from typing import Any
+
+from globalloader import storage
 
 _ERROR = (
     '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
@@ -58,7 +66,8 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
     Rates are per request, drawn from a seeded generator: `slowdown` answers 503 SlowDown,
     `reset` drops the connection (half of them after part of the body). `forced` maps a key
     substring to a status (403, 404 or 503) answered for every request on it. `latency` seconds are
-    added to each request. `bytes_sent[key]` counts the body bytes of successful GETs.
+    added to each request. `bytes_sent[key]` counts the body bytes of successful GETs; GET
+    /__stats__ answers their total and the count of GETs as JSON, for other processes.
     """
 
     daemon_threads = True
@@ -123,6 +132,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _proxy(self, method: str) -> None:
         proxy = self.server
         path = self.path.split("?", 1)[0]
+        if path == "/__stats__":  # for other processes (benchmarks): bytes and GETs so far
+            data = json.dumps({"bytes": proxy.total_bytes(), "gets": proxy.count("GET")}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         with proxy.lock:
@@ -205,17 +221,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 def new_bucket(endpoint: str) -> str:
     """Create a bucket with a fresh name on the server; returns the name."""
-    import boto3
-
     name = f"gl-{uuid.uuid4().hex[:12]}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=name)
+    fs, _ = storage.Store(options(endpoint)).filesystem(f"s3://{name}")
+    fs.call_s3("create_bucket", Bucket=name)  # no location constraint: the server's default region
     return name
 
 
@@ -231,8 +239,6 @@ def options(endpoint: str) -> dict[str, Any]:
 
 def write_shards(bucket: str, opts: dict[str, Any], n: int = 40, per_shard: int = 8, size: int = 2000) -> list[str]:
     """Tar shards of `n` samples (random bytes of about `size`, and the index as cls) in `bucket`."""
-    import os
-
     from globalloader.sources import TarWriter
 
     with TarWriter(f"s3://{bucket}/shard-%03d.tar", maxcount=per_shard, storage_options=opts) as writer:

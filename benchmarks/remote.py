@@ -1,0 +1,417 @@
+"""Remote data: globalloader vs Mosaic Streaming and LitData on a local S3 server.
+
+The same JPEG samples + labels (synthetic pictures, 160x160, about 15 KB each; `--samples`
+3000 in 15 shards of about 3 MB: the ~64 MB shards of a real set scaled down to this machine)
+in each system's own format on one moto S3 server (server mode, loopback), behind a proxy
+that adds `--latency` per request and counts the bytes it serves (`globalloader.demo.s3`):
+
+- globalloader: tar shards, `gl.Dataset(gl.TarShards("s3://...")).shuffle(seed=0, window=2)
+  .map(decode).batch(32)` in `gl.Loader(workers=2)`; and the same chain over the same shards on
+  local disk (the baseline the goals name);
+- Mosaic Streaming: MDS shards, `StreamingDataset(remote=, local=, shuffle=True)`;
+- LitData: `litdata.optimize` chunks, `StreamingDataset(input_dir=Dir(cache, url), shuffle=True)`;
+
+the peers in a torch DataLoader(num_workers=2, batch_size=32), decoding in their workers. Each run
+is a fresh process with an empty cache folder: the cold epoch (samples/s from the construction
+of the dataset, time to first batch, bytes downloaded / the format's size), then a warm second
+epoch in the same process. Then 2 jobs at once on one machine (one cache folder): both cold
+epochs' bytes / the dataset, and the slower job's time; globalloader also with `share=True`.
+Median of `--rounds` (3) with min and max; JSON in benchmarks/results/remote.json.
+
+Peers are installed without their dependencies (`pip install --no-deps mosaicml-streaming
+litdata`, then their own needs by hand), so that they cannot pull another torch. Mosaic imports
+torchvision at import time, which does not load beside the CPU torch wheel: an empty stand-in
+module is put in its place (only `streaming.vision`, unused here, needs it). LitData's obstore
+client refuses http:// endpoints unless `allow_http` is in its client options: it is set here.
+
+    python benchmarks/remote.py [--samples 3000] [--rounds 3] [--latency 0 0.02] [--only gl,mosaic,litdata]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
+
+RESULTS = Path(__file__).parent / "results" / "remote.json"
+SYSTEMS = ("gl", "gl-local", "mosaic", "litdata")
+BATCH, WORKERS, SIDE = 32, 2, 160
+KEY, SECRET = "testing", "testing"
+
+
+# -- data ----------------------------------------------------------------------------------------
+def _jpeg(i: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(i)
+    y, x = np.mgrid[0:SIDE, 0:SIDE]
+    base = (np.sin(x / (7 + i % 5)) + np.cos(y / (5 + i % 3))) * 60 + 128
+    pixels = np.stack([base, base[::-1], base.T], axis=-1) + rng.normal(0, 12, (SIDE, SIDE, 3))
+    out = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def decode(sample: dict[str, Any]) -> dict[str, Any]:
+    """The map every system runs in its workers: JPEG -> uint8 array, label -> int."""
+    from PIL import Image
+
+    image = np.asarray(Image.open(io.BytesIO(sample["jpg"])).convert("RGB"))
+    cls = sample["cls"]
+    return {"image": image, "cls": int(cls.decode() if isinstance(cls, bytes) else cls)}
+
+
+def _write_formats(root: Path, samples: int, shard_samples: int, endpoint: str, bucket: str) -> dict[str, Any]:
+    """Every format written locally, then uploaded; returns each format's URL and size."""
+    from globalloader.sources import TarWriter
+
+    images = [_jpeg(i) for i in tqdm(range(samples), desc="pictures", leave=False)]
+    local_tars = root / "tar"
+    with TarWriter(str(local_tars / "shard-%04d.tar"), maxcount=shard_samples) as writer:
+        for i, data in enumerate(images):
+            writer.write({"__key__": f"s{i:06d}", "jpg": data, "cls": i % 100})
+    shard_bytes = sum(p.stat().st_size for p in local_tars.iterdir()) // max(1, len(writer.paths))
+    formats: dict[str, Any] = {"gl-local": {"url": str(local_tars / "shard-*.tar"), "dir": local_tars}}
+    formats["gl"] = {"url": f"s3://{bucket}/tar/shard-*.tar", "dir": local_tars, "prefix": "tar"}
+    try:
+        _stand_in_torchvision()
+        from streaming import MDSWriter
+
+        mds = root / "mds"
+        with MDSWriter(out=str(mds), columns={"jpg": "bytes", "cls": "int"}, size_limit=shard_bytes) as out:
+            for i, data in enumerate(images):
+                out.write({"jpg": data, "cls": i % 100})
+        formats["mosaic"] = {"url": f"s3://{bucket}/mds", "dir": mds, "prefix": "mds"}
+    except ImportError as exc:
+        tqdm.write(f"Mosaic Streaming left out: {exc}")
+    try:
+        import litdata
+
+        lit = root / "lit"
+        litdata.optimize(
+            fn=_lit_sample,
+            inputs=[(i, data) for i, data in enumerate(images)],
+            output_dir=str(lit),
+            chunk_bytes=shard_bytes,
+            num_workers=1,
+            mode="overwrite",
+        )
+        formats["litdata"] = {"url": f"s3://{bucket}/lit", "dir": lit, "prefix": "lit"}
+    except ImportError as exc:
+        tqdm.write(f"LitData left out: {exc}")
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, endpoint_url=endpoint, client_kwargs={"region_name": "us-east-1"})
+    for name, spec in formats.items():
+        if "prefix" in spec:
+            fs.put(f"{spec['dir']}/", f"{bucket}/{spec['prefix']}/", recursive=True)
+        spec["bytes"] = sum(p.stat().st_size for p in Path(spec["dir"]).rglob("*") if p.is_file())
+        spec["dir"] = str(spec["dir"])
+        tqdm.write(f"{name}: {spec['bytes'] / 1e6:.1f} MB")
+    return formats
+
+
+def _lit_sample(item: tuple[int, bytes]) -> dict[str, Any]:
+    i, data = item
+    return {"jpg": data, "cls": i % 100}
+
+
+def _stand_in_torchvision() -> None:
+    """Mosaic imports torchvision when imported; PyPI's torchvision does not load beside the CPU
+    torch wheel. An empty module takes its place (Mosaic's vision datasets are not used here)."""
+    try:
+        import torchvision  # noqa: F401
+
+        return
+    except Exception:  # noqa: BLE001 - any failure to import it means: stand in an empty module
+        pass
+    import transformers.feature_extraction_utils  # noqa: F401  (first: it probes for the real torchvision)
+
+    for name in ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional"):
+        module = types.ModuleType(name)
+        sys.modules[name] = module
+    sys.modules["torchvision.datasets"].VisionDataset = object  # type: ignore[attr-defined]
+    sys.modules["torchvision.datasets"].CIFAR10 = object  # type: ignore[attr-defined]
+    sys.modules["torchvision.transforms.functional"].to_tensor = None  # type: ignore[attr-defined]
+
+
+# -- one job (a child process) -------------------------------------------------------------------
+def _stats(proxy: str) -> int:
+    with urllib.request.urlopen(f"{proxy}/__stats__", timeout=30) as response:
+        return int(json.loads(response.read())["bytes"])
+
+
+def _job(spec: dict[str, Any]) -> dict[str, Any]:
+    system, proxy, epochs = spec["system"], spec["proxy"], spec["epochs"]
+    start = time.perf_counter()
+    begin_bytes = _stats(proxy)
+    make = {"gl": _gl_loader, "gl-local": _gl_loader, "mosaic": _mosaic_loader, "litdata": _lit_loader}[system]
+    loader = make(spec)
+    result: dict[str, Any] = {"epochs": []}
+    for epoch in range(epochs):
+        t0, first, samples = time.perf_counter(), None, 0
+        for batch in loader:
+            if first is None:
+                first = time.perf_counter() - (start if epoch == 0 else t0)
+            samples += len(batch["cls"])
+        elapsed = time.perf_counter() - (start if epoch == 0 else t0)
+        now_bytes = _stats(proxy)
+        result["epochs"].append(
+            {"samples": samples, "seconds": elapsed, "first_batch": first, "bytes": now_bytes - begin_bytes}
+        )
+        begin_bytes = now_bytes
+    if hasattr(loader, "close"):
+        loader.close()
+    return result
+
+
+def _gl_loader(spec: dict[str, Any]) -> Any:
+    import globalloader as gl
+
+    opts = options(spec["proxy"]) if spec["system"] == "gl" else None
+    src = gl.TarShards(spec["url"], storage_options=opts)
+    chain = gl.Dataset(src).shuffle(seed=0, window=2).map(decode).batch(BATCH)
+    share = {"share": True, "server": spec["socket"]} if spec.get("share") else {}
+    return gl.Loader(chain, workers=WORKERS, **share)
+
+
+def _torch_loader(dataset: Any) -> Any:
+    import torch
+
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True, multiprocessing_context="fork"
+    )
+
+
+def _mosaic_loader(spec: dict[str, Any]) -> Any:
+    _stand_in_torchvision()
+    from streaming import StreamingDataset
+
+    class Decoded(StreamingDataset):  # type: ignore[misc]
+        def __getitem__(self, index: int) -> Any:
+            return decode(super().__getitem__(index))
+
+    os.environ.update(S3_ENDPOINT_URL=spec["proxy"], AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET)
+    dataset = Decoded(remote=spec["url"], local=spec["cache"], shuffle=True, shuffle_seed=0, batch_size=BATCH)
+    return _torch_loader(dataset)
+
+
+def _lit_loader(spec: dict[str, Any]) -> Any:
+    import litdata
+    import litdata.streaming.downloader as downloader
+    from litdata.streaming.resolver import Dir
+
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"  # an http:// endpoint (see the module doc)
+    storage = {
+        "endpoint_url": spec["proxy"],
+        "aws_access_key_id": KEY,
+        "aws_secret_access_key": SECRET,
+        "region_name": "us-east-1",
+    }
+    dataset = litdata.StreamingDataset(
+        input_dir=Dir(path=spec["cache"], url=spec["url"]), shuffle=True, seed=0, storage_options=storage
+    )
+    dataset.transform = decode
+    return _torch_loader(dataset)
+
+
+# -- the session ---------------------------------------------------------------------------------
+def _child(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, "--job", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _finish(proc: subprocess.Popen[str], what: str) -> dict[str, Any] | None:
+    out, err = proc.communicate(timeout=1800)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tqdm.write(f"{what} failed ({proc.returncode}): {err.strip().splitlines()[-3:] if err.strip() else out[-300:]}")
+        return None
+    if "Traceback" in err:
+        tqdm.write(f"{what}: a traceback on stderr although it succeeded: {err.strip().splitlines()[-1]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    result["stderr_traceback"] = "Traceback" in err
+    return result
+
+
+def _run_jobs(system: str, fmt: dict[str, Any], proxy: FaultProxy, jobs: int, share: bool = False) -> Any:
+    """One job (its result) or several at once (their results and the bytes served to all)."""
+    scratch = Path(tempfile.mkdtemp(prefix="gl-remote-bench-"))
+    env = dict(
+        os.environ, GLOBALLOADER_CACHE_DIR=str(scratch / "gl-cache"), GLOBALLOADER_SOCKET=str(scratch / "s.sock")
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    spec = {
+        "system": system,
+        "url": fmt["url"],
+        "proxy": proxy.url,
+        "cache": str(scratch / "peer-cache"),
+        "epochs": 2 if jobs == 1 else 1,
+        "share": share,
+        "socket": str(scratch / "s.sock"),
+    }
+    try:
+        before = proxy.total_bytes()
+        procs = [_child(spec, env) for _ in range(jobs)]
+        results = [_finish(p, f"{system} x{jobs}{' share' if share else ''}") for p in procs]
+        served = proxy.total_bytes() - before
+    finally:
+        if share:
+            subprocess.run(
+                [sys.executable, "-m", "globalloader", "stop", "--socket", spec["socket"]], capture_output=True
+            )
+        shutil.rmtree(scratch, ignore_errors=True)
+    return results[0] if jobs == 1 else {"jobs": results, "bytes": served}
+
+
+def _summary(values: list[float]) -> dict[str, float] | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--shard-samples", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--latency", type=float, nargs="+", default=[0.0, 0.02], help="seconds added per request")
+    parser.add_argument("--only", default=",".join(SYSTEMS), help="systems to run, comma-separated")
+    parser.add_argument("--no-concurrent", dest="concurrent", action="store_false", help="skip the 2-job runs")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        print(json.dumps(_job(json.loads(args.job))), flush=True)
+        return
+    wanted = [s for s in args.only.split(",") if s]
+    server = MotoServer()
+    proxy = FaultProxy(server.port)
+    root = Path(tempfile.mkdtemp(prefix="gl-remote-data-"))
+    try:
+        bucket = new_bucket(proxy.url)
+        formats = _write_formats(root, args.samples, args.shard_samples, proxy.url, bucket)
+        systems = [s for s in wanted if s in formats]
+        report: dict[str, Any] = {
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True},
+            "samples": args.samples,
+            "formats": {k: {"bytes": v["bytes"]} for k, v in formats.items()},
+            "rounds": args.rounds,
+            "latency": {},
+        }
+        for latency in args.latency:
+            proxy.latency = latency
+            runs: dict[str, list[Any]] = {}
+            plan = [(system, 1, False) for system in systems]
+            if args.concurrent:
+                plan += [(system, 2, False) for system in systems if system != "gl-local"]
+                plan += [("gl", 2, True)] if "gl" in systems else []
+            bar = tqdm(total=args.rounds * len(plan), desc=f"latency {latency * 1e3:.0f} ms")
+            for _ in range(args.rounds):
+                for system, jobs, share in plan:
+                    name = system + (f" x{jobs}" if jobs > 1 else "") + (" share" if share else "")
+                    runs.setdefault(name, []).append(_run_jobs(system, formats[system], proxy, jobs, share))
+                    bar.update()
+            bar.close()
+            report["latency"][f"{latency * 1e3:.0f}ms"] = _digest(runs, formats)
+            _print(report["latency"][f"{latency * 1e3:.0f}ms"], latency)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=1))
+        print(f"results: {args.output}")
+    finally:
+        proxy.stop()
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _digest(runs: dict[str, list[Any]], formats: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, rounds in runs.items():
+        system = name.split()[0]
+        size = formats[system]["bytes"]
+        if " x2" not in name:
+            ok = [r for r in rounds if r is not None]
+            cold = [r["epochs"][0] for r in ok]
+            warm = [r["epochs"][1] for r in ok]
+            out[name] = {
+                "cold_samples_per_s": _summary([e["samples"] / e["seconds"] for e in cold]),
+                "warm_samples_per_s": _summary([e["samples"] / e["seconds"] for e in warm]),
+                "first_batch_s": _summary([e["first_batch"] for e in cold]),
+                "cold_bytes_x": _summary([e["bytes"] / size for e in cold]) if system != "gl-local" else None,
+                "warm_bytes_x": _summary([e["bytes"] / size for e in warm]) if system != "gl-local" else None,
+                "samples": sorted({e["samples"] for e in cold + warm}),
+                "failed_rounds": len(rounds) - len(ok),
+                "traceback_at_exit": any(r["stderr_traceback"] for r in ok),
+            }
+        else:
+            ok = [r for r in rounds if all(j is not None for j in r["jobs"])]
+            out[name] = {  # bytes served to both jobs together, from the first start to the last end
+                "bytes_x": _summary([r["bytes"] / size for r in ok]),
+                "slowest_job_s": _summary([max(j["epochs"][0]["seconds"] for j in r["jobs"]) for r in ok]),
+                "failed_rounds": len(rounds) - len(ok),
+            }
+    gl, local = out.get("gl"), out.get("gl-local")
+    peers = [
+        out[p]["cold_samples_per_s"]["median"]
+        for p in ("mosaic", "litdata")
+        if out.get(p, {}).get("cold_samples_per_s")
+    ]
+    if gl and gl["cold_samples_per_s"]:
+        ratios: dict[str, Any] = {}
+        if peers:
+            ratios["cold_vs_faster_peer"] = gl["cold_samples_per_s"]["median"] / max(peers)
+        if local and local["cold_samples_per_s"]:
+            ratios["cold_vs_local_disk"] = gl["cold_samples_per_s"]["median"] / local["cold_samples_per_s"]["median"]
+            ratios["warm_vs_local_disk"] = gl["warm_samples_per_s"]["median"] / local["warm_samples_per_s"]["median"]
+        out["ratios"] = ratios
+    return out
+
+
+def _fmt(summary: dict[str, float] | None, unit: str = "", digits: int = 0) -> str:
+    if not summary:
+        return "-"
+    return f"{summary['median']:.{digits}f}{unit} [{summary['min']:.{digits}f}, {summary['max']:.{digits}f}]"
+
+
+def _print(digest: dict[str, Any], latency: float) -> None:
+    print(f"\n== {latency * 1e3:.0f} ms per request (median [min, max]) ==")
+    print(f"{'':14} {'cold s/s':>22} {'warm s/s':>22} {'first batch':>22} {'bytes cold':>20} {'bytes warm':>20}")
+    for name, d in digest.items():
+        if name == "ratios" or " x2" in name:
+            continue
+        print(
+            f"{name:14} {_fmt(d['cold_samples_per_s']):>22} {_fmt(d['warm_samples_per_s']):>22} "
+            f"{_fmt(d['first_batch_s'], ' s', 2):>22} {_fmt(d['cold_bytes_x'], 'x', 2):>20} "
+            f"{_fmt(d['warm_bytes_x'], 'x', 2):>20}"
+        )
+    for name, d in digest.items():
+        if " x2" in name:
+            print(f"{name:14} bytes {_fmt(d['bytes_x'], 'x', 2)}, slower job {_fmt(d['slowest_job_s'], ' s', 1)}")
+    print("ratios:", json.dumps({k: round(v, 3) for k, v in digest.get("ratios", {}).items()}))
+
+
+if __name__ == "__main__":
+    main()
