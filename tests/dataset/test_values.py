@@ -119,12 +119,35 @@ def test_the_reported_conversions_are_gone() -> None:
         collate([np.array([2**63], np.uint64), np.array([-1])])
     with pytest.raises(ArgumentError, match=r"batch\['x'\] mixes <U1 and int64"):
         collate([{"x": np.array(["a"])}, {"x": np.array([1])}])
-    with pytest.raises(ArgumentError, match=r"cannot hold some of its integers exactly"):
+    with pytest.raises(ArgumentError, match=r"cannot hold some of its values exactly"):
         collate([2**60 + 1, 0.5])
     with pytest.raises(ArgumentError, match=r"pad=300 does not fit batch's dtype int8"):
         collate([np.array([1], np.int8), np.array([1, 2], np.int8)], pad=300)
     with pytest.raises(ArgumentError, match=r"pad=0.5 does not fit"):
         collate([np.array([1]), np.array([1, 2])], pad=0.5)
+
+
+def test_collate_refuses_the_promotions_that_wrap_or_decode() -> None:
+    """Found in review: a promotion that NumPy allows but that changes a value."""
+    far_date, one_ns = np.array(["9000-01-01"], "datetime64[D]"), np.array([1], "datetime64[ns]")
+    with pytest.raises(ArgumentError, match=r"batch mixes datetime64\[D\] with datetime64\[ns\]"):
+        collate([far_date, one_ns])  # NumPy: 1985-05-09 in nanoseconds
+    with pytest.raises(ArgumentError, match=r"timedelta64\[s\] with timedelta64\[ns\]"):
+        collate([np.timedelta64(2**62, "s"), np.timedelta64(1, "ns")])  # NumPy scalars: 0 ns
+    near = collate([np.array(["2020-01-02"], "datetime64[D]"), one_ns])
+    assert near.dtype == np.dtype("datetime64[ns]") and str(near[0, 0]) == "2020-01-02T00:00:00.000000000"
+    record, floats = np.zeros(1, [("a", "i8")]), np.zeros(1, [("a", "f4")])
+    record["a"] = 2**60 + 1
+    with pytest.raises(ArgumentError, match=r"batch mixes \[\('a', '<i8'\)\] with \[\('a', '<f8'\)\]"):
+        collate([record, floats])  # the field would become a float64
+    with pytest.raises(ArgumentError, match=r"batch mixes <U1 and \|S3"):
+        collate([np.array(["a"]), np.array([b"bbb"])])  # bytes would be decoded (or raise on b"\\xff")
+    with pytest.raises(ArgumentError, match=r"pad=1j does not fit batch's dtype float64"):
+        collate([np.array([1.0]), np.array([1.0, 2.0])], pad=1j)  # the imaginary part would be dropped
+    masked = np.ma.array([1, 2], mask=[False, True])
+    kept = collate([masked, np.ma.array([3, 4])])
+    assert isinstance(kept, list) and kept[0].mask.tolist() == [False, True]  # a stack drops the mask
+    assert collate([np.array([1], ">i4"), np.array([2], "<i4")]).tolist() == [[1], [2]]
 
 
 # -- pack -----------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from numbers import Number
 from typing import Any
 
+import warnings
+
 import numpy as np
 
 from globalloader.errors import ArgumentError
@@ -80,16 +82,19 @@ def common_dtype(dtypes: Sequence[np.dtype[Any]], where: str) -> np.dtype[Any]:
 
 
 def check_exact(items: list[np.ndarray], dtype: np.dtype[Any], where: str) -> None:
-    """Refuse integers that `dtype` (a float they were promoted to, e.g. int64 with float32 ->
-    float64) does not hold exactly: NumPy's rule rounds integers beyond 2**53."""
-    if dtype.kind not in "fc":
-        return
+    """Refuse items that `dtype` does not hold exactly: integers promoted to a float (NumPy's
+    rule rounds them beyond 2**53), dates and durations promoted to a finer unit (a date far
+    from 1970 overflows nanoseconds and wraps), records whose fields were promoted so."""
     for it in items:
-        with np.errstate(all="ignore"):  # a cast that overflows is what this looks for
-            same = it.dtype.kind not in "iu" or np.array_equal(it.astype(dtype).astype(it.dtype), it)
+        if it.dtype == dtype or it.dtype.kind not in "iumMV":
+            continue  # bool, floats and complex widen exactly; text was checked by kind
+        with np.errstate(all="ignore"), warnings.catch_warnings():  # a cast that overflows is what this looks for
+            warnings.simplefilter("ignore")
+            back = it.astype(dtype).astype(it.dtype)
+        same = back.tobytes() == it.tobytes() if it.dtype.names else np.array_equal(back, it, equal_nan=True)
         if not same:
             raise ArgumentError(
-                f"collate: {where} mixes {it.dtype} with floats, and {dtype} cannot hold some of its integers "
+                f"collate: {where} mixes {it.dtype} with {dtype}, which cannot hold some of its values "
                 "exactly: cast them to one type in a map"
             )
 
@@ -97,6 +102,8 @@ def check_exact(items: list[np.ndarray], dtype: np.dtype[Any], where: str) -> No
 def fits(value: Any, dtype: np.dtype[Any]) -> bool:
     """Whether `dtype` holds `value` (a pad or fill value): exactly for integers and booleans,
     to the nearest float without overflow for floats."""
+    if np.iscomplexobj(value) and dtype.kind != "c" and np.imag(value) != 0:
+        return False  # the imaginary part would be dropped
     try:
         with np.errstate(all="ignore"):
             stored = np.array(value).astype(dtype, casting="unsafe").item()
@@ -109,13 +116,13 @@ def fits(value: Any, dtype: np.dtype[Any]) -> bool:
 
 
 def _kind(dtype: np.dtype[Any]) -> str:
-    """Numbers (bool, integers, floats, complex) promote among themselves; text, dates and
-    others only to their own kind."""
+    """Numbers (bool, integers, floats, complex) promote among themselves; text, bytes, dates
+    and others only to their own kind (bytes with text would be decoded)."""
     if dtype.kind in "iu":
         return "integer"
     if dtype.kind in "bfc":
         return "number"
-    return "text" if dtype.kind in "US" else dtype.kind
+    return {"U": "text", "S": "bytes"}.get(dtype.kind, dtype.kind)
 
 
 def _is_number(x: Any) -> bool:
@@ -152,10 +159,9 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
         scalar_pad = None if isinstance(pad, dict) else pad
         columns = [_collate([it[j] for it in items], f"{where}[{j}]", deferred, scalar_pad) for j in range(len(first))]
         return tuple(columns) if isinstance(first, tuple) else columns
-    if all(isinstance(it, np.ndarray) and it.dtype != object for it in items):
+    if all(isinstance(it, np.ndarray) and it.dtype != object and not np.ma.isMaskedArray(it) for it in items):
         dtype = common_dtype([it.dtype for it in items], where)
-        if dtype != first.dtype or any(it.dtype != dtype for it in items):
-            check_exact(items, dtype, where)
+        check_exact(items, dtype, where)
         shapes = {it.shape for it in items}
         if len(shapes) > 1 and pad is not None and not isinstance(pad, dict):
             return _padded(items, pad, dtype, where)
