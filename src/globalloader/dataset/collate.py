@@ -10,11 +10,10 @@ adapter turns batches back into tensors in the consumer, after shared-memory tra
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from numbers import Number
 from typing import Any
-
-import warnings
 
 import numpy as np
 
