@@ -144,6 +144,9 @@ def test_collate_refuses_the_promotions_that_wrap_or_decode() -> None:
         collate([np.array(["a"]), np.array([b"bbb"])])  # bytes would be decoded (or raise on b"\\xff")
     with pytest.raises(ArgumentError, match=r"pad=1j does not fit batch's dtype float64"):
         collate([np.array([1.0]), np.array([1.0, 2.0])], pad=1j)  # the imaginary part would be dropped
+    assert collate([2**64 - 1, 0]).dtype == np.uint64  # NumPy makes them float64
+    with pytest.raises(ArgumentError, match=r"batch mixes uint64 and int64"):
+        collate([2**63, -1])  # no integer type holds both
     masked = np.ma.array([1, 2], mask=[False, True])
     kept = collate([masked, np.ma.array([3, 4])])
     assert isinstance(kept, list) and kept[0].mask.tolist() == [False, True]  # a stack drops the mask

@@ -116,6 +116,33 @@ def test_an_int_column_with_nulls_beyond_float_precision_is_refused(tmp_path: pa
         reads[read]()
 
 
+@pytest.mark.parametrize("read", ["record", "iter", "copy"])
+def test_a_list_of_ints_with_a_null_item_beyond_float_precision_is_refused(tmp_path: pathlib.Path, read: str) -> None:
+    """Arrow makes integer items with a null among them float64: 2**53 + 1 would round."""
+    path = str(tmp_path / "lists.parquet")
+    rows = [[1, None], [2**53 + 1], [2**53, 3]]
+    pq.write_table(pa.table({"x": pa.array(rows, pa.list_(pa.int64()))}), path, row_group_size=3)
+    source = Parquet(path)
+    reads = {
+        "record": lambda: source[1],
+        "iter": lambda: list(source.iter_records()),
+        "copy": lambda: source.local_copy(tmp_path / "copy")[1],
+    }
+    with pytest.raises(SourceError, match=r"Parquet column 'x' holds nulls, so it is read as float64, but .*740993"):
+        reads[read]()
+    pq.write_table(pa.table({"x": pa.array(rows[:1] + rows[2:], pa.list_(pa.int64()))}), path)
+    exact = Parquet(path)  # 2**53 is held: the null item is NaN, the rest kept
+    assert np.array_equal(exact[0]["x"], [1, np.nan], equal_nan=True) and exact[1]["x"].tolist() == [2**53, 3]
+
+
+def test_a_uint64_column_beyond_int64_batches_as_uint64(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "ids.parquet")
+    pq.write_table(pa.table({"id": pa.array([2**64 - 1, 0, 2**63, 5], pa.uint64())}), path)
+    batches = [b["id"] for b in gl.Dataset(Parquet(path)).batch(2)]
+    assert [b.dtype for b in batches] == [np.uint64, np.uint64]
+    assert [b.tolist() for b in batches] == [[2**64 - 1, 0], [2**63, 5]]
+
+
 def test_random_order_and_cache_bound(files: list[str]) -> None:
     src = Parquet(files, cached_row_groups=2)
     for i in np.random.default_rng(0).permutation(70).tolist():

@@ -238,7 +238,7 @@ def _by_row_group(column: Any, decoded: OrderedDict[tuple[int, str], list[Any]],
     def get(row: int) -> Any:
         values = decoded.get(key)
         if values is None:
-            values = decoded[key] = to_python(chunked)
+            values = decoded[key] = to_python(chunked, key[1])
             while len(decoded) > _DECODED_COLUMNS:
                 with contextlib.suppress(KeyError):  # another thread evicted it first
                     decoded.popitem(last=False)

@@ -346,7 +346,7 @@ class Parquet:
         columns = [column.combine_chunks() for column in table.columns]
         layout = Layout.plan(table.column_names, [c.type for c in columns], self.int_columns_as_float, spans=False)
         steps: list[Step] = [
-            (name, kind, slot, None if kind == VALUE else to_python(column).__getitem__)
+            (name, kind, slot, None if kind == VALUE else to_python(column, name).__getitem__)
             for (name, kind, slot, _), column in zip(layout.columns, columns, strict=True)
         ]
         return layout.unpacker_of(layout.records(columns)), steps
