@@ -135,6 +135,21 @@ def test_a_list_of_ints_with_a_null_item_beyond_float_precision_is_refused(tmp_p
     assert np.array_equal(exact[0]["x"], [1, np.nan], equal_nan=True) and exact[1]["x"].tolist() == [2**53, 3]
 
 
+@pytest.mark.parametrize("read", ["record", "iter", "copy"])
+def test_a_nanosecond_timestamp_python_cannot_hold_is_a_named_error(tmp_path: pathlib.Path, read: str) -> None:
+    path = str(tmp_path / "times.parquet")
+    pq.write_table(pa.table({"t": pa.array([1000, 1], pa.timestamp("ns"))}), path)
+    source = Parquet(path)
+    reads = {
+        "record": lambda: source[1],
+        "iter": lambda: list(source.iter_records()),
+        "copy": lambda: source.local_copy(tmp_path / "copy")[1],
+    }
+    with pytest.raises(SourceError, match=r"Parquet column 't' holds a value Python cannot hold exactly"):
+        reads[read]()
+    assert source.local_copy(tmp_path / "copy")[0]["t"].microsecond == 1  # whole microseconds read
+
+
 def test_a_uint64_column_beyond_int64_batches_as_uint64(tmp_path: pathlib.Path) -> None:
     path = str(tmp_path / "ids.parquet")
     pq.write_table(pa.table({"id": pa.array([2**64 - 1, 0, 2**63, 5], pa.uint64())}), path)

@@ -86,4 +86,16 @@ def to_python(column: Any, name: str) -> list[Any]:
         return list(column.to_numpy(zero_copy_only=False))
     if pa.types.is_floating(kind) or (column.null_count == 0 and is_exact(kind)):
         return np.asarray(column.to_numpy()).tolist()
-    return column.to_pylist()
+    try:
+        return column.to_pylist()
+    except ValueError as exc:
+        raise unreadable(name, exc) from None
+
+
+def unreadable(name: str, exc: Exception) -> SourceError:
+    """Arrow refuses a value Python's type cannot hold exactly (a timestamp or duration with
+    nanoseconds): named, never rounded."""
+    return SourceError(
+        f"Parquet column {name!r} holds a value Python cannot hold exactly ({exc}); "
+        "cast it in the files (timestamps to microseconds, for one) or select it out with columns=[...]"
+    )
