@@ -308,6 +308,32 @@ def test_select_takes_only_integers(indices: Any) -> None:
     assert list(gl.Dataset(gl.from_sequence(list(range(10)))).select(np.array([3, 1], np.uint8))) == [3, 1]
 
 
+def test_select_takes_a_flat_list_only() -> None:
+    with pytest.raises(ArgumentError, match=r"select: indices must be a flat list of integers, got .* shape \(2, 2\)"):
+        gl.Dataset(gl.from_sequence(list(range(10)))).select([[1, 2], [3, 4]])  # was flattened to 1, 2, 3, 4
+
+
+def test_numpy_integers_count_as_ints_and_arrays_as_lists() -> None:
+    """Sizes, counts and weights computed with NumPy are accepted, and kept as Python values, so
+    that the chain's fingerprint and states are those of the same plain ints."""
+    ds = gl.Dataset(gl.from_sequence([np.arange(n) for n in (1, 2, 3, 5)]))
+    batched = ds.batch(np.int64(2), pad=0)
+    assert batched.fingerprint == ds.batch(2, pad=0).fingerprint
+    assert [b.shape for b in batched] == [(2, 2), (2, 5)]
+    buckets = ds.bucket_batch(len, np.array([2, 4]), np.int32(2), pad=0)
+    assert buckets.fingerprint == ds.bucket_batch(len, [2, 4], 2, pad=0).fingerprint
+    assert sorted(len(b) for b in buckets) == [1, 1, 2]
+    packed = gl.Dataset(gl.from_sequence([{"tokens": np.arange(5)}])).pack(np.int64(4))
+    assert [r["tokens"].tolist() for r in packed] == [[0, 1, 2, 3], [4, 0, 0, 0]]
+    mixed = gl.Dataset.mix(
+        [gl.Dataset(gl.from_sequence(["a"] * 4)), gl.Dataset(gl.from_sequence(["b"] * 4))], weights=np.array([1.0, 1.0])
+    )
+    assert sorted(mixed) == ["a"] * 4 + ["b"] * 4
+    for bad in (np.bool_(True), np.float64(2.0)):
+        with pytest.raises(ArgumentError, match=r"batch: n must be an int >= 1"):
+            ds.batch(bad)
+
+
 @pytest.mark.parametrize("make", [lambda ds: ds.batch(2, drop_last="False"), lambda ds: ds.pack(4, drop_last=1)])
 def test_flags_must_be_bools(make: Any) -> None:
     with pytest.raises(ArgumentError, match=r"drop_last must be True or False"):

@@ -39,6 +39,8 @@ class Select:
             raise ArgumentError(  # 1.5 -> 1, True -> 1 or "3" -> 3 would select what nobody asked for
                 f"select: indices must be integers, got {given.dtype} values such as {given.reshape(-1)[0]!r}"
             )
+        if given.ndim > 1:  # [[1, 2], [3, 4]] is not a list of positions: flattening would guess
+            raise ArgumentError(f"select: indices must be a flat list of integers, got an array of shape {given.shape}")
         arr = given.astype(np.int64).reshape(-1)
         arr.setflags(write=False)
         return cls(arr)

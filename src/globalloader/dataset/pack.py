@@ -36,7 +36,7 @@ class PackOp:
     dtype: np.dtype[Any] | None = None
 
     def __post_init__(self) -> None:
-        check_size(self.seq_len, "pack: seq_len")
+        object.__setattr__(self, "seq_len", check_size(self.seq_len, "pack: seq_len"))
         if self.seq_len > np.iinfo(np.int32).max:
             raise ArgumentError(f"pack: seq_len must fit the int32 positions, got {self.seq_len}")
         if self.key is not None and not isinstance(self.key, str):
