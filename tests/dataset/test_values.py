@@ -153,6 +153,28 @@ def test_collate_refuses_the_promotions_that_wrap_or_decode() -> None:
     assert collate([np.array([1], ">i4"), np.array([2], "<i4")]).tolist() == [[1], [2]]
 
 
+def _tensor_sample(i: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "ids": torch.tensor([i, 300 * i], dtype=torch.int8 if i % 2 == 0 and i < 1 else torch.int64),
+        "half": torch.tensor([i + 0.5], dtype=torch.bfloat16),  # NumPy has no bfloat16
+        "flipped": torch.tensor([i + 1j]).conj(),  # a lazy conjugate: .numpy() refuses it
+    }
+
+
+def test_tensors_of_any_dtype_collate_exactly_through_process_workers() -> None:
+    torch = pytest.importorskip("torch")
+    ds = gl.Dataset(gl.from_sequence(list(range(8)))).map(_tensor_sample).batch(4)
+    with gl.Loader(ds, workers=2, start_method="fork") as loader:
+        batches = list(loader)
+    assert [b["ids"].tolist() for b in batches] == [[[i, 300 * i] for i in range(k, k + 4)] for k in (0, 4)]
+    assert all(b["ids"].dtype == np.int64 for b in batches)  # int8 (i = 0) with int64: int64
+    halves = [t for b in batches for t in b["half"]]
+    assert all(t.dtype == torch.bfloat16 for t in halves) and [float(t) for t in halves] == [i + 0.5 for i in range(8)]
+    assert [complex(x) for b in batches for x in b["flipped"].ravel()] == [i - 1j for i in range(8)]
+
+
 # -- pack -----------------------------------------------------------------------------------------------
 @PROPERTY
 @given(

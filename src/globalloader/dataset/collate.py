@@ -187,5 +187,18 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
     if all(isinstance(it, (bool, np.bool_)) for it in items):
         return np.asarray(items, dtype=bool)
     if all(hasattr(it, "numpy") and hasattr(it, "shape") for it in items):
-        return _collate([it.numpy() for it in items], where, deferred, pad)
+        try:
+            arrays = [_as_numpy(it) for it in items]
+        except (TypeError, RuntimeError):  # no NumPy dtype (bfloat16) or needs grad: kept as they are
+            return items
+        return _collate(arrays, where, deferred, pad)
     return items
+
+
+def _as_numpy(tensor: Any) -> np.ndarray:
+    """A tensor's values as a NumPy array; torch's lazy conjugate and negative views resolved
+    first (their `.numpy()` refuses them)."""
+    for resolve in ("resolve_conj", "resolve_neg"):
+        if hasattr(tensor, resolve):
+            tensor = getattr(tensor, resolve)()
+    return np.asarray(tensor.numpy())
