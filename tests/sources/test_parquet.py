@@ -150,6 +150,22 @@ def test_a_nanosecond_timestamp_python_cannot_hold_is_a_named_error(tmp_path: pa
     assert source.local_copy(tmp_path / "copy")[0]["t"].microsecond == 1  # whole microseconds read
 
 
+@pytest.mark.parametrize("bad", [[1.7], np.array([0.9]), [True], ["1"], [[0, 1]]])
+@pytest.mark.parametrize("copied", [False, True])
+def test_read_many_and_read_columns_take_only_flat_integer_indices(
+    files: list[str], tmp_path: pathlib.Path, bad: object, copied: bool
+) -> None:
+    """1.7 -> row 1, True -> row 1 or "1" -> row 1 would read rows nobody asked for."""
+    source = Parquet(files, columns=["id"])
+    reader = source.local_copy(tmp_path / "copy") if copied else source
+    for read in [getattr(reader, name) for name in ("read_many", "read_columns") if hasattr(reader, name)]:
+        with pytest.raises(ArgumentError, match=r"indices must be a flat list of ints"):
+            read(bad)
+        with pytest.raises(SampleIndexError, match=r"index 18446744073709551615 is out of range"):
+            read(np.array([2**64 - 1], np.uint64))  # not wrapped to -1
+    assert reader.read_columns(np.array([3, 1], np.uint8))["id"].tolist() == [3, 1]
+
+
 def test_a_uint64_column_beyond_int64_batches_as_uint64(tmp_path: pathlib.Path) -> None:
     path = str(tmp_path / "ids.parquet")
     pq.write_table(pa.table({"id": pa.array([2**64 - 1, 0, 2**63, 5], pa.uint64())}), path)
