@@ -217,6 +217,14 @@ def test_pack_of_an_int8_then_an_int64_document_keeps_the_values() -> None:
         gl.Dataset(gl.from_sequence(docs, key="d")).pack(6, dtype="float32")
 
 
+def test_pack_takes_empty_documents_of_any_dtype() -> None:
+    docs = [{"tokens": []}, {"tokens": np.array([1, 2, 3], np.int16)}, {"tokens": np.array([], np.float64)}]
+    rows = list(gl.Dataset(gl.from_sequence(docs)).pack(2))
+    assert [(r["tokens"].tolist(), r["tokens"].dtype) for r in rows] == [([1, 2], np.int16), ([3, 0], np.int16)]
+    with pytest.raises(TransformError, match=r"must be a 1-D integer array, got float64 of shape \(1,\)"):
+        list(gl.Dataset(gl.from_sequence([{"tokens": [1.5]}])).pack(2))
+
+
 def test_mixed_corpora_of_two_dtypes_pack_exactly_through_workers() -> None:
     """The reported case: mix(uint16 corpus, int32 corpus).pack(16).batch(4), 2 workers."""
     rng = np.random.default_rng(0)

@@ -76,6 +76,8 @@ class PackStage:
             got = sorted(item) if isinstance(item, dict) else type(item).__name__
             raise TransformError(f"pack: a record has no token array at key {key!r} (got {got})")
         tokens = np.asarray(value)
+        if tokens.shape == (0,):
+            return tokens  # an empty document ([] is float64 to NumPy): no token to keep or change
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise TransformError(
                 f"pack: {key or 'the record'} must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}"
