@@ -362,6 +362,25 @@ def test_numpy_integers_count_as_ints_and_arrays_as_lists() -> None:
     for bad in (np.bool_(True), np.float64(2.0)):
         with pytest.raises(ArgumentError, match=r"batch: n must be an int >= 1"):
             ds.batch(bad)
+    numbers = gl.Dataset(gl.from_sequence(list(range(6))))
+    as_numpy = numbers.seed(np.int64(5)).shuffle(seed=np.int32(3)).shard(np.int64(1), np.int64(2))
+    assert as_numpy.fingerprint == numbers.seed(5).shuffle(seed=3).shard(1, 2).fingerprint
+    assert list(as_numpy) == list(numbers.seed(5).shuffle(seed=3).shard(1, 2))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: gl.Dataset(gl.from_sequence(list(range(6)))).shard(True, 2), r"shard: rank must be an int"),
+        (lambda: gl.Dataset(gl.from_sequence(list(range(6)))).shard(0, np.bool_(True)), r"shard: world_size must"),
+        (lambda: gl.Dataset.stream(range(6)).shuffle(buffer_size=True, seed=1), r"shuffle: buffer_size must be"),
+        (lambda: gl.Dataset(gl.from_sequence(list(range(6)))).shuffle(seed=True), r"shuffle: seed must be an int"),
+    ],
+)
+def test_a_bool_is_not_taken_for_a_count(make: Any, message: str) -> None:
+    """shard(True, 2) was rank 1 and buffer_size=True a buffer of 1 (no shuffle at all)."""
+    with pytest.raises(ArgumentError, match=message):
+        make()
 
 
 @pytest.mark.parametrize("make", [lambda ds: ds.batch(2, drop_last="False"), lambda ds: ds.pack(4, drop_last=1)])

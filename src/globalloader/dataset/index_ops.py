@@ -78,7 +78,7 @@ class Shuffle:
 
     def __post_init__(self) -> None:
         if self.seed is not None:
-            check_seed(self.seed, "shuffle")
+            object.__setattr__(self, "seed", check_seed(self.seed, "shuffle"))
 
     def attach(self, plan: Builder) -> None:
         plan.add_index(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
@@ -108,7 +108,9 @@ class Shard:
     uneven: str
 
     def __post_init__(self) -> None:
-        check_shard_args(self.rank, self.world_size, self.uneven)
+        rank, world_size = check_shard_args(self.rank, self.world_size, self.uneven)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "world_size", world_size)
 
     def attach(self, plan: Builder) -> None:
         plan.add_index(self)

@@ -48,7 +48,7 @@ class SeedOp:
     seed: int
 
     def __post_init__(self) -> None:
-        check_seed(self.seed, "seed")
+        object.__setattr__(self, "seed", check_seed(self.seed, "seed"))
 
     def attach(self, plan: Builder) -> None:
         plan.set_root(self.seed)
