@@ -197,6 +197,9 @@ def test_iter_records_and_read_table(files: list[str]) -> None:
     assert src.read_table(files[0]).num_rows == 50
     with pytest.raises(ArgumentError, match="file must be"):
         src.read_table(2)
+    for bad in (True, "no-such-file.parquet"):  # True was file 1; an unknown URL a raw ValueError
+        with pytest.raises(ArgumentError, match="file must be"):
+            src.read_table(bad)
 
 
 def test_fingerprint_tracks_content_and_columns(files: list[str]) -> None:

@@ -98,7 +98,7 @@ class Parquet:
         self._pq = _extras.require("pyarrow.parquet", "parquet")
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ArgumentError(f"columns must be a list of str or None, got {columns!r}")
-        if not isinstance(cached_row_groups, int) or cached_row_groups < 1:
+        if not isinstance(cached_row_groups, int) or isinstance(cached_row_groups, bool) or cached_row_groups < 1:
             raise ArgumentError(f"cached_row_groups must be a positive int, got {cached_row_groups!r}")
         self.store = storage.Store(storage_options, cache_limit)
         self.files: list[str] = _files.expand_urls(paths, "paths", self.store)
@@ -318,8 +318,8 @@ class Parquet:
 
     def read_table(self, file: int | str) -> Any:
         """The selected columns of one whole file (by index or URL) as a `pyarrow.Table`."""
-        f = self.files.index(file) if isinstance(file, str) else file
-        if not isinstance(f, int) or not 0 <= f < len(self.files):
+        f = (self.files.index(file) if file in self.files else -1) if isinstance(file, str) else file
+        if not isinstance(f, int) or isinstance(f, bool) or not 0 <= f < len(self.files):
             raise ArgumentError(
                 f"file must be an index in 0..{len(self.files) - 1} or one of the source's files, got {file!r}"
             )
