@@ -166,6 +166,20 @@ def test_read_many_and_read_columns_take_only_flat_integer_indices(
     assert reader.read_columns(np.array([3, 1], np.uint8))["id"].tolist() == [3, 1]
 
 
+def test_dictionary_encoded_text_in_one_file_and_plain_in_another_read_alike(tmp_path: pathlib.Path) -> None:
+    paths = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    pq.write_table(pa.table({"s": pa.array(["x", "y"]).dictionary_encode()}), paths[0])  # a pandas categorical
+    pq.write_table(pa.table({"s": pa.array(["z", "x"])}), paths[1])
+    source = Parquet(paths)
+    copy = source.local_copy(tmp_path / "copy")
+    for reader in (source, copy):
+        assert [reader[i]["s"] for i in range(4)] == ["x", "y", "z", "x"]
+        assert next(iter(gl.Dataset(reader).batch(4)))["s"] == ["x", "y", "z", "x"]
+    pq.write_table(pa.table({"s": pa.array([1, 2]).dictionary_encode()}), paths[0])
+    with pytest.raises(SourceError, match=r"Parquet column 's' is int64 in .* but string in"):
+        Parquet(paths)  # other kinds still refused
+
+
 def test_a_uint64_column_beyond_int64_batches_as_uint64(tmp_path: pathlib.Path) -> None:
     path = str(tmp_path / "ids.parquet")
     pq.write_table(pa.table({"id": pa.array([2**64 - 1, 0, 2**63, 5], pa.uint64())}), path)

@@ -27,8 +27,11 @@ _GATHER_ROWS = 8192
 
 
 def _kind(arrow_type: Any) -> str:
-    """What a column's values are when read: types of one kind read as the same Python values."""
+    """What a column's values are when read: types of one kind read as the same Python values
+    (dictionary-encoded text reads as its text: pandas writes categoricals so)."""
     pa = _extras.require("pyarrow", "parquet")
+    if pa.types.is_dictionary(arrow_type) and _kind(arrow_type.value_type) in ("text", "bytes"):
+        return _kind(arrow_type.value_type)
     for kind, test in (
         ("integer", pa.types.is_integer),
         ("float", pa.types.is_floating),
@@ -54,7 +57,8 @@ class Parquet:
     dtype is the same in every batch (`int_columns_as_float` names them); such a column holding an
     integer beyond 2**53, which float64 would round, is a SourceError. Nulls in other columns
     (text, bytes, nested) are None. Files whose selected columns differ in kind (ints in one, floats
-    or text in another, a column missing) are refused when the source is made.
+    or text in another, a column missing) are refused when the source is made; text stored
+    dictionary-encoded in one file (a pandas categorical) and plain in another is one kind.
 
     Random access: the footers give every row group's row count; a bisect over the cumulative
     counts finds the row group, which is decoded whole (Parquet's unit of compression) and kept
