@@ -174,6 +174,7 @@ def test_argument_errors_name_the_argument():
         ("workers", np.bool_(True)),
         ("workers", np.int64(-1)),
         ("timeout", np.float32("nan")),
+        ("timeout", 1e300),  # a thread's wait raised OverflowError
         ("prefetch", True),
         ("prefetch", 0),
         ("start_method", "thread"),

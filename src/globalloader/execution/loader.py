@@ -13,6 +13,7 @@ import contextlib
 import math
 import multiprocessing
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Self
@@ -95,6 +96,8 @@ class Loader:
         seconds = (int, float, np.integer, np.floating)
         if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, seconds) or not 0 < timeout < math.inf:
             raise ArgumentError(f"Loader: timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if timeout > threading.TIMEOUT_MAX:  # a thread's wait would raise OverflowError
+            raise ArgumentError(f"Loader: timeout must be at most {threading.TIMEOUT_MAX:.0f} seconds, got {timeout!r}")
         if start_method not in multiprocessing.get_all_start_methods():
             raise ArgumentError(
                 f"Loader: start_method must be one of {multiprocessing.get_all_start_methods()}, got {start_method!r}"
