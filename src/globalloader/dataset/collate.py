@@ -178,7 +178,8 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
         values = np.asarray(items)
         if values.dtype == object:  # Python ints beyond 64 bits: no NumPy type holds them
             return items
-        if values.dtype.kind == "f" and all(type(it) is int for it in items) and min(items) >= 0 and max(items) > _INT64_MAX:
+        python_ints = values.dtype.kind == "f" and all(type(it) is int for it in items)
+        if python_ints and min(items) >= 0 and max(items) > _INT64_MAX:
             return np.array(items, dtype=np.uint64)  # NumPy would make them float64
         arrays = [np.asarray(it) for it in items]
         common_dtype([a.dtype for a in arrays], where)  # refuses int64 with uint64
