@@ -126,6 +126,11 @@ def _kind(dtype: np.dtype[Any]) -> str:
     return {"U": "text", "S": "bytes"}.get(dtype.kind, dtype.kind)
 
 
+def _plain_array(x: Any) -> bool:
+    """An ndarray (or memmap) whose stack keeps every value: a masked array's stack drops its mask."""
+    return isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray)
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (Number, np.number)) and not isinstance(x, (bool, np.bool_))
 
@@ -160,7 +165,7 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
         scalar_pad = None if isinstance(pad, dict) else pad
         columns = [_collate([it[j] for it in items], f"{where}[{j}]", deferred, scalar_pad) for j in range(len(first))]
         return tuple(columns) if isinstance(first, tuple) else columns
-    if all(isinstance(it, np.ndarray) and it.dtype != object and not np.ma.isMaskedArray(it) for it in items):
+    if all((type(it) is np.ndarray or _plain_array(it)) and it.dtype != object for it in items):
         dtype = common_dtype([it.dtype for it in items], where)
         check_exact(items, dtype, where)
         shapes = {it.shape for it in items}
