@@ -18,23 +18,23 @@ from globalloader.errors import ArgumentError
 class TarWriter:
     """Write samples into tar shards that `webdataset` and `TarShards` read back.
 
-        `pattern` is a plain path (one shard) or contains a printf field (`out-%06d.tar`), filled
-        with 0, 1, 2, ... as shards roll over at `maxcount` samples or `maxsize` bytes (a sample is
-        never split; a shard holds at least one). Local paths or fsspec URLs (`storage_options=` go
-        to fsspec); a remote shard is written to a local temporary file and uploaded, with retries,
-        when it is finished.
+    `pattern` is a plain path (one shard) or contains a printf field (`out-%06d.tar`), filled
+    with 0, 1, 2, ... as shards roll over at `maxcount` samples or `maxsize` bytes (a sample is
+    never split; a shard holds at least one). Local paths or fsspec URLs (`storage_options=` go
+    to fsspec); a remote shard is written to a local temporary file and uploaded, with retries,
+    when it is finished.
 
-        `write(sample)` takes a dict with a str `"__key__"` (no dot in its last path component,
-        since the first dot starts the extension) and one entry per field; other `__x__` entries
-        are ignored. Field values: bytes as-is, str as UTF-8, int/float as decimal text (bools as
-        1/0), NumPy arrays as `.npy` bytes, dict/list as JSON (a dict key that is not a str, which JSON
-    would turn into one, is an ArgumentError). Field names must be lower-case
-        because readers lower-case them. Members get mode 0o444, owner 0 and mtime 0, so the same
-        samples always give the same bytes (stable fingerprints and caches).
+    `write(sample)` takes a dict with a str `"__key__"` (no dot in its last path component,
+    since the first dot starts the extension) and one entry per field; other `__x__` entries
+    are ignored. Field values: bytes as-is, str as UTF-8, int/float as decimal text (bools as
+    1/0), NumPy arrays as `.npy` bytes, dict/list as JSON (a dict key that is not a str, which
+    JSON would turn into one, is an ArgumentError). Field names must be lower-case because
+    readers lower-case them. Members get mode 0o444, owner 0 and mtime 0, so the same
+    samples always give the same bytes (stable fingerprints and caches).
 
-        Shards are created on the first sample written to them (no sample, no file). A file that
-        cannot be created raises SourceError naming it. Not thread-safe. `paths` lists the shards
-        written so far.
+    Shards are created on the first sample written to them (no sample, no file). A file that
+    cannot be created raises SourceError naming it. Not thread-safe. `paths` lists the shards
+    written so far.
     """
 
     def __init__(
