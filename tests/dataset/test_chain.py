@@ -159,6 +159,21 @@ def test_disk_cache_is_shared_between_chains_and_keyed_by_fingerprint(tmp_path):
         gl.Dataset(records(4)).cache(tmp_path)
 
 
+def test_a_damaged_disk_cache_entry_is_computed_again_never_served(tmp_path):
+    list(gl.Dataset(CountingSource(records(4))).map(double).cache(tmp_path))
+    entries = sorted(tmp_path.rglob("*.pkl"), key=lambda p: int(p.stem))
+    intact = [p.read_bytes() for p in entries]
+    flipped = bytearray(intact[1])
+    flipped[len(flipped) // 2] ^= 0xFF  # inside the array's bytes: unpickles to other numbers
+    entries[1].write_bytes(bytes(flipped))
+    entries[2].write_bytes(intact[2][: len(intact[2]) // 2])  # cut short
+    entries[3].write_bytes(b"")  # renamed before the disk had it
+    source = CountingSource(records(4))
+    again = list(gl.Dataset(source).map(double).cache(tmp_path))
+    assert source.reads == 3 and all(same(r["y"], np.full(3, 2 * i)) for i, r in enumerate(again))
+    assert [p.read_bytes() for p in entries] == intact  # written again
+
+
 def test_stream_buffer_shuffle_and_strided_shard():
     data = records(50)
     stream = gl.Dataset.stream(data).shuffle(seed=1, buffer_size=10)

@@ -106,7 +106,9 @@ def test_collated_python_values_stay_what_they_are(values: list[Any]) -> None:
     if isinstance(out, list):
         assert out == values
     else:
-        assert same(out, values) and len({type(v) for v in values}) <= 2  # ints and floats only mix
+        got = out.tolist()  # Python compares ints and floats exactly: 2**53 + 1 != 2.0**53
+        assert all(x == y or (x != x and y != y) for x, y in zip(got, values, strict=True))
+        assert len({type(v) for v in values}) <= 2  # ints and floats only mix
 
 
 def test_the_reported_conversions_are_gone() -> None:
@@ -119,12 +121,60 @@ def test_the_reported_conversions_are_gone() -> None:
         collate([np.array([2**63], np.uint64), np.array([-1])])
     with pytest.raises(ArgumentError, match=r"batch\['x'\] mixes <U1 and int64"):
         collate([{"x": np.array(["a"])}, {"x": np.array([1])}])
-    with pytest.raises(ArgumentError, match=r"cannot hold some of its integers exactly"):
+    with pytest.raises(ArgumentError, match=r"cannot hold some of its values exactly"):
         collate([2**60 + 1, 0.5])
     with pytest.raises(ArgumentError, match=r"pad=300 does not fit batch's dtype int8"):
         collate([np.array([1], np.int8), np.array([1, 2], np.int8)], pad=300)
     with pytest.raises(ArgumentError, match=r"pad=0.5 does not fit"):
         collate([np.array([1]), np.array([1, 2])], pad=0.5)
+
+
+def test_collate_refuses_the_promotions_that_wrap_or_decode() -> None:
+    """Found in review: a promotion that NumPy allows but that changes a value."""
+    far_date, one_ns = np.array(["9000-01-01"], "datetime64[D]"), np.array([1], "datetime64[ns]")
+    with pytest.raises(ArgumentError, match=r"batch mixes datetime64\[D\] with datetime64\[ns\]"):
+        collate([far_date, one_ns])  # NumPy: 1985-05-09 in nanoseconds
+    with pytest.raises(ArgumentError, match=r"timedelta64\[s\] with timedelta64\[ns\]"):
+        collate([np.timedelta64(2**62, "s"), np.timedelta64(1, "ns")])  # NumPy scalars: 0 ns
+    near = collate([np.array(["2020-01-02"], "datetime64[D]"), one_ns])
+    assert near.dtype == np.dtype("datetime64[ns]") and str(near[0, 0]) == "2020-01-02T00:00:00.000000000"
+    record, floats = np.zeros(1, [("a", "i8")]), np.zeros(1, [("a", "f4")])
+    record["a"] = 2**60 + 1
+    with pytest.raises(ArgumentError, match=r"batch mixes \[\('a', '<i8'\)\] with \[\('a', '<f8'\)\]"):
+        collate([record, floats])  # the field would become a float64
+    with pytest.raises(ArgumentError, match=r"batch mixes <U1 and \|S3"):
+        collate([np.array(["a"]), np.array([b"bbb"])])  # bytes would be decoded (or raise on b"\\xff")
+    with pytest.raises(ArgumentError, match=r"pad=1j does not fit batch's dtype float64"):
+        collate([np.array([1.0]), np.array([1.0, 2.0])], pad=1j)  # the imaginary part would be dropped
+    assert collate([2**64 - 1, 0]).dtype == np.uint64  # NumPy makes them float64
+    with pytest.raises(ArgumentError, match=r"batch mixes uint64 and int64"):
+        collate([2**63, -1])  # no integer type holds both
+    masked = np.ma.array([1, 2], mask=[False, True])
+    kept = collate([masked, np.ma.array([3, 4])])
+    assert isinstance(kept, list) and kept[0].mask.tolist() == [False, True]  # a stack drops the mask
+    assert collate([np.array([1], ">i4"), np.array([2], "<i4")]).tolist() == [[1], [2]]
+
+
+def _tensor_sample(i: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "ids": torch.tensor([i, 300 * i], dtype=torch.int8 if i % 2 == 0 and i < 1 else torch.int64),
+        "half": torch.tensor([i + 0.5], dtype=torch.bfloat16),  # NumPy has no bfloat16
+        "flipped": torch.tensor([i + 1j]).conj(),  # a lazy conjugate: .numpy() refuses it
+    }
+
+
+def test_tensors_of_any_dtype_collate_exactly_through_process_workers() -> None:
+    torch = pytest.importorskip("torch")
+    ds = gl.Dataset(gl.from_sequence(list(range(8)))).map(_tensor_sample).batch(4)
+    with gl.Loader(ds, workers=2, start_method="fork") as loader:
+        batches = list(loader)
+    assert [b["ids"].tolist() for b in batches] == [[[i, 300 * i] for i in range(k, k + 4)] for k in (0, 4)]
+    assert all(b["ids"].dtype == np.int64 for b in batches)  # int8 (i = 0) with int64: int64
+    halves = [t for b in batches for t in b["half"]]
+    assert all(t.dtype == torch.bfloat16 for t in halves) and [float(t) for t in halves] == [i + 0.5 for i in range(8)]
+    assert [complex(x) for b in batches for x in b["flipped"].ravel()] == [i - 1j for i in range(8)]
 
 
 # -- pack -----------------------------------------------------------------------------------------------
@@ -167,6 +217,14 @@ def test_pack_of_an_int8_then_an_int64_document_keeps_the_values() -> None:
         list(gl.Dataset(gl.from_sequence(docs[:1], key="d")).pack(4, pad=1000))
     with pytest.raises(ArgumentError, match=r"dtype must be an integer NumPy dtype"):
         gl.Dataset(gl.from_sequence(docs, key="d")).pack(6, dtype="float32")
+
+
+def test_pack_takes_empty_documents_of_any_dtype() -> None:
+    docs = [{"tokens": []}, {"tokens": np.array([1, 2, 3], np.int16)}, {"tokens": np.array([], np.float64)}]
+    rows = list(gl.Dataset(gl.from_sequence(docs)).pack(2))
+    assert [(r["tokens"].tolist(), r["tokens"].dtype) for r in rows] == [([1, 2], np.int16), ([3, 0], np.int16)]
+    with pytest.raises(TransformError, match=r"must be a 1-D integer array, got float64 of shape \(1,\)"):
+        list(gl.Dataset(gl.from_sequence([{"tokens": [1.5]}])).pack(2))
 
 
 def test_mixed_corpora_of_two_dtypes_pack_exactly_through_workers() -> None:
@@ -280,6 +338,53 @@ def test_select_takes_only_integers(indices: Any) -> None:
     with pytest.raises(ArgumentError, match=r"select: indices must be integers"):
         gl.Dataset(gl.from_sequence(list(range(10)))).select(indices)
     assert list(gl.Dataset(gl.from_sequence(list(range(10)))).select(np.array([3, 1], np.uint8))) == [3, 1]
+
+
+def test_select_takes_a_flat_list_only() -> None:
+    with pytest.raises(ArgumentError, match=r"select: indices must be a flat list of integers, got .* shape \(2, 2\)"):
+        gl.Dataset(gl.from_sequence(list(range(10)))).select([[1, 2], [3, 4]])  # was flattened to 1, 2, 3, 4
+
+
+def test_numpy_integers_count_as_ints_and_arrays_as_lists() -> None:
+    """Sizes, counts and weights computed with NumPy are accepted, and kept as Python values, so
+    that the chain's fingerprint and states are those of the same plain ints."""
+    ds = gl.Dataset(gl.from_sequence([np.arange(n) for n in (1, 2, 3, 5)]))
+    batched = ds.batch(np.int64(2), pad=0)
+    assert batched.fingerprint == ds.batch(2, pad=0).fingerprint
+    assert [b.shape for b in batched] == [(2, 2), (2, 5)]
+    buckets = ds.bucket_batch(len, np.array([2, 4]), np.int32(2), pad=0)
+    assert buckets.fingerprint == ds.bucket_batch(len, [2, 4], 2, pad=0).fingerprint
+    assert sorted(len(b) for b in buckets) == [1, 1, 2]
+    packed = gl.Dataset(gl.from_sequence([{"tokens": np.arange(5)}])).pack(np.int64(4))
+    assert [r["tokens"].tolist() for r in packed] == [[0, 1, 2, 3], [4, 0, 0, 0]]
+    mixed = gl.Dataset.mix(
+        [gl.Dataset(gl.from_sequence(["a"] * 4)), gl.Dataset(gl.from_sequence(["b"] * 4))], weights=np.array([1.0, 1.0])
+    )
+    assert sorted(mixed) == ["a"] * 4 + ["b"] * 4
+    for bad in (np.bool_(True), np.float64(2.0)):
+        with pytest.raises(ArgumentError, match=r"batch: n must be an int >= 1"):
+            ds.batch(bad)
+    numbers = gl.Dataset(gl.from_sequence(list(range(6))))
+    as_numpy = numbers.seed(np.int64(5)).shuffle(seed=np.int32(3)).shard(np.int64(1), np.int64(2))
+    assert as_numpy.fingerprint == numbers.seed(5).shuffle(seed=3).shard(1, 2).fingerprint
+    assert list(as_numpy) == list(numbers.seed(5).shuffle(seed=3).shard(1, 2))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: gl.Dataset(gl.from_sequence(list(range(6)))).shard(True, 2), r"shard: rank must be an int"),
+        (lambda: gl.Dataset(gl.from_sequence(list(range(6)))).shard(0, np.bool_(True)), r"shard: world_size must"),
+        (lambda: gl.Dataset.stream(range(6)).shuffle(buffer_size=True, seed=1), r"shuffle: buffer_size must be"),
+        (lambda: gl.Dataset(gl.from_sequence(list(range(6)))).shuffle(seed=True), r"shuffle: seed must be an int"),
+        (lambda: gl.Dataset(gl.from_sequence(list(range(6)))).shuffle(seed=5 + 2**64), r"seed must be below 2\*\*64"),
+    ],
+)
+def test_a_bool_or_a_seed_beyond_64_bits_is_refused(make: Any, message: str) -> None:
+    """shard(True, 2) was rank 1, buffer_size=True a buffer of 1 (no shuffle at all), and seed 5 + 2**64
+    the order of seed 5."""
+    with pytest.raises(ArgumentError, match=message):
+        make()
 
 
 @pytest.mark.parametrize("make", [lambda ds: ds.batch(2, drop_last="False"), lambda ds: ds.pack(4, drop_last=1)])

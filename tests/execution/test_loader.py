@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -172,6 +173,10 @@ def test_argument_errors_name_the_argument():
         ("timeout", "10"),
         ("workers", True),
         ("workers", 1.0),
+        ("workers", np.bool_(True)),
+        ("workers", np.int64(-1)),
+        ("timeout", np.float32("nan")),
+        ("timeout", 1e300),  # a thread's wait raised OverflowError
         ("prefetch", True),
         ("prefetch", 0),
         ("start_method", "thread"),
@@ -184,6 +189,19 @@ def test_argument_errors_name_the_argument():
 def test_every_argument_is_checked_where_it_enters(argument, value):
     with pytest.raises(ArgumentError, match=rf"Loader: {argument} must be"):
         gl.Loader(chain(), **{argument: value})
+
+
+def test_numpy_numbers_are_taken_as_the_plain_numbers_they_hold():
+    """np.int64(2) workers is what a user computing counts with NumPy means; kept as an int, so
+    states stay plain JSON."""
+    loader = gl.Loader(chain(), workers=np.int64(2), prefetch=np.int32(3), timeout=np.float32(30))
+    assert (type(loader.workers), type(loader.prefetch), type(loader.timeout)) == (int, int, float)
+    loader.set_epoch(np.int64(1))
+    with loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    assert json.loads(json.dumps(state)) == state and state["epoch"] == 1
 
 
 def test_spawned_workers_receive_lambdas_through_cloudpickle():

@@ -352,3 +352,12 @@ def test_files_whose_column_types_differ_are_combined_only_without_a_change() ->
     assert _conform(np.array([3], np.int32), wide, "x", "b.parquet", "a.parquet").tolist() == [3]
     with pytest.raises(SourceError, match=r"column 'x' is int64 in b.parquet but int8 in a.parquet"):
         _conform(np.array([300], np.int64), np.array([1], np.int8), "x", "b.parquet", "a.parquet")
+    assert _conform(np.array([2**53], np.int64), np.array([0.5]), "x", "b", "a").tolist() == [2.0**53]
+    wrapping = [
+        (np.array([2**53 + 1], np.int64), np.array([0.5])),  # NumPy calls this cast "safe"; it rounds
+        (np.array([2**64 - 1], np.uint64), np.array([0.5])),
+        (np.array(["9000-01-01"], "datetime64[D]"), np.array([1], "datetime64[ns]")),  # wraps to 1985
+    ]
+    for rows, like in wrapping:
+        with pytest.raises(SourceError, match=r"in b but .* in a, which cannot hold some of its values"):
+            _conform(rows, like, "x", "b", "a")

@@ -116,6 +116,78 @@ def test_an_int_column_with_nulls_beyond_float_precision_is_refused(tmp_path: pa
         reads[read]()
 
 
+@pytest.mark.parametrize("read", ["record", "iter", "copy"])
+def test_a_list_of_ints_with_a_null_item_beyond_float_precision_is_refused(tmp_path: pathlib.Path, read: str) -> None:
+    """Arrow makes integer items with a null among them float64: 2**53 + 1 would round."""
+    path = str(tmp_path / "lists.parquet")
+    rows = [[1, None], [2**53 + 1], [2**53, 3]]
+    pq.write_table(pa.table({"x": pa.array(rows, pa.list_(pa.int64()))}), path, row_group_size=3)
+    source = Parquet(path)
+    reads = {
+        "record": lambda: source[1],
+        "iter": lambda: list(source.iter_records()),
+        "copy": lambda: source.local_copy(tmp_path / "copy")[1],
+    }
+    with pytest.raises(SourceError, match=r"Parquet column 'x' holds nulls, so it is read as float64, but .*740993"):
+        reads[read]()
+    pq.write_table(pa.table({"x": pa.array(rows[:1] + rows[2:], pa.list_(pa.int64()))}), path)
+    exact = Parquet(path)  # 2**53 is held: the null item is NaN, the rest kept
+    assert np.array_equal(exact[0]["x"], [1, np.nan], equal_nan=True) and exact[1]["x"].tolist() == [2**53, 3]
+
+
+@pytest.mark.parametrize("read", ["record", "iter", "copy"])
+def test_a_nanosecond_timestamp_python_cannot_hold_is_a_named_error(tmp_path: pathlib.Path, read: str) -> None:
+    path = str(tmp_path / "times.parquet")
+    pq.write_table(pa.table({"t": pa.array([1000, 1], pa.timestamp("ns"))}), path)
+    source = Parquet(path)
+    reads = {
+        "record": lambda: source[1],
+        "iter": lambda: list(source.iter_records()),
+        "copy": lambda: source.local_copy(tmp_path / "copy")[1],
+    }
+    with pytest.raises(SourceError, match=r"Parquet column 't' holds a value Python cannot hold exactly"):
+        reads[read]()
+    assert source.local_copy(tmp_path / "copy")[0]["t"].microsecond == 1  # whole microseconds read
+
+
+@pytest.mark.parametrize("bad", [[1.7], np.array([0.9]), [True], ["1"], [[0, 1]]])
+@pytest.mark.parametrize("copied", [False, True])
+def test_read_many_and_read_columns_take_only_flat_integer_indices(
+    files: list[str], tmp_path: pathlib.Path, bad: object, copied: bool
+) -> None:
+    """1.7 -> row 1, True -> row 1 or "1" -> row 1 would read rows nobody asked for."""
+    source = Parquet(files, columns=["id"])
+    reader = source.local_copy(tmp_path / "copy") if copied else source
+    for read in [getattr(reader, name) for name in ("read_many", "read_columns") if hasattr(reader, name)]:
+        with pytest.raises(ArgumentError, match=r"indices must be a flat list of ints"):
+            read(bad)
+        with pytest.raises(SampleIndexError, match=r"index 18446744073709551615 is out of range"):
+            read(np.array([2**64 - 1], np.uint64))  # not wrapped to -1
+    assert reader.read_columns(np.array([3, 1], np.uint8))["id"].tolist() == [3, 1]
+
+
+def test_dictionary_encoded_text_in_one_file_and_plain_in_another_read_alike(tmp_path: pathlib.Path) -> None:
+    paths = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    pq.write_table(pa.table({"s": pa.array(["x", "y"]).dictionary_encode()}), paths[0])  # a pandas categorical
+    pq.write_table(pa.table({"s": pa.array(["z", "x"])}), paths[1])
+    source = Parquet(paths)
+    copy = source.local_copy(tmp_path / "copy")
+    for reader in (source, copy):
+        assert [reader[i]["s"] for i in range(4)] == ["x", "y", "z", "x"]
+        assert next(iter(gl.Dataset(reader).batch(4)))["s"] == ["x", "y", "z", "x"]
+    pq.write_table(pa.table({"s": pa.array([1, 2]).dictionary_encode()}), paths[0])
+    with pytest.raises(SourceError, match=r"Parquet column 's' is int64 in .* but string in"):
+        Parquet(paths)  # other kinds still refused
+
+
+def test_a_uint64_column_beyond_int64_batches_as_uint64(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "ids.parquet")
+    pq.write_table(pa.table({"id": pa.array([2**64 - 1, 0, 2**63, 5], pa.uint64())}), path)
+    batches = [b["id"] for b in gl.Dataset(Parquet(path)).batch(2)]
+    assert [b.dtype for b in batches] == [np.uint64, np.uint64]
+    assert [b.tolist() for b in batches] == [[2**64 - 1, 0], [2**63, 5]]
+
+
 def test_random_order_and_cache_bound(files: list[str]) -> None:
     src = Parquet(files, cached_row_groups=2)
     for i in np.random.default_rng(0).permutation(70).tolist():
@@ -139,6 +211,9 @@ def test_iter_records_and_read_table(files: list[str]) -> None:
     assert src.read_table(files[0]).num_rows == 50
     with pytest.raises(ArgumentError, match="file must be"):
         src.read_table(2)
+    for bad in (True, "no-such-file.parquet"):  # True was file 1; an unknown URL a raw ValueError
+        with pytest.raises(ArgumentError, match="file must be"):
+            src.read_table(bad)
 
 
 def test_fingerprint_tracks_content_and_columns(files: list[str]) -> None:

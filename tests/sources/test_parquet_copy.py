@@ -77,6 +77,30 @@ def test_copy_is_reused_by_later_constructions_and_processes(files: list[str], t
     assert strictly_equal(clone[42], first[42])
 
 
+def test_processes_building_the_same_copy_at_once_agree(tmp_path: pathlib.Path) -> None:
+    """Writers racing to publish the copy and its checksum leave one consistent pair that every
+    reader accepts, and each reads the source's rows."""
+    path = str(tmp_path / "data.parquet")
+    pq.write_table(pa.table({"id": list(range(3000)), "text": [f"t{i}" for i in range(3000)]}), path, row_group_size=50)
+    folder = tmp_path / "copies"
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        import globalloader as gl
+        while time.time() < float(sys.argv[1]):
+            pass
+        copy = gl.Parquet({path!r}).local_copy({str(folder)!r}, progress=False)
+        print(copy.built, all((copy[i]["id"], copy[i]["text"]) == (i, f"t{{i}}") for i in range(3000)))
+        """
+    )
+    start = str(time.time() + 3)  # past every interpreter's start-up: the builds overlap
+    procs = [subprocess.Popen([sys.executable, "-c", code, start], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [proc.communicate(timeout=120)[0].split() for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs) and all(out[1] == "True" for out in outs)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([p.name for p in folder.glob("*.arrow*")])
+    assert not gl.Parquet(path).local_copy(folder).built  # the published pair passes the check
+
+
 def test_copy_is_rebuilt_when_a_file_changes(files: list[str], tmp_path: pathlib.Path) -> None:
     folder = tmp_path / "copies"
     old = gl.Parquet(files).local_copy(folder)
@@ -166,6 +190,18 @@ def test_a_copy_whose_checksum_is_lost_is_written_again(files: list[str], tmp_pa
     copy = gl.Parquet(files).local_copy(tmp_path)
     copy.path.with_name(copy.path.name + ".crc32").unlink()
     assert gl.Parquet(files).local_copy(tmp_path).built
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe\x00 not text", b"", b"00000000", b"0" * 100_000])
+def test_a_copy_whose_checksum_is_garbage_is_written_again(
+    files: list[str], tmp_path: pathlib.Path, garbage: bytes
+) -> None:
+    source = gl.Parquet(files)
+    copy = source.local_copy(tmp_path)
+    copy.path.with_name(copy.path.name + ".crc32").write_bytes(garbage)
+    again = source.local_copy(tmp_path)
+    assert again.built and strictly_equal(again[99], source[99])
+    assert not source.local_copy(tmp_path).built  # the rewritten sidecar matches
 
 
 def test_exact_shuffle_over_the_copy_resumes_through_the_loader(files: list[str], tmp_path: pathlib.Path) -> None:

@@ -247,6 +247,11 @@ def test_wrong_option_types(make_shards: Callable[..., list[str]]) -> None:
         TarShards(paths, max_open="4")  # type: ignore[arg-type]
     with pytest.raises(ArgumentError, match="index_dir"):
         TarShards(paths, index_dir=3)  # type: ignore[arg-type]
+    for option in ("threads", "max_open"):  # True was 1 thread, False no open file kept
+        with pytest.raises(ArgumentError, match=option):
+            TarShards(paths, **{option: True})
+    with pytest.raises(ArgumentError, match=r"shards must hold indices in 0..1, got True"):
+        list(TarShards(make_shards(4, per_shard=2)).iter_records(shards=[True]))  # was shard 1
 
 
 def test_pickle_and_spawned_process(make_shards: Callable[..., list[str]]) -> None:

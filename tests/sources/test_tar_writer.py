@@ -112,6 +112,7 @@ def test_writes_to_fsspec_url(tmp_path: pathlib.Path) -> None:
         ({"__key__": "k", "obj": object()}, "field 'obj' has unsupported type object"),
         ({"__key__": "k", "arr": np.array([object()])}, "field 'arr' is an object array"),
         ({"__key__": "k", "json": {"a": object()}}, "field 'json' is not JSON-serializable"),
+        ({"__key__": "k", "json": {"a": [{0: "cat"}]}}, "field 'json' has a dict key that is not a str"),
         ({"__key__": "k"}, "no fields"),
         ("not a dict", "must be a dict"),
     ],

@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 
 def check_size(n: Any, what: str) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    """A count >= 1 as a Python int (a NumPy integer is one too; a bool or a float is not)."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
         raise ArgumentError(f"{what} must be an int >= 1, got {n!r}")
-    return n
+    return int(n)
 
 
 def check_flag(value: Any, what: str) -> bool:
@@ -41,7 +42,7 @@ class BatchOp:
     collate: Callable[[list[Any]], Any] = default_collate
 
     def __post_init__(self) -> None:
-        check_size(self.size, "batch: n")
+        object.__setattr__(self, "size", check_size(self.size, "batch: n"))  # np.int64(32) -> 32
         if not callable(self.collate):
             raise ArgumentError(f"batch: collate must be callable, got {type(self.collate).__name__}")
 

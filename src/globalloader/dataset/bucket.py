@@ -39,14 +39,16 @@ class BucketBatchOp:
     ) -> BucketBatchOp:
         if not callable(length_fn):
             raise ArgumentError(f"bucket_batch: length_fn must be callable, got {type(length_fn).__name__}")
-        bounds = tuple(boundaries) if isinstance(boundaries, Sequence) and not isinstance(boundaries, str) else ()
+        listed = isinstance(boundaries, (Sequence, np.ndarray)) and not isinstance(boundaries, str)
+        bounds = tuple(boundaries) if listed else ()
         if (
             not bounds
-            or any(not isinstance(b, int) or isinstance(b, bool) for b in bounds)
+            or any(not isinstance(b, (int, np.integer)) or isinstance(b, bool) for b in bounds)
             or list(bounds) != sorted(set(bounds))
         ):
             raise ArgumentError(f"bucket_batch: boundaries must be a list of increasing ints, got {boundaries!r}")
-        if isinstance(batch_size, int):
+        bounds = tuple(int(b) for b in bounds)
+        if isinstance(batch_size, (int, np.integer)):
             sizes: tuple[int, ...] = (batch_size,) * (len(bounds) + 1)
         elif isinstance(batch_size, Sequence) and not isinstance(batch_size, str):
             sizes = tuple(batch_size)
@@ -56,8 +58,7 @@ class BucketBatchOp:
             raise ArgumentError(
                 f"bucket_batch: {len(bounds)} boundaries make {len(bounds) + 1} buckets; got {len(sizes)} batch sizes"
             )
-        for size in sizes:
-            check_size(size, "bucket_batch: batch_size")
+        sizes = tuple(check_size(size, "bucket_batch: batch_size") for size in sizes)
         return cls(length_fn, bounds, sizes, pad, check_flag(drop_last, "bucket_batch: drop_last"))
 
     def attach(self, plan: Builder) -> None:

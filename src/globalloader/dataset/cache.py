@@ -5,13 +5,17 @@ every worker and every later run share one folder named by the identity of the s
 maps before the cache point (the same walk as the sharing key, see `dataset.fingerprint`), so a
 changed source, transform or any value a transform reads never reads stale entries. An explicit
 `key` stands for those maps when their identity cannot be established. Entries are written atomically (temp + rename),
-so a crash leaves no half-written sample.
+so a crash leaves no half-written sample, and carry a CRC-32 of their pickle: an entry damaged on
+disk (a flipped byte, or cut short by a power loss before the disk had it) is computed again,
+never served.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import threading
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +23,7 @@ if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
 
 MISSING = object()
+_HEADER = b"glcache1"  # then the CRC-32 of the pickle (4 bytes, little-endian), then the pickle
 
 
 class CacheOp:
@@ -42,19 +47,23 @@ class CacheOp:
         if self._folder is None:
             return self._memory.get(index, MISSING)
         try:
-            with open(self._folder / f"{index}.pkl", "rb") as f:
-                return pickle.load(f)
+            data = memoryview((self._folder / f"{index}.pkl").read_bytes())
         except FileNotFoundError:
             return MISSING
+        body, start = data[len(_HEADER) + 4 :], len(_HEADER)
+        if data[:start] != _HEADER or int.from_bytes(data[start : start + 4], "little") != zlib.crc32(body):
+            return MISSING  # damaged: put() writes it again
+        return pickle.loads(body)
 
     def put(self, index: int, value: Any) -> None:
         if self._folder is None:
             self._memory[index] = value
             return
         self._folder.mkdir(parents=True, exist_ok=True)
-        tmp = self._folder / f".{index}.{os.getpid()}.tmp"
+        body = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp = self._folder / f".{index}.{os.getpid()}.{threading.get_ident()}.tmp"  # threads share a pid
         with open(tmp, "wb") as f:
-            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.write(_HEADER + zlib.crc32(body).to_bytes(4, "little") + body)
         os.replace(tmp, self._folder / f"{index}.pkl")
 
     def __getstate__(self) -> dict[str, Any]:

@@ -96,7 +96,7 @@ class Dataset:
         root seed (`seed()`); it never seeds other operators. `window`: for a source made of
         blocks (Parquet row groups), permute the blocks, then rows within each `window`
         consecutive blocks, decoding each block once per epoch (see WindowShuffle)."""
-        if seed is not None and not isinstance(seed, int):
+        if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer))):
             raise ArgumentError(f"shuffle: seed must be an int, got {seed!r}")
         if window is not None:
             if self.plan.is_stream or buffer_size is not None:

@@ -10,6 +10,7 @@ adapter turns batches back into tensors in the consumer, after shared-memory tra
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from numbers import Number
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from globalloader.errors import ArgumentError
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 class Stacked:
@@ -80,16 +83,19 @@ def common_dtype(dtypes: Sequence[np.dtype[Any]], where: str) -> np.dtype[Any]:
 
 
 def check_exact(items: list[np.ndarray], dtype: np.dtype[Any], where: str) -> None:
-    """Refuse integers that `dtype` (a float they were promoted to, e.g. int64 with float32 ->
-    float64) does not hold exactly: NumPy's rule rounds integers beyond 2**53."""
-    if dtype.kind not in "fc":
-        return
+    """Refuse items that `dtype` does not hold exactly: integers promoted to a float (NumPy's
+    rule rounds them beyond 2**53), dates and durations promoted to a finer unit (a date far
+    from 1970 overflows nanoseconds and wraps), records whose fields were promoted so."""
     for it in items:
-        with np.errstate(all="ignore"):  # a cast that overflows is what this looks for
-            same = it.dtype.kind not in "iu" or np.array_equal(it.astype(dtype).astype(it.dtype), it)
+        if it.dtype == dtype or it.dtype.kind not in "iumMV":
+            continue  # bool, floats and complex widen exactly; text was checked by kind
+        with np.errstate(all="ignore"), warnings.catch_warnings():  # a cast that overflows is what this looks for
+            warnings.simplefilter("ignore")
+            back = it.astype(dtype).astype(it.dtype)
+        same = back.tobytes() == it.tobytes() if it.dtype.names else np.array_equal(back, it, equal_nan=True)
         if not same:
             raise ArgumentError(
-                f"collate: {where} mixes {it.dtype} with floats, and {dtype} cannot hold some of its integers "
+                f"collate: {where} mixes {it.dtype} with {dtype}, which cannot hold some of its values "
                 "exactly: cast them to one type in a map"
             )
 
@@ -97,6 +103,8 @@ def check_exact(items: list[np.ndarray], dtype: np.dtype[Any], where: str) -> No
 def fits(value: Any, dtype: np.dtype[Any]) -> bool:
     """Whether `dtype` holds `value` (a pad or fill value): exactly for integers and booleans,
     to the nearest float without overflow for floats."""
+    if np.iscomplexobj(value) and dtype.kind != "c" and np.imag(value) != 0:
+        return False  # the imaginary part would be dropped
     try:
         with np.errstate(all="ignore"):
             stored = np.array(value).astype(dtype, casting="unsafe").item()
@@ -109,13 +117,18 @@ def fits(value: Any, dtype: np.dtype[Any]) -> bool:
 
 
 def _kind(dtype: np.dtype[Any]) -> str:
-    """Numbers (bool, integers, floats, complex) promote among themselves; text, dates and
-    others only to their own kind."""
+    """Numbers (bool, integers, floats, complex) promote among themselves; text, bytes, dates
+    and others only to their own kind (bytes with text would be decoded)."""
     if dtype.kind in "iu":
         return "integer"
     if dtype.kind in "bfc":
         return "number"
-    return "text" if dtype.kind in "US" else dtype.kind
+    return {"U": "text", "S": "bytes"}.get(dtype.kind, dtype.kind)
+
+
+def _plain_array(x: Any) -> bool:
+    """An ndarray (or memmap) whose stack keeps every value: a masked array's stack drops its mask."""
+    return isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray)
 
 
 def _is_number(x: Any) -> bool:
@@ -152,10 +165,9 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
         scalar_pad = None if isinstance(pad, dict) else pad
         columns = [_collate([it[j] for it in items], f"{where}[{j}]", deferred, scalar_pad) for j in range(len(first))]
         return tuple(columns) if isinstance(first, tuple) else columns
-    if all(isinstance(it, np.ndarray) and it.dtype != object for it in items):
+    if all((type(it) is np.ndarray or _plain_array(it)) and it.dtype != object for it in items):
         dtype = common_dtype([it.dtype for it in items], where)
-        if dtype != first.dtype or any(it.dtype != dtype for it in items):
-            check_exact(items, dtype, where)
+        check_exact(items, dtype, where)
         shapes = {it.shape for it in items}
         if len(shapes) > 1 and pad is not None and not isinstance(pad, dict):
             return _padded(items, pad, dtype, where)
@@ -171,6 +183,9 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
         values = np.asarray(items)
         if values.dtype == object:  # Python ints beyond 64 bits: no NumPy type holds them
             return items
+        python_ints = values.dtype.kind == "f" and all(type(it) is int for it in items)
+        if python_ints and min(items) >= 0 and max(items) > _INT64_MAX:
+            return np.array(items, dtype=np.uint64)  # NumPy would make them float64
         arrays = [np.asarray(it) for it in items]
         common_dtype([a.dtype for a in arrays], where)  # refuses int64 with uint64
         check_exact(arrays, values.dtype, where)
@@ -178,5 +193,18 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
     if all(isinstance(it, (bool, np.bool_)) for it in items):
         return np.asarray(items, dtype=bool)
     if all(hasattr(it, "numpy") and hasattr(it, "shape") for it in items):
-        return _collate([it.numpy() for it in items], where, deferred, pad)
+        try:
+            arrays = [_as_numpy(it) for it in items]
+        except (TypeError, RuntimeError):  # no NumPy dtype (bfloat16) or needs grad: kept as they are
+            return items
+        return _collate(arrays, where, deferred, pad)
     return items
+
+
+def _as_numpy(tensor: Any) -> np.ndarray:
+    """A tensor's values as a NumPy array; torch's lazy conjugate and negative views resolved
+    first (their `.numpy()` refuses them)."""
+    for resolve in ("resolve_conj", "resolve_neg"):
+        if hasattr(tensor, resolve):
+            tensor = getattr(tensor, resolve)()
+    return np.asarray(tensor.numpy())

@@ -33,7 +33,9 @@ MAX_SCHEDULE = 1 << 28  # positions of one mix epoch (10 bytes each): beyond, we
 def _normalized(weights: Sequence[float] | None, parts: int) -> tuple[float, ...]:
     """`weights` as proportions that sum to 1; each must be a finite number > 0."""
     bad = ArgumentError(f"mix: weights must be {parts} finite numbers > 0, got {weights!r}")
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != parts:
+    if not isinstance(weights, (Sequence, np.ndarray)) or isinstance(weights, (str, bytes)):
+        raise bad
+    if np.ndim(weights) != 1 or len(weights) != parts:
         raise bad
     if any(isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) for x in weights):
         raise bad

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from globalloader.dataset.seeds import check_seed
+from globalloader.dataset.seeds import check_permutation_seed
 from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sampling.permutation import Permutation
 from globalloader.sampling.sharding import check_shard_args, shard_length, shard_positions
@@ -39,6 +39,8 @@ class Select:
             raise ArgumentError(  # 1.5 -> 1, True -> 1 or "3" -> 3 would select what nobody asked for
                 f"select: indices must be integers, got {given.dtype} values such as {given.reshape(-1)[0]!r}"
             )
+        if given.ndim > 1:  # [[1, 2], [3, 4]] is not a list of positions: flattening would guess
+            raise ArgumentError(f"select: indices must be a flat list of integers, got an array of shape {given.shape}")
         arr = given.astype(np.int64).reshape(-1)
         arr.setflags(write=False)
         return cls(arr)
@@ -76,7 +78,7 @@ class Shuffle:
 
     def __post_init__(self) -> None:
         if self.seed is not None:
-            check_seed(self.seed, "shuffle")
+            object.__setattr__(self, "seed", check_permutation_seed(self.seed))
 
     def attach(self, plan: Builder) -> None:
         plan.add_index(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
@@ -106,7 +108,9 @@ class Shard:
     uneven: str
 
     def __post_init__(self) -> None:
-        check_shard_args(self.rank, self.world_size, self.uneven)
+        rank, world_size = check_shard_args(self.rank, self.world_size, self.uneven)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "world_size", world_size)
 
     def attach(self, plan: Builder) -> None:
         plan.add_index(self)

@@ -36,7 +36,7 @@ class PackOp:
     dtype: np.dtype[Any] | None = None
 
     def __post_init__(self) -> None:
-        check_size(self.seq_len, "pack: seq_len")
+        object.__setattr__(self, "seq_len", check_size(self.seq_len, "pack: seq_len"))
         if self.seq_len > np.iinfo(np.int32).max:
             raise ArgumentError(f"pack: seq_len must fit the int32 positions, got {self.seq_len}")
         if self.key is not None and not isinstance(self.key, str):
@@ -76,6 +76,8 @@ class PackStage:
             got = sorted(item) if isinstance(item, dict) else type(item).__name__
             raise TransformError(f"pack: a record has no token array at key {key!r} (got {got})")
         tokens = np.asarray(value)
+        if tokens.shape == (0,):
+            return tokens  # an empty document ([] is float64 to NumPy): no token to keep or change
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise TransformError(
                 f"pack: {key or 'the record'} must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}"

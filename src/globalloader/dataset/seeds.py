@@ -41,6 +41,15 @@ def check_seed(seed: Any, what: str) -> int:
     return int(seed)
 
 
+def check_permutation_seed(seed: Any) -> int:
+    """A shuffle's own seed keys a 64-bit permutation: a larger one would share its order with
+    the seed it equals modulo 2**64, so it is refused rather than cut."""
+    value = check_seed(seed, "shuffle")
+    if value > MASK:
+        raise ArgumentError(f"shuffle: seed must be below 2**64, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class SeedOp:
     """`.seed(s)`: sets the root for the whole chain (wherever it is written)."""
@@ -48,7 +57,7 @@ class SeedOp:
     seed: int
 
     def __post_init__(self) -> None:
-        check_seed(self.seed, "seed")
+        object.__setattr__(self, "seed", check_seed(self.seed, "seed"))
 
     def attach(self, plan: Builder) -> None:
         plan.set_root(self.seed)

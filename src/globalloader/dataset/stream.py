@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from globalloader.dataset.batch import check_size
 from globalloader.dataset.fingerprint import digest, fn_fingerprint
+from globalloader.dataset.seeds import check_seed
 from globalloader.errors import ArgumentError
 from globalloader.sampling.sharding import check_shard_args, shard_length
 
@@ -70,8 +72,9 @@ class BufferShuffle:
     seed: int | None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.buffer_size, int) or self.buffer_size < 1:
-            raise ArgumentError(f"shuffle: buffer_size must be an int >= 1, got {self.buffer_size!r}")
+        object.__setattr__(self, "buffer_size", check_size(self.buffer_size, "shuffle: buffer_size"))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_seed(self.seed, "shuffle"))
 
     def attach(self, plan: Builder) -> None:
         plan.add_stream_op(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
@@ -106,7 +109,9 @@ class StreamShard:
     uneven: str
 
     def __post_init__(self) -> None:
-        check_shard_args(self.rank, self.world_size, self.uneven)
+        rank, world_size = check_shard_args(self.rank, self.world_size, self.uneven)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "world_size", world_size)
 
     def attach(self, plan: Builder) -> None:
         plan.add_stream_op(self)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from globalloader.dataset.seeds import check_seed
+from globalloader.dataset.seeds import check_permutation_seed
 from globalloader.errors import ArgumentError
 from globalloader.sampling.permutation import Permutation
 
@@ -59,9 +59,10 @@ class WindowShuffle:
 
     def __post_init__(self) -> None:
         if self.seed is not None:
-            check_seed(self.seed, "shuffle")
+            object.__setattr__(self, "seed", check_permutation_seed(self.seed))
         if isinstance(self.window, bool) or not isinstance(self.window, (int, np.integer)) or self.window < 1:
             raise ArgumentError(f"shuffle: window must be an int >= 1 (blocks per window), got {self.window!r}")
+        object.__setattr__(self, "window", int(self.window))
         bounds = np.unique(np.asarray(self.bounds, dtype=np.int64))
         if len(bounds) == 0 or bounds[0] != 0:
             raise ArgumentError(f"shuffle: block bounds must start at 0, got {self.bounds[:3]!r}")

@@ -13,9 +13,12 @@ import contextlib
 import math
 import multiprocessing
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Self
+
+import numpy as np
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.resume import epoch_order, load_state, make_state
@@ -33,7 +36,8 @@ SHARE = (False, True, "auto")
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int or a NumPy integer (kept as an int), never a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 class Loader:
@@ -89,8 +93,11 @@ class Loader:
             raise ArgumentError(f"Loader: prefetch must be an int >= 1, got {prefetch!r}")
         if not any(share is choice for choice in SHARE):
             raise ArgumentError(f"Loader: share must be one of {SHARE}, got {share!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        seconds = (int, float, np.integer, np.floating)
+        if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, seconds) or not 0 < timeout < math.inf:
             raise ArgumentError(f"Loader: timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if timeout > threading.TIMEOUT_MAX:  # a thread's wait would raise OverflowError
+            raise ArgumentError(f"Loader: timeout must be at most {threading.TIMEOUT_MAX:.0f} seconds, got {timeout!r}")
         if start_method not in multiprocessing.get_all_start_methods():
             raise ArgumentError(
                 f"Loader: start_method must be one of {multiprocessing.get_all_start_methods()}, got {start_method!r}"
@@ -101,6 +108,7 @@ class Loader:
         self.dataset, self.plan = dataset, dataset.plan
         self.share, self.server, self.server_memory, self.name = share, server, server_memory, name
         self._session: SharedSession | None = None
+        workers, prefetch = int(workers), None if prefetch is None else int(prefetch)
         self.workers, self.mode, self.on_error = workers, mode, on_error
         self.prefetch = prefetch or max(2, 2 * workers)
         self.timeout, self._start_method = float(timeout), start_method
@@ -115,7 +123,7 @@ class Loader:
         if not _is_int(epoch) or epoch < 0:
             raise ArgumentError(f"set_epoch: epoch must be an int >= 0, got {epoch!r}")
         if epoch != self._position.epoch:
-            self._position = Position(epoch)
+            self._position = Position(int(epoch))
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: loading it into a new Loader yields exactly the remaining items

@@ -140,7 +140,16 @@ def _conform(rows: np.ndarray, like: np.ndarray, name: str, url: str, first_url:
         return rows
     if not np.can_cast(rows.dtype, like.dtype, "safe"):  # int64 into int8 would wrap: never silently
         raise SourceError(f"column {name!r} is {rows.dtype} in {url} but {like.dtype} in {first_url}")
-    return rows.astype(like.dtype)
+    with np.errstate(all="ignore"):
+        out = rows.astype(like.dtype)
+        back = out.astype(rows.dtype)
+    # NumPy's "safe" still rounds int64 beyond 2**53 into float64 and wraps a far date into ns.
+    if rows.dtype.kind in "iumM" and not np.array_equal(back, rows, equal_nan=rows.dtype.kind in "mM"):
+        raise SourceError(
+            f"column {name!r} is {rows.dtype} in {url} but {like.dtype} in {first_url}, "
+            f"which cannot hold some of its values exactly"
+        )
+    return out
 
 
 def _put_rows(target: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:

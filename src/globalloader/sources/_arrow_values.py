@@ -70,16 +70,32 @@ def as_float64(column: Any, name: str) -> np.ndarray:
         ) from None
 
 
-def to_python(column: Any) -> list[Any]:
+def to_python(column: Any, name: str) -> list[Any]:
     """One column of a row group as a list of Python values (lists as NumPy arrays).
 
     Numeric columns go through NumPy's `tolist`, several times faster than Arrow's `to_pylist`:
-    float nulls become NaN. List columns become one ndarray per row.
+    float nulls become NaN. List columns become one ndarray per row; integer or boolean items
+    with a null among them become float64 with NaN, by the float64 rule of `as_float64`.
     """
     pa = _extras.require("pyarrow", "parquet")
     kind = column.type
     if is_list(kind):
+        items = _extras.require("pyarrow.compute", "parquet").list_flatten(column)
+        if items.null_count and is_exact(items.type):
+            as_float64(items, name)  # Arrow's own conversion would round an integer beyond 2**53
         return list(column.to_numpy(zero_copy_only=False))
     if pa.types.is_floating(kind) or (column.null_count == 0 and is_exact(kind)):
         return np.asarray(column.to_numpy()).tolist()
-    return column.to_pylist()
+    try:
+        return column.to_pylist()
+    except ValueError as exc:
+        raise unreadable(name, exc) from None
+
+
+def unreadable(name: str, exc: Exception) -> SourceError:
+    """Arrow refuses a value Python's type cannot hold exactly (a timestamp or duration with
+    nanoseconds): named, never rounded."""
+    return SourceError(
+        f"Parquet column {name!r} holds a value Python cannot hold exactly ({exc}); "
+        "cast it in the files (timestamps to microseconds, for one) or select it out with columns=[...]"
+    )

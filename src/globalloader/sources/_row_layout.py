@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from globalloader import _extras
-from globalloader.sources._arrow_values import as_float64, is_exact, is_list, to_python
+from globalloader.sources._arrow_values import as_float64, is_exact, is_list, to_python, unreadable
 
 PACKED = "globalloader.packed_rows"  # the packed column's name (the last column of the copy)
 LAYOUT_KEY = b"globalloader.layout"  # schema metadata: the Layout as JSON
@@ -206,7 +206,14 @@ def _getter(column: Any, decoded: OrderedDict[tuple[int, str], list[Any]], key: 
     everything else through Arrow's scalars (what `to_pylist` gives, one row at a time)."""
     if is_list(column.type):
         return _number_lists(column) or _by_row_group(column, decoded, key)
-    return lambda row: column[row].as_py()
+
+    def get(row: int) -> Any:
+        try:
+            return column[row].as_py()
+        except ValueError as exc:
+            raise unreadable(key[1], exc) from None
+
+    return get
 
 
 def _number_lists(column: Any) -> Getter | None:
@@ -238,7 +245,7 @@ def _by_row_group(column: Any, decoded: OrderedDict[tuple[int, str], list[Any]],
     def get(row: int) -> Any:
         values = decoded.get(key)
         if values is None:
-            values = decoded[key] = to_python(chunked)
+            values = decoded[key] = to_python(chunked, key[1])
             while len(decoded) > _DECODED_COLUMNS:
                 with contextlib.suppress(KeyError):  # another thread evicted it first
                     decoded.popitem(last=False)

@@ -167,10 +167,11 @@ class ArrowCopy:
         """Whether the mapped file's CRC-32 is the one written beside it: a flipped byte that
         keeps the size and the Arrow framing is caught here, before any row is served."""
         try:
-            expected = self._checksum_path.read_text().strip()
+            with open(self._checksum_path, "rb") as sidecar:
+                expected = sidecar.read(64).strip()  # bytes: a damaged sidecar need not be text
         except OSError:
             return False
-        return f"{_crc32(fd):08x}" == expected
+        return f"{_crc32(fd):08x}".encode() == expected
 
     def _build(self, source: Any, progress: bool | None) -> None:
         folder = self.path.parent

@@ -65,8 +65,16 @@ def check_index(index: Any, length: int, source: object) -> int:
 
 
 def check_indices(indices: Any, length: int, source: object) -> np.ndarray:
-    """`indices` as an int64 array, all in [0, length), or the error naming the first bad one."""
-    idx = np.asarray(indices, dtype=np.int64)
+    """`indices` as an int64 array, all in [0, length), or the error naming the first bad one
+    (a float, bool or text index is an ArgumentError: 1.7 -> 1 would read a row nobody asked for)."""
+    given = np.asarray(indices)
+    if given.ndim != 1 or (given.size and given.dtype.kind not in "iu"):
+        raise ArgumentError(
+            f"indices must be a flat list of ints, got {given.dtype} of shape {given.shape} for {source!r}"
+        )
+    if given.dtype.kind == "u" and given.size and int(given.max()) >= length:
+        check_index(int(given.max()), length, source)  # before int64 could wrap it
+    idx = given.astype(np.int64, copy=False)
     if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= length):
         check_index(int(idx[(idx < 0) | (idx >= length)][0]), length, source)
     return idx

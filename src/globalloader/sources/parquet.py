@@ -27,8 +27,11 @@ _GATHER_ROWS = 8192
 
 
 def _kind(arrow_type: Any) -> str:
-    """What a column's values are when read: types of one kind read as the same Python values."""
+    """What a column's values are when read: types of one kind read as the same Python values
+    (dictionary-encoded text reads as its text: pandas writes categoricals so)."""
     pa = _extras.require("pyarrow", "parquet")
+    if pa.types.is_dictionary(arrow_type) and _kind(arrow_type.value_type) in ("text", "bytes"):
+        return _kind(arrow_type.value_type)
     for kind, test in (
         ("integer", pa.types.is_integer),
         ("float", pa.types.is_floating),
@@ -54,7 +57,8 @@ class Parquet:
     dtype is the same in every batch (`int_columns_as_float` names them); such a column holding an
     integer beyond 2**53, which float64 would round, is a SourceError. Nulls in other columns
     (text, bytes, nested) are None. Files whose selected columns differ in kind (ints in one, floats
-    or text in another, a column missing) are refused when the source is made.
+    or text in another, a column missing) are refused when the source is made; text stored
+    dictionary-encoded in one file (a pandas categorical) and plain in another is one kind.
 
     Random access: the footers give every row group's row count; a bisect over the cumulative
     counts finds the row group, which is decoded whole (Parquet's unit of compression) and kept
@@ -98,7 +102,7 @@ class Parquet:
         self._pq = _extras.require("pyarrow.parquet", "parquet")
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ArgumentError(f"columns must be a list of str or None, got {columns!r}")
-        if not isinstance(cached_row_groups, int) or cached_row_groups < 1:
+        if not isinstance(cached_row_groups, int) or isinstance(cached_row_groups, bool) or cached_row_groups < 1:
             raise ArgumentError(f"cached_row_groups must be a positive int, got {cached_row_groups!r}")
         self.store = storage.Store(storage_options, cache_limit)
         self.files: list[str] = _files.expand_urls(paths, "paths", self.store)
@@ -318,8 +322,8 @@ class Parquet:
 
     def read_table(self, file: int | str) -> Any:
         """The selected columns of one whole file (by index or URL) as a `pyarrow.Table`."""
-        f = self.files.index(file) if isinstance(file, str) else file
-        if not isinstance(f, int) or not 0 <= f < len(self.files):
+        f = (self.files.index(file) if file in self.files else -1) if isinstance(file, str) else file
+        if not isinstance(f, int) or isinstance(f, bool) or not 0 <= f < len(self.files):
             raise ArgumentError(
                 f"file must be an index in 0..{len(self.files) - 1} or one of the source's files, got {file!r}"
             )
@@ -346,7 +350,7 @@ class Parquet:
         columns = [column.combine_chunks() for column in table.columns]
         layout = Layout.plan(table.column_names, [c.type for c in columns], self.int_columns_as_float, spans=False)
         steps: list[Step] = [
-            (name, kind, slot, None if kind == VALUE else to_python(column).__getitem__)
+            (name, kind, slot, None if kind == VALUE else to_python(column, name).__getitem__)
             for (name, kind, slot, _), column in zip(layout.columns, columns, strict=True)
         ]
         return layout.unpacker_of(layout.records(columns)), steps

@@ -71,9 +71,9 @@ class TarShards:
         cache_limit: int | str | None = None,
         cache: bool = True,
     ) -> None:
-        if not isinstance(threads, int) or threads < 1:
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ArgumentError(f"threads must be a positive int, got {threads!r}")
-        if not isinstance(max_open, int) or max_open < 0:
+        if not isinstance(max_open, int) or isinstance(max_open, bool) or max_open < 0:
             raise ArgumentError(f"max_open must be an int >= 0, got {max_open!r}")
         if index_dir is not None and not isinstance(index_dir, (str, os.PathLike)):
             raise ArgumentError(f"index_dir must be a str, a path or None, got {index_dir!r}")
@@ -269,7 +269,7 @@ class TarShards:
         """
         chosen = range(len(self.shards)) if shards is None else shards
         for i in chosen:
-            if not isinstance(i, int) or not 0 <= i < len(self.shards):
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(self.shards):
                 raise ArgumentError(f"shards must hold indices in 0..{len(self.shards) - 1}, got {i!r}")
             yield from _stream_shard(self.store, self.shards[i], self._stats[i] if self._remote[i] else None)
 

@@ -27,8 +27,9 @@ class TarWriter:
     `write(sample)` takes a dict with a str `"__key__"` (no dot in its last path component,
     since the first dot starts the extension) and one entry per field; other `__x__` entries
     are ignored. Field values: bytes as-is, str as UTF-8, int/float as decimal text (bools as
-    1/0), NumPy arrays as `.npy` bytes, dict/list as JSON. Field names must be lower-case
-    because readers lower-case them. Members get mode 0o444, owner 0 and mtime 0, so the same
+    1/0), NumPy arrays as `.npy` bytes, dict/list as JSON (a dict key that is not a str, which
+    JSON would turn into one, is an ArgumentError). Field names must be lower-case because
+    readers lower-case them. Members get mode 0o444, owner 0 and mtime 0, so the same
     samples always give the same bytes (stable fingerprints and caches).
 
     Shards are created on the first sample written to them (no sample, no file). A file that
@@ -145,6 +146,14 @@ def _has_printf_field(pattern: str) -> bool:
         raise ArgumentError(f"pattern {pattern!r} is not a valid printf pattern: {exc}") from None
 
 
+def _json_keys_are_text(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) for k in value) and all(_json_keys_are_text(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_json_keys_are_text(v) for v in value)
+    return True
+
+
 def _encode(key: str, name: str, value: Any) -> bytes:
     if not name or name != name.lower() or "/" in name:
         raise ArgumentError(f"sample {key!r}: field name {name!r} must be non-empty lower-case without '/'")
@@ -165,6 +174,10 @@ def _encode(key: str, name: str, value: Any) -> bytes:
     if isinstance(value, (int, float, np.integer, np.floating)):
         return repr(value.item() if isinstance(value, np.generic) else value).encode()
     if isinstance(value, (dict, list)):
+        if not _json_keys_are_text(value):  # JSON would turn {1: "a"} into {"1": "a"}
+            raise ArgumentError(
+                f"sample {key!r}: field {name!r} has a dict key that is not a str; JSON would make it one"
+            )
         try:
             return json.dumps(value).encode("utf-8")
         except (TypeError, ValueError) as exc:
