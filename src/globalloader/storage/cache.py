@@ -13,7 +13,7 @@ every process and job of the user. Properties, each relied on elsewhere:
 - Concurrent readers of a missing entry wait on one exclusive file lock (flock) per entry while
   one of them downloads, so K processes download each object once.
 - Readers hold a shared flock on the entry while they read; eviction (least recently used by
-  mtime, which every open refreshes) takes an exclusive one without waiting and skips entries in
+  access time, which every open sets) takes an exclusive one without waiting and skips entries in
   use, so it never deletes what a reader has open. Entries in use may take the cache past its
   limit until they are closed.
 - A full disk first evicts what it can, then is a CacheFullError naming the folder.
@@ -112,7 +112,10 @@ class CachedFile:
             self.fd = -1
 
 
-_verified: set[tuple[int, int, int, int]] = set()  # (dev, inode, mtime_ns, size) checked here
+# (dev, inode, mtime_ns, size) of the entries checked in this process. Opens set the access time (the
+# LRU clock), never the mtime, so an entry is read whole once per process, not at every open, and a
+# write into it changes the mtime and has it checked again.
+_verified: set[tuple[int, int, int, int]] = set()
 _verified_lock = threading.Lock()
 
 
@@ -166,7 +169,7 @@ class ObjectCache:
                 with contextlib.suppress(OSError):
                     path.unlink()
                 return None
-            os.utime(fd)  # least recently used = oldest mtime
+            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))  # least recently used = oldest access
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -270,7 +273,7 @@ class ObjectCache:
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     st = item.stat(follow_symlinks=False)
-                    found.append((pathlib.Path(item.path), st.st_size, st.st_mtime))
+                    found.append((pathlib.Path(item.path), st.st_size, st.st_atime))
         return found
 
     def evict(self, keep_free: int = 0) -> int:

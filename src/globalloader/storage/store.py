@@ -77,15 +77,15 @@ class Store:
     def _reset(self, keep_infos: bool = False) -> None:
         self._prefetcher: Prefetcher | None = None
         self._wanted: dict[str, FileStat] = {}
+        self._fetched: set[tuple[str, FileStat]] = set()  # prefetched by this process: not asked again
         self._cache: ObjectCache | None = None
         known: dict[str, tuple[float, FileStat]] = getattr(self, "_infos", {}) if keep_infos else {}
         self._infos = dict(known)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            k: v for k, v in self.__dict__.items() if k not in ("_cache", "_infos", "_lock", "_prefetcher", "_wanted")
-        }
+        process_only = ("_cache", "_infos", "_lock", "_prefetcher", "_wanted", "_fetched")
+        return {k: v for k, v in self.__dict__.items() if k not in process_only}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -186,14 +186,21 @@ class Store:
 
     def prefetch(self, objects: list[tuple[str, FileStat]]) -> None:
         """Download these objects into the machine cache in the background (see `prefetch`)."""
-        objects = [(url, stat) for url, stat in objects if self.cached(url)]
+        # An object this process prefetched before is in the cache (or was evicted since: its reader
+        # then fetches it): each later epoch would otherwise open every entry again for nothing.
+        objects = [(url, stat) for url, stat in objects if self.cached(url) and (url, stat) not in self._fetched]
         if not objects:
             return
         with self._lock:
             if self._prefetcher is None:
-                self._prefetcher = Prefetcher(lambda url: self.fetch(url, self._wanted[url]))
+                self._prefetcher = Prefetcher(self._prefetch_one)
             self._wanted.update(objects)
         self._prefetcher.request(url for url, _ in objects)
+
+    def _prefetch_one(self, url: str) -> None:
+        stat = self._wanted[url]
+        self.fetch(url, stat)
+        self._fetched.add((url, stat))
 
     def fetch(self, url: str, stat: FileStat | None = None) -> None:
         """Make sure the whole object (or all its blocks) is in the machine cache."""
