@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--port", type=int, default=8470, help="the dashboard's port with --web (0: any free port)")
     cache = command("cache", "the machine-wide cache of downloaded objects: how big it is, or empty it")
-    cache.add_argument("action", choices=["info", "clear"], help="info: size, limit, downloads, hits; clear: delete all")
+    cache.add_argument("action", choices=["info", "clear"], help="info: size, downloads, hits; clear: delete all")
     return parser
 
 
