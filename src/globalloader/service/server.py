@@ -641,7 +641,7 @@ class Server:
 def _object_cache_status() -> dict[str, Any] | None:
     """The machine's object cache (bytes downloaded, hits, size...) when its folder exists: one
     read of its counters' record, never a walk of the folder."""
-    root = default_root()
+    root = default_root(create=False)
     if not root.is_dir():
         return None
     try:

@@ -75,9 +75,9 @@ def resolve_limit(limit: int | str | None) -> int:
     return parse_size(env, LIMIT_ENV) if env else DEFAULT_LIMIT
 
 
-def default_root() -> pathlib.Path:
+def default_root(create: bool = True) -> pathlib.Path:
     """Where entries live (read per call, so the environment can redirect it)."""
-    return _paths.cache_dir("objects")
+    return _paths.cache_dir("objects", create=create)
 
 
 class Entry(NamedTuple):
