@@ -192,7 +192,8 @@ class ObjectCache:
                 return None
             length = self._check(fd, st, path)
             if length is None:
-                self._unlink(path, st)
+                with contextlib.suppress(OSError):
+                    self._unlink(path, st)
                 os.close(fd)
                 return None
             os.utime(fd)  # least recently used = oldest mtime
