@@ -134,6 +134,21 @@ def test_kill_9_mid_update_never_corrupts_the_record(tmp_path: pathlib.Path) -> 
     assert cache.stats.read()["hits"] == counts["hits"] + 1
 
 
+def test_a_child_forked_during_an_update_does_not_keep_the_lock(tmp_path: pathlib.Path) -> None:
+    """A loader forks its workers while its prefetch threads update the counters: the worker's
+    copy of the record's descriptor must not keep the lock for the worker's whole life."""
+    cache = ObjectCache(tmp_path / "objects")
+    with cache.stats.update() as record:
+        record["hits"] += 1
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+        child.start()
+    try:
+        assert cache.stats.read(timeout=2)["hits"] == 1
+    finally:
+        child.kill()
+        child.join(10)
+
+
 def test_a_damaged_record_starts_again_from_the_folder(tmp_path: pathlib.Path) -> None:
     cache = ObjectCache(tmp_path / "objects")
     for i in range(3):

@@ -252,6 +252,7 @@ class ObjectCache:
                     pause = min(0.05, pause * 2)
             yield
         finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)
             os.close(fd)
 
     def _write(self, path: pathlib.Path, entry: Entry, download: Callable[[Callable[[bytes], None]], None]) -> None:

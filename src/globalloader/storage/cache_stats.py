@@ -51,7 +51,10 @@ class CacheStats:
             if record != before:
                 os.pwrite(fd, _pack(record), 0)
         finally:
-            os.close(fd)  # also drops the lock
+            # Unlock explicitly: a child forked by another thread meanwhile holds a copy of the
+            # descriptor, and a flock lasts until every copy is closed or one unlocks it.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def read(self, timeout: float = LOCK_TIMEOUT) -> dict[str, int]:
         with self.update(timeout) as record:
