@@ -6,8 +6,8 @@ import os
 import pathlib
 
 
-def cache_dir(*parts: str) -> pathlib.Path:
-    """Return the cache folder joined with `parts`, creating it on demand.
+def cache_dir(*parts: str, create: bool = True) -> pathlib.Path:
+    """Return the cache folder joined with `parts`, creating it on demand (unless `create` is false).
 
     The base is `$GLOBALLOADER_CACHE_DIR` if set, else `$XDG_CACHE_HOME/globalloader`, else
     `~/.cache/globalloader`. Read on every call, so a test or a job can redirect it with the
@@ -21,5 +21,6 @@ def cache_dir(*parts: str) -> pathlib.Path:
         root = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
         root = root / "globalloader"
     path = root.joinpath(*parts)
-    path.mkdir(parents=True, exist_ok=True)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path

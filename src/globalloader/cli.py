@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--port", type=int, default=8470, help="the dashboard's port with --web (0: any free port)")
     cache = command("cache", "the machine-wide cache of downloaded objects: how big it is, or empty it")
-    cache.add_argument("action", choices=["info", "clear"], help="info: folder, size, limit; clear: delete all")
+    cache.add_argument("action", choices=["info", "clear"], help="info: size, downloads, hits; clear: delete all")
     return parser
 
 
@@ -103,9 +103,12 @@ def _cache(action: str) -> None:
     if action == "clear":
         print(f"freed {cache.clear():,} bytes in {cache.root}")
         return
-    entries = cache.entries()
-    used = sum(size for _, size, _ in entries)
-    print(f"folder   {cache.root}\nobjects  {len(entries)}\nsize     {used:,} bytes\nlimit    {cache.limit:,} bytes")
+    counts = cache.recount()
+    print(
+        f"folder      {cache.root}\nobjects     {counts['entries']}\nsize        {counts['bytes']:,} bytes\n"
+        f"limit       {cache.limit:,} bytes\ndownloaded  {counts['downloaded_bytes']:,} bytes\n"
+        f"misses      {counts['misses']:,}\nhits        {counts['hits']:,}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

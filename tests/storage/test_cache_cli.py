@@ -22,7 +22,8 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_cache_info_and_clear(isolated_cache: pathlib.Path) -> None:
     cache = ObjectCache()
-    cache.open(Entry("s3://bucket/a.tar", 1000, "etag-1"), lambda write: write(b"a" * 1000)).close()
+    for _ in range(3):  # one download, then two opens served from the cache
+        cache.open(Entry("s3://bucket/a.tar", 1000, "etag-1"), lambda write: write(b"a" * 1000)).close()
     info = run("cache", "info", GLOBALLOADER_CACHE_LIMIT="5GB")
     assert info.returncode == 0, info.stderr
     lines = dict(line.split(None, 1) for line in info.stdout.splitlines())
@@ -31,6 +32,9 @@ def test_cache_info_and_clear(isolated_cache: pathlib.Path) -> None:
         "objects": "1",
         "size": "1,016 bytes",  # the data and its 16-byte checksum trailer
         "limit": "5,000,000,000 bytes",
+        "downloaded": "1,000 bytes",
+        "misses": "1",
+        "hits": "2",
     }
     cleared = run("cache", "clear")
     assert cleared.returncode == 0 and cleared.stdout.startswith("freed 1,016 bytes")

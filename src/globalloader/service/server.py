@@ -43,6 +43,7 @@ from globalloader.sampling.joint import JointSampler
 from globalloader.service import launcher, protocol
 from globalloader.service.decoder import DecoderPool
 from globalloader.service.pool import BufferPool
+from globalloader.storage.cache import ObjectCache, default_root
 from globalloader.transport import arena
 from globalloader.transport.process import alive
 
@@ -570,7 +571,7 @@ class Server:
 
     def status(self) -> dict[str, Any]:
         requests, decodes = self.requests, self.decodes
-        return {
+        report: dict[str, Any] = {
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
             "jobs": [self._job_status(job) for job in self.jobs.values()],
@@ -583,6 +584,10 @@ class Server:
             "worker_restarts": self.decoders.restarts,
             "decode_s": round(self.decoders.decode_s, 3),
         }
+        cache = _object_cache_status()
+        if cache is not None:
+            report["cache"] = cache
+        return report
 
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_running", False))
@@ -631,6 +636,18 @@ class Server:
     @staticmethod
     def _log(line: str) -> None:
         print(f"globalloader server: {line}", file=sys.stderr, flush=True)
+
+
+def _object_cache_status() -> dict[str, Any] | None:
+    """The machine's object cache (bytes downloaded, hits, size...) when its folder exists: one
+    read of its counters' record, never a walk of the folder."""
+    root = default_root(create=False)
+    if not root.is_dir():
+        return None
+    try:
+        return dict(ObjectCache(root).status())
+    except GlobalLoaderError as exc:  # a locked record or a bad GLOBALLOADER_CACHE_LIMIT
+        return {"dir": str(root), "error": str(exc)}
 
 
 def main(argv: list[str] | None = None) -> int:

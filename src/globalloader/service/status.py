@@ -47,12 +47,25 @@ def summary(status: dict[str, Any]) -> str:
     pool = status["pool"]
     requests, decodes = status["requests"], status["decodes"]
     saved = f" ({status['decodes_saved'] / requests:.0%})" if requests else ""
-    return (
+    text = (
         f"pool {_mib(pool['used'])} / {_mib(pool['capacity'])}: {pool['samples']:,} samples "
         f"({pool['referenced']:,} in use, {pool['cached']:,} cached), hits {pool.get('hits', 0):,}, "
         f"evictions {pool.get('evictions', 0):,}\n"
         f"requests {requests:,}, decodes {decodes:,}: {status['decodes_saved']:,} decodes saved versus "
         f"independent loading{saved}; {status['workers']} workers, {status.get('worker_restarts', 0)} restarted"
+    )
+    return text + _object_cache(status.get("cache"))
+
+
+def _object_cache(cache: Any) -> str:
+    """The machine's object cache, when the status has it (its figures count every process)."""
+    if not isinstance(cache, dict):
+        return ""
+    if "error" in cache:
+        return f"\nobject cache {cache['dir']}: {cache['error']}"
+    return (
+        f"\nobject cache {_mib(cache['bytes'])} / {_mib(cache['limit'])} in {cache['entries']:,} entries: "
+        f"{_mib(cache['downloaded_bytes'])} downloaded ({cache['misses']:,} downloads), {cache['hits']:,} hits"
     )
 
 

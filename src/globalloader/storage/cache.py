@@ -17,6 +17,9 @@ every process and job of the user. Properties, each relied on elsewhere:
   use, so it never deletes what a reader has open. Entries in use may take the cache past its
   limit until they are closed.
 - A full disk first evicts what it can, then is a CacheFullError naming the folder.
+- Machine-wide counters (bytes downloaded, hits, misses, size, entries) live in the folder's
+  `stats` record (see `cache_stats`); entries are added and removed while holding its lock, so
+  its size and entry count follow the folder without walking it.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ from typing import NamedTuple
 
 from globalloader import _paths
 from globalloader.errors import ArgumentError, CacheFullError, StorageError
+from globalloader.storage.cache_stats import CacheStats
 
 DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
 LIMIT_ENV = "GLOBALLOADER_CACHE_LIMIT"
 LOCK_TIMEOUT = 900.0  # seconds to wait for another process's download of the same entry
+STATS_NAME = "stats"  # the counters' record in the folder (entries are named by 40 hex digits)
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
 _MAGIC = b"GLC1"
 _WRITE_CHUNK = 1 << 20
@@ -70,9 +75,9 @@ def resolve_limit(limit: int | str | None) -> int:
     return parse_size(env, LIMIT_ENV) if env else DEFAULT_LIMIT
 
 
-def default_root() -> pathlib.Path:
+def default_root(create: bool = True) -> pathlib.Path:
     """Where entries live (read per call, so the environment can redirect it)."""
-    return _paths.cache_dir("objects")
+    return _paths.cache_dir("objects", create=create)
 
 
 class Entry(NamedTuple):
@@ -126,6 +131,7 @@ class ObjectCache:
         self.root = pathlib.Path(root) if root is not None else default_root()
         self.limit = resolve_limit(limit)
         self._locks = self.root / "locks"
+        self.stats = CacheStats(self.root / STATS_NAME, self._scan)
         try:
             self._locks.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -140,17 +146,41 @@ class ObjectCache:
         path = self.root / entry.name()
         found = self._open_existing(path)
         if found is not None:
-            return found
+            return self._hit(found)
         with self._download_lock(path, entry):
             found = self._open_existing(path)  # another process finished it while we waited
             if found is not None:
-                return found
+                return self._hit(found)
             self._write(path, entry, download)
             found = self._open_existing(path)  # under our shared lock before eviction runs
         if found is None:
             raise StorageError(f"cache entry {path} of {entry.url} cannot be read right after it was written")
         self.evict()
         return found
+
+    def _hit(self, found: CachedFile) -> CachedFile:
+        try:
+            with self.stats.update() as record:
+                record["hits"] += 1
+        except BaseException:
+            found.close()
+            raise
+        return found
+
+    def status(self, timeout: float = 1.0) -> dict[str, int | str]:
+        """The machine-wide counters, size and entries (from the record), limit and folder."""
+        return {**self.stats.read(timeout), "limit": self.limit, "dir": str(self.root)}
+
+    def recount(self) -> dict[str, int]:
+        """The counters, with size and entries counted again from the folder (one walk; for
+        the command line, which also repairs figures of entries deleted by hand)."""
+        with self.stats.update() as record:
+            record["bytes"], record["entries"] = self._scan()
+            return dict(record)
+
+    def _scan(self) -> tuple[int, int]:
+        entries = self.entries()
+        return sum(size for _, size, _ in entries), len(entries)
 
     def _open_existing(self, path: pathlib.Path) -> CachedFile | None:
         try:
@@ -165,9 +195,9 @@ class ObjectCache:
                 return None
             length = self._check(fd, st, path)
             if length is None:
-                os.close(fd)
                 with contextlib.suppress(OSError):
-                    path.unlink()
+                    self._unlink(path, st)
+                os.close(fd)
                 return None
             os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))  # least recently used = oldest access
         except BaseException:
@@ -225,6 +255,7 @@ class ObjectCache:
                     pause = min(0.05, pause * 2)
             yield
         finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)
             os.close(fd)
 
     def _write(self, path: pathlib.Path, entry: Entry, download: Callable[[Callable[[bytes], None]], None]) -> None:
@@ -256,8 +287,17 @@ class ObjectCache:
 
                 download(write)
                 out.write(_TRAILER.pack(_MAGIC, crc, length))
-            os.replace(tmp, path)
-            st = os.stat(path)  # its CRC was just computed from the bytes written: no read back
+            with self.stats.update() as record:
+                with contextlib.suppress(FileNotFoundError):
+                    old = os.stat(path)  # a damaged entry nobody could delete: replaced
+                    record["bytes"] -= old.st_size
+                    record["entries"] -= 1
+                os.replace(tmp, path)
+                st = os.stat(path)  # its CRC was just computed from the bytes written: no read back
+                record["bytes"] += st.st_size
+                record["entries"] += 1
+                record["misses"] += 1
+                record["downloaded_bytes"] += length
             with _verified_lock:
                 _verified.add((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
         except BaseException:
@@ -269,7 +309,7 @@ class ObjectCache:
         found = []
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
             for item in it:
-                if item.name.endswith(".tmp") or not item.is_file(follow_symlinks=False):
+                if item.name.endswith(".tmp") or item.name == STATS_NAME or not item.is_file(follow_symlinks=False):
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     st = item.stat(follow_symlinks=False)
@@ -286,7 +326,7 @@ class ObjectCache:
         for path, size, _ in sorted(entries, key=lambda e: e[2]):
             if total - freed + keep_free <= self.limit:
                 break
-            if _remove_unused(path):
+            if self._remove_unused(path):
                 freed += size
         return freed
 
@@ -308,11 +348,42 @@ class ObjectCache:
         never a wrong entry); returns bytes freed."""
         freed = 0
         for path, size, _ in self.entries():
-            if _remove_unused(path):
+            if self._remove_unused(path):
                 freed += size
                 (self._locks / f"{path.name}.lock").unlink(missing_ok=True)
         self._remove_dead_temporaries()
         return freed
+
+    def _remove_unused(self, path: pathlib.Path) -> bool:
+        """Unlink `path` unless a reader holds it (its shared lock makes ours fail at once)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:
+            return self._unlink(path, os.fstat(fd))
+        finally:
+            os.close(fd)
+
+    def _unlink(self, path: pathlib.Path, st: os.stat_result) -> bool:
+        """Remove the entry at `path` if it is still the file `st` describes (not a newer
+        entry renamed into its place since), and count it out of the record."""
+        with self.stats.update() as record:
+            try:
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    return False
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            record["bytes"] -= st.st_size
+            record["entries"] -= 1
+            return True
 
 
 def _host_tag(host: str) -> str:
@@ -338,21 +409,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _remove_unused(path: pathlib.Path) -> bool:
-    """Unlink `path` unless a reader holds it (its shared lock makes ours fail at once)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False
-    try:
-        path.unlink(missing_ok=True)
-        return True
-    finally:
-        os.close(fd)
