@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import os
 import pathlib
-import socket
 import threading
 import uuid
 import zlib
@@ -32,6 +31,7 @@ from globalloader.sources._columns import check_columnar
 from globalloader.sources._mapped_columns import MappedColumns
 from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
+from globalloader.storage.cache import host_tag, pid_alive
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
 _META_KEY = b"globalloader.arrow_copy"
@@ -180,7 +180,7 @@ class ArrowCopy:
         except OSError as exc:
             raise SourceError(f"cannot create the Arrow copy's folder {folder}: {exc.strerror}; pass folder=") from None
         self._remove_stale()
-        token = f"{_host()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        token = f"{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         tmp = folder / f".{self.path.name}.{token}.tmp"
         crc_tmp = folder / f".{self._checksum_path.name}.{token}.tmp"
         try:
@@ -253,14 +253,14 @@ class ArrowCopy:
         """Delete copies of earlier versions of the same files, and the temporary files of
         writers on this machine that died before finishing."""
         where = self.path.name.split("-")[1]
-        host = _host()
+        host = host_tag()
         for other in self.path.parent.glob(f"parquet-{where}-*.arrow*"):
             if other.name not in (self.path.name, self._checksum_path.name):
                 with contextlib.suppress(OSError):
                     other.unlink()
         for tmp in self.path.parent.glob(f".parquet-{where}-*.tmp"):
             parts = tmp.name.rsplit(".", 4)  # .<name>.arrow . host . pid . token . tmp
-            if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not _alive(int(parts[2])):
+            if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not pid_alive(int(parts[2])):
                 with contextlib.suppress(OSError):
                     tmp.unlink()
 
@@ -372,18 +372,4 @@ def _crc32(fd: int) -> int:
 def _hash(parts: list[str]) -> str:
     digest = hashlib.sha256("\n".join(parts).encode("utf-8", "surrogateescape"))
     return digest.hexdigest()[:16]
-
-
-def _host() -> str:
-    """This machine's name without dots, so that it is one field of a temporary file's name."""
-    return socket.gethostname().replace(".", "_")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

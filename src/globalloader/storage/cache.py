@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from globalloader import _paths
 from globalloader.errors import ArgumentError, CacheFullError, StorageError
-from globalloader.storage.cache_stats import CacheStats
+from globalloader.storage.cache_stats import CacheStats, lock_exclusive
 
 DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
 LIMIT_ENV = "GLOBALLOADER_CACHE_LIMIT"
@@ -239,20 +239,11 @@ class ObjectCache:
             self._locks.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            deadline = time.monotonic() + LOCK_TIMEOUT
-            pause = 0.002
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StorageError(
-                            f"waited {LOCK_TIMEOUT:.0f} s for another process to download {entry.url} "
-                            f"into the cache {self.root}; if none is running, remove {lock_path}"
-                        ) from None
-                    time.sleep(pause)
-                    pause = min(0.05, pause * 2)
+            waited_for = (
+                f"another process to download {entry.url} into the cache {self.root}; "
+                f"if none is running, remove {lock_path}"
+            )
+            lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.05)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)
@@ -331,14 +322,14 @@ class ObjectCache:
         return freed
 
     def _remove_dead_temporaries(self) -> None:
-        host = socket.gethostname()
+        host = host_tag()
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
             for item in it:
                 parts = item.name.split(".")
                 if len(parts) != 4 or parts[3] != "tmp":
                     continue
                 owner_host, _, pid = parts[1].rpartition("-")
-                if owner_host == _host_tag(host) and pid.isdigit() and not _alive(int(pid)):
+                if owner_host == host and pid.isdigit() and not pid_alive(int(pid)):
                     with contextlib.suppress(OSError):
                         os.unlink(item.path)
 
@@ -386,22 +377,25 @@ class ObjectCache:
             return True
 
 
-def _host_tag(host: str) -> str:
+def host_tag(host: str | None = None) -> str:
+    """This machine's name (or `host`) with letters and digits only: one field of a file name."""
+    host = socket.gethostname() if host is None else host
     return re.sub(r"[^A-Za-z0-9]", "_", host)
 
 
-_TMP_TAG = f"{_host_tag(socket.gethostname())}-{os.getpid()}"
+_TMP_TAG = f"{host_tag()}-{os.getpid()}"
 
 
 def _refresh_tmp_tag() -> None:
     global _TMP_TAG
-    _TMP_TAG = f"{_host_tag(socket.gethostname())}-{os.getpid()}"
+    _TMP_TAG = f"{host_tag()}-{os.getpid()}"
 
 
 os.register_at_fork(after_in_child=_refresh_tmp_tag)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine with that pid runs (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -41,7 +41,9 @@ class CacheStats:
         block ends without an exception). Changes of the folder's entries belong inside."""
         fd = self._open()
         try:
-            _lock(fd, self.path, timeout)
+            lock_exclusive(
+                fd, timeout, f"the lock of the cache's counters {self.path}; a process holding it is stopped or hung"
+            )
             record = _unpack(os.pread(fd, _RECORD.size + _CRC.size, 0))
             before = dict(record) if record is not None else None
             if record is None:
@@ -72,7 +74,9 @@ class CacheStats:
             raise StorageError(f"cannot open the cache's counters {self.path}: {exc.strerror}") from None
 
 
-def _lock(fd: int, path: pathlib.Path, timeout: float) -> None:
+def lock_exclusive(fd: int, timeout: float, waited_for: str, pause_max: float = 0.01) -> None:
+    """flock `fd` exclusively within `timeout` seconds (polling with a growing pause), else a
+    StorageError saying what was `waited_for`: a lock held by a stopped process is never a hang."""
     deadline = time.monotonic() + timeout
     pause = 0.0005
     while True:
@@ -81,12 +85,9 @@ def _lock(fd: int, path: pathlib.Path, timeout: float) -> None:
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise StorageError(
-                    f"waited {timeout:.0f} s for the lock of the cache's counters {path}; "
-                    "a process holding it is stopped or hung"
-                ) from None
+                raise StorageError(f"waited {timeout:.0f} s for {waited_for}") from None
             time.sleep(pause)
-            pause = min(0.01, pause * 2)
+            pause = min(pause_max, pause * 2)
 
 
 def _pack(record: dict[str, int]) -> bytes:
