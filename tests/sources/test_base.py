@@ -58,3 +58,52 @@ def test_protocol_is_structural() -> None:
 def test_public_names_sorted_and_importable() -> None:
     assert sources.__all__ == sorted(sources.__all__)
     assert all(hasattr(sources, name) for name in sources.__all__)
+
+
+def test_built_in_sources_offer_the_abilities_the_plan_uses(make_shards, write_parts, tmp_path) -> None:
+    import pyarrow as pa
+
+    from globalloader.sources import base
+
+    parquet = sources.Parquet(write_parts(pa.table({"id": np.arange(80)})))
+    shards = sources.TarShards(make_shards())
+    offered = {
+        parquet: {"BatchReads", "ColumnarReads", "GathersAhead", "Blocks", "KeepsBlocks", "CachesDecodedBlocks"},
+        parquet.local_copy(str(tmp_path / "copy")): {"ColumnarReads", "Blocks"},
+        shards: {"Blocks", "KeepsBlocks", "Prefetching"},
+        sources.from_sequence([1, 2]): set(),
+    }
+    abilities = [
+        base.BatchReads,
+        base.ColumnarReads,
+        base.GathersAhead,
+        base.Blocks,
+        base.KeepsBlocks,
+        base.CachesDecodedBlocks,
+        base.Prefetching,
+    ]
+    for source, expected in offered.items():
+        assert {p.__name__ for p in abilities if base.capable(source, p)} == expected, source
+        assert base.capable(source, base.RecordStream) == hasattr(type(source), "iter_records")
+
+
+class _HalfColumnar:
+    """Says it is columnar but never wrote read_columns: a bug the plan must name."""
+
+    fingerprint = "half"
+    columnar = True
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict[str, int]:
+        return {"__key__": str(index), "x": index}
+
+
+def test_a_half_written_ability_is_named_when_the_chain_is_planned() -> None:
+    import globalloader as gl
+
+    with pytest.raises(ArgumentError, match=r"_HalfColumnar has columnar but not read_columns"):
+        gl.Dataset(_HalfColumnar()).batch(2)
+    with pytest.raises(ArgumentError, match=r"_NoLen has no __len__"):
+        gl.Dataset(type("_NoLen", (), {"__getitem__": lambda self, i: i})())

@@ -31,6 +31,7 @@ from globalloader.dataset.seeds import SeedOp
 from globalloader.dataset.stream import BufferShuffle, StreamShard, StreamSource
 from globalloader.dataset.window_shuffle import WindowShuffle
 from globalloader.errors import ArgumentError
+from globalloader.sources.base import Blocks, CachesDecodedBlocks, capable
 
 
 class Dataset:
@@ -40,11 +41,12 @@ class Dataset:
     """
 
     def __init__(self, source: Any, _ops: tuple[Any, ...] = ()) -> None:
-        random_access = hasattr(source, "__len__") and hasattr(source, "__getitem__")
-        if not isinstance(source, (StreamSource, Combined)) and not random_access:
+        lacks = [m for m in ("__len__", "__getitem__") if not hasattr(source, m)]
+        if not isinstance(source, (StreamSource, Combined)) and lacks:
             raise ArgumentError(
-                f"Dataset needs a source with len() and [i], got {type(source).__name__}; "
-                "use Dataset.stream(...) for iterables without random access"
+                f"Dataset needs a source with len() and [i], but {type(source).__name__} has no "
+                f"{' or '.join(lacks)}; use Dataset.stream(...) for iterables without random access "
+                "(see docs/custom-sources.md)"
             )
         self.source = source
         self._ops = _ops
@@ -244,8 +246,10 @@ def _parts(method: str, datasets: Any) -> list[Dataset]:
 def _warn_if_rows_scatter(source: Any) -> None:
     """A global shuffle over a source whose blocks are decoded whole (Parquet row groups) and do
     not all fit its cache decodes a block for nearly every row: say so once, with the remedies."""
-    blocks, cached = getattr(source, "block_starts", None), getattr(source, "cached_row_groups", None)
-    if blocks is not None and cached is not None and len(blocks) > cached:
+    if not (capable(source, Blocks) and capable(source, CachesDecodedBlocks)):
+        return
+    blocks, cached = source.block_starts, source.cached_blocks
+    if len(blocks) > cached:
         warnings.warn(
             f"shuffle() over {source!r} reads its {len(blocks)} row groups in random order, decoding a whole "
             f"row group for nearly every row (hundreds of times slower than in order); use shuffle(window=w), "

@@ -29,6 +29,7 @@ from globalloader.dataset.seeds import SeedOp, derive
 from globalloader.dataset.stream import StreamReader, StreamSource
 from globalloader.dataset.tail import TailRecord
 from globalloader.errors import SAMPLE_ERRORS, ArgumentError, FingerprintError, GlobalLoaderError, TransformError
+from globalloader.sources.base import BatchReads, ColumnarReads, GathersAhead, capable
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
 GROUPED_CHUNK = 128  # samples per task feeding a tail: records are small (tokens), tasks many
@@ -81,14 +82,24 @@ class Plan:
         self.lengths = self._lengths()
         # A batch of the source's rows with nothing in between: the source gathers it by column.
         self.columnar = bool(
-            getattr(self.source, "columnar", False)
+            capable(self.source, ColumnarReads)
+            and self.source.columnar
             and self.batch is not None
             and self.batch.collate is default_collate
             and not (self.maps or self.tail or self.is_stream or self.cache is not None)
         )
         # A source whose gathers cost much per call says how many rows it would rather gather at once.
-        ahead = getattr(self.source, "gather_rows", 0) // self.task_size if self.columnar else 0
+        gathers = self.columnar and capable(self.source, GathersAhead)
+        ahead = self.source.gather_rows // self.task_size if gathers else 0
         self.gather_ahead = GatherAhead(ahead) if ahead > 1 else None
+        # How a task reads the source, chosen once: by column, all records in one call, or one [i] each.
+        self._read_task = (
+            self._task_by_columns
+            if self.columnar
+            else self._task_by_read_many
+            if self.cache is None and capable(self.source, BatchReads)
+            else self._task_by_index
+        )
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
         # lazily loaded model) must not make a checkpoint of this very chain look foreign.
@@ -340,34 +351,63 @@ class Plan:
         at all). `deferred`: leave the default collate's stacks for the shared-memory transport
         to fill."""
         timer = {} if timer is None else timer
+        if self.is_stream or first_map is not None:
+            assert items is not None, "records come with their indices"
+            return self._build(epoch, task, items, True, first_map or 0, skip_errors, timer, deferred)
+        return self._read_task(epoch, task, items, skip_errors, timer, deferred)
+
+    def _task_by_columns(
+        self, epoch: int, task: int, items: Any, skip_errors: bool, timer: Timer, deferred: bool
+    ) -> TaskResult:
+        """The task's batch gathered by the source, column by column (`ColumnarReads`)."""
+        t0 = time.perf_counter()
+        if items is None and self.gather_ahead is not None:
+            batch = self.gather_ahead.read(self, epoch, task)
+        else:
+            indices = self.task_indices(epoch, task) if items is None else np.asarray(items, dtype=np.int64)
+            if not len(indices):
+                return TaskResult(None)
+            batch = self.source.read_columns(indices)
+        _tick(timer, "read", t0, len(batch["__key__"]))
+        return TaskResult(self._batch_maps(batch, epoch, task, timer))
+
+    def _task_by_read_many(
+        self, epoch: int, task: int, items: Any, skip_errors: bool, timer: Timer, deferred: bool
+    ) -> TaskResult:
+        """A source made of blocks reads a task's records block by block (`BatchReads`)."""
+        t0 = time.perf_counter()
+        indices = self.task_indices(epoch, task) if items is None else np.asarray(items, dtype=np.int64)
+        pairs = list(zip(indices.tolist(), self.source.read_many(indices), strict=True))
+        _tick(timer, "read", t0, len(pairs))
+        return self._build(epoch, task, pairs, True, 0, skip_errors, timer, deferred)
+
+    def _task_by_index(
+        self, epoch: int, task: int, items: Any, skip_errors: bool, timer: Timer, deferred: bool
+    ) -> TaskResult:
+        """Each sample read when it is built (`source[i]`, or the cache first)."""
+        indices = self.task_indices(epoch, task) if items is None else items
+        return self._build(epoch, task, indices, False, 0, skip_errors, timer, deferred)
+
+    def _build(
+        self,
+        epoch: int,
+        task: int,
+        items: Any,
+        pairs: bool,
+        first_map: int,
+        skip_errors: bool,
+        timer: Timer,
+        deferred: bool,
+    ) -> TaskResult:
+        """Samples from indices, or from (index, record) pairs whose records went through the
+        first `first_map` maps; then the batch."""
         result = TaskResult(None)
         samples = []
-        pairs = self.is_stream or first_map is not None
-        if items is None and self.gather_ahead is not None:
-            t0 = time.perf_counter()
-            batch = self.gather_ahead.read(self, epoch, task)
-            _tick(timer, "read", t0, len(batch["__key__"]))
-            result.output = self._batch_maps(batch, epoch, task, timer)
-            return result
-        if items is None:
-            items = self.task_indices(epoch, task)
-        if self.columnar and not pairs and len(items):
-            t0 = time.perf_counter()
-            batch = self.source.read_columns(np.asarray(items, dtype=np.int64))
-            _tick(timer, "read", t0, len(items))
-            result.output = self._batch_maps(batch, epoch, task, timer)
-            return result
         grouped = self.grouped
-        if not pairs and self.cache is None and hasattr(self.source, "read_many"):
-            t0 = time.perf_counter()  # a source made of blocks reads a task's rows block by block
-            indices = np.asarray(items, dtype=np.int64)
-            items = list(zip(indices.tolist(), self.source.read_many(indices), strict=True))
-            _tick(timer, "read", t0, len(items))
-            pairs, first_map = True, 0
         for item in items:
             index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
             try:
-                start = 0 if record is MISSING else first_map or 0
+                start = 0 if record is MISSING else first_map
                 if grouped:
                     samples.append((index, self._records(epoch, index, record, timer, start)))
                 else:

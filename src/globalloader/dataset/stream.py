@@ -20,6 +20,7 @@ from globalloader.dataset.fingerprint import digest, fn_fingerprint
 from globalloader.dataset.seeds import check_seed
 from globalloader.errors import ArgumentError
 from globalloader.sampling.sharding import check_shard_args, shard_length
+from globalloader.sources.base import RecordStream
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -30,7 +31,7 @@ class StreamSource:
     with `iter_records()` (TarShards, Parquet read sequentially)."""
 
     def __init__(self, iterable: Any) -> None:
-        if not callable(iterable) and not hasattr(iterable, "iter_records"):
+        if not callable(iterable) and not isinstance(iterable, RecordStream):
             if not hasattr(iterable, "__iter__"):
                 raise ArgumentError(f"stream: expected an iterable, got {type(iterable).__name__}")
             if iter(iterable) is iterable:
@@ -42,7 +43,7 @@ class StreamSource:
 
     def __iter__(self) -> Iterator[Any]:
         it = self.iterable
-        if hasattr(it, "iter_records"):
+        if isinstance(it, RecordStream):
             return iter(it.iter_records())
         if callable(it) and not hasattr(it, "__iter__"):
             return iter(it())

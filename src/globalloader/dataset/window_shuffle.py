@@ -25,6 +25,7 @@ import numpy.typing as npt
 from globalloader.dataset.seeds import check_permutation_seed
 from globalloader.errors import ArgumentError
 from globalloader.sampling.permutation import Permutation
+from globalloader.sources.base import Blocks, KeepsBlocks, capable
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -86,16 +87,14 @@ class WindowShuffle:
                 f"shuffle(window=...) must apply directly to the source, but it follows {preceding[-1].describe()[0]}; "
                 "put it first (select and shard may follow it)"
             )
-        starts = getattr(source, "block_starts", None)
-        if starts is None:
+        if not capable(source, Blocks):
             raise ArgumentError(
                 f"shuffle(window=...) needs a source made of blocks (with `block_starts`, such as gl.Parquet, "
                 f"its local_copy() or gl.TarShards); {type(source).__name__} has none: use shuffle(seed) instead"
             )
-        op = cls(seed, window, np.append(np.asarray(starts, dtype=np.int64), len(source)))
-        keep = getattr(source, "keep_blocks", None)
-        if keep is not None:
-            keep(2 * op.window)
+        op = cls(seed, window, np.append(np.asarray(source.block_starts, dtype=np.int64), len(source)))
+        if capable(source, KeepsBlocks):
+            source.keep_blocks(2 * op.window)
         return op
 
     def __eq__(self, other: object) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import operator
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -33,6 +34,73 @@ class Source(Protocol):
     def __getitem__(self, index: int) -> dict[str, Any]: ...
 
 
+# What a source may offer beyond `Source`, each for something the loader then does faster or
+# at all. The plan asks once, when a chain is built (`capable`); docs/custom-sources.md shows a
+# source of your own.
+
+
+@runtime_checkable
+class BatchReads(Protocol):
+    """Reads a task's records in one call, cheaper than one `[i]` each (Parquet: block by block)."""
+
+    def read_many(self, indices: np.ndarray) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class ColumnarReads(Protocol):
+    """Builds a batch column by column: exactly what collating `read_many(indices)` gives, without
+    a record per row. Used for a chain that batches the source's rows with the default collate
+    and nothing in between, when `columnar` is true (the columns allow it)."""
+
+    @property
+    def columnar(self) -> bool: ...
+
+    def read_columns(self, indices: np.ndarray) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class GathersAhead(Protocol):
+    """Gathers several tasks' batches in one call (`dataset.gather_ahead`): `gather_rows` is how
+    many rows it would rather gather at once; returns the leading parts it could serve."""
+
+    @property
+    def gather_rows(self) -> int: ...
+
+    def read_columns_ahead(self, parts: list[np.ndarray]) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class Blocks(Protocol):
+    """Made of blocks read best whole (row groups, shards), each starting at `block_starts[b]`:
+    what `shuffle(window=...)` permutes."""
+
+    @property
+    def block_starts(self) -> np.ndarray: ...
+
+
+@runtime_checkable
+class KeepsBlocks(Protocol):
+    """Keeps read blocks per process; a windowed shuffle asks it to keep two windows' worth."""
+
+    def keep_blocks(self, count: int) -> None: ...
+
+
+@runtime_checkable
+class CachesDecodedBlocks(Protocol):
+    """Decodes a whole block to read one row and keeps `cached_blocks` of them per process: a
+    global shuffle over more blocks than that decodes a block for nearly every row."""
+
+    @property
+    def cached_blocks(self) -> int: ...
+
+
+@runtime_checkable
+class RecordStream(Protocol):
+    """Yields every record in storage order without an index (`Dataset.stream`; gzip tars)."""
+
+    def iter_records(self) -> Iterable[Any]: ...
+
+
 @runtime_checkable
 class Prefetching(Protocol):
     """A source whose records live in remote objects it can fetch ahead of the reads: the loader
@@ -43,6 +111,28 @@ class Prefetching(Protocol):
     def remote(self) -> bool: ...
 
     def prefetch(self, indices: np.ndarray) -> None: ...
+
+
+def capable(source: object, protocol: type) -> bool:
+    """Whether `source` offers every member of `protocol`. Some but not all is the ArgumentError
+    naming the source's class and what it lacks: a half-written ability is a bug, never a
+    silent fallback. Looks members up statically, so asking runs no property (an index build)."""
+    members = sorted(
+        name
+        for name, value in vars(protocol).items()
+        if not name.startswith("_") and (callable(value) or isinstance(value, property))
+    )
+    missing = [name for name in members if inspect.getattr_static(source, name, _ABSENT) is _ABSENT]
+    if missing and len(missing) < len(members):
+        raise ArgumentError(
+            f"{type(source).__name__} has {', '.join(m for m in members if m not in missing)} but not "
+            f"{', '.join(missing)}: a {protocol.__name__} source needs all of {', '.join(members)} "
+            "(see docs/custom-sources.md)"
+        )
+    return not missing
+
+
+_ABSENT = object()
 
 
 def check_index(index: Any, length: int, source: object) -> int:

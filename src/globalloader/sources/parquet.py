@@ -394,6 +394,11 @@ class Parquet:
         window at once; a smaller cache would decode a group again for every row)."""
         self.cached_row_groups = max(self.cached_row_groups, int(count))
 
+    @property
+    def cached_blocks(self) -> int:
+        """Decoded row groups kept per process (`CachesDecodedBlocks`)."""
+        return self.cached_row_groups
+
     def file_versions(self) -> list[tuple[str, int, str]]:
         """(location, size, version) of every file, as read at construction: what a copy is keyed by."""
         return [(storage.cache_key(u), s.size, s.version) for u, s in zip(self.files, self._stats, strict=True)]
