@@ -1,4 +1,5 @@
-"""Whole-file reads into NumPy columns: Parquet types, fsspec URLs, tar shards, bad files."""
+"""A shuffle's data as parts of public sources, read whole into NumPy columns: Parquet types,
+fsspec URLs, tar shards, sources of any kind, bad files."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from globalloader.errors import SourceError
-from globalloader.ray.reader import count_rows, read_columns
+import globalloader as gl
+from globalloader.errors import ArgumentError, SourceError
+from globalloader.ray.reader import PART_ROWS, parts_of, read_part
 from globalloader.sources import TarWriter
 
 
@@ -29,6 +31,11 @@ def write_typed(path, rows: int = 10) -> None:
     pq.write_table(table, path, row_group_size=4)  # several row groups: chunked columns
 
 
+def read_columns(data, columns):
+    (part,) = parts_of(data, columns, None)
+    return read_part(part, columns)
+
+
 def test_parquet_columns_become_row_major_numpy_arrays(tmp_path):
     path = str(tmp_path / "typed.parquet")
     write_typed(path)
@@ -41,7 +48,7 @@ def test_parquet_columns_become_row_major_numpy_arrays(tmp_path):
     assert cols["vec"].shape == (10, 3) and cols["vec"][2].tolist() == [6.0, 7.0, 8.0]
     assert cols["text"].dtype == object and cols["text"][7] == "row 7"
     assert cols["raw"][2] == b"\x02\x02\x02"
-    assert count_rows(path) == 10
+    assert [p.rows for p in parts_of(path, None, None)] == [10]
 
 
 def test_selected_columns_and_fsspec_urls(tmp_path):
@@ -49,18 +56,15 @@ def test_selected_columns_and_fsspec_urls(tmp_path):
     write_typed(str(path))
     cols = read_columns(f"file://{path}", ["vec", "key"])
     assert list(cols) == ["vec", "key"] and cols["key"][-1] == 9
-    assert count_rows(f"file://{path}") == 10
 
 
 def test_unreadable_or_missing_files_name_the_file(tmp_path):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"this is not parquet at all")
     with pytest.raises(SourceError, match=r"bad\.parquet"):
-        count_rows(str(bad))
-    with pytest.raises(SourceError, match=r"bad\.parquet"):
-        read_columns(str(bad), None)
+        parts_of(str(bad), None, None)
     with pytest.raises(SourceError, match=r"missing\.parquet"):
-        read_columns(str(tmp_path / "missing.parquet"), None)
+        parts_of(str(tmp_path / "missing.parquet"), None, None)
     good = tmp_path / "good.parquet"
     write_typed(str(good))
     with pytest.raises(SourceError, match=r"good\.parquet"):
@@ -72,9 +76,40 @@ def test_tar_shards_become_object_columns(tmp_path):
         for i in range(7):
             writer.write({"__key__": f"k{i:03d}", "cls": i, "bin": bytes([i]) * 3})
     first, second = writer.paths
-    assert count_rows(first) == 5 and count_rows(second) == 2
+    assert [p.rows for p in parts_of([first, second], None, None)] == [5, 2]
     cols = read_columns(second, ["__key__", "cls", "bin"])
     assert cols["__key__"].tolist() == ["k005", "k006"]
     assert cols["cls"].tolist() == [b"5", b"6"] and cols["bin"][1] == b"\x06" * 3
     with pytest.raises(SourceError, match="nope"):
         read_columns(first, ["nope"])
+
+
+def test_a_source_splits_into_its_files_its_blocks_or_fixed_runs(tmp_path):
+    paths = [str(tmp_path / f"p{i}.parquet") for i in range(3)]
+    for path, rows in zip(paths, [10, 0, 7], strict=True):
+        write_typed(path, rows)
+    by_files = parts_of(paths, ["key"], None)
+    by_source = parts_of(gl.Dataset(gl.Parquet(paths, columns=["key"])), ["key"], None)
+    assert (
+        [(p.name, p.rows) for p in by_source]
+        == [(p.name, p.rows) for p in by_files]
+        == [
+            (paths[0], 10),
+            (paths[1], 0),
+            (paths[2], 7),
+        ]
+    )
+    assert read_part(by_source[2], ["key"])["key"].tolist() == list(range(7))
+    records = [{"__key__": str(i), "x": i} for i in range(PART_ROWS + 5)]
+    parts = parts_of(gl.from_sequence(records), None, None)
+    assert [p.rows for p in parts] == [PART_ROWS, 5]
+    assert read_part(parts[1], ["x"])["x"].tolist() == list(range(PART_ROWS, PART_ROWS + 5))
+
+
+def test_what_ray_cannot_read_is_named(tmp_path):
+    with pytest.raises(ArgumentError, match="has operators"):
+        parts_of(gl.Dataset(gl.from_sequence([{"x": 1}])).shuffle(seed=0), None, None)
+    with pytest.raises(ArgumentError, match="storage_options= is for files"):
+        parts_of(gl.from_sequence([{"x": 1}]), None, {"anon": True})
+    with pytest.raises(ArgumentError, match="dicts of columns"):
+        read_part(parts_of(gl.from_sequence([1, 2]), None, None)[0], None)

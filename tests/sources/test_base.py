@@ -68,7 +68,15 @@ def test_built_in_sources_offer_the_abilities_the_plan_uses(make_shards, write_p
     parquet = sources.Parquet(write_parts(pa.table({"id": np.arange(80)})))
     shards = sources.TarShards(make_shards())
     offered = {
-        parquet: {"BatchReads", "ColumnarReads", "GathersAhead", "Blocks", "KeepsBlocks", "CachesDecodedBlocks"},
+        parquet: {
+            "BatchReads",
+            "ColumnarReads",
+            "GathersAhead",
+            "Blocks",
+            "ArrowBlocks",
+            "KeepsBlocks",
+            "CachesDecodedBlocks",
+        },
         parquet.local_copy(str(tmp_path / "copy")): {"ColumnarReads", "Blocks"},
         shards: {"Blocks", "KeepsBlocks", "Prefetching"},
         sources.from_sequence([1, 2]): set(),
@@ -78,6 +86,7 @@ def test_built_in_sources_offer_the_abilities_the_plan_uses(make_shards, write_p
         base.ColumnarReads,
         base.GathersAhead,
         base.Blocks,
+        base.ArrowBlocks,
         base.KeepsBlocks,
         base.CachesDecodedBlocks,
         base.Prefetching,

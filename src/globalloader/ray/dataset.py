@@ -6,7 +6,6 @@ import hashlib
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
 import numpy as np
@@ -18,8 +17,7 @@ from globalloader.errors import ArgumentError, StateError, WorkerError
 from globalloader.ray.layout import default_num_reducers, make_layout
 from globalloader.ray.prefetch import OutputPrefetcher
 from globalloader.ray.queue import BatchQueue, ShuffleSpec
-from globalloader.ray.reader import count_rows
-from globalloader.sources import _files
+from globalloader.ray.reader import parts_of
 
 _NAME_TAKEN = getattr(rex, "ActorAlreadyExistsError", ValueError)
 NAMESPACE = "globalloader"  # queues are found by name from any driver or actor in the cluster
@@ -33,8 +31,9 @@ class ShufflingDataset:
 
     Every rank constructs one with the same arguments and its own `rank`. Rank 0 plans the
     shuffle and starts a named Ray actor (the batch queue) that the other ranks find by name;
-    per epoch, map tasks read `files` (Parquet, or WebDataset tar shards by their `.tar`
-    suffix; local paths or fsspec URLs) and scatter rows to `num_reducers` reducers by a seeded
+    per epoch, map tasks read `data` (any source, a bare `gl.Dataset` over one, or files:
+    Parquet, or WebDataset tar shards by their `.tar` suffix, local paths or URLs with
+    `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a seeded
     random assignment, reducers permute and cut batches, and each trainer fetches its batches
     from the object store, `prefetch` reducer outputs ahead. Shuffles of later epochs run while
     trainers train, at most `max_concurrent_epochs` epochs alive at once (memory).
@@ -68,7 +67,7 @@ class ShufflingDataset:
 
     def __init__(
         self,
-        files: Any,
+        data: Any,
         num_epochs: int,
         num_trainers: int,
         batch_size: int,
@@ -82,8 +81,8 @@ class ShufflingDataset:
         prefetch: int = 2,
         timeout: float | None = 600.0,
         name: str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        urls = _files.expand_urls(files, "files")
         for arg, value in (
             ("num_epochs", num_epochs),
             ("num_trainers", num_trainers),
@@ -96,17 +95,18 @@ class ShufflingDataset:
         _check_int("seed", seed, 0)
         if rank >= num_trainers:
             raise ArgumentError(f"rank must be in 0..{num_trainers - 1}, got {rank}")
-        if num_reducers is None:
-            num_reducers = default_num_reducers(len(urls), num_trainers)
-        _check_int("num_reducers", num_reducers, num_trainers)
         if columns is not None and (
             isinstance(columns, str) or not columns or not all(isinstance(c, str) for c in columns)
         ):
             raise ArgumentError(f"columns must be a non-empty list of str or None, got {columns!r}")
+        parts = parts_of(data, columns, storage_options)
+        if num_reducers is None:
+            num_reducers = default_num_reducers(len(parts), num_trainers)
+        _check_int("num_reducers", num_reducers, num_trainers)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.spec = ShuffleSpec(
-            tuple(urls),
+            tuple(parts),
             tuple(columns) if columns is not None else None,
             num_epochs,
             num_trainers,
@@ -136,8 +136,7 @@ class ShufflingDataset:
 
     def _create(self) -> tuple[Any, dict[str, Any]]:
         """Rank 0: count rows, check the plan, and start the queue (replacing a finished one)."""
-        with ThreadPoolExecutor(min(16, len(self.spec.files))) as pool:
-            rows = list(pool.map(count_rows, self.spec.files))
+        rows = [part.rows for part in self.spec.files]
         make_layout(
             np.array(rows), self.spec.num_trainers, self.spec.batch_size, self.spec.num_reducers, self.spec.drop_last
         )  # ArgumentError here, not remote
@@ -310,7 +309,7 @@ class ShufflingDataset:
     def __repr__(self) -> str:
         return (
             f"ShufflingDataset({self.name!r}, rank {self.rank}/{self.spec.num_trainers}, "
-            f"{len(self.spec.files)} files, {self.total_rows} rows, {len(self)} batches of "
+            f"{len(self.spec.files)} parts, {self.total_rows} rows, {len(self)} batches of "
             f"{self.spec.batch_size} per epoch)"
         )
 

@@ -34,6 +34,7 @@ import ray
 import ray.exceptions as rex
 
 from globalloader.ray.layout import ShuffleLayout, make_layout
+from globalloader.ray.reader import Part
 from globalloader.ray.schedule import ShuffleScheduler
 
 
@@ -41,7 +42,7 @@ from globalloader.ray.schedule import ShuffleScheduler
 class ShuffleSpec:
     """Everything every rank must agree on; `key` is compared when a rank attaches."""
 
-    files: tuple[str, ...]
+    files: tuple[Part, ...]  # what each map task reads
     columns: tuple[str, ...] | None
     num_epochs: int
     num_trainers: int

@@ -1,126 +1,138 @@
-"""Whole-file reads into NumPy columns for the map tasks: Parquet and WebDataset tar shards.
+"""A shuffle's data as parts of public sources, each read whole into NumPy columns by a map task.
 
-Map tasks read each file once, front to back, so the reader never needs random access:
-Parquet is decoded whole by pyarrow (columnar, one call), tar shards are streamed by
-`TarShards.iter_records`. Columns come out as NumPy arrays with one row per entry along
-axis 0, ready for `np.take`:
-
-- numeric, boolean and temporal Arrow columns: 1-D arrays (zero-copy where Arrow allows);
-- `fixed_size_binary(w)`: a (rows, w) uint8 array, zero-copy;
-- `fixed_size_list<number>[k]`: a (rows, k) array;
-- anything else (variable-length bytes or str, lists, structs, tar fields): a 1-D object array.
-
-Local paths are read directly, any other URL through `globalloader.storage` (the machine-wide
-cache, retries). Errors name the file.
+`ShufflingDataset` takes a source (any: `gl.Parquet`, `gl.TarShards`, one of your own), a bare
+`gl.Dataset` over one, or files: Parquet, or tar shards by their `.tar` suffix, local paths or
+URLs with `storage_options=` (remote reads go through `globalloader.storage`: the machine-wide
+cache, retries). A part is rows [start, stop) of a source, read front to back by one map task;
+parts follow the files where a source has them (a Parquet file's row groups, a tar shard), else
+runs of `PART_ROWS` rows. Columns come out with one row per entry along axis 0, ready for
+`np.take`: Arrow blocks by the one Arrow -> NumPy rule (`sources._arrow_values.to_numpy`),
+records as object columns (a field a record lacks is None).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from globalloader import _extras, storage
-from globalloader.errors import SourceError
+from globalloader import _extras
+from globalloader.dataset import Dataset
+from globalloader.errors import ArgumentError, SourceError
+from globalloader.sources import Parquet, TarShards
+from globalloader.sources._arrow_values import to_numpy
+from globalloader.sources.base import ArrowBlocks, BatchReads, Blocks, KeepsBlocks, capable
 
+PART_ROWS = 65536  # rows per map task of a source with no blocks: fixed, so orders never depend on the machine
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
-def is_tar(url: str) -> bool:
-    """Tar shards by name; every other file is read as Parquet."""
-    return url.lower().endswith(_TAR_SUFFIXES)
+@dataclass(frozen=True)
+class Part:
+    """Rows [start, stop) of `source`; `name` and `fingerprint` are what ranks compare."""
+
+    name: str
+    fingerprint: str
+    start: int
+    stop: int
+    source: Any = field(repr=False, compare=False)
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
 
 
-def count_rows(url: str) -> int:
-    """Rows in one file: the Parquet footer, or the tar shard's member index."""
-    if is_tar(url):
-        from globalloader.sources import TarShards
-
-        shards = TarShards(url)
-        try:
-            return len(shards)
-        except SourceError:
-            if not url.lower().endswith((".gz", ".tgz")):
-                raise
-            return sum(1 for _ in shards.iter_records())  # gzip: no index, count by streaming
-    try:
-        with _parquet_file(url) as handle:
-            return int(handle.metadata.num_rows)
-    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
+def parts_of(data: Any, columns: Sequence[str] | None, storage_options: dict[str, Any] | None) -> list[Part]:
+    """The parts of `data` (see the module doc), in order."""
+    return [part for source in _sources(data, columns, storage_options) for part in _split(source)]
 
 
-def read_columns(url: str, columns: Sequence[str] | None) -> dict[str, np.ndarray]:
-    """Every row of one file as {column: array}; SourceError naming the file if it fails."""
-    if is_tar(url):
-        return _read_tar(url, columns)
-    try:
-        with _parquet_file(url) as handle:
-            names = handle.schema_arrow.names
-            missing = [c for c in columns or () if c not in names]
-            if missing:
-                raise SourceError(f"Parquet file {url} has no column(s) {missing}; it has {names}")
-            # One thread: a map task has one CPU, and several run side by side.
-            table = handle.read(columns=list(columns) if columns is not None else None, use_threads=False)
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
-    return {name: to_numpy(table.column(name)) for name in table.column_names}
+def _sources(data: Any, columns: Sequence[str] | None, storage_options: dict[str, Any] | None) -> list[Any]:
+    if isinstance(data, Dataset):
+        if data._ops:
+            raise ArgumentError(
+                f"ShufflingDataset reads a gl.Dataset's source, but {data!r} has operators: the shuffle and "
+                "the batches are Ray's; pass gl.Dataset(source) or the source itself"
+            )
+        data = data.source
+    named = isinstance(data, (str, os.PathLike)) or (
+        isinstance(data, (list, tuple)) and all(isinstance(f, (str, os.PathLike)) for f in data)
+    )
+    if named:
+        cols = list(columns) if columns is not None else None
+        return [
+            TarShards(f, storage_options=storage_options)
+            if os.fspath(f).lower().endswith(_TAR_SUFFIXES)
+            else Parquet(f, columns=cols, storage_options=storage_options)
+            for f in ([data] if isinstance(data, (str, os.PathLike)) else data)
+        ]
+    if storage_options is not None:
+        raise ArgumentError("storage_options= is for files; give it to the source itself")
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise ArgumentError(
+            f"ShufflingDataset needs files, a source (len() and [i]) or a gl.Dataset, got {type(data).__name__}"
+        )
+    return [data]
 
 
-@contextlib.contextmanager
-def _parquet_file(url: str) -> Iterator[Any]:
-    """A ParquetFile for a local path or any fsspec URL, closed (with its file) afterwards."""
-    pq = _extras.require("pyarrow.parquet", "ray")
-    with contextlib.ExitStack() as stack:
-        remote = bool(storage.scheme_of(url))
-        source = stack.enter_context(storage.open_read(storage.Store(), url)) if remote else url
-        handle = pq.ParquetFile(source, memory_map=not remote)  # mapped: no read copy, ~15% less CPU
-        stack.callback(handle.close)
-        yield handle
+def _split(source: Any) -> list[Part]:
+    fingerprint = getattr(source, "fingerprint", None)
+    if not isinstance(fingerprint, str):
+        raise ArgumentError(
+            f"{type(source).__name__} has no `fingerprint` string: every rank must agree it reads the same data"
+        )
+    length = len(source)
+    if capable(source, Blocks) and capable(source, ArrowBlocks):  # a file's row groups in one part
+        starts = source.block_starts.tolist()
+        firsts = [b for b in range(len(starts)) if source.block_origin(b)[1] == 0]
+        names = [source.block_origin(b)[0] for b in firsts]
+        cuts = [starts[b] for b in firsts]
+    elif capable(source, Blocks):
+        cuts = source.block_starts.tolist()
+        names = [f"{source!r} block {b}" for b in range(len(cuts))]
+    else:
+        cuts = list(range(0, length, PART_ROWS))
+        names = [f"{source!r} rows {a}.." for a in cuts]
+    bounds = [*cuts, length]
+    return [
+        Part(name, fingerprint, bounds[k], bounds[k + 1], source) for k, name in enumerate(names) if bounds[k] <= length
+    ]
 
 
-def to_numpy(column: Any) -> np.ndarray:
-    """One Arrow (chunked) array as a NumPy array with rows along axis 0 (see module doc)."""
-    pa = _extras.require("pyarrow", "ray")
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    kind, rows = column.type, len(column)
-    if column.null_count == 0:
-        if pa.types.is_fixed_size_binary(kind):
-            width = kind.byte_width
-            data = column.buffers()[1]
-            if data is None:
-                return np.zeros((rows, width), np.uint8)
-            return np.frombuffer(data, np.uint8, rows * width, column.offset * width).reshape(rows, width)
-        if pa.types.is_fixed_size_list(kind) and (
-            pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
-        ):
-            values = column.flatten()
-            if values.null_count == 0:
-                return values.to_numpy().reshape(rows, kind.list_size)
-    # Numbers, booleans and times become typed arrays; everything else an object array (Arrow
-    # builds its Python values in C++, not row by row in Python).
-    return np.asarray(column.to_numpy(zero_copy_only=False))
-
-
-def _read_tar(url: str, columns: Sequence[str] | None) -> dict[str, np.ndarray]:
-    """A tar shard's samples as object columns; a field a sample lacks is None."""
-    from globalloader.sources import TarShards
-
-    records = list(TarShards(url).iter_records())
-    names: dict[str, None] = {}
+def read_part(part: Part, columns: Sequence[str] | None) -> dict[str, np.ndarray]:
+    """Every row of `part` as {column: array}; SourceError naming the part if a column is missing."""
+    source = part.source
+    if capable(source, Blocks) and capable(source, ArrowBlocks):
+        pa = _extras.require("pyarrow", "ray")
+        starts = source.block_starts
+        blocks = [b for b in range(len(starts)) if part.start <= starts[b] < part.stop]
+        table = pa.concat_tables([source.read_block(b) for b in blocks]) if blocks else None
+        names = table.column_names if table is not None else []
+        _check_columns(part, columns, names)
+        return {name: to_numpy(table.column(name)) for name in columns or names} if table is not None else {}
+    if capable(source, KeepsBlocks):
+        source.keep_blocks(1)  # a remote shard is fetched whole once, not a request per record
+    indices = np.arange(part.start, part.stop, dtype=np.int64)
+    records = source.read_many(indices) if capable(source, BatchReads) else [source[i] for i in indices.tolist()]
+    fields: dict[str, None] = {}
     for record in records:
-        names.update(dict.fromkeys(record))
-    if columns is not None:
-        missing = [c for c in columns if c not in names]
-        if missing and records:
-            raise SourceError(f"tar shard {url} has no field(s) {missing}; it has {list(names)}")
-        names = dict.fromkeys(columns)
+        if not isinstance(record, dict):
+            raise ArgumentError(f"Ray shuffles records that are dicts of columns; {part.name} gave a {type(record)}")
+        fields.update(dict.fromkeys(record))
+    if records:
+        _check_columns(part, columns, list(fields))
     out = {}
-    for name in names:
+    for name in columns or fields:
         column = np.empty(len(records), dtype=object)
         column[:] = [record.get(name) for record in records]
         out[name] = column
     return out
+
+
+def _check_columns(part: Part, columns: Sequence[str] | None, names: list[str]) -> None:
+    missing = [c for c in columns or () if c not in names]
+    if missing:
+        raise SourceError(f"{part.name} has no column(s) {missing}; it has {names}")

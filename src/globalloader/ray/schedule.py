@@ -30,6 +30,7 @@ import numpy as np
 import ray
 
 from globalloader.ray.layout import ShuffleLayout, scatter_table
+from globalloader.ray.reader import Part
 from globalloader.ray.shuffle import submit_map, submit_reduce
 
 _MAP, _REDUCE = 0, 1
@@ -55,7 +56,7 @@ class ShuffleScheduler:
     """Per-epoch map/reduce tasks, submitted by need and at most `limit` at a time."""
 
     def __init__(
-        self, files: Sequence[str], columns: Sequence[str] | None, layout: ShuffleLayout, seed: int, limit: int
+        self, files: Sequence[Part], columns: Sequence[str] | None, layout: ShuffleLayout, seed: int, limit: int
     ) -> None:
         self._files = list(files)
         self._columns = list(columns) if columns is not None else None
@@ -174,7 +175,7 @@ class ShuffleScheduler:
             index,
             self._seed,
             epoch,
-            [self._files[m] for m in sources],
+            [self._files[m].name for m in sources],
             [(int(state.offset[m, index]), int(state.table[m, index])) for m in sources],
             [state.parts[m][group] for m in sources],  # type: ignore[index]
             self.nodes.get(int(layout.reducer_rank[index])),

@@ -1,8 +1,8 @@
-"""One epoch's map/reduce on Ray core: map tasks scatter files, reducers permute and cut.
+"""One epoch's map/reduce on Ray core: map tasks scatter parts, reducers permute and cut.
 
 `submit_map` and `submit_reduce` start the tasks (the scheduler decides when); each task also
 returns a tiny value that tells the scheduler it has ended without fetching any data. A map
-task reads one file whole and sends each reducer the rows `layout.scatter_table` gave it,
+task reads one part (`reader`) whole and sends each reducer the rows `layout.scatter_table` gave it,
 picked by a seeded permutation (one `np.take` per column, no per-row Python). Rows for the
 reducers that run on one node travel in one object, sliced by each reducer: an object per
 reducer costs Ray a few milliseconds each, more than copying its rows. A reducer places
@@ -24,11 +24,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from globalloader.errors import SourceError
 from globalloader.ray.layout import MAP, REDUCE, rng_for
-from globalloader.ray.reader import read_columns
+from globalloader.ray.reader import Part, read_part
 
 
 def submit_map(
-    url: str,
+    part: Part,
     file_index: int,
     columns: Sequence[str] | None,
     group_rows: np.ndarray,
@@ -42,7 +42,7 @@ def submit_map(
     refs = cast(
         "list[ray.ObjectRef[Any]]",
         _map_file.options(num_returns=len(group_rows) + 1).remote(
-            url, file_index, columns, group_rows, file_rows, seed, epoch
+            part, file_index, columns, group_rows, file_rows, seed, epoch
         ),
     )
     return list(refs[:-1]), refs[-1]
@@ -72,7 +72,7 @@ def submit_reduce(
 
 @ray.remote(num_cpus=1)
 def _map_file(
-    url: str,
+    part: Part,
     file_index: int,
     columns: Sequence[str] | None,
     group_rows: np.ndarray,
@@ -80,12 +80,12 @@ def _map_file(
     seed: int,
     epoch: int,
 ) -> Any:
-    """Read one file and split a seeded permutation of its rows into `group_rows` per group."""
-    data = read_columns(url, columns)
+    """Read one part and split a seeded permutation of its rows into `group_rows` per group."""
+    data = read_part(part, columns)
     rows = len(next(iter(data.values()))) if data else 0
     if rows != expected_rows:
         raise SourceError(
-            f"{url} holds {rows} rows but held {expected_rows} when the shuffle "
+            f"{part.name} holds {rows} rows but held {expected_rows} when the shuffle "
             "was planned: the file changed; start the shuffle again"
         )
     keep = rng_for(seed, epoch, MAP, file_index).permutation(rows)[: int(group_rows.sum())]

@@ -40,7 +40,7 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        files: Any,
+        data: Any,
         num_epochs: int,
         num_trainers: int,
         batch_size: int,
@@ -82,7 +82,7 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):
         columns = names + ([label_column] if label_column and label_column not in names else [])
         kwargs.setdefault("columns", columns)
         self.dataset = ShufflingDataset(
-            files,
+            data,
             num_epochs,
             num_trainers,
             batch_size,

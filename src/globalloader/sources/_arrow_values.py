@@ -1,4 +1,5 @@
-"""How Arrow columns become record values: the one rule that `Parquet` and its Arrow copy share.
+"""How Arrow columns become NumPy arrays and record values: the one rule that `Parquet`, its
+Arrow copy and Ray's map tasks share (`to_numpy`).
 
 Numeric columns never hold None, so batches of them are numeric arrays, never object arrays: a
 null in a float column is NaN, and an integer or boolean column that may hold a null anywhere in
@@ -62,7 +63,7 @@ def as_float64(column: Any, name: str) -> np.ndarray:
     naming the column, never a changed value."""
     pa = _extras.require("pyarrow", "parquet")
     try:
-        return np.asarray(column.cast(pa.float64()).to_numpy(zero_copy_only=False))
+        return to_numpy(column.cast(pa.float64()))
     except pa.ArrowInvalid as exc:
         raise SourceError(
             f"Parquet column {name!r} holds nulls, so it is read as float64, but {exc}: float64 would round it; "
@@ -85,7 +86,7 @@ def to_python(column: Any, name: str) -> list[Any]:
             as_float64(items, name)  # Arrow's own conversion would round an integer beyond 2**53
         return list(column.to_numpy(zero_copy_only=False))
     if pa.types.is_floating(kind) or (column.null_count == 0 and is_exact(kind)):
-        return np.asarray(column.to_numpy()).tolist()
+        return to_numpy(column).tolist()
     try:
         return column.to_pylist()
     except ValueError as exc:
@@ -99,3 +100,29 @@ def unreadable(name: str, exc: Exception) -> SourceError:
         f"Parquet column {name!r} holds a value Python cannot hold exactly ({exc}); "
         "cast it in the files (timestamps to microseconds, for one) or select it out with columns=[...]"
     )
+
+
+def to_numpy(column: Any) -> np.ndarray:
+    """An Arrow (chunked) array as a NumPy array with one row per entry along axis 0: numbers,
+    booleans and times as typed arrays (zero-copy where Arrow allows; float nulls NaN, integer
+    nulls make float64); `fixed_size_binary(w)` as (rows, w) uint8 and a `fixed_size_list` of
+    numbers as (rows, k), both without nulls; anything else an object array of Python values."""
+    pa = _extras.require("pyarrow", "parquet")
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    kind, rows = column.type, len(column)
+    if column.null_count == 0:
+        if pa.types.is_fixed_size_binary(kind):
+            width = kind.byte_width
+            data = column.buffers()[1]
+            if data is None:
+                return np.zeros((rows, width), np.uint8)
+            return np.frombuffer(data, np.uint8, rows * width, column.offset * width).reshape(rows, width)
+        if pa.types.is_fixed_size_list(kind) and (
+            pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
+        ):
+            values = column.flatten()
+            if values.null_count == 0:
+                return values.to_numpy().reshape(rows, kind.list_size)
+    # Arrow builds the Python values of the rest in C++, not row by row in Python.
+    return np.asarray(column.to_numpy(zero_copy_only=False))

@@ -21,7 +21,7 @@ import numpy as np
 
 from globalloader import _extras
 from globalloader.errors import ArgumentError
-from globalloader.sources._arrow_values import as_float64
+from globalloader.sources._arrow_values import as_float64, to_numpy
 
 Rows = slice | np.ndarray  # rows of one block: a run, or positions
 _SLICES = 64  # rows read in order in fewer runs than this are read as slices
@@ -59,7 +59,7 @@ def batch_values(column: Any, name: str, as_float: bool) -> Any:
     if as_float:
         return as_float64(column, name)
     if pa.types.is_floating(kind) or pa.types.is_integer(kind) or pa.types.is_boolean(kind):
-        return np.asarray(column.to_numpy(zero_copy_only=False))
+        return to_numpy(column)
     return column
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from globalloader import _extras
-from globalloader.sources._arrow_values import as_float64, is_exact, is_list, to_python, unreadable
+from globalloader.sources._arrow_values import as_float64, is_exact, is_list, to_numpy, to_python, unreadable
 
 PACKED = "globalloader.packed_rows"  # the packed column's name (the last column of the copy)
 LAYOUT_KEY = b"globalloader.layout"  # schema metadata: the Layout as JSON
@@ -173,7 +173,7 @@ def _values(column: Any, name: str, dtype: np.dtype[Any]) -> np.ndarray:
     pa = _extras.require("pyarrow", "parquet")
     if dtype.kind == "f" and not pa.types.is_floating(column.type):
         return as_float64(column, name)
-    return np.asarray(column.to_numpy(zero_copy_only=False), dtype=dtype)
+    return np.asarray(to_numpy(column), dtype=dtype)
 
 
 def _spans(column: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources._columns import check_columnar
 from globalloader.sources._mapped_columns import MappedColumns
 from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
-from globalloader.sources.base import check_index, check_indices, fingerprint_of
+from globalloader.sources.base import ArrowBlocks, Blocks, capable, check_index, check_indices, fingerprint_of
 from globalloader.storage.cache import host_tag, pid_alive
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
@@ -80,7 +80,7 @@ class ArrowCopy:
         self, source: Any, folder: str | os.PathLike[str] | None = None, *, progress: bool | None = None
     ) -> None:
         self._pa = _extras.require("pyarrow", "parquet")
-        if not all(hasattr(source, a) for a in ("read_block", "block_origin", "file_versions", "block_starts")):
+        if not (capable(source, Blocks) and capable(source, ArrowBlocks)):
             raise ArgumentError(f"ArrowCopy copies a gl.Parquet source, got {type(source).__name__}")
         if folder is not None and not isinstance(folder, (str, os.PathLike)):
             raise ArgumentError(f"folder must be a str, a path or None, got {folder!r}")

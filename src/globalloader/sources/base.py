@@ -79,6 +79,19 @@ class Blocks(Protocol):
 
 
 @runtime_checkable
+class ArrowBlocks(Protocol):
+    """`Blocks` that are Arrow tables from files (Parquet's row groups): what the Arrow copy and
+    Ray's map tasks read whole. `block_origin(b)`: (file, row in it) where block b starts;
+    `file_versions()`: (location, size, version) per file, what a copy is keyed by."""
+
+    def read_block(self, block: int) -> Any: ...
+
+    def block_origin(self, block: int) -> tuple[str, int]: ...
+
+    def file_versions(self) -> list[tuple[str, int, str]]: ...
+
+
+@runtime_checkable
 class KeepsBlocks(Protocol):
     """Keeps read blocks per process; a windowed shuffle asks it to keep two windows' worth."""
 
