@@ -30,6 +30,7 @@ RUN_AS_WRITTEN = (
     "errors.md",
     "torch.md",
     "observe.md",
+    "custom-sources.md",
 )
 
 
