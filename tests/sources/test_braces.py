@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from globalloader.errors import ArgumentError
-from globalloader.sources._braces import expand_braces
+from globalloader.sources._files import expand_braces
 
 PATTERNS = [
     "plain.tar",

@@ -94,11 +94,11 @@ class Plan:
         self.gather_ahead = GatherAhead(ahead) if ahead > 1 else None
         # How a task reads the source, chosen once: by column, all records in one call, or one [i] each.
         self._read_task = (
-            self._task_by_columns
+            self._by_columns
             if self.columnar
-            else self._task_by_read_many
+            else self._by_read_many
             if self.cache is None and capable(self.source, BatchReads)
-            else self._task_by_index
+            else self._by_index
         )
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
@@ -356,9 +356,7 @@ class Plan:
             return self._build(epoch, task, items, True, first_map or 0, skip_errors, timer, deferred)
         return self._read_task(epoch, task, items, skip_errors, timer, deferred)
 
-    def _task_by_columns(
-        self, epoch: int, task: int, items: Any, skip_errors: bool, timer: Timer, deferred: bool
-    ) -> TaskResult:
+    def _by_columns(self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool) -> TaskResult:
         """The task's batch gathered by the source, column by column (`ColumnarReads`)."""
         t0 = time.perf_counter()
         if items is None and self.gather_ahead is not None:
@@ -371,22 +369,18 @@ class Plan:
         _tick(timer, "read", t0, len(batch["__key__"]))
         return TaskResult(self._batch_maps(batch, epoch, task, timer))
 
-    def _task_by_read_many(
-        self, epoch: int, task: int, items: Any, skip_errors: bool, timer: Timer, deferred: bool
-    ) -> TaskResult:
+    def _by_read_many(self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool) -> TaskResult:
         """A source made of blocks reads a task's records block by block (`BatchReads`)."""
         t0 = time.perf_counter()
         indices = self.task_indices(epoch, task) if items is None else np.asarray(items, dtype=np.int64)
         pairs = list(zip(indices.tolist(), self.source.read_many(indices), strict=True))
         _tick(timer, "read", t0, len(pairs))
-        return self._build(epoch, task, pairs, True, 0, skip_errors, timer, deferred)
+        return self._build(epoch, task, pairs, True, 0, skip, timer, deferred)
 
-    def _task_by_index(
-        self, epoch: int, task: int, items: Any, skip_errors: bool, timer: Timer, deferred: bool
-    ) -> TaskResult:
+    def _by_index(self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool) -> TaskResult:
         """Each sample read when it is built (`source[i]`, or the cache first)."""
         indices = self.task_indices(epoch, task) if items is None else items
-        return self._build(epoch, task, indices, False, 0, skip_errors, timer, deferred)
+        return self._build(epoch, task, indices, False, 0, skip, timer, deferred)
 
     def _build(
         self,

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from globalloader.errors import ArgumentError, StateError, WorkerError
 from globalloader.ray.layout import default_num_reducers, make_layout
-from globalloader.ray.prefetch import OutputPrefetcher
+from globalloader.ray.prefetch import OutputPrefetcher, ask_queue
 from globalloader.ray.queue import BatchQueue, ShuffleSpec
 from globalloader.ray.reader import parts_of
 
@@ -234,33 +234,17 @@ class ShufflingDataset:
     def _take(self, epoch: int) -> None:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         ticket = uuid.uuid4().hex
-        while True:
-            wait = _TAKE_POLL_S if deadline is None else max(0.0, min(_TAKE_POLL_S, deadline - time.monotonic()))
-            try:
-                status, payload = ray.get(
-                    self._queue.take.remote(self.rank, epoch, wait, ticket), timeout=wait + RPC_GRACE_S
-                )
-            except rex.GetTimeoutError:
-                status, payload = "wait", "the batch queue does not answer"
-            except rex.ActorUnavailableError:  # unreachable for now (a busy or failing node): ask again
-                status, payload = "wait", "the batch queue is unreachable"
-                time.sleep(_ATTACH_POLL_S)
-            except rex.RayActorError as exc:
-                raise WorkerError(
-                    f"the batch queue of shuffle {self.name!r} is gone ({type(exc).__name__}); it ends "
-                    "with rank 0's process (did rank 0 or its node stop?): restart every rank from its "
-                    "state_dict()"
-                ) from None
-            if status == "ok":
-                return
-            if status == "error":
-                raise StateError(payload)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WorkerError(
-                    f"rank {self.rank} waited {self._timeout:.0f} s for epoch {epoch} of "
-                    f"shuffle {self.name!r}: {payload} (a trainer may have died or stalled; "
-                    f"at most {self.spec.max_concurrent_epochs} epochs are shuffled ahead)"
-                )
+        ask_queue(
+            lambda wait: ray.get(self._queue.take.remote(self.rank, epoch, wait, ticket), timeout=wait + RPC_GRACE_S),
+            _TAKE_POLL_S,
+            deadline,
+            f"rank {self.rank} cannot take epoch {epoch} of shuffle {self.name!r}",
+            lambda why: (
+                f"rank {self.rank} waited {self._timeout:.0f} s for epoch {epoch} of shuffle {self.name!r}: "
+                f"{why} (a trainer may have died or stalled; at most {self.spec.max_concurrent_epochs} epochs are "
+                "shuffled ahead)"
+            ),
+        )
 
     def _done(self, epoch: int) -> None:
         self._queue.done.remote(self.rank, epoch)  # fire and forget: only frees memory sooner

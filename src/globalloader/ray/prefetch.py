@@ -146,34 +146,18 @@ class OutputPrefetcher:
             )
 
     def _find(self, i: int, deadline: float | None) -> ray.ObjectRef:
-        while True:
-            wait = _LOCATE_S if deadline is None else max(0.0, min(_LOCATE_S, deadline - time.monotonic()))
-            try:
-                status, payload = self._locate(i, wait)
-            except rex.GetTimeoutError:
-                status, payload = "wait", "the batch queue does not answer"
-            except rex.ActorUnavailableError:  # unreachable for now (a busy or failing node): ask again
-                status, payload = "wait", "the batch queue is unreachable"
-                time.sleep(_POLL_S)
-            except rex.RayActorError as exc:
-                raise WorkerError(
-                    f"{self._describe(i)} cannot be located ({type(exc).__name__}): the shuffle's batch "
-                    "queue, which ends with rank 0's process, is gone (did rank 0 or its node stop?): "
-                    "restart every rank from its state_dict()"
-                ) from None
-            if status == "ok":
-                return payload
-            if status == "error":
-                raise StateError(f"{self._describe(i)}: {payload}")
-            if self._stop.is_set():
-                raise WorkerError("stopped")
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WorkerError(
-                    f"{self._describe(i)} was not started within "
-                    f"{self._timeout:.0f} s: {payload}; the shuffle tasks may "
-                    "lack CPUs or a node died; pass a larger timeout= for very "
-                    "large epochs"
-                )
+        return ask_queue(
+            lambda wait: self._locate(i, wait),
+            _LOCATE_S,
+            deadline,
+            f"{self._describe(i)} cannot be located",
+            lambda why: (
+                f"{self._describe(i)} was not started within {self._timeout:.0f} s: {why}; the shuffle "
+                "tasks may lack CPUs or a node died; pass a larger timeout= for very large epochs"
+            ),
+            f"{self._describe(i)}: ",
+            self._stop.is_set,
+        )
 
     def _deliver(self, ok: bool, value: Any) -> bool:
         while not self._stop.is_set():
@@ -187,6 +171,42 @@ class OutputPrefetcher:
 
 def _poll_wait(deadline: float | None) -> float:
     return _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+
+
+def ask_queue(
+    call: Callable[[float], tuple[str, Any]],
+    poll: float,
+    deadline: float | None,
+    gone: str,
+    late: Callable[[str], str],
+    refused: str = "",
+    stopped: Callable[[], bool] = lambda: False,
+) -> Any:
+    """Ask the batch queue (`call(wait)` -> (status, payload)) until it answers "ok": its payload.
+    "error" is a StateError (`refused` + payload); a queue that is gone, a stop or the deadline
+    passing is a WorkerError (`gone`, or `late(why)`); a slow or unreachable queue is asked again."""
+    while True:
+        wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
+        try:
+            status, payload = call(wait)
+        except rex.GetTimeoutError:
+            status, payload = "wait", "the batch queue does not answer"
+        except rex.ActorUnavailableError:  # unreachable for now (a busy or failing node): ask again
+            status, payload = "wait", "the batch queue is unreachable"
+            time.sleep(_POLL_S)
+        except rex.RayActorError as exc:
+            raise WorkerError(
+                f"{gone} ({type(exc).__name__}): the shuffle's batch queue, which ends with rank 0's process, is "
+                "gone (did rank 0 or its node stop?): restart every rank from its state_dict()"
+            ) from None
+        if status == "ok":
+            return payload
+        if status == "error":
+            raise StateError(f"{refused}{payload}")
+        if stopped():
+            raise WorkerError("stopped")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise WorkerError(late(payload))
 
 
 def task_error(exc: BaseException, what: str) -> Exception:

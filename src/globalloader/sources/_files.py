@@ -1,19 +1,37 @@
 """Turning a sources' `urls`/`paths` argument into a list of URLs: braces first, then globs.
 
+Braces follow bash's rules, the WebDataset convention (`shard-{000000..000127}.tar`,
+`{train,val}`), by the `braceexpand` library; an unbalanced brace or a step of 0 is an
+ArgumentError, never a literal or a guess: in a shard pattern it is almost always a typo.
 Listing a remote folder is I/O, so globs go through the source's `storage.Store`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
+from braceexpand import braceexpand
+
 from globalloader.errors import ArgumentError, SourceError
-from globalloader.sources._braces import expand_braces
 from globalloader.storage import Store
 
 _GLOB_CHARS = frozenset("*?[")
+_ZERO_STEP = re.compile(r"\{[^{}]*\.\.[^{}]*\.\.-?0+\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Every string `pattern` expands to, in order (a pattern without braces: itself)."""
+    if not isinstance(pattern, str):
+        raise ArgumentError(f"brace pattern must be a str, got {type(pattern).__name__}")
+    if _ZERO_STEP.search(pattern):
+        raise ArgumentError(f"brace range with step 0 in {pattern!r}")
+    try:
+        return list(braceexpand(pattern))
+    except ValueError:  # braceexpand's UnbalancedBracesError
+        raise ArgumentError(f"unbalanced brace in {pattern!r}") from None
 
 
 def expand_urls(urls: Any, argument: str, store: Store | None = None) -> list[str]:

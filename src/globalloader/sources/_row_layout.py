@@ -154,15 +154,6 @@ class Layout:
         width = column.type.byte_width
         return self._unpacker(memoryview(column.buffers()[1])[column.offset * width :], width)
 
-    def records_of(self, batch: Any) -> np.ndarray | None:
-        """The packed records of a row group of the copy, as a structured view of the mapped
-        file (None when nothing is packed)."""
-        if not self._fields():
-            return None
-        column = batch.column(batch.num_columns - 1)
-        offset = column.offset * column.type.byte_width
-        return np.frombuffer(column.buffers()[1], dtype=self.dtype, count=len(column), offset=offset)
-
     def _unpacker(self, data: memoryview, width: int) -> Unpacker:
         unpack_from = struct.Struct(self.record_format).unpack_from
         return lambda row: unpack_from(data, row * width)

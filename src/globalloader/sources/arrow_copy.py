@@ -372,4 +372,3 @@ def _crc32(fd: int) -> int:
 def _hash(parts: list[str]) -> str:
     digest = hashlib.sha256("\n".join(parts).encode("utf-8", "surrogateescape"))
     return digest.hexdigest()[:16]
-    return True

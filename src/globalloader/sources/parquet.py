@@ -334,14 +334,10 @@ class Parquet:
 
     def iter_records(self) -> Iterator[dict[str, Any]]:
         """Yield every record in file order, one row group at a time (no cache pollution)."""
-        for group, (f, _, first_row) in enumerate(self._group_owner):
-            unpack, steps = self._decode_group(group)
+        for group in range(len(self._group_owner)):
+            decoded = self._decode_group(group)
             for row in range(self._group_start[group + 1] - self._group_start[group]):
-                record: dict[str, Any] = {"__key__": f"{self.files[f]}:{first_row + row}"}
-                packed = unpack(row) if unpack is not None else ()
-                for name, kind, slot, read in steps:
-                    record[name] = packed[slot] if kind == VALUE else read(row)
-                yield record
+                yield self._record(decoded, group, row)
 
     def _decode_group(self, group: int) -> _Decoded:
         """A row group ready for reads by row: its numbers packed row by row (one cache line per
