@@ -1,4 +1,6 @@
-"""What every source is: a random-access sequence of dict records with a content fingerprint."""
+"""What every source is (a random-access sequence of dict records with a content fingerprint),
+and the abilities a source may add, each for something the loader then does faster or at all:
+the plan asks once, when a chain is built (`capable`); docs/custom-sources.md shows how."""
 
 from __future__ import annotations
 
@@ -34,11 +36,6 @@ class Source(Protocol):
     def __getitem__(self, index: int) -> dict[str, Any]: ...
 
 
-# What a source may offer beyond `Source`, each for something the loader then does faster or
-# at all. The plan asks once, when a chain is built (`capable`); docs/custom-sources.md shows a
-# source of your own.
-
-
 @runtime_checkable
 class BatchReads(Protocol):
     """Reads a task's records in one call, cheaper than one `[i]` each (Parquet: block by block)."""
@@ -48,41 +45,36 @@ class BatchReads(Protocol):
 
 @runtime_checkable
 class ColumnarReads(Protocol):
-    """Builds a batch column by column: exactly what collating `read_many(indices)` gives, without
-    a record per row. Used for a chain that batches the source's rows with the default collate
-    and nothing in between, when `columnar` is true (the columns allow it)."""
+    """Builds a batch column by column, exactly what collating `read_many(indices)` gives, for a
+    chain that only batches the rows with the default collate; `columnar`: the columns allow it."""
 
-    @property
-    def columnar(self) -> bool: ...
+    columnar: bool
 
     def read_columns(self, indices: np.ndarray) -> dict[str, Any]: ...
 
 
 @runtime_checkable
 class GathersAhead(Protocol):
-    """Gathers several tasks' batches in one call (`dataset.gather_ahead`): `gather_rows` is how
-    many rows it would rather gather at once; returns the leading parts it could serve."""
+    """Gathers several tasks' batches in one call (`dataset.gather_ahead`), up to `gather_rows`
+    rows; returns the batches of the leading parts it could serve."""
 
-    @property
-    def gather_rows(self) -> int: ...
+    gather_rows: int
 
     def read_columns_ahead(self, parts: list[np.ndarray]) -> list[dict[str, Any]]: ...
 
 
 @runtime_checkable
 class Blocks(Protocol):
-    """Made of blocks read best whole (row groups, shards), each starting at `block_starts[b]`:
-    what `shuffle(window=...)` permutes."""
+    """Made of blocks read best whole (row groups, shards) starting at `block_starts`: what
+    `shuffle(window=...)` permutes."""
 
-    @property
-    def block_starts(self) -> np.ndarray: ...
+    block_starts: np.ndarray
 
 
 @runtime_checkable
 class ArrowBlocks(Protocol):
-    """`Blocks` that are Arrow tables from files (Parquet's row groups): what the Arrow copy and
-    Ray's map tasks read whole. `block_origin(b)`: (file, row in it) where block b starts;
-    `file_versions()`: (location, size, version) per file, what a copy is keyed by."""
+    """`Blocks` that are Arrow tables of files (Parquet's row groups), read whole by the Arrow copy
+    and Ray's map tasks: `block_origin(b)` is (file, row in it); `file_versions()` keys a copy."""
 
     def read_block(self, block: int) -> Any: ...
 
@@ -100,11 +92,10 @@ class KeepsBlocks(Protocol):
 
 @runtime_checkable
 class CachesDecodedBlocks(Protocol):
-    """Decodes a whole block to read one row and keeps `cached_blocks` of them per process: a
-    global shuffle over more blocks than that decodes a block for nearly every row."""
+    """Decodes a whole block to read a row, keeping `cached_blocks` per process: a global shuffle
+    over more blocks than that decodes a block for nearly every row (a warning says so)."""
 
-    @property
-    def cached_blocks(self) -> int: ...
+    cached_blocks: int
 
 
 @runtime_checkable
@@ -116,26 +107,21 @@ class RecordStream(Protocol):
 
 @runtime_checkable
 class Prefetching(Protocol):
-    """A source whose records live in remote objects it can fetch ahead of the reads: the loader
-    tells it which source indices the next tasks will read (`prefetch`), in order, when
-    `remote` is true."""
+    """Fetches the remote objects of `prefetch(indices)` ahead of the reads, when `remote`: the
+    loader names the source indices of the next tasks, in order."""
 
-    @property
-    def remote(self) -> bool: ...
+    remote: bool
 
     def prefetch(self, indices: np.ndarray) -> None: ...
 
 
 def capable(source: object, protocol: type) -> bool:
-    """Whether `source` offers every member of `protocol`. Some but not all is the ArgumentError
-    naming the source's class and what it lacks: a half-written ability is a bug, never a
-    silent fallback. Looks members up statically, so asking runs no property (an index build)."""
-    members = sorted(
-        name
-        for name, value in vars(protocol).items()
-        if not name.startswith("_") and (callable(value) or isinstance(value, property))
-    )
-    missing = [name for name in members if inspect.getattr_static(source, name, _ABSENT) is _ABSENT]
+    """Whether `source` offers every member of `protocol` (one of the abilities above), looked up
+    statically so that asking runs no property (an index build). Some but not all is the
+    ArgumentError naming the class and what it lacks: a half-written ability is a bug."""
+    named = {*vars(protocol).get("__annotations__", {}), *(n for n, v in vars(protocol).items() if callable(v))}
+    members = sorted(n for n in named if not n.startswith("_"))
+    missing = [m for m in members if inspect.getattr_static(source, m, capable) is capable]  # capable: absent
     if missing and len(missing) < len(members):
         raise ArgumentError(
             f"{type(source).__name__} has {', '.join(m for m in members if m not in missing)} but not "
@@ -143,9 +129,6 @@ def capable(source: object, protocol: type) -> bool:
             "(see docs/custom-sources.md)"
         )
     return not missing
-
-
-_ABSENT = object()
 
 
 def check_index(index: Any, length: int, source: object) -> int:

@@ -90,18 +90,10 @@ class ImageFolder:
 
     def _walk(self, class_name: str) -> list[str]:
         found = []
-        stack = [class_name]
-        while stack:
-            rel = stack.pop()
-            with os.scandir(os.path.join(self.root, rel)) as entries:
-                for entry in entries:
-                    if entry.name.startswith("."):
-                        continue
-                    child = f"{rel}/{entry.name}"
-                    if entry.is_dir():
-                        stack.append(child)
-                    elif entry.name.lower().endswith(self.extensions):
-                        found.append(child)
+        for folder, dirs, files in os.walk(os.path.join(self.root, class_name), followlinks=True):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            rel = os.path.relpath(folder, self.root).replace(os.sep, "/")
+            found += [f"{rel}/{f}" for f in files if not f.startswith(".") and f.lower().endswith(self.extensions)]
         return found
 
     def __len__(self) -> int:
