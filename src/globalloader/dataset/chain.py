@@ -246,14 +246,16 @@ def _parts(method: str, datasets: Any) -> list[Dataset]:
 def _warn_if_rows_scatter(source: Any) -> None:
     """A global shuffle over a source whose blocks are decoded whole (Parquet row groups) and do
     not all fit its cache decodes a block for nearly every row: say so once, with the remedies."""
-    if not (capable(source, Blocks) and capable(source, CachesDecodedBlocks)):
-        return
-    blocks, cached = source.block_starts, source.cached_blocks
-    if len(blocks) > cached:
+    if (
+        capable(source, Blocks)
+        and capable(source, CachesDecodedBlocks)
+        and len(source.block_starts) > source.cached_blocks
+    ):
+        blocks = len(source.block_starts)
         warnings.warn(
-            f"shuffle() over {source!r} reads its {len(blocks)} row groups in random order, decoding a whole "
+            f"shuffle() over {source!r} reads its {blocks} row groups in random order, decoding a whole "
             f"row group for nearly every row (hundreds of times slower than in order); use shuffle(window=w), "
-            f"or shuffle() on its local_copy(), or keep every group decoded (cached_row_groups={len(blocks)}); "
+            f"or shuffle() on its local_copy(), or keep every group decoded (cached_row_groups={blocks}); "
             "see docs/columnar.md",
             stacklevel=3,
         )

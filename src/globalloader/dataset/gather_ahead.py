@@ -1,19 +1,14 @@
 """Gathering a worker's next batches of a columnar chain in one call.
 
-A batch gathered by column (`sources._columns`) costs a few takes per column, and each call pays
-a fixed cost besides its rows: mostly Arrow's kernel dispatch, which in a worker whose caches the
-decoding, the pickling and the other processes have just emptied is about 70 us, as much as
-taking a thousand rows. A windowed shuffle over Parquet spent a sixth of its time there.
-
-A worker is dealt every `stride`-th task (the pool deals tasks round-robin). So when it asks for
-task t after task t - s, it offers the source the rows of t, t + s, ..., t + (k - 1) s
-(`read_columns_ahead`); the source gathers at once those that lie in the blocks task t reads
-(the rest of a window, of a row group) and the other batches are kept for their turn. The
-batches are the same: a gather is row-wise, so a slice of one large gather is the small gather.
-Only tasks whose indices the plan computes itself come here (their rows depend on (epoch, task)
-alone); kept batches are dropped at the first request they do not answer, so a worker thread
-holds at most k - 1 of them. A source opts in with `gather_rows`, the rows it would gather at
-once (k = gather_rows // batch size).
+A batch gathered by column (`sources._columns`) pays a fixed cost per call besides its rows
+(mostly Arrow's kernel dispatch: about 70 us in a busy worker, as much as taking a thousand
+rows); a windowed shuffle over Parquet spent a sixth of its time there. A worker is dealt every
+`stride`-th task, so when it asks for task t after t - s, the source (`GathersAhead`) is offered
+the rows of t, t + s, ..., t + (k - 1) s and gathers at once those in the blocks task t reads;
+the other batches are kept for their turn (a gather is row-wise: a slice of a large gather is
+the small gather). Only the plan's own tasks come here (rows a function of (epoch, task));
+kept batches are dropped at the first request they do not answer, so a thread holds at most
+k - 1 of them; k = the source's `gather_rows` // batch size.
 """
 
 from __future__ import annotations

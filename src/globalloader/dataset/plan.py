@@ -93,13 +93,8 @@ class Plan:
         ahead = self.source.gather_rows // self.task_size if gathers else 0
         self.gather_ahead = GatherAhead(ahead) if ahead > 1 else None
         # How a task reads the source, chosen once: by column, all records in one call, or one [i] each.
-        self._read_task = (
-            self._by_columns
-            if self.columnar
-            else self._by_read_many
-            if self.cache is None and capable(self.source, BatchReads)
-            else self._by_index
-        )
+        many = self.cache is None and capable(self.source, BatchReads)
+        self._read_task = self._by_columns if self.columnar else self._by_read_many if many else self._by_index
         self._source_ids: dict[bool, str] = {}
         # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
         # lazily loaded model) must not make a checkpoint of this very chain look foreign.
@@ -352,7 +347,6 @@ class Plan:
         to fill."""
         timer = {} if timer is None else timer
         if self.is_stream or first_map is not None:
-            assert items is not None, "records come with their indices"
             return self._build(epoch, task, items, True, first_map or 0, skip_errors, timer, deferred)
         return self._read_task(epoch, task, items, skip_errors, timer, deferred)
 

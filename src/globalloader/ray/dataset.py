@@ -31,38 +31,26 @@ class ShufflingDataset:
 
     Every rank constructs one with the same arguments and its own `rank`. Rank 0 plans the
     shuffle and starts a named Ray actor (the batch queue) that the other ranks find by name;
-    per epoch, map tasks read `data` (any source, a bare `gl.Dataset` over one, or files:
-    Parquet, or WebDataset tar shards by their `.tar` suffix, local paths or URLs with
-    `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a seeded
-    random assignment, reducers permute and cut batches, and each trainer fetches its batches
-    from the object store, `prefetch` reducer outputs ahead. Shuffles of later epochs run while
-    trainers train, at most `max_concurrent_epochs` epochs alive at once (memory).
+    per epoch, map tasks read the parts of `data` (any source, a bare `gl.Dataset` over one, or
+    files with `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a
+    seeded random assignment, reducers permute and cut batches, and each trainer fetches its
+    batches from the object store, `prefetch` reducer outputs ahead, at most
+    `max_concurrent_epochs` epochs alive at once (memory).
 
         for epoch in range(num_epochs):
             ds.set_epoch(epoch)          # optional: iterating again moves to the next epoch
             for batch in ds: ...         # {column: np.ndarray}, rows along axis 0
 
-    Batches: dicts of NumPy arrays (see `reader` for column types), read-only views of Ray's
-    shared memory (copy one to modify it). Row policy: with drop_last=False every row appears
-    exactly once per epoch across all trainers; all batches hold `batch_size` rows except each
-    trainer's last, which share the leftover rows (rarely batch_size + 1, never 0). With
-    drop_last=True every batch is full and the leftover rows (a random set) are dropped.
-    Every trainer gets `len(ds)` batches every epoch, so DDP never hangs on a missing batch.
-    The order depends only on the files, `seed`, `num_trainers`, `batch_size`, `num_reducers`
-    and `drop_last`: the same arguments give the same batches on any cluster.
-
-    Each epoch is read once per rank. The batch queue runs on rank 0's node and ends with rank
-    0's process: rank 0 must not exit before the others finish. Faults: tasks lost with a node
-    are re-run by Ray from their inputs; a rank restarted from its `state_dict()` rejoins the
-    running shuffle; when the batch queue or rank 0 is gone, every rank raises WorkerError and
-    the job restarts every rank from its `state_dict()`. Errors: an unreadable file raises
-    SourceError naming it (at construction if its footer is bad, else when the epoch reaching
-    it is read); a rank that waits more than `timeout` seconds (a peer died or stalled, the
-    shuffle is starved of CPUs, rank 0 never started) raises WorkerError saying which ranks
-    hold it up. `name` identifies the shuffle in the cluster (default: derived from the
-    arguments); give one if two jobs with identical arguments run at once. `epoch_stats`
-    says where time went per epoch and how many reducer outputs (and bytes) had to be pulled
-    from another node (0 when every reducer ran on its trainer's node).
+    Batches are read-only views of Ray's shared memory. With drop_last=False every row appears
+    once per epoch across all trainers (each trainer's last batch shares the leftover rows);
+    with drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
+    (DDP never hangs), in an order fixed by the data, `seed`, `num_trainers`, `batch_size`,
+    `num_reducers` and `drop_last` alone. Rank 0's process ends the batch queue: it must not exit
+    before the others finish. A rank restarted from its `state_dict()` rejoins the running
+    shuffle; a lost queue, or a wait beyond `timeout` seconds, is a WorkerError saying why; an
+    unreadable file a SourceError naming it. `name`: the shuffle's name in the cluster (default:
+    from the arguments). `epoch_stats`: where time went per epoch, and reducer outputs (and
+    bytes) pulled from another node. docs/ray.md says more.
     """
 
     def __init__(
@@ -136,7 +124,7 @@ class ShufflingDataset:
 
     def _create(self) -> tuple[Any, dict[str, Any]]:
         """Rank 0: count rows, check the plan, and start the queue (replacing a finished one)."""
-        rows = [part.rows for part in self.spec.files]
+        rows = [part.stop - part.start for part in self.spec.files]
         make_layout(
             np.array(rows), self.spec.num_trainers, self.spec.batch_size, self.spec.num_reducers, self.spec.drop_last
         )  # ArgumentError here, not remote

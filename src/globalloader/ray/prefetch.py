@@ -31,6 +31,10 @@ from globalloader.errors import GlobalLoaderError, StateError, WorkerError
 _POLL_S = 0.5  # how often a blocked fetch checks whether it was stopped
 _LOCATE_S = 2.0  # longest single wait inside the batch queue for an output's ref
 _LOCATE_MS = 5000  # longest wait for the owner to say where an output is
+_GONE = (
+    "the shuffle's batch queue, which ends with rank 0's process, is gone (did rank 0 or its node stop?): "
+    "restart every rank from its state_dict()"
+)
 
 
 Locate = Callable[[int, float], tuple[str, Any]]
@@ -111,11 +115,7 @@ class OutputPrefetcher:
             except rex.RayTaskError as exc:
                 raise task_error(exc, self._describe(i)) from None
             except (rex.OwnerDiedError, rex.RayActorError) as exc:
-                raise WorkerError(
-                    f"{self._describe(i)} is lost ({type(exc).__name__}): the shuffle's batch queue, which "
-                    "ends with rank 0's process, is gone (did rank 0 or its node stop?): restart every "
-                    "rank from its state_dict()"
-                ) from None
+                raise WorkerError(f"{self._describe(i)} is lost ({type(exc).__name__}): {_GONE}") from None
             except rex.ObjectLostError as exc:
                 raise WorkerError(
                     f"{self._describe(i)} was lost with a node and Ray could not make it again "
@@ -195,10 +195,7 @@ def ask_queue(
             status, payload = "wait", "the batch queue is unreachable"
             time.sleep(_POLL_S)
         except rex.RayActorError as exc:
-            raise WorkerError(
-                f"{gone} ({type(exc).__name__}): the shuffle's batch queue, which ends with rank 0's process, is "
-                "gone (did rank 0 or its node stop?): restart every rank from its state_dict()"
-            ) from None
+            raise WorkerError(f"{gone} ({type(exc).__name__}): {_GONE}") from None
         if status == "ok":
             return payload
         if status == "error":

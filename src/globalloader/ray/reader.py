@@ -40,10 +40,6 @@ class Part:
     stop: int
     source: Any = field(repr=False, compare=False)
 
-    @property
-    def rows(self) -> int:
-        return self.stop - self.start
-
 
 def parts_of(data: Any, columns: Sequence[str] | None, storage_options: dict[str, Any] | None) -> list[Part]:
     """The parts of `data` (see the module doc), in order."""
@@ -96,10 +92,7 @@ def _split(source: Any) -> list[Part]:
     else:
         cuts = list(range(0, length, PART_ROWS))
         names = [f"{source!r} rows {a}.." for a in cuts]
-    bounds = [*cuts, length]
-    return [
-        Part(name, fingerprint, bounds[k], bounds[k + 1], source) for k, name in enumerate(names) if bounds[k] <= length
-    ]
+    return [Part(name, fingerprint, a, b, source) for name, a, b in zip(names, cuts, [*cuts[1:], length], strict=True)]
 
 
 def read_part(part: Part, columns: Sequence[str] | None) -> dict[str, np.ndarray]:
@@ -124,11 +117,9 @@ def read_part(part: Part, columns: Sequence[str] | None) -> dict[str, np.ndarray
         fields.update(dict.fromkeys(record))
     if records:
         _check_columns(part, columns, list(fields))
-    out = {}
-    for name in columns or fields:
-        column = np.empty(len(records), dtype=object)
+    out = {name: np.empty(len(records), dtype=object) for name in columns or fields}
+    for name, column in out.items():
         column[:] = [record.get(name) for record in records]
-        out[name] = column
     return out
 
 

@@ -55,22 +55,13 @@ class ArrowCopy:
     read in order costs, so `Dataset(copy).shuffle(seed)`, the exact global shuffle, runs at
     about sequential speed. `fingerprint` is derived from the source's.
 
-    The copy is an uncompressed Arrow IPC file (`path`) with one record batch per row group,
-    about the size of the data uncompressed; a row's numbers and the places of its text and bytes
-    are packed into one fixed-size record, so that reading a random row touches two or three
-    cache lines instead of one per column. It is written once, with a progress bar (`progress`:
-    None shows it on a terminal), to a temporary name and renamed when complete, so a copy cut
-    short is never read. Its name holds a hash of the files' locations, sizes and versions
-    (mtime or ETag) and of the columns: later constructions in any process reuse it (`built` is
-    False), and a changed source is copied again, the copy of its earlier version deleted.
-    Default folder: the globalloader cache folder (`GLOBALLOADER_CACHE_DIR`).
-
-    Batches of a chain with nothing before its batch are gathered by column from the whole mapped
-    file at once when `columnar` (as for `Parquet`; `sources._mapped_columns`). Records: number,
-    text and bytes columns, and lists of numbers without null items, are read per row straight
-    from the mapped file; structs, maps, times and decimals per row through
-    Arrow's scalars; lists of text, of booleans, of lists, or with null items, decode their column
-    per row group (kept in a small per-process LRU), which is what they cost in Parquet too.
+    The copy is an uncompressed Arrow IPC file (`path`), one record batch per row group, a row's
+    numbers and text spans packed into one fixed-size record (a random row touches two or three
+    cache lines, not one per column). It is written once (`progress`: a bar, None on a terminal)
+    to a temporary name renamed when complete; its name hashes the files' locations, sizes,
+    versions and the columns, so later constructions reuse it (`built` False) and a changed
+    source is copied again. Default folder: the globalloader cache folder. Batches are gathered
+    by column from the whole mapped file when `columnar` (`sources._mapped_columns`).
 
     Errors: files whose column types differ, an unwritable folder or a full disk raise
     SourceError naming the file or folder. Pickles by path; safe to fork.

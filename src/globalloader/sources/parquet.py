@@ -66,24 +66,14 @@ class Parquet:
     group once. Files are opened lazily, per thread, and reopened in a forked or unpickled
     process. `block_starts` holds the first row of every row group (the source's blocks).
 
-    Batches: when a chain batches the rows with the default collate and nothing before the batch
-    (`Dataset(Parquet(...)).shuffle(...).batch(n)`), each batch is gathered column by column
-    (`read_columns`) instead of built from a record per row: about 2.5 times as fast, and the same
-    batch, key for key and dtype for dtype. `columnar` says whether the selected columns allow it
-    (numbers, booleans, text, bytes; see `sources._columns`). A worker gathers its next batches
-    on the same row groups in the same call, up to `gather_rows` rows (at most 16 MiB; see
-    `dataset.gather_ahead`). Records are read otherwise; their decoded row groups keep their
-    numbers packed row by row, so that rows read out of order cost one cache miss for all of a
-    row's numbers rather than one per column.
+    Batches: a chain that only batches the rows with the default collate gets each batch
+    gathered column by column (`read_columns`, when `columnar`; a worker's next batches in one
+    call, up to `gather_rows` rows): about 2.5 times as fast, the same batch key for key and
+    dtype for dtype (`sources._columns`).
 
-    Shuffling: a global `shuffle(seed)` reads rows in random order, so nearly every row decodes a
-    whole row group (hundreds of times slower than reading in order). Pick one of:
-    - `shuffle(seed, window=w)`: permutes the row groups, then rows within each window of `w`
-      consecutive permuted groups; each group is decoded once per epoch per worker (the cache
-      grows to hold two windows), batches mix `w` groups; no copy, most of sequential speed.
-    - `local_copy()`: a one-time memory-mapped Arrow copy with the same records, where any row is
-      cheap, so the exact global `shuffle(seed)` runs at most of sequential speed.
-    docs/columnar.md measures what each costs and how well each shuffles.
+    Shuffling: a global `shuffle(seed)` decodes a whole row group for nearly every row; use
+    `shuffle(seed, window=w)` (row groups permuted, rows within `w` of them) or the exact shuffle
+    on `local_copy()`. docs/columnar.md measures what each costs and how well each shuffles.
 
     Errors: a missing or unreadable file, or a column it lacks, raises SourceError naming it.
     Needs pyarrow (the `parquet` extra).
