@@ -1,13 +1,10 @@
 """A shuffle's data as parts of public sources, each read whole into NumPy columns by a map task.
 
-`ShufflingDataset` takes a source (any: `gl.Parquet`, `gl.TarShards`, one of your own), a bare
-`gl.Dataset` over one, or files: Parquet, or tar shards by their `.tar` suffix, local paths or
-URLs with `storage_options=` (remote reads go through `globalloader.storage`: the machine-wide
-cache, retries). A part is rows [start, stop) of a source, read front to back by one map task;
-parts follow the files where a source has them (a Parquet file's row groups, a tar shard), else
-runs of `PART_ROWS` rows. Columns come out with one row per entry along axis 0, ready for
-`np.take`: Arrow blocks by the one Arrow -> NumPy rule (`sources._arrow_values.to_numpy`),
-records as object columns (a field a record lacks is None).
+Data is any source, a bare `gl.Dataset` over one, or files (Parquet, or tar shards by their
+`.tar` suffix; URLs with `storage_options=` read through `globalloader.storage`). A part is rows
+[start, stop) of a source: a Parquet file's row groups, a tar shard, else `PART_ROWS` rows.
+Arrow blocks become columns by the one Arrow -> NumPy rule (`sources._arrow_values.to_numpy`),
+dict records object columns (None where a record lacks the field).
 """
 
 from __future__ import annotations

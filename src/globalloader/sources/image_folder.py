@@ -17,21 +17,14 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".tif", ".t
 class ImageFolder:
     """Images under `root/<class>/...`, one record per file, labelled by sorted class order.
 
-    Every sub-folder of `root` is a class (`classes`, sorted, so labels match torchvision's
-    ImageFolder); files are found recursively inside each class and sorted by path; matching
-    is case-insensitive on `extensions`. Hidden files and folders (leading dot) are skipped.
-    A record is `{"__key__": "class/stem", "image": bytes, "label": int}`: the bytes are the
-    encoded file, decoding is a later `map` so it can run in workers and be cached.
-
-    `root` may be a URL (`s3://bucket/train`, `storage_options=` go to fsspec): one listing finds
-    every file with its size and version, and each image is read through the machine-wide cache
-    (`cache_limit=`, see `globalloader.storage`), downloaded ahead when a loader announces its
-    next tasks (`prefetch`).
-
-    Errors: a missing root, or a root with no image, raises SourceError naming the folder; a
-    file deleted after listing raises SourceError naming the file when it is read.
-    `fingerprint` hashes every path, size and mtime; it is computed on first use (one stat per
-    file) and then kept. Holds no open files, so it pickles and forks freely.
+    Every sub-folder of `root` is a class (sorted, so labels match torchvision's ImageFolder);
+    files are found recursively in each, sorted by path, matched case-insensitively on
+    `extensions`; hidden ones (leading dot) are skipped. A record is `{"__key__": "class/stem",
+    "image": bytes, "label": int}`: decoding is a later `map`, to run in workers and be cached.
+    `root` may be a URL (`storage_options=` go to fsspec): one listing finds every file, each read
+    through the machine-wide cache (`cache_limit=`) and downloaded ahead of the reads (`prefetch`).
+    A missing or empty root, or a file deleted after listing, is a SourceError naming it.
+    `fingerprint` hashes every path, size and mtime (computed once, on first use).
     """
 
     def __init__(

@@ -14,16 +14,10 @@ from globalloader.sources.base import check_index
 class SequenceSource:
     """The items of a Python sequence as records, as they are: `src[i] is seq[i]`.
 
-    The rule is the same as `Dataset(seq)` on the bare sequence: nothing is wrapped, so a list of
-    ints yields ints and a list of dicts yields those dicts (give them a `"__key__"` to have
-    errors name it; otherwise errors name the index). What `from_sequence` adds is the
-    `fingerprint` that `cache(path)` and `share=True` need to recognise the data.
-
-    Items are returned without copying, so a map that mutates a dict record mutates the
-    sequence. `fingerprint` is a SHA-256 of the pickled sequence, computed on first use and kept
-    (so later mutation of the sequence is not seen), or the `key` given; items that cannot be
-    pickled and no key is a FingerprintError when a fingerprint is needed (share=True,
-    cache(path)), never a guess.
+    As for `Dataset(seq)`, nothing is wrapped or copied (a map that mutates a dict record mutates
+    the sequence); what `from_sequence` adds is the `fingerprint` that `cache(path)` and
+    `share=True` need: a SHA-256 of the pickled sequence, computed once on first use, or the `key`
+    given. Items that cannot be pickled, and no key, are a FingerprintError then, never a guess.
     """
 
     def __init__(self, seq: Sequence[Any], key: str | None = None) -> None:
