@@ -85,6 +85,14 @@ def test_a_death_is_noticed_by_receive_any_too(pool):
         p.receive_any()
 
 
+def test_waiting_on_workers_all_told_to_stop_is_an_error_not_a_hang(pool):
+    p = pool(2, timeout=0)  # 0: no deadline of its own
+    p.stop(0)
+    p.stop(1)
+    with pytest.raises(WorkerError, match="every worker was told to stop"):
+        p.receive_any()
+
+
 def test_a_hung_worker_is_a_timeout_error(pool):
     p = pool(1, timeout=0.5)
     p.send(0, ("sleep", 30))

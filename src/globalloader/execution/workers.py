@@ -17,12 +17,12 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any, NamedTuple, cast
 
 from globalloader.dataset.cache import MISSING
 from globalloader.dataset.plan import Plan, Timer
 from globalloader.errors import LoaderTimeoutError, TransformError
-from globalloader.runtime.pool import Worker, WorkerPool
+from globalloader.runtime.pool import Worker, WorkerPool, failure, raised_again
 from globalloader.transport.arena import attach
 
 
@@ -40,18 +40,6 @@ class Result(NamedTuple):
     skipped: list[tuple[int, str]]
     timer: Timer  # stage -> [items, busy seconds] since the worker's previous result
     idle: float  # seconds the worker waited for this task
-
-
-class _RemoteTraceback(Exception):
-    """Carries a worker's traceback text as the cause of the re-raised error."""
-
-    def __str__(self) -> str:
-        return "\n" + str(self.args[0])
-
-
-def _raise_remote(exc: BaseException, tb: str) -> NoReturn:
-    exc.__cause__ = _RemoteTraceback(tb)
-    raise exc
 
 
 def _run(plan: Plan, task: Task, skip_errors: bool, timer: Timer, deferred: bool = False) -> Any:
@@ -125,7 +113,7 @@ class ThreadPool:
                 "cannot be stopped, so this Loader's threads may still be busy: close it"
             ) from None
         if isinstance(out, tuple) and not isinstance(out, Result):
-            _raise_remote(*out)
+            raise raised_again(*out)
         return out
 
     def close(self) -> None:
@@ -160,12 +148,7 @@ class _TaskBody:
             timer["transport"] = [1, time.perf_counter() - t1]
             worker.send(Result(task.number, payload, res.skipped, timer, idle))
         except Exception as exc:  # noqa: BLE001 - whatever the chain raised is sent back to the consumer
-            tb = traceback.format_exc()
-            try:
-                pickle.dumps(exc)
-            except Exception:  # noqa: BLE001 - any failure to pickle means it cannot cross the pipe
-                exc = TransformError(f"{type(exc).__name__}: {exc}")
-            worker.send((exc, tb))
+            worker.send(failure(exc, TransformError))
         self._idle_since = time.perf_counter()
 
 
@@ -195,7 +178,7 @@ class ProcessPool:
         out = self._workers.receive(worker, f" while running task {task.number} of epoch {task.epoch}")
         self._queued[worker].popleft()
         if not isinstance(out, Result):
-            _raise_remote(*out)
+            raise raised_again(*out)
         if out.output is not None:
             out = out._replace(output=self._workers.unpack(worker, out.output))
         return out

@@ -22,6 +22,7 @@ import select
 import signal
 import threading
 import time
+import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
@@ -42,6 +43,31 @@ INLINE_BYTES = 64 << 10
 
 # A batch on its way to the consumer: (None, segment message) or ((encoded tree, array bytes), None).
 Packed = tuple[tuple[tuple, bytearray] | None, BatchMessage | None]
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's traceback text as the cause of the error raised again in the consumer."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0])
+
+
+def failure(exc: BaseException, fallback: type[Exception]) -> tuple[BaseException, str]:
+    """(exception, traceback text) of the exception being handled, to send to the consumer: the
+    exception itself when it crosses a pipe, else a `fallback` naming its type and message."""
+    tb = traceback.format_exc()
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any failure to pickle or unpickle means it cannot cross the pipe
+        exc = fallback(f"{type(exc).__name__}: {exc}")
+    return exc, tb
+
+
+def raised_again(exc: BaseException, tb: str) -> BaseException:
+    """A worker's exception, ready to raise in the consumer with its traceback text as the cause."""
+    if tb:
+        exc.__cause__ = RemoteTraceback(tb)
+    return exc
 
 
 class Worker:
@@ -196,6 +222,8 @@ class WorkerPool:
     def _wait(self, workers: list[int], doing: str) -> int:
         """The first of `workers` with a reply; WorkerError if one ends first, LoaderTimeoutError
         once `timeout` passed."""
+        if not workers:  # nothing could ever come: an error, not a wait for ever
+            raise WorkerError(f"{self.name}: every worker was told to stop{doing}")
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         conns = {self.conns[w]: w for w in workers}
         sentinels = {self.procs[w].sentinel: w for w in workers}

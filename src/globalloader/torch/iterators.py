@@ -25,7 +25,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from globalloader.errors import StateError
-from globalloader.runtime.pool import WorkerPool
+from globalloader.runtime.pool import WorkerPool, raised_again
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.resume import Progress, Resume
 from globalloader.torch.tensors import pin, torch
@@ -290,9 +290,7 @@ class WorkerIter(_BaseIter):
             if self._replaying:  # it raised when it was first taken; not again
                 return None
             exc, tb = payload
-            if tb:
-                exc.__cause__ = _RemoteTraceback(f"in DataLoader worker {worker}:\n{tb}")
-            raise exc
+            raise raised_again(exc, tb and f"in DataLoader worker {worker}:\n{tb}")
         return as_torch_batch(payload) if self._default_collate else payload
 
     def _live_pool(self) -> WorkerPool:
@@ -321,13 +319,6 @@ class WorkerIter(_BaseIter):
 
     def __del__(self) -> None:
         self._shutdown_workers()
-
-
-class _RemoteTraceback(Exception):
-    """Carries a worker's traceback text as the cause of the re-raised error."""
-
-    def __str__(self) -> str:
-        return "\n" + self.args[0]
 
 
 def _pin_available() -> bool:

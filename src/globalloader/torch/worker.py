@@ -16,17 +16,15 @@ The process itself (start, death, timeout, parent death, one intra-op thread) is
 
 from __future__ import annotations
 
-import pickle
 import random
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from globalloader.errors import WorkerError
-from globalloader.runtime.pool import Worker
+from globalloader.runtime.pool import Worker, failure
 from globalloader.torch.collate import stack_collate
 from globalloader.torch.rng import RngReporter, set_process_rng
 from globalloader.torch.tensors import torch
@@ -85,7 +83,7 @@ class TorchBody:
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset
         )
         self.fetch: Fetcher | None = None
-        self.failure: tuple[BaseException, str] | None = None
+        self.setup_error: tuple[BaseException, str] | None = None
         try:
             if self.datapipe:
                 torch.utils.data.graph_settings.apply_sharding(self.dataset, spec.num_workers, worker_id)
@@ -93,7 +91,7 @@ class TorchBody:
                 spec.worker_init_fn(worker_id)
             self.fetch = Fetcher(spec, self.dataset)
         except Exception as exc:  # noqa: BLE001 - the user's setup failed: reported as the first task's result, as torch does
-            self.failure = (exc, traceback.format_exc())
+            self.setup_error = failure(exc, WorkerError)
         if self.rng is not None and self.rng[worker_id] is not None:
             # after worker_init_fn: what it drew is part of the state being restored
             set_process_rng(self.rng[worker_id], "worker rng")
@@ -107,18 +105,18 @@ class TorchBody:
                 self.dataset = _seed_datapipe(self.dataset, payload)
             try:
                 self.fetch = Fetcher(self.spec, self.dataset)
-                self.failure = None
+                self.setup_error = None
             except Exception as exc:  # noqa: BLE001 - the dataset's __iter__ failed: reported as the next result
-                self.failure = (exc, traceback.format_exc())
+                self.setup_error = failure(exc, WorkerError)
             reset_reporter = RngReporter()  # the full state: the consumer starts the pass from it
             worker.send((generation, -1, RESET, None, 0.0, reset_reporter.changed()))
             self.reporter = None if self.spec.iterable else reset_reporter
             return
         start = time.perf_counter()
         reply: tuple[int, int, int, Any, float]
-        if self.failure is not None or self.fetch is None:
-            reply = (generation, number, FAILED, _sendable(*(self.failure or _no_fetcher())), 0.0)
-            self.failure = None
+        if self.setup_error is not None or self.fetch is None:
+            reply = (generation, number, FAILED, self.setup_error or _no_fetcher(), 0.0)
+            self.setup_error = None
         else:
             try:
                 packed = worker.pack(self.fetch(payload))
@@ -126,7 +124,7 @@ class TorchBody:
             except StopIteration:
                 reply = (generation, number, EXHAUSTED, None, 0.0)
             except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
-                reply = (generation, number, FAILED, _sendable(exc, traceback.format_exc()), 0.0)
+                reply = (generation, number, FAILED, failure(exc, WorkerError), 0.0)
         worker.send((*reply, None if self.reporter is None else self.reporter.changed()))
 
 
@@ -172,12 +170,3 @@ def _seed_datapipe(dataset: Any, shared_seed: int | None) -> Any:
 
 def _no_fetcher() -> tuple[BaseException, str]:
     return WorkerError("the worker could not set up its dataset (its error was reported earlier)"), ""
-
-
-def _sendable(exc: BaseException, tb: str) -> tuple[BaseException, str]:
-    """The exception itself when it pickles, else a WorkerError naming its type and message."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 - any failure to pickle or unpickle means it cannot cross the pipe
-        exc = WorkerError(f"{type(exc).__name__}: {exc}")
-    return exc, tb
