@@ -39,6 +39,9 @@ class Echo:
         elif op == "batch":  # a batch of `arg` bytes, and how many segments this worker holds
             worker.send((worker.pack(np.full(arg, 7, np.uint8)), worker.writer.segment_count))
         elif op == "kill":
+            if arg == "leave a child" and os.fork() == 0:  # it holds this worker's pipe open
+                time.sleep(10)
+                os._exit(0)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -75,6 +78,17 @@ def test_a_worker_killed_mid_task_is_one_error_naming_its_pid_and_signal(pool):
     assert time.monotonic() - start < 5  # noticed through the sentinel, not the 30 s timeout
     p.send(0, ("echo", 1))  # its sibling is unaffected
     assert p.receive(0)[2] == 1
+
+
+def test_a_death_is_noticed_while_a_child_of_the_worker_holds_its_pipe(pool):
+    """No end of file comes while the dataset's own child process holds the pipe: the sentinel tells."""
+    p = pool(1, timeout=30.0)
+    pid = p.procs[0].pid
+    p.send(0, ("kill", "leave a child"))
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=rf"\(pid {pid}\) is killed by signal"):
+        p.receive(0)
+    assert time.monotonic() - start < 5
 
 
 def test_a_death_is_noticed_by_receive_any_too(pool):

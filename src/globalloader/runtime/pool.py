@@ -3,7 +3,7 @@ batches, the shared server's decodes.
 
 A pool owns everything about a worker's life, so a fix to it reaches every front door at once:
 the start (a duplex pipe per worker; the body object is handed over once), death (noticed through
-the process sentinel, raised as one `WorkerError` naming the pid and the signal or exit code),
+the process's pidfd at once, raised as one `WorkerError` naming the pid and the signal or exit code),
 timeout (one `LoaderTimeoutError`), shared memory (batches a worker writes come back through
 `transport.segments`; names the consumer released travel back with that worker's next message),
 stop (politely, then killed after a grace period) and parent death (a worker unlinks its
@@ -169,6 +169,7 @@ class WorkerPool:
         self.reader = BatchReader()
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
+        self._ends: list[int] = []  # readable once worker w has ended (see _end_of)
         self.stopped: set[int] = set()  # told to stop: they may end without alarm
         self._freed: list[deque[str]] = [deque() for _ in range(n)]  # segments released, not yet sent back
         self._prefixes: list[str] = []  # worker w's segment names start with _prefixes[w]
@@ -190,11 +191,12 @@ class WorkerPool:
         proc.start()
         theirs.close()
         if w < len(self.conns):
-            self.conns[w], self.procs[w], self._prefixes[w] = ours, proc, prefix
+            self.conns[w], self.procs[w], self._prefixes[w], self._ends[w] = ours, proc, prefix, _end_of(proc)
         else:
             self.conns.append(ours)
             self.procs.append(proc)
             self._prefixes.append(prefix)
+            self._ends.append(_end_of(proc))
         self._freed[w].clear()
 
     def send(self, w: int, message: Any, doing: str = "") -> None:
@@ -226,15 +228,16 @@ class WorkerPool:
             raise WorkerError(f"{self.name}: every worker was told to stop{doing}")
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         conns = {self.conns[w]: w for w in workers}
-        sentinels = {self.procs[w].sentinel: w for w in workers}
+        ends = {self._ends[w]: w for w in workers}
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([*conns, *sentinels], timeout=remaining)
+            ready = wait([*conns, *ends], timeout=remaining)
             for obj in ready:
                 if obj in conns:
                     return conns[obj]
-            if ready:  # a sentinel, and no reply: that worker ended
-                raise self._died(sentinels[ready[0]], doing)
+            for obj in ready:  # no reply, and a worker ended
+                if isinstance(obj, int):
+                    raise self._died(ends[obj], doing)
             if deadline is not None and time.monotonic() >= deadline:
                 pids = ", ".join(str(self.procs[w].pid) for w in workers)
                 raise LoaderTimeoutError(
@@ -292,6 +295,7 @@ class WorkerPool:
         """Kill worker `w` (if it runs), unlink what it left, start a fresh one in its place."""
         self.kill(w)
         self.conns[w].close()
+        _close_end(self.procs[w], self._ends[w])
         remove_leftovers(self._prefixes[w])  # batches it wrote that nobody read
         self.stopped.discard(w)
         self._start(w)
@@ -311,5 +315,22 @@ class WorkerPool:
                 proc.join(timeout=STOP_GRACE)
         for conn in self.conns:
             conn.close()
+        for proc, end in zip(self.procs, self._ends, strict=True):
+            _close_end(proc, end)
         self.reader.close()
         remove_leftovers(self.prefix)
+
+
+def _end_of(proc: Any) -> int:
+    """A descriptor readable once `proc` has ended: its pidfd, or else its sentinel. The sentinel
+    is a pipe, held open by any child the worker forked (the dataset's own processes), so only
+    the pidfd tells the worker's own death while such a child lives."""
+    try:
+        return os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # before Linux 5.3
+        return int(proc.sentinel)
+
+
+def _close_end(proc: Any, end: int) -> None:
+    if end != proc.sentinel:
+        os.close(end)
