@@ -54,12 +54,14 @@ class TransformError(GlobalLoaderError):
     """A map function raised on a sample; the message names the map, the sample index and key."""
 
 
-class WorkerError(GlobalLoaderError):
-    """A worker process died (the message gives the signal or exit code and the task)."""
+class WorkerError(GlobalLoaderError, RuntimeError):
+    """A worker process died (the message gives the signal or exit code and the task). A
+    RuntimeError too, as torch's DataLoader raises it: code written for torch catches it."""
 
 
-class LoaderTimeoutError(GlobalLoaderError, TimeoutError):
-    """A wait passed its deadline (`Loader(timeout=)`): the message says what was awaited."""
+class LoaderTimeoutError(GlobalLoaderError, TimeoutError, RuntimeError):
+    """A wait passed its deadline (`Loader(timeout=)`): the message says what was awaited. A
+    RuntimeError too, as torch's DataLoader raises it: code written for torch catches it."""
 
 
 class StateError(GlobalLoaderError):

@@ -25,9 +25,9 @@ import pytest
 
 import globalloader as gl
 from globalloader import errors
+from globalloader.runtime.process import alive
 from globalloader.service import protocol
 from globalloader.service.launcher import connect, request, status
-from globalloader.transport.process import alive
 from helpers import Server, pool_segments
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
@@ -353,7 +353,7 @@ def test_a_killed_loader_worker_is_a_named_error_then_an_exact_epoch(srv, trial)
     with gl.Loader(ds, workers=2, share=True, server=str(srv.socket)) as loader:
         it = iter(loader)
         seen = indices(next(it) for _ in range(6))
-        os.kill(loader.pool._procs[trial % 2].pid, signal.SIGKILL)
+        os.kill(loader.pool._workers.procs[trial % 2].pid, signal.SIGKILL)
 
         def take_the_rest() -> None:  # the batches before the error count too
             for batch in it:

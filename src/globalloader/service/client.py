@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from globalloader.errors import GlobalLoaderError, LoaderTimeoutError, ServerGoneError, ServerStartError
+from globalloader.runtime.process import alive
 from globalloader.service import protocol
 from globalloader.service.launcher import connect, ensure_server
-from globalloader.transport.process import alive
 
 
 class Client:

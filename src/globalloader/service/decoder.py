@@ -17,9 +17,7 @@ loads are retried. Only an exception raised by the chain itself is reported as a
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import pickle
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,11 +25,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SharedPrefixError, SourceError
+from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SharedPrefixError, SourceError, WorkerError
+from globalloader.runtime.pool import Worker, WorkerPool
 from globalloader.service.pool import BufferPool
 from globalloader.service.protocol import STALL_S, error_name
 from globalloader.transport import arena
-from globalloader.transport.process import die_with_parent, exit_reason, orphaned, tune_allocator
 
 MAX_ATTEMPTS = 3  # workers a load may kill before it fails
 LOADS_PER_WORKER = 2  # in flight: one running, one queued so that no worker idles between loads
@@ -52,26 +50,24 @@ def _run_prefix(prefix: Any, index: int) -> Any:
         raise SourceError(f"reading sample {index} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-    tune_allocator()
-    memory = arena.attach(arena_name)
-    prefixes: dict[str, Any] = {}
-    backlog: deque[tuple] = deque()  # messages that arrived while waiting for an offset
+class DecodeBody:
+    """A decode worker's body (`runtime.WorkerPool`): the shared prefixes it was sent, and loads."""
 
-    def receive() -> tuple | None:
-        if backlog:
-            return backlog.popleft()
-        while not conn.poll(1.0):
-            if orphaned(parent):
-                return None
-        try:
-            return conn.recv()
-        except EOFError:
-            return None
+    def __init__(self, arena_name: str) -> None:
+        self.arena_name = arena_name
 
-    while (msg := receive()) is not None:
+    def setup(self, worker: Worker) -> None:
+        self.memory = arena.attach(self.arena_name)
+        self.prefixes: dict[str, Any] = {}
+        self.backlog: deque[tuple] = deque()  # messages that arrived while waiting for an offset
+
+    def run(self, worker: Worker, msg: tuple) -> None:
+        self._handle(worker, msg)
+        while self.backlog:
+            self._handle(worker, self.backlog.popleft())
+
+    def _handle(self, conn: Worker, msg: tuple) -> None:
+        prefixes, memory, backlog = self.prefixes, self.memory, self.backlog
         if msg[0] == "prefix":
             try:
                 prefixes[msg[1]] = pickle.loads(msg[2])
@@ -80,32 +76,32 @@ def _decoder_main(conn: Connection, arena_name: str, parent: int) -> None:
                     f"the server cannot load this job's shared prefix ({type(exc).__name__}: {exc}); "
                     "the server must be able to import every module the shared maps use"
                 )
-            continue
+            return
         _, fp, index, guess = msg  # guess: (offset, bytes) reserved ahead, or None
         t0 = time.perf_counter()
         prefix = prefixes[fp]
         if isinstance(prefix, str):
             conn.send(("failed", fp, index, "SharedPrefixError", prefix))
-            continue
+            return
         try:
             sample = _run_prefix(prefix, index)
             layout, placed = arena.encode(sample)
         except Exception as exc:  # noqa: BLE001 - whatever the user's maps raise is that sample's failure, sent back
             conn.send(("failed", fp, index, error_name(exc), str(exc)))
-            continue
+            return
         if guess is not None and layout[0] <= guess[1]:
             memory.write(guess[0], placed)  # the usual case: no round trip to the server
             conn.send(("done", fp, index, layout, time.perf_counter() - t0))
-            continue
+            return
         conn.send(("reserve", fp, index, layout[0]))
         while True:
-            reply = conn.recv()
+            reply = conn.receive()
             if reply[0] in ("at", "abort"):
                 break
             backlog.append(reply)
         if reply[0] == "abort":
             conn.send(("failed", fp, index, reply[1], reply[2]))
-            continue
+            return
         memory.write(reply[1], placed)
         conn.send(("done", fp, index, layout, time.perf_counter() - t0))
 
@@ -120,8 +116,7 @@ class Load:
 
 @dataclass
 class _Worker:
-    process: Any
-    conn: Connection
+    slot: int  # its place in the WorkerPool
     prefixes: set[str] = field(default_factory=set)
     loads: dict[Key, Load] = field(default_factory=dict)  # in flight
 
@@ -149,26 +144,21 @@ class DecoderPool:
     ) -> None:
         self.size, self._arena, self._events = size, arena_name, events
         self._register, self._unregister = register, unregister
-        self._ctx = mp.get_context("fork")
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
         self._space_progress = time.monotonic()  # last time pool space was granted or released
         self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
         self.decode_s = 0.0
         self.restarts = 0
-        self._workers: list[_Worker] = []
-        for _ in range(size):
-            self._workers.append(self._start())
+        self._processes = WorkerPool(DecodeBody(arena_name), size, mp.get_context("fork"), 0, name="decode worker")
+        self._workers = [self._watch(slot) for slot in range(size)]
 
-    def _start(self) -> _Worker:
-        ours, theirs = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_decoder_main, args=(theirs, self._arena, os.getpid()), daemon=True, name="globalloader-decoder"
-        )
-        proc.start()
-        theirs.close()
-        worker = _Worker(proc, ours)
-        self._register(ours, lambda: self._message(worker))
+    def _watch(self, slot: int) -> _Worker:
+        worker = _Worker(slot)
+        self._register(self._processes.conns[slot], lambda: self._message(worker))
         return worker
+
+    def _why(self, worker: _Worker) -> str:
+        return self._processes.exited(worker.slot) or "closed its pipe"
 
     @property
     def pool(self) -> BufferPool:
@@ -206,17 +196,17 @@ class DecoderPool:
         worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts)
         try:
             if fp not in worker.prefixes:
-                worker.conn.send(("prefix", fp, prefix))
+                self._processes.send(worker.slot, ("prefix", fp, prefix))
                 worker.prefixes.add(fp)
-            worker.conn.send(("load", fp, index, None if offset is None else (offset, size)))
-        except OSError:  # it died since we last looked: its replacement takes this load too
-            self._replace(worker, exit_reason(worker.process.exitcode))
+            self._processes.send(worker.slot, ("load", fp, index, None if offset is None else (offset, size)))
+        except WorkerError:  # it died since we last looked: its replacement takes this load too
+            self._replace(worker, self._why(worker))
 
     def _message(self, worker: _Worker) -> None:
         try:
-            msg = worker.conn.recv()
-        except (EOFError, OSError):
-            self._replace(worker, exit_reason(worker.process.exitcode))
+            msg = self._processes.receive(worker.slot)
+        except WorkerError:
+            self._replace(worker, self._why(worker))
             return
         try:
             self._handle(worker, msg)
@@ -274,13 +264,13 @@ class DecoderPool:
         """Called often by the server: dead workers, loads past their deadline, a stalled pool."""
         now = time.monotonic()
         for worker in list(self._workers):
-            if not worker.process.is_alive():
-                self._replace(worker, exit_reason(worker.process.exitcode))
+            why = self._processes.exited(worker.slot)
+            if why is not None:
+                self._replace(worker, why)
                 continue
             late = [load for load in worker.loads.values() if now > load.deadline]
             if late:
-                worker.process.kill()
-                worker.process.join(timeout=5)
+                self._processes.kill(worker.slot)  # before its space is given back: it must not write there
                 for load in late:
                     worker.loads.pop(load.key)
                     self._abort_reservation(load.key)
@@ -319,23 +309,20 @@ class DecoderPool:
     def _tell(self, worker: _Worker, msg: tuple) -> None:
         """Answer a worker mid-load; one that died meanwhile is replaced (its loads retried)."""
         try:
-            worker.conn.send(msg)
-        except OSError:
-            self._replace(worker, exit_reason(worker.process.exitcode))
+            self._processes.send(worker.slot, msg)
+        except WorkerError:
+            self._replace(worker, self._why(worker))
 
     def _replace(self, worker: _Worker, why: str) -> None:
         """A decode worker died: start another and give it the dead one's loads again."""
         if worker not in self._workers:
             return
         self._workers.remove(worker)
-        self._unregister(worker.conn)
-        worker.conn.close()
-        if worker.process.is_alive():
-            worker.process.kill()
-        worker.process.join(timeout=5)
+        self._unregister(self._processes.conns[worker.slot])
+        self._processes.restart(worker.slot)
         self.restarts += 1
         self._waiting_space = deque(w for w in self._waiting_space if w[0] is not worker)
-        self._workers.append(self._start())
+        self._workers.append(self._watch(worker.slot))
         for load in worker.loads.values():
             fp, index = load.key
             self._abort_reservation(load.key)
@@ -353,15 +340,5 @@ class DecoderPool:
                 self.load(fp, index, load.timeout, load.attempts + 1)
 
     def close(self) -> None:
-        for worker in self._workers:
-            try:
-                worker.conn.send(None)  # not just close: forked siblings hold copies of our ends
-                worker.conn.close()
-            except OSError:
-                pass
-        for worker in self._workers:
-            worker.process.join(timeout=3)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join(timeout=3)
+        self._processes.close()
         self._workers = []

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from globalloader.errors import ArgumentError, ServerGoneError, ServerStartError, ServerTimeoutError
+from globalloader.runtime.process import alive
 from globalloader.service import protocol
 from globalloader.transport.arena import POOL_PREFIX
 from globalloader.transport.names import list_names, unlink
-from globalloader.transport.process import alive
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 MIN_MEMORY = 16 << 10  # a pool smaller than 16 KiB holds nothing useful

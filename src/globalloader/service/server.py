@@ -39,13 +39,13 @@ from typing import Any
 import numpy as np
 
 from globalloader.errors import GlobalLoaderError, ProtocolError, ServerStartError
+from globalloader.runtime.process import alive
 from globalloader.sampling.joint import JointSampler
 from globalloader.service import launcher, protocol
 from globalloader.service.decoder import DecoderPool
 from globalloader.service.pool import BufferPool
 from globalloader.storage.cache import ObjectCache, default_root
 from globalloader.transport import arena
-from globalloader.transport.process import alive
 
 
 @dataclass

@@ -24,18 +24,19 @@ import traceback
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from globalloader.errors import StateError
+from globalloader.runtime.pool import WorkerPool, raised_again
 from globalloader.torch.collate import as_torch_batch
-from globalloader.torch.pool import WorkerPool
 from globalloader.torch.resume import Progress, Resume
 from globalloader.torch.tensors import pin, torch
-from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, INLINE, RESET, Fetcher, WorkerSpec
-from globalloader.transport.codec import decode_tree
+from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec
 
 if TYPE_CHECKING:
     from globalloader.torch.settings import LoaderSettings
+
+
+# ends the pool's timeout and death messages
+_WAITING = " while loading a batch (with num_workers=0 the dataset's own error shows where)"
 
 
 def _draw_seed(generator: Any) -> int:
@@ -156,7 +157,10 @@ class WorkerIter(_BaseIter):
         else:  # persistent workers past their first pass: they keep the seed they were started with
             self._base_seed = resume.base_seed  # type: ignore[assignment] # checked by check_state
         context = loader.multiprocessing_context or torch.multiprocessing.get_context()
-        self._pool = WorkerPool(spec, context, self._base_seed, shared_seed, resume.workers)
+        body = TorchBody(spec, self._base_seed, shared_seed, resume.workers)
+        self._pool = WorkerPool(
+            body, self._num_workers, context, self._timeout, name="DataLoader worker", setting="DataLoader(timeout=)"
+        )
         self._workers = self._pool.procs
         self._generation = 0
         self._begin(progress, resume.fresh_workers, resume.workers, resume.skip)
@@ -172,16 +176,16 @@ class WorkerIter(_BaseIter):
         self._generation += 1
         shared_seed = _draw_seed(loader.generator) if self._datapipe else None
         for w in range(self._num_workers):
-            pool.send(w, "reset", self._generation, 0, shared_seed)
+            pool.send(w, ("reset", self._generation, 0, shared_seed))
         states: list[Any] = [None] * self._num_workers
         waiting = set(range(self._num_workers))
         while waiting:
-            worker, (generation, _, kind, payload, _, rng) = pool.receive(self._timeout)
+            worker, (generation, _, kind, payload, _, rng) = pool.receive_any(_WAITING)
             if kind == RESET and generation == self._generation:
                 states[worker] = rng
                 waiting.discard(worker)
             elif kind == BATCH:  # a reply to the pass before: drop it
-                self._drop(worker, payload)
+                pool.discard(worker, payload)
         self._begin(progress, False, states, 0)
 
     def _begin(self, progress: Progress, fresh: bool, states: list[Any] | None, skip: int) -> None:
@@ -226,7 +230,7 @@ class WorkerIter(_BaseIter):
                 break
         else:
             return  # every worker is exhausted
-        self._live_pool().send(worker, "task", self._generation, self._sent, index)
+        self._live_pool().send(worker, ("task", self._generation, self._sent, index))
         self._waiting[self._sent] = worker
         self._sent += 1
 
@@ -253,19 +257,16 @@ class WorkerIter(_BaseIter):
                 return self._take(number, *self._ready.pop(number))
             start = time.perf_counter()
             pool = self._live_pool()
-            worker, (generation, number, kind, payload, busy, rng) = pool.receive(self._timeout)
+            worker, (generation, number, kind, payload, busy, rng) = pool.receive_any(_WAITING)
             self._progress.wait_s += time.perf_counter() - start
             if generation != self._generation:  # a reply to an earlier pass: drop it
                 if kind == BATCH:
-                    self._drop(worker, payload)
+                    pool.discard(worker, payload)
                 continue
             self._progress.busy_s += busy
             self._waiting.pop(number, None)
             if kind == BATCH:  # map it now: once mapped, its worker may stop without taking it away
-                payload = pool.reader.read(payload, pool.freed[worker].append)
-            elif kind == INLINE:
-                tree, data = payload
-                payload = decode_tree(tree, np.frombuffer(data, np.uint8))
+                payload = pool.unpack(worker, payload)
             elif kind == EXHAUSTED:
                 self._active[worker] = False
                 if not self._persistent:
@@ -289,16 +290,8 @@ class WorkerIter(_BaseIter):
             if self._replaying:  # it raised when it was first taken; not again
                 return None
             exc, tb = payload
-            if tb:
-                exc.__cause__ = _RemoteTraceback(f"in DataLoader worker {worker}:\n{tb}")
-            raise exc
+            raise raised_again(exc, tb and f"in DataLoader worker {worker}:\n{tb}")
         return as_torch_batch(payload) if self._default_collate else payload
-
-    def _drop(self, worker: int, payload: Any) -> None:
-        pool = self._live_pool()
-        name = pool.reader.discard(payload)
-        if name is not None:
-            pool.freed[worker].append(name)
 
     def _live_pool(self) -> WorkerPool:
         if self._pool is None:
@@ -326,13 +319,6 @@ class WorkerIter(_BaseIter):
 
     def __del__(self) -> None:
         self._shutdown_workers()
-
-
-class _RemoteTraceback(Exception):
-    """Carries a worker's traceback text as the cause of the re-raised error."""
-
-    def __str__(self) -> str:
-        return "\n" + self.args[0]
 
 
 def _pin_available() -> bool:

@@ -2,7 +2,7 @@
 
 A worker gets its copy of the dataset once, at start; then, for each task (an index batch of a
 map-style dataset, or "next batch" of an iterable one) it fetches, collates and writes the batch
-into a shared-memory segment (`transport.segments`), sending back a message of a few hundred bytes.
+into a shared-memory segment, sending back a message of a few hundred bytes.
 
 What a dataset sees is what torch documents: `torch.utils.data.get_worker_info()` gives the
 worker's id, count, seed and dataset copy; `torch`, `random` and `numpy` are seeded from the
@@ -10,47 +10,30 @@ iterator's base seed and the worker id; `worker_init_fn(worker_id)` runs once, a
 For resume, a worker of a map-style dataset reports the state of those three RNGs after each task
 (the state its next task starts from), and one started to resume a pass puts back the state it
 is given before its first task.
-Intra-op threads are set to one first thing, so a worker forked after the main process used
-torch's thread pool never waits on threads that fork did not copy. A watchdog thread ends the
-worker within half a second of its parent's death, even while the dataset code is stuck.
+The process itself (start, death, timeout, parent death, one intra-op thread) is
+`runtime.WorkerPool`'s; this module is only the body it runs.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
 import random
-import signal
-import threading
 import time
-import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from globalloader.errors import WorkerError
+from globalloader.runtime.pool import Worker, failure
 from globalloader.torch.collate import stack_collate
 from globalloader.torch.rng import RngReporter, set_process_rng
 from globalloader.torch.tensors import torch
-from globalloader.transport.codec import copy_arrays, encode_tree
-from globalloader.transport.names import remove_leftovers
-from globalloader.transport.process import single_threaded_torch, tune_allocator
-from globalloader.transport.segments import BatchWriter
 
 # Result kinds a worker sends: (generation, task, kind, payload, busy seconds, RNG state or None)
-BATCH = 0  # payload: a BatchMessage
+BATCH = 0  # payload: a batch packed by `runtime.Worker.pack`
 FAILED = 1  # payload: (exception, traceback text)
 EXHAUSTED = 2  # an iterable dataset's copy in this worker has no more items
-INLINE = 3  # payload: (encoded tree, bytearray of its arrays): a batch too small for a segment
 RESET = 4  # the worker has started a new pass (persistent workers); its RNG state comes along
-
-# Batches with fewer array bytes travel inside the message: cheaper than a segment round trip, and
-# a loop that keeps many small batches alive holds no mapping (nor file descriptor) per batch.
-INLINE_BYTES = 64 << 10
-
-_WATCHDOG_PERIOD = 0.5  # seconds between checks that the parent is alive
 
 
 class WorkerSpec(NamedTuple):
@@ -75,89 +58,74 @@ def worker_seeds(base_seed: int, worker_id: int) -> tuple[int, np.ndarray]:
     return base_seed + worker_id, np.random.SeedSequence([worker_id, base_seed]).generate_state(4)
 
 
-def worker_main(
-    spec: WorkerSpec,
-    conn: Connection,
-    worker_id: int,
-    base_seed: int,
-    shared_seed: int | None,
-    prefix: str,
-    main_pid: int,
-    rng: dict[str, Any] | None = None,
-) -> None:
-    """Run tasks from `conn` until told to stop (None), the pipe closes, or the parent dies.
+class TorchBody:
+    """A DataLoader worker's body (`runtime.WorkerPool`): seed, set up the dataset copy, then one
+    reply per task: (generation, task, kind, payload, busy seconds, RNG state or None)."""
 
-    `rng`: the RNG states (`rng.process_rng`) to start the first task from, instead of the
-    freshly seeded ones: the worker resumes a pass its predecessor had begun.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    single_threaded_torch()  # before any torch op: the parent's thread pool did not survive the fork
-    _watch_parent(main_pid, prefix)
-    tune_allocator()
-    seed, numpy_state = worker_seeds(base_seed, worker_id)
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(numpy_state)
-    dataset = spec.dataset
-    datapipe = isinstance(dataset, torch.utils.data.IterDataPipe)
-    if datapipe:
-        dataset = _seed_datapipe(dataset, shared_seed)
-    torch.utils.data._utils.worker._worker_info = torch.utils.data._utils.worker.WorkerInfo(
-        id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
-    )
-    writer = BatchWriter(prefix)
-    fetch: Fetcher | None = None
-    failure: tuple[BaseException, str] | None = None
-    try:
-        if datapipe:
-            torch.utils.data.graph_settings.apply_sharding(dataset, spec.num_workers, worker_id)
-        if spec.worker_init_fn is not None:
-            spec.worker_init_fn(worker_id)
-        fetch = Fetcher(spec, dataset)
-    except Exception as exc:  # noqa: BLE001 - the user's setup failed: reported as the first task's result, as torch does
-        failure = (exc, traceback.format_exc())
-    if rng is not None:  # after worker_init_fn: what it drew is part of the state being restored
-        set_process_rng(rng, "worker rng")
-    # An iterable dataset resumes by replaying its batches (RNG draws included): no report per task.
-    reporter = None if spec.iterable else RngReporter()
-    try:
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                return
-            op, generation, number, payload, freed = msg
-            writer.free(freed)
-            if op == "reset":  # persistent workers, next pass
-                if datapipe:
-                    dataset = _seed_datapipe(dataset, payload)
-                try:
-                    fetch = Fetcher(spec, dataset)
-                    failure = None
-                except Exception as exc:  # noqa: BLE001 - the dataset's __iter__ failed: reported as the next result
-                    failure = (exc, traceback.format_exc())
-                reset_reporter = RngReporter()  # the full state: the consumer starts the pass from it
-                conn.send_bytes(pickle.dumps((generation, -1, RESET, None, 0.0, reset_reporter.changed())))
-                reporter = None if spec.iterable else reset_reporter
-                continue
-            start = time.perf_counter()
-            reply: tuple[int, int, int, Any, float]
-            if failure is not None or fetch is None:
-                reply = (generation, number, FAILED, _sendable(*(failure or _no_fetcher())), 0.0)
-                failure = None
-            else:
-                try:
-                    kind, message = _pack(fetch(payload), writer)
-                    reply = (generation, number, kind, message, time.perf_counter() - start)
-                except StopIteration:
-                    reply = (generation, number, EXHAUSTED, None, 0.0)
-                except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
-                    reply = (generation, number, FAILED, _sendable(exc, traceback.format_exc()), 0.0)
-            state = None if reporter is None else reporter.changed()
-            conn.send_bytes(pickle.dumps((*reply, state), protocol=pickle.HIGHEST_PROTOCOL))
-    except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
-        return
-    finally:
-        writer.close()
+    def __init__(
+        self, spec: WorkerSpec, base_seed: int, shared_seed: int | None, rng: list[dict[str, Any] | None] | None
+    ) -> None:
+        """`rng[w]`: the RNG states (`rng.process_rng`) worker `w` starts its first task from instead
+        of the freshly seeded ones: the worker resumes a pass its predecessor had begun."""
+        self.spec, self.base_seed, self.shared_seed, self.rng = spec, base_seed, shared_seed, rng
+
+    def setup(self, worker: Worker) -> None:
+        spec, worker_id = self.spec, worker.index
+        seed, numpy_state = worker_seeds(self.base_seed, worker_id)
+        random.seed(seed)
+        torch.manual_seed(seed)
+        np.random.seed(numpy_state)
+        self.dataset = spec.dataset
+        self.datapipe = isinstance(self.dataset, torch.utils.data.IterDataPipe)
+        if self.datapipe:
+            self.dataset = _seed_datapipe(self.dataset, self.shared_seed)
+        torch.utils.data._utils.worker._worker_info = torch.utils.data._utils.worker.WorkerInfo(
+            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset
+        )
+        self.fetch: Fetcher | None = None
+        self.setup_error: tuple[BaseException, str] | None = None
+        try:
+            if self.datapipe:
+                torch.utils.data.graph_settings.apply_sharding(self.dataset, spec.num_workers, worker_id)
+            if spec.worker_init_fn is not None:
+                spec.worker_init_fn(worker_id)
+            self.fetch = Fetcher(spec, self.dataset)
+        except Exception as exc:  # noqa: BLE001 - the user's setup failed: reported as the first task's result, as torch does
+            self.setup_error = failure(exc, WorkerError)
+        if self.rng is not None and self.rng[worker_id] is not None:
+            # after worker_init_fn: what it drew is part of the state being restored
+            set_process_rng(self.rng[worker_id], "worker rng")
+        # An iterable dataset resumes by replaying its batches (RNG draws included): no report per task.
+        self.reporter = None if spec.iterable else RngReporter()
+
+    def run(self, worker: Worker, message: tuple[str, int, int, Any]) -> None:
+        op, generation, number, payload = message
+        if op == "reset":  # persistent workers, next pass
+            if self.datapipe:
+                self.dataset = _seed_datapipe(self.dataset, payload)
+            try:
+                self.fetch = Fetcher(self.spec, self.dataset)
+                self.setup_error = None
+            except Exception as exc:  # noqa: BLE001 - the dataset's __iter__ failed: reported as the next result
+                self.setup_error = failure(exc, WorkerError)
+            reset_reporter = RngReporter()  # the full state: the consumer starts the pass from it
+            worker.send((generation, -1, RESET, None, 0.0, reset_reporter.changed()))
+            self.reporter = None if self.spec.iterable else reset_reporter
+            return
+        start = time.perf_counter()
+        reply: tuple[int, int, int, Any, float]
+        if self.setup_error is not None or self.fetch is None:
+            reply = (generation, number, FAILED, self.setup_error or _no_fetcher(), 0.0)
+            self.setup_error = None
+        else:
+            try:
+                packed = worker.pack(self.fetch(payload))
+                reply = (generation, number, BATCH, packed, time.perf_counter() - start)
+            except StopIteration:
+                reply = (generation, number, EXHAUSTED, None, 0.0)
+            except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
+                reply = (generation, number, FAILED, failure(exc, WorkerError), 0.0)
+        worker.send((*reply, None if self.reporter is None else self.reporter.changed()))
 
 
 class Fetcher:
@@ -193,16 +161,6 @@ class Fetcher:
         return self.collate(data)
 
 
-def _pack(batch: Any, writer: BatchWriter) -> tuple[int, Any]:
-    """(INLINE, (tree, bytes)) for a small batch, else (BATCH, message) with its arrays in shared memory."""
-    tree, placed, nbytes = encode_tree(batch)
-    if nbytes > INLINE_BYTES:
-        return BATCH, writer.write(batch)
-    data = bytearray(nbytes)
-    copy_arrays(data, 0, placed)
-    return INLINE, (tree, data)
-
-
 def _seed_datapipe(dataset: Any, shared_seed: int | None) -> Any:
     """Seed a datapipe's random operations the same way in every worker (torch's shared seed)."""
     rng = torch.Generator()
@@ -212,32 +170,3 @@ def _seed_datapipe(dataset: Any, shared_seed: int | None) -> Any:
 
 def _no_fetcher() -> tuple[BaseException, str]:
     return WorkerError("the worker could not set up its dataset (its error was reported earlier)"), ""
-
-
-def _sendable(exc: BaseException, tb: str) -> tuple[BaseException, str]:
-    """The exception itself when it pickles, else a WorkerError naming its type and message."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 - any failure to pickle or unpickle means it cannot cross the pipe
-        exc = WorkerError(f"{type(exc).__name__}: {exc}")
-    return exc, tb
-
-
-def _watch_parent(main_pid: int, prefix: str) -> None:
-    """End this process soon after the main process dies, whatever its main thread is doing
-    (unlinking the segments it wrote that nobody will read)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(_WATCHDOG_PERIOD)
-            try:
-                os.kill(main_pid, 0)
-                orphaned = os.getppid() != parent
-            except ProcessLookupError:
-                orphaned = True
-            if orphaned:
-                remove_leftovers(prefix)
-                os._exit(1)
-
-    threading.Thread(target=watch, name="globalloader-watchdog", daemon=True).start()

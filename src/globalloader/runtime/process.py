@@ -1,4 +1,5 @@
-"""Helpers every worker process runs: allocator tuning and noticing that its parent died."""
+"""Facts about processes that every worker pool and the service need: is a pid alive, how did a
+child end, and the per-process tuning a worker does first."""
 
 from __future__ import annotations
 
@@ -32,11 +33,6 @@ def single_threaded_torch() -> None:
         torch.set_num_threads(1)
 
 
-def orphaned(parent: int) -> bool:
-    """Whether the process that started this one has died (we were re-parented)."""
-    return os.getppid() != parent
-
-
 def alive(pid: int) -> bool:
     """Whether a process with this pid runs (ours or another user's; a zombie has ended).
 
@@ -58,20 +54,12 @@ def alive(pid: int) -> bool:
         return True
 
 
-def die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent thread exits (no orphaned workers)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass  # not Linux: workers still poll `orphaned`
-
-
 def exit_reason(code: int | None) -> str:
-    """How a child process ended, from its exit code: "killed by SIGKILL", "exited with code 1"."""
+    """How a child process ended, from its exit code, in the words torch's DataLoader uses plus
+    the signal's name: "is killed by signal: Killed (killed by SIGKILL)"."""
     if code is not None and code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            return f"is killed by signal: {signal.strsignal(-code)} (killed by {signal.Signals(-code).name})"
         except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
+            return f"is killed by signal {-code}"
+    return f"exited unexpectedly with exit code {code}"
