@@ -57,19 +57,15 @@ class JpegHeader:
     def __init__(self, width: int, height: int, colorspace: str) -> None:
         self.width, self.height, self.colorspace = width, height, colorspace
 
-    def decode(self, data: Any, factor: int, padded: bool = False) -> np.ndarray | None:
+    def decode(self, data: Any, factor: int) -> np.ndarray | None:
         """uint8 HWC pixels at 1/factor scale (ceil(width / factor) wide), or None if libjpeg-turbo
         reported anything, corruption or a warning: the caller then lets Pillow decide.
-
-        `padded` gives colour as RGBX (4 bytes a pixel), the layout Pillow keeps RGB in, so that
-        Pillow can use the array's memory as an image without copying it.
         """
         simplejpeg = _simplejpeg()
-        colorspace = "RGBX" if padded and self.colorspace == "RGB" else self.colorspace
         try:
             array: np.ndarray = simplejpeg.decode_jpeg(
                 data,
-                colorspace,
+                self.colorspace,
                 min_height=-(-self.height // factor),
                 min_width=-(-self.width // factor),
                 min_factor=factor,
