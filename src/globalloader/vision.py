@@ -164,14 +164,16 @@ def _decode_scaled(
     mode: str | None,
     opened: _jpeg.JpegHeader | PILImage.Image,
     factor: int,
+    scratch: bool = False,
 ) -> tuple[PILImage.Image | np.ndarray, float]:
-    """Pixels at 1/factor scale and the scale got: libjpeg-turbo's uint8 HWC array, else Pillow's image.
+    """Pixels at 1/factor scale and the scale got: libjpeg-turbo's uint8 HWC array (`scratch`: in
+    the thread's reused buffer, see `JpegHeader.decode`), else Pillow's image.
 
     Pillow is asked for (width // factor, height // factor), for which its draft picks exactly
     `factor`, so the two decoders agree; Pillow also decodes what libjpeg-turbo declined.
     """
     if isinstance(opened, _jpeg.JpegHeader):
-        array = opened.decode(_buffer(data), factor)
+        array = opened.decode(_buffer(data), factor, scratch)
         if array is not None:
             return array, float(factor)
         opened = _open(data, name)
@@ -669,7 +671,8 @@ class RandomResizedCropFlipNormalize:
             width, height = _size(opened)
             left, top, w, h = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
             factor = _jpeg.dct_factor(w, h, out_w, out_h) if self.draft else 1
-            pixels, s = _decode_scaled(value, name, self.mode, opened, factor)
+            # The resample copies the region it reads, so the decode may use the scratch buffer.
+            pixels, s = _decode_scaled(value, name, self.mode, opened, factor, scratch=True)
             box = (left / s, top / s, (left + w) / s, (top + h) / s)
         else:
             pixels = value if _in_mode(value, self.mode) else _as_pil(value, name, self.mode)
