@@ -176,33 +176,38 @@ def summary(values: list[float]) -> dict[str, Any]:
 
 def per_sample_rounds(
     contestants: dict[str, Runner], samples: list[Sample], rounds: int, label: str
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(wall, CPU) ms per sample of each contestant per round.
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
+    """(wall, CPU) ms per sample of each contestant per round, and its page faults per sample.
 
     Interleaved finely: a round walks the samples in chunks of 32 (one DALI batch) and runs every
     contestant on each chunk, in an order that rotates, so that load from other work, which comes
     and goes within seconds on a shared machine, falls on all of them alike. CPU time is the
     process's (DALI's worker thread included): what a sample costs, whoever else wants the cores.
+    Page faults (fresh memory touched, a microsecond or two each) count in that time: a large
+    allocation per sample that the allocator hands back to the system faults in again every time.
     """
     names = list(contestants)
     for runner in contestants.values():  # warm-up: imports, caches, DALI's first batch
         runner(samples[:CHUNK])
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
+    faults = dict.fromkeys(names, 0)
     chunks = [samples[i : i + CHUNK] for i in range(0, len(samples) - CHUNK + 1, CHUNK)]
     done = sum(map(len, chunks))
     for _ in tqdm(range(rounds), desc=f"per sample {label}", leave=False):
         spent = {name: [0.0, 0.0] for name in names}
         for turn, chunk in enumerate(chunks):
             for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 w0, c0 = time.perf_counter(), time.process_time()
                 contestants[name](chunk)
                 spent[name][0] += time.perf_counter() - w0
                 spent[name][1] += time.process_time() - c0
+                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         for name, (w, c) in spent.items():
             wall[name].append(w * 1e3 / done)
             cpu[name].append(c * 1e3 / done)
-    return wall, cpu
+    return wall, cpu, {name: count / (done * rounds) for name, count in faults.items()}
 
 
 def _ratios(ms: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -250,11 +255,11 @@ STEPS = {
     ("_jpeg.py", "read_header"): "header (libjpeg-turbo)",
     ("_jpeg.py", "decode"): "decode (libjpeg-turbo, DCT-scaled)",
     ("vision.py", "random_resized_crop_box"): "crop box",
+    ("~", "<method 'decode' of 'ImagingDecoder' objects>"): "crop region to Pillow RGB (one copy)",
     ("~", "<method 'resize' of 'ImagingCore' objects>"): "resample crop region -> 224 (Pillow)",
     ("~", "<method 'transpose' of 'ImagingCore' objects>"): "flip (224x224)",
     ("vision.py", "normalize"): "normalize (224x224x3)",
-    ("Image.py", "tobytes"): "output to NumPy (224x224)",
-    ("Image.py", "frombuffer"): "decoded array to Pillow (no copy)",
+    ("~", "<method 'encode' of 'ImagingEncoder' objects>"): "output to NumPy (224x224)",
 }
 
 
@@ -359,12 +364,13 @@ def main() -> None:
             "gl_pillow": gl_runner(decoder="pillow"),
             **{name: make() for name, make in peer_makers.items()},
         }
-        wall, cpu = per_sample_rounds(contestants, samples, args.rounds, label)
+        wall, cpu, faults = per_sample_rounds(contestants, samples, args.rounds, label)
         ratios = {clock: _ratios(ms) for clock, ms in (("wall", wall), ("cpu", cpu))}
         result["per_sample"][label] = {
             "jpeg_kb_mean": sum(map(len, images)) / len(images) / 1e3,
             "wall_ms_per_sample": {name: summary(v) for name, v in wall.items()},
             "cpu_ms_per_sample": {name: summary(v) for name, v in cpu.items()},
+            "page_faults_per_sample": faults,
             "speedup_vs_usual_per_round": {
                 clock: {name: summary(v) for name, v in r.items()} for clock, r in ratios.items()
             },
@@ -379,6 +385,8 @@ def main() -> None:
                 if name != "usual":
                     r = ratios[clock][name]
                     line += f"  {statistics.median(r):.2f}x usual per round [{min(r):.2f}, {max(r):.2f}]"
+                if clock == "cpu":
+                    line += f"  {faults[name]:.0f} page faults/sample"
                 print(line)
         for name, v in result["per_sample"][label]["decoders_alone"]["ms_per_image"].items():
             print(

@@ -67,9 +67,9 @@ class JpegHeader:
 
         With `scratch` the pixels land in this thread's reused buffer, valid only until the
         thread's next scratch decode: for a caller that copies what it needs (the crop's resample)
-        and drops the array. A fresh half-megabyte array per sample costs more in page faults
-        than the decode saves, whenever the allocator hands memory back to the system between
-        samples (measured in benchmarks/decode.py).
+        and drops the array. A fresh array per sample (half a megabyte at 500x375) is fresh memory
+        whenever the allocator has handed it back to the system since the last sample, and its
+        page faults cost a third of the decode (the page faults counted in benchmarks/decode.py).
         """
         simplejpeg = _simplejpeg()
         height, width = -(-self.height // factor), -(-self.width // factor)
