@@ -13,7 +13,8 @@ pixel work than a full decode. `dct_factor` picks the largest factor at which th
 at least the output's pixels, and the Pillow path uses the same rule, so both give the same image.
 The whole image is decoded at that scale: decoding only the crop's rows and columns needs
 libjpeg's scanline API (TurboJPEG 3's cropping region), which neither simplejpeg nor Pillow
-expose; the resample then reads only the crop's region of the decoded pixels.
+expose, and TurboJPEG 2's lossless crop re-reads and re-encodes the file, which costs more than
+the full decode (benchmarks/decode.py); the resample then reads only the crop's region.
 """
 
 from __future__ import annotations
