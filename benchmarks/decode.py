@@ -27,8 +27,9 @@ resized crop to 224 (scale 0.08-1, ratio 3/4-4/3), horizontal flip, normalize to
 
 The peers come with the `bench` extra; SPDL also needs FFmpeg's shared libraries (on Debian 12:
 libavcodec59 libavformat59 libavfilter8 libavutil57 libswscale6 libswresample4 libavdevice59).
-PyTurboJPEG (decoders alone) needs the system's libturbojpeg (Debian: libturbojpeg0, 2.1.5) and so
-PyTurboJPEG 1.x: its 2.x needs libjpeg-turbo 3. simplejpeg carries its own libjpeg-turbo.
+PyTurboJPEG and the lossless crop (decoders alone) need the system's libturbojpeg (Debian 12:
+libturbojpeg0, 2.1.5), and so PyTurboJPEG 1.x: its 2.x needs libjpeg-turbo 3, which Debian 12 does
+not ship. simplejpeg carries its own libjpeg-turbo.
 
 Goals: gl >= 2.5x usual at 500x375 and >= 3.5x at 1024x768 per sample; the loader >= 1.5x torch's
 DataLoader + usual code; gl within 10% of DALI's CPU pipeline or ahead.
