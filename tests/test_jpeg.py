@@ -7,6 +7,7 @@ the reference: same shapes and dtypes, values within one grey level, the same ra
 from __future__ import annotations
 
 import io
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -283,6 +284,33 @@ def test_the_random_crop_is_seed_driven_and_the_same_on_both_paths():
         assert_close_uint8(fast, slow)
         outputs.append(fast.tobytes())
     assert len(set(outputs)) == 8
+
+
+def test_scratch_decodes_reuse_one_buffer_per_thread_and_equal_fresh_ones(monkeypatch):
+    small, large, gray = jpeg(photo(90, 120)), jpeg(photo(375, 500, seed=1)), jpeg(photo(61, 77), mode="L")
+    for data in (small, large, small, gray, large):
+        header = _jpeg.read_header(data, None, None)
+        fresh, scratch = header.decode(data, 2), header.decode(data, 2, scratch=True)
+        assert np.array_equal(fresh, scratch) and not np.shares_memory(fresh, _jpeg._scratch.buffer)
+        assert np.shares_memory(scratch, _jpeg._scratch.buffer)
+    monkeypatch.setattr(_jpeg, "SCRATCH_BYTES", 1000)  # beyond it: an array of its own
+    header = _jpeg.read_header(large, "RGB", None)
+    assert not np.shares_memory(header.decode(large, 1, scratch=True), _jpeg._scratch.buffer)
+
+
+def test_crops_in_threads_equal_crops_in_sequence():
+    # Each thread decodes into its own scratch buffer (libjpeg-turbo runs without the GIL): any
+    # sharing between threads would show as another image's pixels in an output.
+    images = [jpeg(photo(h, w, seed=h)) for h, w in ((375, 500), (120, 90), (768, 1024), (33, 47))]
+    transform = RandomResizedCropFlipNormalize(size=64, normalize=False)
+
+    def crop(i: int) -> np.ndarray:
+        return transform({"jpg": images[i % len(images)]}, rng=np.random.default_rng(i))["jpg"]
+
+    expected = [crop(i) for i in range(64)]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert all(np.array_equal(a, b) for a, b in zip(pool.map(crop, range(64)), expected, strict=True))
 
 
 @pytest.mark.parametrize("chw", [False, True])

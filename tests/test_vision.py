@@ -226,6 +226,32 @@ def test_random_resized_crop_resizes_exactly_the_sampled_box():
         assert np.array_equal(vision.to_array(pil_out), out)
 
 
+@pytest.mark.parametrize("layout", ["rgb", "gray", "rgba", "flipped_view"])
+def test_a_region_of_an_array_becomes_a_pillow_image_of_exactly_its_pixels(layout):
+    # The resample's source: an RGB array's rows are unpacked in place with its row stride; the
+    # other layouts take fromarray. Regions at every edge and corner, one pixel, the whole.
+    pixels = np.random.default_rng(0).integers(0, 256, (37, 53, 4), dtype=np.uint8)
+    array = {
+        "rgb": pixels[:, :, :3].copy(),
+        "gray": pixels[:, :, :1].copy(),
+        "rgba": pixels,
+        "flipped_view": pixels[:, ::-1, :3],
+    }[layout]
+    regions = [
+        (0, 0, 53, 37),
+        (0, 0, 1, 1),
+        (52, 36, 53, 37),
+        (5, 7, 50, 30),
+        (1, 0, 53, 37),
+        (0, 36, 53, 37),
+        (52, 0, 53, 37),
+    ]
+    for x0, y0, x1, y1 in regions:
+        image = vision._region_to_pil(array, x0, y0, x1, y1)
+        assert image.size == (x1 - x0, y1 - y0)
+        assert np.array_equal(vision.to_array(image), array[y0:y1, x0:x1]), (layout, x0, y0, x1, y1)
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
 def test_hflip_follows_the_rng_decision(p):
     array = coordinate_image(20, 30)

@@ -13,13 +13,15 @@ pixel work than a full decode. `dct_factor` picks the largest factor at which th
 at least the output's pixels, and the Pillow path uses the same rule, so both give the same image.
 The whole image is decoded at that scale: decoding only the crop's rows and columns needs
 libjpeg's scanline API (TurboJPEG 3's cropping region), which neither simplejpeg nor Pillow
-expose; the resample then reads only the crop's region of the decoded pixels.
+expose, and TurboJPEG 2's lossless crop re-reads and re-encodes the file, which costs more than
+the full decode (benchmarks/decode.py); the resample then reads only the crop's region.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,9 @@ DCT_FACTORS: tuple[int, ...] = (8, 4, 2)
 _COLORSPACE = {"RGB": "RGB", "L": "GRAY"}
 # The file colorspaces decoded here; CMYK and YCCK go to Pillow.
 _DECODED = frozenset({"Gray", "YCbCr", "RGB"})
+# Decodes up to this size reuse one buffer per thread (`scratch`); larger ones get their own.
+SCRATCH_BYTES = 16 << 20
+_scratch = threading.local()
 
 
 @functools.cache
@@ -57,27 +62,41 @@ class JpegHeader:
     def __init__(self, width: int, height: int, colorspace: str) -> None:
         self.width, self.height, self.colorspace = width, height, colorspace
 
-    def decode(self, data: Any, factor: int, padded: bool = False) -> np.ndarray | None:
+    def decode(self, data: Any, factor: int, scratch: bool = False) -> np.ndarray | None:
         """uint8 HWC pixels at 1/factor scale (ceil(width / factor) wide), or None if libjpeg-turbo
         reported anything, corruption or a warning: the caller then lets Pillow decide.
 
-        `padded` gives colour as RGBX (4 bytes a pixel), the layout Pillow keeps RGB in, so that
-        Pillow can use the array's memory as an image without copying it.
+        With `scratch` the pixels land in this thread's reused buffer, valid only until the
+        thread's next scratch decode: for a caller that copies what it needs (the crop's resample)
+        and drops the array. A fresh array per sample (half a megabyte at 500x375) is fresh memory
+        whenever the allocator has handed it back to the system since the last sample, and its
+        page faults cost a third of the decode (the page faults counted in benchmarks/decode.py).
         """
         simplejpeg = _simplejpeg()
-        colorspace = "RGBX" if padded and self.colorspace == "RGB" else self.colorspace
+        height, width = -(-self.height // factor), -(-self.width // factor)
+        size = height * width * (1 if self.colorspace == "GRAY" else 3)
+        buffer = _scratch_buffer(size) if scratch and size <= SCRATCH_BYTES else None
         try:
             array: np.ndarray = simplejpeg.decode_jpeg(
                 data,
-                colorspace,
-                min_height=-(-self.height // factor),
-                min_width=-(-self.width // factor),
+                self.colorspace,
+                min_height=height,
+                min_width=width,
                 min_factor=factor,
+                buffer=buffer,
                 strict=True,
             )
         except ValueError:
             return None
         return array
+
+
+def _scratch_buffer(size: int) -> np.ndarray:
+    """This thread's scratch buffer, grown to at least `size` bytes."""
+    buffer: np.ndarray | None = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < size:
+        buffer = _scratch.buffer = np.empty(size, np.uint8)
+    return buffer
 
 
 def read_header(data: Any, mode: str | None, max_pixels: int | None) -> JpegHeader | None:
