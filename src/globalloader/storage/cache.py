@@ -244,7 +244,7 @@ class ObjectCache:
                 f"another process to download {entry.url} into the cache {self.root}; "
                 f"if none is running, remove {lock_path}"
             )
-            lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.05)
+            lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.01)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)
