@@ -27,6 +27,7 @@ from globalloader.errors import SourceError
 
 CONNECT_TIMEOUT = 10.0  # seconds for one TCP connect to the object store
 READ_TIMEOUT = 30.0  # seconds without a byte on an open response
+MAX_CONNECTIONS = 32  # open connections per S3 client (one client serves every thread of a process)
 # Schemes that are not object storage: the machine cache never holds them (`memory://` lives in
 # one process, `file://` is a local file already).
 LOCAL_SCHEMES = frozenset({"file", "local", "memory"})
@@ -127,6 +128,7 @@ def _s3_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     config.setdefault("retries", {"total_max_attempts": 1})
     config.setdefault("connect_timeout", CONNECT_TIMEOUT)
     config.setdefault("read_timeout", READ_TIMEOUT)
+    config.setdefault("max_pool_connections", MAX_CONNECTIONS)
     kwargs["config_kwargs"] = config
     if _SESSION_OPTIONS.isdisjoint(kwargs):
         if not _SESSION:
