@@ -92,7 +92,7 @@ def _write_formats(root: Path, samples: int, shard_samples: int, endpoint: str, 
     with TarWriter(str(local_tars / "shard-%04d.tar"), maxcount=shard_samples) as writer:
         for i, data in enumerate(images):
             writer.write({"__key__": f"s{i:06d}", "jpg": data, "cls": i % 100})
-    shard_bytes = sum(p.stat().st_size for p in local_tars.iterdir()) // max(1, len(writer.paths))
+    shard_bytes = sum(p.stat().st_size for p in local_tars.glob("*.tar")) // max(1, len(writer.paths))
     formats: dict[str, Any] = {"gl-local": {"url": str(local_tars / "shard-*.tar"), "dir": local_tars}}
     formats["gl"] = {"url": f"s3://{bucket}/tar/shard-*.tar", "dir": local_tars, "prefix": "tar"}
     try:
