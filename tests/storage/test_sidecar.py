@@ -177,3 +177,20 @@ def test_the_writer_s_sidecar_matches_a_scan(tmp_path: pathlib.Path) -> None:
         for mine, theirs in zip(index[:4], scanned[:4], strict=True):
             assert np.array_equal(mine, theirs) if isinstance(mine, np.ndarray) else mine == theirs
         assert index.exts == scanned.exts and index.crc32 == zlib.crc32(data)
+
+
+def test_a_shard_changed_after_the_listing_is_refused_not_read(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing that expanded the pattern gave each shard's ETag; once that memo has expired a
+    download asks the store again, so a shard rewritten since (same size, other bytes) is an
+    error, not new bytes read through the old index."""
+    urls = write_shards(s3["bucket"], s3["options"], n=8, per_shard=4)
+    src = TarShards(f"s3://{s3['bucket']}/shard-*.tar", storage_options=s3["options"])
+    assert len(src) == 8 and src.scanned == 2
+    src.close()
+    src.store.cache.clear()
+    _rewrite(urls[0], s3["options"], range(4), 2000)  # same sizes, other bytes
+    monkeypatch.setattr(storage.store, "INFO_TTL", 0.0)  # the memo of sizes and versions has expired
+    with pytest.raises(SourceError, match=r"shard-000\.tar changed since the source was made"):
+        src[0]

@@ -123,6 +123,9 @@ class Store:
         if known is not None and now - known[0] < INFO_TTL:
             return known[1]
         fs, path = self.filesystem(url)
+        # Asked of the store itself, not of the client's listing cache (one client per process holds
+        # the listing that expanded a pattern): a changed object must show as changed.
+        fs.invalidate_cache(path)
         info = retry.call(lambda: fs.info(path), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
