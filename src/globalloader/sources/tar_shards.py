@@ -24,7 +24,7 @@ from globalloader.sources.base import check_index, fingerprint_of
 
 _STREAM_BUFFER = 1024 * 1024
 _READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
-REMOTE_INDEX_THREADS = 32  # sidecars of remote shards read at once (each a small request)
+REMOTE_INDEX_THREADS = 16  # sidecars of remote shards read at once (each a small request)
 
 
 class TarShards:
@@ -171,10 +171,9 @@ class TarShards:
             self._indexed = True
 
     def _index_threads(self) -> int:
-        """Threads for indexing: `threads`, or up to REMOTE_INDEX_THREADS when the shards are remote,
+        """Threads for indexing: `threads`, or up to REMOTE_INDEX_THREADS when shards are remote,
         since reading a sidecar waits on the network, not on this machine."""
-        remote = any(self._remote) and self.store.cached(self.shards[0])
-        return min(len(self.shards), max(self._threads, REMOTE_INDEX_THREADS if remote else 1))
+        return min(len(self.shards), max(self._threads, REMOTE_INDEX_THREADS if any(self._cached) else 1))
 
     def _index_one(self, i: int, folder: pathlib.Path | None) -> tuple[_tar_index.ShardIndex, str]:
         """Shard `i`'s index, and where it came from: "cache", "sidecar" or "scan"."""
