@@ -18,6 +18,11 @@ epoch in the same process. Then 2 jobs at once on one machine (one cache folder)
 epochs' bytes / the dataset, and the slower job's time; globalloader also with `share=True`.
 Median of `--rounds` (3) with min and max; JSON in benchmarks/results/remote.json.
 
+The floor of globalloader's cold epoch is measured too, in a fresh process per round: the time
+to import the S3 client (s3fs), to list the shards, and to download every shard and sidecar
+whole with 8 requests in flight (no decoding): what any remote epoch pays on top of the work
+the same epoch does from local disk.
+
 Peers are installed without their dependencies (`pip install --no-deps mosaicml-streaming
 litdata`, then their own needs by hand), so that they cannot pull another torch. Mosaic imports
 torchvision at import time, which does not load beside the CPU torch wheel: an empty stand-in
@@ -87,7 +92,7 @@ def _write_formats(root: Path, samples: int, shard_samples: int, endpoint: str, 
     with TarWriter(str(local_tars / "shard-%04d.tar"), maxcount=shard_samples) as writer:
         for i, data in enumerate(images):
             writer.write({"__key__": f"s{i:06d}", "jpg": data, "cls": i % 100})
-    shard_bytes = sum(p.stat().st_size for p in local_tars.iterdir()) // max(1, len(writer.paths))
+    shard_bytes = sum(p.stat().st_size for p in local_tars.glob("*.tar")) // max(1, len(writer.paths))
     formats: dict[str, Any] = {"gl-local": {"url": str(local_tars / "shard-*.tar"), "dir": local_tars}}
     formats["gl"] = {"url": f"s3://{bucket}/tar/shard-*.tar", "dir": local_tars, "prefix": "tar"}
     try:
@@ -158,8 +163,28 @@ def _stats(proxy: str) -> int:
         return int(json.loads(response.read())["bytes"])
 
 
+def _floor(spec: dict[str, Any]) -> dict[str, Any]:
+    """Import the S3 client, list the shards, download them all (8 at once): no decoding."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    import s3fs
+
+    imported = time.perf_counter()
+    fs = s3fs.S3FileSystem(**options(spec["proxy"]))
+    folder = spec["url"].rsplit("/", 1)[0]
+    names = [n for n in fs.find(folder) if n.endswith((".tar", ".idx"))]
+    listed = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        got = sum(pool.map(lambda name: len(fs.cat_file(name)), names))
+    done = time.perf_counter()
+    return {"import_s": imported - t0, "list_s": listed - imported, "download_s": done - listed, "bytes": got}
+
+
 def _job(spec: dict[str, Any]) -> dict[str, Any]:
     system, proxy, epochs = spec["system"], spec["proxy"], spec["epochs"]
+    if system == "floor":
+        return _floor(spec)
     start = time.perf_counter()
     begin_bytes = _stats(proxy)
     make = {"gl": _gl_loader, "gl-local": _gl_loader, "mosaic": _mosaic_loader, "litdata": _lit_loader}[system]
@@ -325,7 +350,7 @@ def main() -> None:
         for latency in args.latency:
             proxy.latency = latency
             runs: dict[str, list[Any]] = {}
-            plan = [(system, 1, False) for system in systems]
+            plan = [(system, 1, False) for system in systems] + ([("floor", 1, False)] if "gl" in systems else [])
             if args.concurrent:
                 plan += [(system, 2, False) for system in systems if system != "gl-local"]
                 plan += [("gl", 2, True)] if "gl" in systems else []
@@ -333,7 +358,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 for system, jobs, share in plan:
                     name = system + (f" x{jobs}" if jobs > 1 else "") + (" share" if share else "")
-                    runs.setdefault(name, []).append(_run_jobs(system, formats[system], proxy, jobs, share))
+                    fmt = formats["gl" if system == "floor" else system]
+                    runs.setdefault(name, []).append(_run_jobs(system, fmt, proxy, jobs, share))
                     bar.update()
             bar.close()
             report["latency"][f"{latency * 1e3:.0f}ms"] = _digest(runs, formats)
@@ -351,6 +377,11 @@ def _digest(runs: dict[str, list[Any]], formats: dict[str, Any]) -> dict[str, An
     out: dict[str, Any] = {}
     for name, rounds in runs.items():
         system = name.split()[0]
+        if system == "floor":
+            ok = [r for r in rounds if r is not None]
+            out[name] = {k: _summary([r[k] for r in ok]) for k in ("import_s", "list_s", "download_s")}
+            out[name]["bytes_x"] = _summary([r["bytes"] / formats["gl"]["bytes"] for r in ok])
+            continue
         size = formats[system]["bytes"]
         if " x2" not in name:
             ok = [r for r in rounds if r is not None]
@@ -400,7 +431,7 @@ def _print(digest: dict[str, Any], latency: float) -> None:
     print(f"\n== {latency * 1e3:.0f} ms per request (median [min, max]) ==")
     print(f"{'':14} {'cold s/s':>22} {'warm s/s':>22} {'first batch':>22} {'bytes cold':>20} {'bytes warm':>20}")
     for name, d in digest.items():
-        if name == "ratios" or " x2" in name:
+        if name in ("ratios", "floor") or " x2" in name:
             continue
         print(
             f"{name:14} {_fmt(d['cold_samples_per_s']):>22} {_fmt(d['warm_samples_per_s']):>22} "
@@ -410,6 +441,13 @@ def _print(digest: dict[str, Any], latency: float) -> None:
     for name, d in digest.items():
         if " x2" in name:
             print(f"{name:14} bytes {_fmt(d['bytes_x'], 'x', 2)}, slower job {_fmt(d['slowest_job_s'], ' s', 1)}")
+    if "floor" in digest:
+        floor = digest["floor"]
+        print(
+            f"floor (fresh process, no decoding): import s3fs {_fmt(floor['import_s'], ' s', 2)}, list "
+            f"{_fmt(floor['list_s'], ' s', 2)}, download all ({_fmt(floor['bytes_x'], 'x', 2)}) 8 at once "
+            f"{_fmt(floor['download_s'], ' s', 2)}"
+        )
     print("ratios:", json.dumps({k: round(v, 3) for k, v in digest.get("ratios", {}).items()}))
 
 

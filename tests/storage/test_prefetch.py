@@ -29,7 +29,7 @@ def test_prefetch_downloads_the_named_shards_in_the_background(s3: dict[str, Any
         time.sleep(0.02)
     time.sleep(0.2)
     assert proxy.count("GET", prefix) - before == 3
-    fetched = [url for url in urls if proxy.count("GET", f"/{s3['bucket']}/{url.rsplit('/', 1)[1]}") == 2]
+    fetched = [url for url in urls if proxy.count("GET", f"/{s3['bucket']}/{url.rsplit('/', 1)[1]}", ".tar") == 2]
     assert fetched == [urls[0], urls[4], urls[9]]
     assert src[39]["cls"] == b"39" and proxy.count("GET", prefix) - before == 3  # served from the cache
 

@@ -94,13 +94,17 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a request cut off at the end of a test (the server stopped) is no news
 
-    def total_bytes(self, prefix: str = "") -> int:
+    def total_bytes(self, prefix: str = "", suffix: str = "") -> int:
+        """Body bytes of successful GETs of keys starting with `prefix`, ending with `suffix`."""
         with self.lock:
-            return sum(n for key, n in self.bytes_sent.items() if key.startswith(prefix))
+            return sum(n for key, n in self.bytes_sent.items() if key.startswith(prefix) and key.endswith(suffix))
 
-    def count(self, method: str, prefix: str = "") -> int:
+    def count(self, method: str, prefix: str = "", suffix: str = "") -> int:
+        """Requests of `method` on keys starting with `prefix` and ending with `suffix`."""
         with self.lock:
-            return sum(n for key, n in self.requests.items() if key.startswith(f"{method} {prefix}"))
+            return sum(
+                n for key, n in self.requests.items() if key.startswith(f"{method} {prefix}") and key.endswith(suffix)
+            )
 
     def stop(self) -> None:
         self.shutdown()
@@ -237,11 +241,14 @@ def options(endpoint: str) -> dict[str, Any]:
     }
 
 
-def write_shards(bucket: str, opts: dict[str, Any], n: int = 40, per_shard: int = 8, size: int = 2000) -> list[str]:
-    """Tar shards of `n` samples (random bytes of about `size`, and the index as cls) in `bucket`."""
+def write_shards(
+    bucket: str, opts: dict[str, Any], n: int = 40, per_shard: int = 8, size: int = 2000, *, index: bool = False
+) -> list[str]:
+    """Tar shards of `n` samples (random bytes of about `size`, and the index as cls) in `bucket`,
+    with their index sidecars if `index`."""
     from globalloader.sources import TarWriter
 
-    with TarWriter(f"s3://{bucket}/shard-%03d.tar", maxcount=per_shard, storage_options=opts) as writer:
+    with TarWriter(f"s3://{bucket}/shard-%03d.tar", maxcount=per_shard, storage_options=opts, index=index) as writer:
         for i in range(n):
             writer.write({"__key__": f"s{i:05d}", "bin": os.urandom(size + i % 7), "cls": i})
     return writer.paths

@@ -7,6 +7,7 @@ import gzip
 import os
 import pathlib
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from globalloader.sources.base import check_index, fingerprint_of
 
 _STREAM_BUFFER = 1024 * 1024
 _READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
+REMOTE_INDEX_THREADS = 16  # sidecars of remote shards read at once (each a small request)
 
 
 class TarShards:
@@ -44,9 +46,14 @@ class TarShards:
 
     Remote shards (`s3://`, `gs://`, ...; `storage_options=` go to fsspec) are downloaded whole,
     once per machine, into the machine-wide cache (`cache_limit=`, see `globalloader.storage`)
-    and read from there by every worker, job and epoch; the index scan reads the cached file, so
-    it costs no extra download. `prefetch(shards)` downloads shards ahead in the background.
-    `cache=False` reads them by ranged requests instead (one per sample).
+    and read from there by every worker, job and epoch. A remote shard's index comes from its
+    sidecar `<shard>.idx` (TarWriter writes one) with one small request, so planning downloads
+    no shard; a sidecar that is missing, stale (the shard's size or MD5 ETag differ) or corrupt
+    is passed over (with a warning unless missing) and the shard is scanned, from the cached
+    file: no extra download. The shard's CRC-32 in the sidecar is compared with the downloaded
+    bytes before its first sample is read (a mismatch is a SourceError). `prefetch(shards)`
+    downloads shards ahead in the background. `cache=False` reads them by ranged requests
+    instead (one per sample). A sidecar matched by a pattern beside its shard is not a shard.
 
     Shuffling: `shuffle(seed, window=w)` permutes the shards, then the samples within windows of
     `w` shards (`block_starts`: each shard's first sample). Shards of a URL the cache does not
@@ -78,7 +85,7 @@ class TarShards:
         if index_dir is not None and not isinstance(index_dir, (str, os.PathLike)):
             raise ArgumentError(f"index_dir must be a str, a path or None, got {index_dir!r}")
         self.store = storage.Store(storage_options, cache_limit, cache=cache)
-        self.shards: list[str] = _files.expand_urls(urls, "urls", self.store)
+        self.shards: list[str] = _without_sidecars(_files.expand_urls(urls, "urls", self.store))
         self._index_dir = index_dir
         self._threads = min(threads, len(self.shards))
         self._reader = storage.RangeReader(self.store, max_open, whole=True)
@@ -93,6 +100,9 @@ class TarShards:
             "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
         )
         self.scanned = 0  # shards whose index had to be built by a scan (not read from cache)
+        self.sidecars = 0  # shards whose index came from their sidecar
+        self._crcs: list[int | None] = [None] * len(self.shards)  # CRC-32 a sidecar gave, checked on read
+        self._crc_checked: set[int] = set()  # shards whose CRC this process compared
         self.kept_shards = 0  # remote shards kept whole per process (see keep_blocks)
         self._len = 0
         self._indexed = False
@@ -102,12 +112,13 @@ class TarShards:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"], state["_whole"], state["_touched"]
+        del state["_lock"], state["_whole"], state["_touched"], state["_crc_checked"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._crc_checked = set()
         self._whole = OrderedDict()
         self._touched = OrderedDict()
 
@@ -140,7 +151,7 @@ class TarShards:
                 folder = None
             indexes = []
             with (
-                ThreadPoolExecutor(self._threads) as pool,
+                ThreadPoolExecutor(self._index_threads()) as pool,
                 tqdm(
                     total=len(self.shards),
                     desc="indexing tar shards",
@@ -151,25 +162,60 @@ class TarShards:
                 ) as bar,
             ):
                 jobs = pool.map(lambda i: self._index_one(i, folder), range(len(self.shards)))
-                for index, scanned in jobs:
+                for index, how in jobs:
                     indexes.append(index)
-                    self.scanned += scanned
+                    self.scanned += how == "scan"
+                    self.sidecars += how == "sidecar"
                     bar.update()
             self._combine(indexes)
             self._indexed = True
 
-    def _index_one(self, i: int, folder: pathlib.Path | None) -> tuple[_tar_index.ShardIndex, bool]:
+    def _index_threads(self) -> int:
+        """Threads for indexing: `threads`, or up to REMOTE_INDEX_THREADS when shards are remote,
+        since reading a sidecar waits on the network, not on this machine."""
+        return min(len(self.shards), max(self._threads, REMOTE_INDEX_THREADS if any(self._cached) else 1))
+
+    def _index_one(self, i: int, folder: pathlib.Path | None) -> tuple[_tar_index.ShardIndex, str]:
+        """Shard `i`'s index, and where it came from: "cache", "sidecar" or "scan"."""
         url, st = self.shards[i], self._stats[i]
         path = _tar_index.index_path(folder, url, st) if folder is not None else None
         index = _tar_index.load(path) if path is not None else None
         if index is not None:
-            return index, False
+            return index, "cache"
+        if self._remote[i]:
+            sidecar = self._sidecar(i)
+            if sidecar is not None and sidecar.shard_index is not None:
+                if path is not None and sidecar.verified:  # else checked by CRC each time: not kept
+                    _tar_index.save(path, sidecar.shard_index)
+                return sidecar.shard_index, "sidecar"
         # A cached shard is downloaded whole by its first read, so the scan reads local bytes.
         remote = self._remote[i] and not self._cached[i]
         index = _tar_index.scan(lambda start, n: self._reader.read(url, start, n), url, st.size, remote)
         if path is not None:
             _tar_index.save(path, index)
-        return index, True
+        return index, "scan"
+
+    def _sidecar(self, i: int) -> _tar_index.Sidecar | None:
+        """Shard `i`'s sidecar, if it exists and can be trusted (a refused one is a warning).
+        Its CRC can be checked only against a shard cached whole, else its ETag must prove it:
+        when neither can, the sidecar is not even asked for."""
+        url, st = self.shards[i], self._stats[i]
+        checkable = self._cached[i] and st.size <= self.store.whole_max
+        if not (checkable or _tar_index.proves_content(st)):
+            return None
+        name = _tar_index.sidecar_url(url)
+        try:
+            data = self.store.read_optional(name, _tar_index.SIDECAR_MAX)
+        except SourceError as exc:
+            warnings.warn(f"index sidecar {name} not read, the shard is scanned instead: {exc}", stacklevel=2)
+            return None
+        if data is None:
+            return None
+        sidecar = _tar_index.read_sidecar(data, url, st)
+        if sidecar.shard_index is None:
+            warnings.warn(f"{sidecar.problem}; the shard is scanned instead", stacklevel=2)
+            return None
+        return sidecar if sidecar.verified or checkable else None
 
     def _combine(self, indexes: list[_tar_index.ShardIndex]) -> None:
         """Join the shard indexes into global arrays, so a lookup is two slices and a bisect."""
@@ -177,6 +223,7 @@ class TarShards:
         member_starts, key_starts, members = [], [], []
         n_members = n_keys = 0
         self._shard_start = [0]
+        self._crcs = [index.crc32 for index in indexes]
         for index in indexes:
             remap = np.array([exts.setdefault(e, len(exts)) for e in index.exts] or [0], np.int64)
             shard_members = index.members.copy()
@@ -213,6 +260,8 @@ class TarShards:
         exts = self._exts
         members = self._members[m0:m1].tolist()
         if not self._remote[shard] or self._cached[shard]:
+            if self._crcs[shard] is not None and shard not in self._crc_checked:
+                self._check_crc(shard)
             read = self._reader.read_local if not self._remote[shard] else self._reader.read_remote
             for offset, size, ext in members:
                 data = read(url, offset, size)
@@ -234,6 +283,18 @@ class TarShards:
         for offset, size, ext in members:
             record[exts[ext]] = blob[offset - start : offset - start + size]
         return record
+
+    def _check_crc(self, shard: int) -> None:
+        """Compare the shard as downloaded with the CRC-32 its sidecar gave (once per process)."""
+        url, expected = self.shards[shard], self._crcs[shard]
+        found = self._reader.crc32(url)
+        if found is not None and found != expected:
+            raise SourceError(
+                f"{url} does not match its index sidecar {_tar_index.sidecar_url(url)} (CRC-32 {found:#010x}, "
+                f"the sidecar says {expected:#010x}): the shard was rewritten without its sidecar; write the "
+                "sidecar again (TarWriter) or delete it, then construct the source again"
+            )
+        self._crc_checked.add(shard)
 
     def _whole_shard(self, shard: int) -> bytes | None:
         """Shard `shard` whole, if kept or now worth reading whole; None: read the sample alone.
@@ -296,6 +357,14 @@ class TarShards:
     def __repr__(self) -> str:
         size = f"{self._len} samples" if self._indexed else "not indexed yet"
         return f"TarShards({len(self.shards)} shards, {size})"
+
+
+def _without_sidecars(urls: list[str]) -> list[str]:
+    """The shards among `urls`: a sidecar listed beside its shard (a pattern such as `shard-*`
+    matches both) is left out."""
+    listed = set(urls)
+    suffix = _tar_index.SIDECAR_SUFFIX
+    return [u for u in urls if not (u.endswith(suffix) and u[: -len(suffix)] in listed)]
 
 
 def _changed(url: str, offset: int) -> SourceError:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import tarfile
+import zlib
 from types import TracebackType
 from typing import IO, Any, Self
 
@@ -13,6 +15,7 @@ import numpy as np
 
 from globalloader import storage
 from globalloader.errors import ArgumentError
+from globalloader.sources import _tar_index
 
 
 class TarWriter:
@@ -32,6 +35,11 @@ class TarWriter:
     readers lower-case them. Members get mode 0o444, owner 0 and mtime 0, so the same
     samples always give the same bytes (stable fingerprints and caches).
 
+    Beside each shard goes its index sidecar, `<shard>.idx` (a few KB; `index=False`: none),
+    written after the shard: TarShards then plans a remote shard from it with one small request
+    instead of downloading the shard first (see docs/remote.md). Upload the sidecars with the
+    shards when copying a folder of shards to object storage.
+
     Shards are created on the first sample written to them (no sample, no file). A file that
     cannot be created raises SourceError naming it. Not thread-safe. `paths` lists the shards
     written so far.
@@ -44,6 +52,7 @@ class TarWriter:
         maxsize: int | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
+        index: bool = True,
     ) -> None:
         if not isinstance(pattern, (str, os.PathLike)):
             raise ArgumentError(f"pattern must be a str or path, got {type(pattern).__name__}")
@@ -58,8 +67,10 @@ class TarWriter:
                 f"pattern {self.pattern!r} has no printf field such as %06d, so it cannot roll over at maxcount/maxsize"
             )
         self.maxcount, self.maxsize = maxcount, maxsize
+        self.index = bool(index)
         self.paths: list[str] = []
-        self._file: IO[bytes] | None = None
+        self._file: _Digesting | None = None
+        self._members: _tar_index.IndexBuilder | None = None
         self._tar: tarfile.TarFile | None = None
         self._count = self._size = 0
         self._last_key: str | None = None
@@ -92,6 +103,9 @@ class TarWriter:
             info.size, info.mode, info.mtime = len(data), 0o444, 0
             info.uname = info.gname = ""
             self._tar.addfile(info, io.BytesIO(data))  # type: ignore[union-attr]
+            # addfile wrote the header(s), the data and its padding: the data starts that far back.
+            end = self._file.length  # type: ignore[union-attr]
+            self._members.add(info.name, end - -(-len(data) // 512) * 512, len(data))  # type: ignore[union-attr]
         self._count += 1
         self._size += nbytes
         self._last_key = key
@@ -107,17 +121,26 @@ class TarWriter:
         if not self._numbered and self.paths:
             raise ArgumentError(f"pattern {self.pattern!r} names one shard only")
         # Both stay open across write() calls until the shard is full; _finish_shard closes them.
-        self._file = self.store.open_write(path)
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115
+        self._file = _Digesting(self.store.open_write(path))
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)  # type: ignore[call-overload]  # noqa: SIM115
+        self._members = _tar_index.IndexBuilder(path)
         self.paths.append(path)
         self._count = self._size = 0
         self._last_key = None
 
     def _finish_shard(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
-            self._file.close()  # type: ignore[union-attr]
-            self._tar = self._file = None
+        if self._tar is None or self._file is None or self._members is None:
+            return
+        self._tar.close()
+        self._file.close()
+        if self.index:
+            digest = self._file
+            sidecar = _tar_index.sidecar_bytes(
+                self._members.finish(), digest.length, digest.md5.hexdigest(), digest.crc
+            )
+            with self.store.open_write(_tar_index.sidecar_url(self.paths[-1])) as out:
+                out.write(sidecar)
+        self._tar = self._file = self._members = None
 
     def close(self) -> None:
         """Finish the current shard. Closing twice is harmless."""
@@ -135,6 +158,26 @@ class TarWriter:
 
     def __repr__(self) -> str:
         return f"TarWriter({self.pattern!r}, {len(self.paths)} shards written)"
+
+
+class _Digesting:
+    """A write-only file that passes bytes on and keeps their count, MD5 and CRC-32."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self._out, self.md5, self.crc, self.length = out, hashlib.md5(usedforsecurity=False), 0, 0
+
+    def write(self, data: bytes) -> int:
+        self._out.write(data)
+        self.md5.update(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.length += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.length
+
+    def close(self) -> None:
+        self._out.close()
 
 
 def _has_printf_field(pattern: str) -> bool:

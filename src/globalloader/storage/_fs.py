@@ -5,13 +5,20 @@ client (s3fs over aiobotocore) is made with one attempt per call in both of its 
 (s3fs's `retries` and botocore's `total_max_attempts`), a connect and a read timeout. Options
 from the caller (`storage_options=`: endpoint, key/secret, anon, ...) are passed to fsspec as
 they are; where they say nothing, the standard AWS/GCS environment and config files apply.
+
+One filesystem instance per process and options serves every thread (fsspec would make one per
+thread, and an S3 client costs a tenth of a second or more to make), and S3 clients share one
+aiobotocore session per process tree: a forked worker inherits its parsed service models, so its
+first request does not parse them again.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
+import threading
 import weakref
 from typing import Any
 
@@ -20,6 +27,7 @@ from globalloader.errors import SourceError
 
 CONNECT_TIMEOUT = 10.0  # seconds for one TCP connect to the object store
 READ_TIMEOUT = 30.0  # seconds without a byte on an open response
+MAX_CONNECTIONS = 32  # open connections per S3 client (one client serves every thread of a process)
 # Schemes that are not object storage: the machine cache never holds them (`memory://` lives in
 # one process, `file://` is a local file already).
 LOCAL_SCHEMES = frozenset({"file", "local", "memory"})
@@ -83,18 +91,36 @@ def is_transient(exc: BaseException) -> bool:
 
 def filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str]:
     """(fsspec filesystem, path) for `url`; instances are shared per process and options."""
-    fsspec = _extras.require("fsspec", "remote")
     scheme = scheme_of(url)
     kwargs = dict(options or {})
+    key = (os.getpid(), scheme, json.dumps(kwargs, sort_keys=True, default=repr))
+    fs = _INSTANCES.get(key)
+    if fs is None:
+        with _INSTANCES_LOCK:
+            fs = _INSTANCES.get(key)
+            if fs is None:
+                fs = _INSTANCES[key] = _make(url, scheme, kwargs)
+    return fs, fs._strip_protocol(url)
+
+
+def _make(url: str, scheme: str, kwargs: dict[str, Any]) -> Any:
+    fsspec = _extras.require("fsspec", "remote")
     if scheme in ("s3", "s3a"):
         kwargs = _s3_defaults(kwargs)
     try:
-        fs, path = fsspec.core.url_to_fs(url, **kwargs)
+        fs, _ = fsspec.core.url_to_fs(url, **kwargs)
     except (ImportError, ValueError, TypeError) as exc:
         raise SourceError(f"cannot open {url}: {exc}") from None
     if scheme in ("s3", "s3a"):
         fs.retries = 1  # s3fs's own loop: one attempt; storage.retry decides the rest
-    return fs, path
+    return fs
+
+
+_INSTANCES: dict[tuple[int, str, str], Any] = {}  # (pid, scheme, options) -> filesystem
+_INSTANCES_LOCK = threading.Lock()
+_SESSION: list[Any] = []  # the aiobotocore session S3 clients share (made once, kept across forks)
+# Options that shape the aiobotocore session itself: given any, s3fs makes its own.
+_SESSION_OPTIONS = frozenset({"session", "profile", "session_vars", "event_hooks"})
 
 
 def _s3_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +128,16 @@ def _s3_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     config.setdefault("retries", {"total_max_attempts": 1})
     config.setdefault("connect_timeout", CONNECT_TIMEOUT)
     config.setdefault("read_timeout", READ_TIMEOUT)
+    config.setdefault("max_pool_connections", MAX_CONNECTIONS)
     kwargs["config_kwargs"] = config
+    if _SESSION_OPTIONS.isdisjoint(kwargs):
+        if not _SESSION:
+            try:
+                import aiobotocore.session  # type: ignore[import-untyped]
+            except ImportError:  # no s3fs either: url_to_fs names the missing package
+                return kwargs
+            _SESSION.append(aiobotocore.session.AioSession())
+        kwargs["session"] = _SESSION[0]
     return kwargs
 
 
@@ -115,6 +150,8 @@ def _forget_inherited_clients() -> None:
     loop are the parent's (closing them here could unregister the parent's sockets from its
     epoll set): the child keeps them untouched until it exits.
     """
+    global _INSTANCES_LOCK
+    _INSTANCES_LOCK = threading.Lock()  # a thread of the parent may have held it at the fork
     s3fs = sys.modules.get("s3fs")
     if s3fs is None:
         return

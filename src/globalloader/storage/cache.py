@@ -97,8 +97,8 @@ class Entry(NamedTuple):
 class CachedFile:
     """An open cache entry: ranged reads with `pread`, under a shared lock until `close()`."""
 
-    def __init__(self, fd: int, length: int, path: pathlib.Path) -> None:
-        self.fd, self.length, self.path = fd, length, path
+    def __init__(self, fd: int, length: int, path: pathlib.Path, crc32: int) -> None:
+        self.fd, self.length, self.path, self.crc32 = fd, length, path, crc32
 
     def pread(self, start: int, length: int) -> bytes:
         length = max(0, min(length, self.length - start))
@@ -193,8 +193,8 @@ class ObjectCache:
             if st.st_nlink == 0:  # evicted between our open and our lock
                 os.close(fd)
                 return None
-            length = self._check(fd, st, path)
-            if length is None:
+            checked = self._check(fd, st, path)
+            if checked is None:
                 with contextlib.suppress(OSError):
                     self._unlink(path, st)
                 os.close(fd)
@@ -204,11 +204,12 @@ class ObjectCache:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
-        return CachedFile(fd, length, path)
+        return CachedFile(fd, checked[0], path, checked[1])
 
     @staticmethod
-    def _check(fd: int, st: os.stat_result, path: pathlib.Path) -> int | None:
-        """The data length if the trailer and (once per process) the CRC agree; else None."""
+    def _check(fd: int, st: os.stat_result, path: pathlib.Path) -> tuple[int, int] | None:
+        """The data length and CRC-32 if the trailer and (once per process) the data agree;
+        else None."""
         if st.st_size < _TRAILER.size:
             return None
         magic, crc, length = _TRAILER.unpack(os.pread(fd, _TRAILER.size, st.st_size - _TRAILER.size))
@@ -216,7 +217,7 @@ class ObjectCache:
             return None
         ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         if ident in _verified:
-            return length
+            return length, crc
         running, offset = 0, 0
         while offset < length:
             data = os.pread(fd, min(16 << 20, length - offset), offset)
@@ -228,7 +229,7 @@ class ObjectCache:
             return None
         with _verified_lock:
             _verified.add(ident)
-        return length
+        return length, crc
 
     @contextlib.contextmanager
     def _download_lock(self, path: pathlib.Path, entry: Entry) -> Iterator[None]:
@@ -243,7 +244,7 @@ class ObjectCache:
                 f"another process to download {entry.url} into the cache {self.root}; "
                 f"if none is running, remove {lock_path}"
             )
-            lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.05)
+            lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.01)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)

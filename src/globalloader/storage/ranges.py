@@ -91,7 +91,23 @@ class RangeReader:
             parts.append(self._read_entry(url, stat, block, lo - base, hi - lo))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _read_entry(self, url: str, stat: FileStat, block: int, start: int, length: int) -> bytes:
+    def crc32(self, url: str) -> int | None:
+        """The CRC-32 of the whole object `url` as the machine cache holds it (downloaded first
+        if missing), or None when it is not cached whole."""
+        stat = self._stats.get(url) or self.store.stat(url)
+        if not (self.store.cached(url) and self.whole and stat.size <= self.store.whole_max):
+            return None
+        return self._read_entry(url, stat, -1, 0, 0, lambda entry: entry.crc32)
+
+    def _read_entry(
+        self,
+        url: str,
+        stat: FileStat,
+        block: int,
+        start: int,
+        length: int,
+        take: Callable[[CachedFile], Any] | None = None,
+    ) -> Any:
         # Reads happen under the lock, so that no other thread closes the entry mid-read; a
         # download happens outside it.
         key = (url, block)
@@ -99,7 +115,7 @@ class RangeReader:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-                return entry.pread(start, length)
+                return entry.pread(start, length) if take is None else take(entry)
         opened = self.store.open_cached(url, stat, block)
         with self._lock:
             entry = self._entries.setdefault(key, opened)
@@ -107,7 +123,7 @@ class RangeReader:
                 opened.close()
             while len(self._entries) > _CACHED_OPEN[self.whole]:
                 self._entries.popitem(last=False)[1].close()
-            return entry.pread(start, length)
+            return entry.pread(start, length) if take is None else take(entry)
 
     def _read_local_cold(self, url: str, start: int, length: int) -> bytes:
         # Open outside the lock; the lock only decides whether the descriptor is kept (a thread

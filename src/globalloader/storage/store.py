@@ -123,6 +123,9 @@ class Store:
         if known is not None and now - known[0] < INFO_TTL:
             return known[1]
         fs, path = self.filesystem(url)
+        # Asked of the store itself, not of the client's listing cache (one client per process holds
+        # the listing that expanded a pattern): a changed object must show as changed.
+        fs.invalidate_cache(path)
         info = retry.call(lambda: fs.info(path), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
@@ -137,7 +140,8 @@ class Store:
         if not scheme_of(pattern):
             return sorted(_glob.glob(pattern))
         fs, path = self.filesystem(pattern)
-        found = retry.call(lambda: fs.glob(path), pattern, "list", self.retry_policy)
+        found = retry.call(lambda: fs.glob(path, detail=True), pattern, "list", self.retry_policy)
+        self._remember(fs, found)
         return sorted(fs.unstrip_protocol(p) for p in found)
 
     def find(self, root: str) -> dict[str, FileStat]:
@@ -145,9 +149,14 @@ class Store:
         also fills the per-process memo of `stat`)."""
         fs, path = self.filesystem(root)
         found = retry.call(lambda: fs.find(path, detail=True), root, "list", self.retry_policy)
+        return self._remember(fs, found)
+
+    def _remember(self, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
+        """The files of a detailed listing with their size and version, also kept in the
+        per-process memo of `stat` (a listing answers what a HEAD per file would)."""
         now, out = time.monotonic(), {}
-        for name, info in found.items():
-            if info.get("type", "file") == "file":
+        for name, info in listing.items():
+            if info.get("type", "file") == "file" and info.get("size") is not None:
                 version = next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), "")
                 out[fs.unstrip_protocol(name)] = FileStat(int(info["size"]), version)
         with self._lock:
@@ -160,6 +169,22 @@ class Store:
         return retry.call(
             lambda: fs.cat_file(path, start=start, end=end), url, f"read [{start}, {end}) of", self.retry_policy
         )
+
+    def read_optional(self, url: str, limit: int) -> bytes | None:
+        """A small remote object whole, straight from the store (retried), or None when it does
+        not exist; one larger than `limit` bytes is a SourceError."""
+        fs, path = self.filesystem(url)
+
+        def get() -> bytes | None:
+            try:
+                return bytes(fs.cat_file(path, start=0, end=limit + 1))
+            except FileNotFoundError:
+                return None
+
+        data = retry.call(get, url, "read", self.retry_policy)
+        if data is not None and len(data) > limit:
+            raise SourceError(f"{url} is larger than {limit} bytes")
+        return data
 
     def open_cached(self, url: str, stat: FileStat, block: int = -1) -> CachedFile:
         """The whole object (block -1) or one block of it, from the machine cache (downloaded
