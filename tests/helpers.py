@@ -50,8 +50,8 @@ def same(a: Any, b: Any) -> bool:
 
 def check_resume(make: Callable[[], Any], at: int) -> list[Any]:
     """Take `at` items, save state, and check a fresh object loaded with it yields exactly the
-    rest of an uninterrupted run. `make()` returns a DatasetIterator or a Loader. Returns the
-    uninterrupted run."""
+    rest of an uninterrupted run; and that the resumed run, saved again two items later, resumes
+    exactly too. `make()` returns a DatasetIterator or a Loader. Returns the uninterrupted run."""
     first = make()
     full = list(iter(first))
     obj = make()
@@ -61,9 +61,16 @@ def check_resume(make: Callable[[], Any], at: int) -> list[Any]:
     assert same(head, full[:at]), "the interrupted run differs from the uninterrupted one"
     fresh = make()
     fresh.load_state_dict(state)
-    rest = list(iter(fresh))
+    it = iter(fresh)
+    more = min(2, len(full) - at)
+    rest = [next(it) for _ in range(more)]
+    again_state = fresh.state_dict()
+    rest += list(it)
     assert same(rest, full[at:]), f"resume after {at} of {len(full)} items does not continue exactly"
-    for o in (first, obj, fresh):
+    again = make()
+    again.load_state_dict(again_state)
+    assert same(list(iter(again)), full[at + more :]), f"a run resumed at {at} does not resume again exactly"
+    for o in (first, obj, fresh, again):
         if hasattr(o, "close"):
             o.close()
     return full

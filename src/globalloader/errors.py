@@ -20,6 +20,10 @@ class ArgumentError(GlobalLoaderError, ValueError):
     """An argument has a wrong type or value; the message names the argument."""
 
 
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument has the wrong type where torch raises a TypeError for it (the DataLoader drop-in)."""
+
+
 class SampleIndexError(GlobalLoaderError, IndexError):
     """An index is out of range for a source or dataset; the message gives the index and length."""
 
@@ -117,10 +121,5 @@ class SampleTooLargeError(ServiceError):
 class ServerError(ServiceError):
     """The server failed while serving this job (a bug: the message carries its traceback line)."""
 
-
-# Earlier names, kept so existing code goes on working.
-ServerGone = ServerGoneError
-PoolTooSmall = PoolTooSmallError
-SampleTooLarge = SampleTooLargeError
 
 SAMPLE_ERRORS = (CorruptSampleError, TransformError)  # what on_error="skip" may skip

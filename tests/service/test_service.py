@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import globalloader as gl
-from globalloader.errors import ServerGone, StateError
+from globalloader.errors import ServerGoneError, StateError
 from globalloader.service.launcher import request
 from helpers import Server, pool_segments
 
@@ -160,7 +160,7 @@ def test_server_killed_raises_server_gone_or_falls_back_from_the_same_position(t
     srv.proc.send_signal(signal.SIGKILL)
     srv.proc.wait()
     start = time.monotonic()
-    with pytest.raises(ServerGone):
+    with pytest.raises(ServerGoneError):
         for _ in strict_it:
             pass
     assert time.monotonic() - start < 15

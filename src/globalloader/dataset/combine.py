@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from globalloader._seeding import derive
 from globalloader.dataset.fingerprint import digest
-from globalloader.dataset.seeds import derive
 from globalloader.errors import ArgumentError
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from globalloader._seeding import generator
 from globalloader.dataset.fingerprint import digest, fingerprint
-from globalloader.dataset.seeds import sample_rng
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -72,7 +72,7 @@ class MapOp:
 
     def apply(self, value: Any, seed: int, epoch: int, index: int, position: int, *sub: int) -> Any:
         if self.random:
-            return self.fn(value, rng=sample_rng(seed, epoch, index, position, *sub))
+            return self.fn(value, rng=generator(seed, epoch, index, position, *sub))
         return self.fn(value)
 
     def describe(self) -> tuple[object, ...]:
@@ -102,7 +102,7 @@ class ExpandingOp:
         return describe_fn(self.method, self.fn, self.name, self.key, strict)
 
     def apply(self, value: Any, seed: int, epoch: int, index: int, position: int, *sub: int) -> list[Any]:
-        out = self.fn(value, rng=sample_rng(seed, epoch, index, position, *sub)) if self.random else self.fn(value)
+        out = self.fn(value, rng=generator(seed, epoch, index, position, *sub)) if self.random else self.fn(value)
         return self.expand(value, out)
 
     def expand(self, value: Any, out: Any) -> list[Any]:

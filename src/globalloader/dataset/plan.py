@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from globalloader._seeding import derive
 from globalloader.dataset.batch import BatchOp
 from globalloader.dataset.cache import MISSING, CacheOp
 from globalloader.dataset.collate import collate as default_collate
@@ -25,7 +26,7 @@ from globalloader.dataset.combine import Combined
 from globalloader.dataset.fingerprint import digest, fingerprint
 from globalloader.dataset.gather_ahead import GatherAhead
 from globalloader.dataset.operator import RecordOp, TailOp
-from globalloader.dataset.seeds import SeedOp, derive
+from globalloader.dataset.seeds import SeedOp
 from globalloader.dataset.stream import StreamReader, StreamSource
 from globalloader.dataset.tail import TailRecord
 from globalloader.errors import SAMPLE_ERRORS, ArgumentError, FingerprintError, GlobalLoaderError, TransformError

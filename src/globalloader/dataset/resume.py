@@ -74,15 +74,18 @@ class Base:
         return cls(tuple(steps))
 
 
-class Resume(NamedTuple):
-    """Where a loaded state puts the next pass."""
+class Position(NamedTuple):
+    """Where a pass is, or where a loaded state puts the next one: `task` and `offset` (items
+    taken from it) count in this rank's share of what `base` left; a pass whose order is not the
+    seed's (shared mode) names the samples it `consumed` instead (task = offset = 0); a chain with
+    a tail adds the tail's state."""
 
     epoch: int
     task: int = 0
     offset: int = 0
-    tail: dict[str, Any] | None = None
-    base: Base | None = None
     consumed: list[int] | None = None
+    tail: dict[str, Any] | None = None
+    base: Base | None = None  # what other worlds consumed of this epoch
 
 
 def _shard(plan: Plan) -> tuple[int, Shard | None]:
@@ -177,14 +180,8 @@ def epoch_order(plan: Plan, epoch: int, base: Base | None = None, after: EpochOr
     return order
 
 
-def make_state(
-    plan: Plan,
-    epoch: int,
-    task: int,
-    offset: int,
-    tail: dict[str, Any] | None = None,
-    base: Base | None = None,
-) -> dict[str, Any]:
+def make_state(plan: Plan, position: Position) -> dict[str, Any]:
+    epoch, task, offset, consumed, tail, base = position
     _, shard = _shard(plan)
     state: dict[str, Any] = {
         "fingerprint": plan.resume_fingerprint,
@@ -199,10 +196,12 @@ def make_state(
         state["tail"] = tail
     if base is not None:
         state["base"] = base.to_json()
+    if consumed is not None:
+        state["consumed"] = [int(i) for i in consumed]
     return state
 
 
-def load_state(plan: Plan, state: Any) -> Resume:
+def load_state(plan: Plan, state: Any) -> Position:
     """Where a state dict (or the list of every rank's) puts the next pass of `plan`; StateError
     naming the field or the part of the chain at fault."""
     states = state if isinstance(state, list) else [state]
@@ -225,7 +224,7 @@ def _check_fields(state: dict[str, Any]) -> None:
             raise StateError(f"state dict field {name!r} must be an int >= 0, got {value!r:.100}")
 
 
-def _exact(plan: Plan, state: dict[str, Any]) -> Resume:
+def _exact(plan: Plan, state: dict[str, Any]) -> Position:
     epoch, task, offset = int(state["epoch"]), int(state["task"]), int(state["offset"])
     tail, consumed = state.get("tail"), state.get("consumed")
     if (tail is not None) != plan.grouped and (tail is not None or task or offset):
@@ -235,7 +234,7 @@ def _exact(plan: Plan, state: dict[str, Any]) -> Resume:
         consumed = _indices(consumed, "consumed", plan.source_length)
     elif not plan.is_stream:  # a stream's length is not known: its position is checked as it is read
         _check_range(plan, epoch_order(plan, epoch, base), task, offset)
-    return Resume(epoch, task, offset, tail, base, consumed)
+    return Position(epoch, task, offset, consumed, tail, base)
 
 
 def _check_range(plan: Plan, order: EpochOrder, task: int, offset: int) -> None:
@@ -255,7 +254,7 @@ def _check_range(plan: Plan, order: EpochOrder, task: int, offset: int) -> None:
         )
 
 
-def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Resume:
+def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Position:
     """A state (ranks in lockstep) or every rank's, from another rank, world or batch size."""
     if plan.is_stream:
         raise StateError(
@@ -307,7 +306,7 @@ def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Resume:
         step = Layer(world, tuple(counts), old_uneven)
         done = all(c >= before.share(r, world, old_uneven) for r, c in enumerate(counts))
     if done:  # the old world had finished this epoch: the next one is whole
-        return Resume(epoch + 1)
+        return Position(epoch + 1)
     same_world = (world, old_uneven) == ((1, "none") if shard is None else (shard.world_size, shard.uneven))
     if same_world and isinstance(step, Layer) and len(states) == 1 and not plan.grouped:
         # Another rank, or another batch size, of the same world in lockstep: this rank's own
@@ -317,13 +316,13 @@ def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Resume:
         if plan.batch is None or not offset:
             order = epoch_order(plan, epoch, base if base.steps else None)
             _check_range(plan, order, task, offset)
-            return Resume(epoch, task, offset, None, order.base, None)
+            return Position(epoch, task, offset, None, None, order.base)
     order = epoch_order(plan, epoch, Base((*base.steps, step)), start)  # checks the counts against the shares
     tail = None
     if plan.grouped:
         rank, new_world = (0, 1) if shard is None else (shard.rank, shard.world_size)
         tail = _handed_over(plan, epoch, states, rank, new_world)
-    return Resume(epoch, 0, 0, tail, order.base, None)
+    return Position(epoch, 0, 0, None, tail, order.base)
 
 
 def _handed_over(plan: Plan, epoch: int, states: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:

@@ -10,29 +10,16 @@ combination's root unless they set their own.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from globalloader._seeding import MASK
 from globalloader.errors import ArgumentError
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
-
-MASK = 0xFFFFFFFFFFFFFFFF
-
-
-def derive(root: int, *names: object) -> int:
-    """A 63-bit seed for the stream `names` under `root` (stable across runs and machines)."""
-    text = repr((int(root), *names)).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
-
-
-def sample_rng(seed: int, epoch: int, index: int, position: int, *more: int) -> np.random.Generator:
-    """The Generator a random operator gets for one item: a pure function of its arguments."""
-    return np.random.default_rng([seed & MASK, epoch, index, position, *more])
 
 
 def check_seed(seed: Any, what: str) -> int:

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from globalloader._seeding import BUFFER_SHUFFLE, generator
 from globalloader.dataset.batch import check_size
 from globalloader.dataset.fingerprint import digest, fn_fingerprint
 from globalloader.dataset.seeds import check_seed
@@ -82,7 +81,7 @@ class BufferShuffle:
 
     def apply(self, records: Iterator[Any], epoch: int, length: int | None) -> Iterator[Any]:
         assert self.seed is not None, "the plan gives every shuffle its seed"
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFFFFFFFFFF, epoch, 0xB0F])
+        rng = generator(self.seed, epoch, BUFFER_SHUFFLE)
         buffer: list[Any] = []
         for record in records:
             if len(buffer) < self.buffer_size:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from globalloader._seeding import WINDOW_BLOCKS, WINDOW_ROWS, generator, sequence
 from globalloader.dataset.seeds import check_permutation_seed
 from globalloader.errors import ArgumentError
 from globalloader.sampling.permutation import Permutation
@@ -30,8 +31,6 @@ from globalloader.sources.base import Blocks, KeepsBlocks, capable
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
 
-_BLOCKS_STREAM = 0xB10C  # names the block order's random stream
-_ROWS_STREAM = 0x5105  # names each window's row order's random stream
 _EXPLICIT_ROWS = 1 << 22
 
 
@@ -152,8 +151,7 @@ class WindowShuffle:
 @lru_cache(maxsize=4)
 def _layout(op: WindowShuffle, epoch: int) -> _Layout:
     sizes = np.diff(op.bounds)
-    seq = np.random.SeedSequence([op._key[0] & 0xFFFFFFFFFFFFFFFF, int(epoch), _BLOCKS_STREAM])
-    order = np.random.Generator(np.random.PCG64(seq)).permutation(len(sizes)).astype(np.int64)
+    order = generator(op._key[0], epoch, WINDOW_BLOCKS).permutation(len(sizes)).astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
     window_starts = starts[:: op.window]
     if window_starts[-1] != starts[-1]:
@@ -168,12 +166,13 @@ def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | npt.NDA
     the permutation of its rows (no memory, a few microseconds per thousand rows)."""
     layout = _layout(op, epoch)
     first, end = int(layout.window_starts[window]), int(layout.window_starts[window + 1])
-    seq = np.random.SeedSequence([op._key[0] & 0xFFFFFFFFFFFFFFFF, int(epoch), int(window), _ROWS_STREAM])
     if end - first > _EXPLICIT_ROWS:
-        return Permutation(end - first, int(seq.generate_state(1, np.uint64)[0]))
+        return Permutation(
+            end - first, int(sequence(op._key[0], epoch, window, WINDOW_ROWS).generate_state(1, np.uint64)[0])
+        )
     blocks = layout.order[window * op.window : (window + 1) * op.window]
     rows = np.concatenate([np.arange(op.bounds[b], op.bounds[b + 1], dtype=np.int64) for b in blocks.tolist()])
     # Shuffling the rows themselves swaps as shuffling arange(len(rows)) would: rows[permutation],
     # without the gather (a random read per row).
-    sources: npt.NDArray[np.int64] = np.random.Generator(np.random.PCG64(seq)).permutation(rows)
+    sources: npt.NDArray[np.int64] = generator(op._key[0], epoch, window, WINDOW_ROWS).permutation(rows)
     return sources

@@ -43,10 +43,10 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from globalloader._seeding import generator
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.seeds import sample_rng
 from globalloader.demo.workload import train_step
-from globalloader.errors import ArgumentError, ServerGone, WorkerError
+from globalloader.errors import ArgumentError, ServerGoneError, WorkerError
 from globalloader.execution.loader import Loader
 from globalloader.sources import ImageFolder
 from globalloader.vision import Decode, RandomCropFlipNormalize
@@ -314,7 +314,7 @@ class _Server:
         while not launcher.is_running(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise ServerGone(f"the globalloader server for this run did not start: {self._tail()}")
+                raise ServerGoneError(f"the globalloader server for this run did not start: {self._tail()}")
             time.sleep(0.05)
 
     def status(self) -> dict[str, Any]:
@@ -326,7 +326,7 @@ class _Server:
         """The server's view, for an error message: its jobs and its pool."""
         try:
             status = self.status()
-        except (ServerGone, OSError) as exc:
+        except (ServerGoneError, OSError) as exc:
             return f"; the server does not answer ({exc})"
         jobs = ", ".join(f"{j['name']}: {j['delivered']}/{j['size']} delivered" for j in status["jobs"])
         return f"; server: {jobs}; pool {status['pool']}"
@@ -338,7 +338,7 @@ class _Server:
             try:
                 launcher.stop(self.socket)
                 self.proc.wait(timeout=30)
-            except (ServerGone, OSError, subprocess.TimeoutExpired):
+            except (ServerGoneError, OSError, subprocess.TimeoutExpired):
                 self.proc.terminate()
                 self.proc.wait(timeout=10)
 
@@ -430,7 +430,7 @@ def _loader_job(
 def job_sample(source: ImageFolder, index: int, seed: int = 0, epoch: int = 0) -> dict[str, Any]:
     """Sample `index` as `job_chain` makes it (same functions, same per-sample seed), for loaders
     that run the functions themselves."""
-    return _OWN(_SHARED(source[index]), rng=sample_rng(seed, epoch, index, _OWN_POSITION))
+    return _OWN(_SHARED(source[index]), rng=generator(seed, epoch, index, _OWN_POSITION))
 
 
 class _TorchSubset:

@@ -16,8 +16,8 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from globalloader._paths import cache_dir
+from globalloader._seeding import generator
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.seeds import sample_rng
 from globalloader.execution.loader import Loader
 from globalloader.sources import ImageFolder
 from globalloader.synthetic import make_jpeg_folder
@@ -56,7 +56,7 @@ class _TorchImages:
         return len(self.source)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        rng = sample_rng(self.seed, self.epoch, index, 0)
+        rng = generator(self.seed, self.epoch, index, 0)
         return self.transform(self.source[index], rng=rng)
 
 

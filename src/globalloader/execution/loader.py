@@ -21,11 +21,11 @@ from typing import Any, Self
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.resume import epoch_order, load_state, make_state
+from globalloader.dataset.resume import Position, epoch_order, load_state, make_state
 from globalloader.errors import ArgumentError
 from globalloader.execution import report as input_report
 from globalloader.execution.local import LocalRun
-from globalloader.execution.run import UNAVAILABLE, EpochRun, Position
+from globalloader.execution.run import UNAVAILABLE, EpochRun
 from globalloader.execution.shared import SharedRun, SharedSession
 from globalloader.execution.stats import LoaderStats
 from globalloader.execution.workers import InlinePool, ProcessPool, ThreadPool
@@ -129,18 +129,13 @@ class Loader:
         """Where this loader is: loading it into a new Loader yields exactly the remaining items
         (in shared mode: exactly the samples not yet consumed this epoch). Small and JSON-able
         (a shared-mode state lists the samples consumed; a tail's state holds its records)."""
-        epoch, task, offset, consumed, tail, base = self._run.position() if self._run is not None else self._position
-        state = make_state(self.plan, epoch, task, offset, tail, base)
-        if consumed is not None:
-            state["consumed"] = [int(i) for i in consumed]
-        return state
+        return make_state(self.plan, self._run.position() if self._run is not None else self._position)
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Continue from `state`: this Loader's own, one taken by another rank or world size of the
         same chain (ranks in lockstep), or the list of every rank's (see docs/elastic.md)."""
         self._abandon_run()
-        epoch, task, offset, tail, base, consumed = load_state(self.plan, state)
-        self._position = Position(epoch, task, offset, consumed, tail, base)
+        self._position = load_state(self.plan, state)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -1,36 +1,18 @@
 """What every pass over an epoch shares, local or fed by the server: the consumer's clock, task
-results from the worker pool, the end of the epoch, and the position a resume needs.
-
-A position is (epoch, task, offset, consumed, tail, base): a local run counts tasks and items taken
-from the current one; a run whose order is not a pure function of the seed (shared mode) instead
-names the samples already consumed this epoch (`consumed`, with task = offset = 0). A chain with
-a tail (`dataset.tail`) adds the tail's state; an epoch resumed from another rank or world size
-its `base`, and positions count in this rank's share of what that left.
+results from the worker pool and the end of the epoch. Where a pass is, is its cursor's
+(`dataset.cursor`).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
-from typing import Any, NamedTuple, NoReturn, Protocol
-
-import numpy as np
+from typing import Any, NoReturn, Protocol
 
 from globalloader.dataset.plan import Plan
-from globalloader.dataset.resume import Base
+from globalloader.dataset.resume import Position
 from globalloader.errors import ServerGoneError, ServerStartError
 from globalloader.execution.stats import LoaderStats, warn_skipped
 from globalloader.execution.workers import Task
-
-
-class Position(NamedTuple):
-    epoch: int
-    task: int = 0
-    offset: int = 0
-    consumed: list[int] | None = None
-    tail: dict[str, Any] | None = None
-    base: Base | None = None  # what other worlds consumed of this epoch (`dataset.resume`)
-
 
 UNAVAILABLE = (ServerGoneError, ServerStartError)  # the server is not there: share="auto" goes on alone
 
@@ -110,16 +92,3 @@ class EpochRun:
         self._skipped = []
         self.host.finished(self)
         raise StopIteration
-
-
-def remaining_indices(all_indices: np.ndarray, consumed: list[int]) -> np.ndarray:
-    """`all_indices` minus `consumed` as multisets, order kept (pad duplicates count twice)."""
-    if not consumed:  # every epoch start: no per-index Python work
-        return all_indices
-    left = Counter(consumed)
-    keep = np.ones(len(all_indices), dtype=bool)
-    for pos, index in enumerate(all_indices.tolist()):
-        if left[index]:
-            left[index] -= 1
-            keep[pos] = False
-    return all_indices[keep]

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.chain import Dataset
-from globalloader.dataset.resume import epoch_order
-from globalloader.dataset.tail import NEED, Tail
+from globalloader.dataset.cursor import END, Cursor
+from globalloader.dataset.resume import Position
 from globalloader.errors import SAMPLE_ERRORS, ServerGoneError, SharedPrefixError, StateError
-from globalloader.execution.run import UNAVAILABLE, EpochRun, Host, Position, remaining_indices
+from globalloader.execution.run import UNAVAILABLE, EpochRun, Host
 from globalloader.execution.workers import Task
 from globalloader.service import protocol
 from globalloader.service.client import Client
@@ -108,30 +108,23 @@ class SharedRun(EpochRun):
     """One pass over (the rest of) an epoch with samples from the server."""
 
     def __init__(self, host: Host, session: SharedSession, position: Position) -> None:
-        epoch = position.epoch
-        super().__init__(host, epoch)
-        self.consumed = list(position.consumed or [])
-        self._tail = Tail(self.plan.tail, self.plan.seed, epoch, position.tail) if self.plan.grouped else None
+        super().__init__(host, position.epoch)
+        self._cursor = cursor = Cursor(self.plan, position, named=True)  # its position: the samples consumed
         self._session, self._client = session, session.client
-        self._base = position.base
-        todo = remaining_indices(epoch_order(self.plan, epoch, self._base).indices(), self.consumed)
-        unique, counts = np.unique(todo, return_counts=True)
+        assert cursor.left is not None and cursor.tasks is not None, "a named cursor knows what is left"
+        unique, counts = np.unique(cursor.left, return_counts=True)
         # The sampler serves a set; the few padding repeats ("pad" sharding) are loaded locally.
         self._extra: deque[int] = deque(np.repeat(unique, counts - 1).tolist())
         self._unserved = self._unique = len(unique)  # tickets not yet asked for; in all
-        size = self.plan.task_size
-        drop = self.plan.batch is not None and self.plan.batch.drop_last
-        self._tasks_total = len(todo) // size if drop else -(-len(todo) // size)
-        self.run = session.start_run(epoch, unique)
-        self._window = (host.prefetch + 1) * size
+        self._tasks_total = cursor.tasks
+        self.run = session.start_run(self.epoch, unique)
+        self._window = (host.prefetch + 1) * self.plan.task_size
         self._asked = 0
         self._tickets: dict[int, tuple[Any, ...]] = {}  # seq -> ticket, until taken in order
         self._next_seq = 0
         self._ready: deque[tuple[Any, ...]] = deque()  # tickets in order, not yet in a task
         self._in_flight: deque[tuple[list[int], list[int]]] = deque()  # (all, shared) indices per task
         self._next_task = 0
-        self._pending: deque[Any] = deque()
-        self._pending_indices: deque[list[int]] = deque()
         self._ended = False
         self._failed: BaseException | None = None
         self._fallback: EpochRun | None = None  # the local run that took over (share="auto")
@@ -141,8 +134,7 @@ class SharedRun(EpochRun):
     def position(self) -> Position:
         if self._fallback is not None:
             return self._fallback.position()
-        tail = None if self._tail is None else self._tail.state()
-        return Position(self.epoch, 0, 0, list(self.consumed), tail, self._base)
+        return self._cursor.position()
 
     # -- tickets from the server -------------------------------------------------------------
     def _ask(self, need: int) -> None:
@@ -212,7 +204,7 @@ class SharedRun(EpochRun):
             raise exc  # infrastructure faults are never skipped
         self._skipped.append((index, message))
         self.host.statistics.add_skipped(1)
-        self.consumed.append(index)
+        self._cursor.consumed.append(index)
 
     # -- running tasks -----------------------------------------------------------------------
     def _submit(self) -> None:
@@ -246,11 +238,11 @@ class SharedRun(EpochRun):
             self._end_run()
             raise
 
-    def _collect(self) -> tuple[list[int], Any, Any] | None:
-        """The next task's (indices, output, result), its shared samples released; None at the end."""
+    def _collect(self) -> bool:
+        """Add the next task's output to the cursor, its shared samples released; False at the end."""
         self._submit()
         if not self._in_flight:
-            return None
+            return False
         indices, shared = self._in_flight[0]
         res = self._result(self._next_task - len(self._in_flight))
         self._in_flight.popleft()
@@ -258,48 +250,26 @@ class SharedRun(EpochRun):
         if self._copy_out and output is not None:
             output = _detach(output, self._session.arena)  # before the release below
         self._client.send("release", self.run, shared)
-        return indices, output, res
-
-    def _next_from_tail(self, tail: Tail) -> Any:
-        while True:
-            item = tail.pop()
-            self.consumed.extend(tail.fed_indices)
-            tail.fed_indices.clear()
-            if item is not NEED:
-                self._report_progress()
-                return item
-            got = self._collect()
-            if got is not None:
-                tail.add(got[1])
-            elif not tail.flush():
-                self._end_run()
-                self._end_epoch()
+        if output is None:  # every sample of the task skipped
+            self._cursor.consumed.extend(indices)
+        elif self.plan.batch is not None or self.plan.grouped:
+            self._cursor.add(output, [indices])
+        else:
+            skipped = {i for i, _ in res.skipped}
+            self._cursor.add(output, [[i] for i in indices if i not in skipped])
+        return True
 
     def _next_item(self) -> Any:
-        if self._tail is not None:
-            return self._next_from_tail(self._tail)
-        while not self._pending:
-            got = self._collect()
-            if got is None:
-                self._end_run()
-                self._end_epoch()
-            indices, output, res = got
-            if output is None:
-                self.consumed.extend(indices)
-            elif self.plan.batch is not None:
-                self._pending.append(output)
-                self._pending_indices.append(indices)
-            else:
-                skipped = {i for i, _ in res.skipped}
-                self._pending.extend(output)
-                self._pending_indices.extend([i] for i in indices if i not in skipped)
-        self.consumed.extend(self._pending_indices.popleft())
+        item = self._cursor.next(self._collect)
+        if item is END:
+            self._end_run()
+            self._end_epoch()
         self._report_progress()
-        return self._pending.popleft()
+        return item
 
     def _report_progress(self) -> None:
         """What the next heartbeat tells the server: consumed samples and the loop's clock."""
-        self._client.progress = (self.run, len(self.consumed), *self.host.statistics.loop_seconds())
+        self._client.progress = (self.run, len(self._cursor.consumed), *self.host.statistics.loop_seconds())
 
     def _end_run(self) -> None:
         """Tell the server this run holds nothing any more (after its tasks were collected)."""
@@ -319,9 +289,7 @@ class SharedRun(EpochRun):
             except BaseException:  # noqa: BLE001 - whatever a result raised, the pool is not to be trusted
                 self.host.broken()
                 self._in_flight.clear()
-        self._pending.clear()
-        if self._tail is not None:
-            self._tail.groups.clear()
+        self._cursor.clear()
         self._end_run()
 
 

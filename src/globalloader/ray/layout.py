@@ -17,15 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from globalloader._seeding import RAY_TABLE, generator
 from globalloader.errors import ArgumentError
-
-# Streams of the per-epoch random generators, so map, reduce and table draws never share one.
-TABLE, MAP, REDUCE = 0, 1, 2
-
-
-def rng_for(seed: int, epoch: int, stream: int, index: int = 0) -> np.random.Generator:
-    """The generator for one (seed, epoch, stream, task index): independent, reproducible."""
-    return np.random.default_rng([seed, epoch, stream, index])
 
 
 @dataclass(frozen=True)
@@ -135,7 +128,7 @@ def scatter_table(layout: ShuffleLayout, seed: int, epoch: int) -> np.ndarray:
     distribution of these counts under a uniformly random permutation of all rows. Row sums
     equal the files' rows minus the rows they drop; column sums equal the reducers' sizes.
     """
-    rng = rng_for(seed, epoch, TABLE)
+    rng = generator(seed, epoch, RAY_TABLE, 0)
     remaining = np.append(layout.reducer_rows, layout.dropped).astype(np.int64)
     table = np.zeros((len(layout.file_rows), len(remaining)), np.int64)
     for m, rows in enumerate(layout.file_rows.tolist()):

@@ -22,8 +22,8 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from globalloader._seeding import RAY_MAP, RAY_REDUCE, generator
 from globalloader.errors import SourceError
-from globalloader.ray.layout import MAP, REDUCE, rng_for
 from globalloader.ray.reader import Part, read_part
 
 
@@ -88,7 +88,7 @@ def _map_file(
             f"{part.name} holds {rows} rows but held {expected_rows} when the shuffle "
             "was planned: the file changed; start the shuffle again"
         )
-    keep = rng_for(seed, epoch, MAP, file_index).permutation(rows)[: int(group_rows.sum())]
+    keep = generator(seed, epoch, RAY_MAP, file_index).permutation(rows)[: int(group_rows.sum())]
     taken = {name: _take_rows(column, keep) for name, column in data.items()}
     bounds = np.concatenate([[0], np.cumsum(group_rows)]).tolist()
     groups = [{name: column[a:b] for name, column in taken.items()} for a, b in itertools.pairwise(bounds)]
@@ -110,7 +110,7 @@ def _reduce(
         for (a, n), group in zip(slices, groups, strict=True)
     ]
     total = sum(n for _, n in slices)
-    slots = rng_for(seed, epoch, REDUCE, reducer_index).permutation(total)
+    slots = generator(seed, epoch, RAY_REDUCE, reducer_index).permutation(total)
     first_part = parts[0]
     names = list(first_part)
     out: dict[str, np.ndarray] = {}

@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from globalloader._seeding import entropy_seed, generator, spawned_generator
 from globalloader.errors import ArgumentError, SampleIndexError, StateError
 from globalloader.sampling._regions import RegionMap
 
@@ -144,12 +145,10 @@ class JointSampler:
 
     def __init__(self, seed: int | None = None) -> None:
         if seed is None:
-            entropy = np.random.SeedSequence().entropy
-            assert isinstance(entropy, int)  # drawn from the OS: an int when none is given
-            seed = entropy & (2**63 - 1)
+            seed = entropy_seed()
         self._seed = _check_seed(seed, "seed")
         # Fresh randomness for orders drawn while jobs share: never replayed within one sampler.
-        self._rng = np.random.default_rng(self._seed)
+        self._rng = generator(self._seed)
         self._jobs: dict[Hashable, _Job] = {}
         self._regions: RegionMap[_Job] = RegionMap()
         self._version = 0  # bumped whenever the regions change
@@ -518,8 +517,7 @@ def _compact(cell: _Cell, seen: bytearray, live: dict[int, int]) -> None:
 
 def _plain_order(seed: int, epoch: int, size: int) -> np.ndarray:
     """The plain shuffle of a job's epoch (positions into its sorted indices): its order alone."""
-    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(epoch,)))
-    return rng.permutation(size)
+    return spawned_generator(seed, epoch).permutation(size)
 
 
 def _dense(keys: np.ndarray) -> tuple[np.ndarray, int]:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from globalloader._seeding import PERMUTATION, generator, sequence
 from globalloader.errors import ArgumentError
 
 _ROUNDS = 6
@@ -55,11 +56,8 @@ class Permutation:
         half = max(1, ((max(self.n, 2) - 1).bit_length() + 1) // 2)
         self._half = np.uint64(half)
         self._mask = np.uint64((1 << half) - 1)
-        seq = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(epoch), 0x5EED])
-        self._keys = [np.uint64(k) for k in seq.generate_state(_ROUNDS, np.uint64)]
-        self._explicit = (
-            np.random.Generator(np.random.PCG64(seq)).permutation(self.n) if self.n < _EXPLICIT_BELOW else None
-        )
+        self._keys = [np.uint64(k) for k in sequence(seed, epoch, PERMUTATION).generate_state(_ROUNDS, np.uint64)]
+        self._explicit = generator(seed, epoch, PERMUTATION).permutation(self.n) if self.n < _EXPLICIT_BELOW else None
         self._runs: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()  # mapped ahead, by (start, stop)
         self._last_start = -1
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from globalloader.errors import ArgumentError, StateError
+from globalloader.errors import ArgumentError, ArgumentTypeError, StateError
 from globalloader.execution.timeline import StepTimeline
 from globalloader.torch import report as input_report
 from globalloader.torch.iterators import InProcessIter, WorkerIter
@@ -39,10 +39,6 @@ else:
 T_co = TypeVar("T_co", covariant=True)
 
 _FIXED_AFTER_INIT = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
-
-
-class ArgumentTypeError(ArgumentError, TypeError):
-    """An argument has the wrong type (a TypeError too, as torch raises for it)."""
 
 
 class _EndlessSampler(torch.utils.data.Sampler):
