@@ -152,6 +152,7 @@ class Scheduler:
                 sampler.remove_job(job.id)
             sampler.add_job(job.id, indices, seed=job.seed, epoch=int(epoch))
         self.pool.refile()  # this job now wants its whole set again
+        self.decoders.prefetch(job.group.fingerprint, indices)
         job.set_digest, job.run, job.open = digest, int(run), True
         job.epoch, job.size, job.wanted = int(epoch), len(indices), 0
         job.earlier += job.consumed  # the client reported its last pass's final count just before

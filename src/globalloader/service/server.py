@@ -87,6 +87,7 @@ class Server:
             "workers": decoders.size,
             "worker_restarts": decoders.restarts,
             "decode_s": round(decoders.decode_s, 3),
+            "space_requests": decoders.space_requests,
         }
         cache = _object_cache_status()
         if cache is not None:
