@@ -1,10 +1,7 @@
 """A training job's connection to the server: register, ask for samples, release them, heartbeat.
 
-The thread that takes the messages reads the socket itself, when it needs them: a ticket that
-arrives wakes nobody (a reader thread would be woken for each round of tickets, and take the GIL
-from the training loop each time). A heartbeat thread tells the server the job's progress and
-drains what arrived meanwhile, so a job that stops asking for a while never leaves the server's
-answers piling up in its socket. Every
+A reader thread turns the socket into an inbox (a list of messages per read: the server sends a
+round of tickets as one frame) and a heartbeat thread tells the server the job's progress. Every
 wait has a deadline: `get(timeout)` raises ServerGoneError as soon as the connection closes or
 the server's process is gone, and LoaderTimeoutError when nothing arrives in time from a server
 that is alive but stuck. A server that is merely slow to answer (a long
@@ -14,8 +11,7 @@ load, a busy machine) is not taken for dead.
 from __future__ import annotations
 
 import contextlib
-import select
-import socket
+import queue
 import threading
 import time
 from collections import deque
@@ -41,41 +37,33 @@ class Client:
             raise (ServerStartError if start else ServerGoneError)(
                 f"no globalloader server answers at {self.path}"
             ) from exc
-        self._framer = protocol.Framer()
-        self._poller = select.poll()
-        self._poller.register(self.sock, select.POLLIN)
-        self._taken: deque[tuple] = deque()  # messages received and not yet taken, in order
-        self._read_lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[list[tuple]] = queue.SimpleQueue()
+        self._taken: deque[tuple] = deque()  # messages of the last lists taken from the inbox, in order
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._gone: GlobalLoaderError | None = None
         # (run, samples consumed, seconds the loop waited, seconds it worked): sent with heartbeats
         self.progress: tuple[int, int, float, float] = (-1, 0, 0.0, 0.0)
+        threading.Thread(target=self._read, daemon=True, name="globalloader-client-read").start()
         threading.Thread(target=self._beat, daemon=True, name="globalloader-client-beat").start()
 
-    def _pull(self, timeout: float, wait_for_lock: bool = True) -> None:
-        """Take what has arrived into `_taken`, waiting up to `timeout` seconds for something."""
-        if not self._read_lock.acquire(blocking=wait_for_lock):
-            return  # the other thread is reading
+    def _read(self) -> None:
+        framer = protocol.Framer()
         try:
-            if self._gone is not None or (timeout > 0 and not self._poller.poll(timeout * 1000)):
-                return
-            try:
-                data = self.sock.recv(1 << 20, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            if not data:
-                raise ServerGoneError("the server closed the connection")
-            for msg in self._framer.feed(data):
-                if msg[0] == "batch":
-                    self._taken.extend(msg[1])
-                elif msg[0] != "heartbeat":
-                    self._taken.append(msg)
+            while data := self.sock.recv(1 << 20):
+                messages = []
+                for msg in framer.feed(data):
+                    if msg[0] == "batch":
+                        messages.extend(msg[1])
+                    elif msg[0] != "heartbeat":
+                        messages.append(msg)
+                if messages:
+                    self._inbox.put(messages)
+            raise ServerGoneError("the server closed the connection")
         except (GlobalLoaderError, OSError) as exc:
-            self._gone = exc if not isinstance(exc, OSError) else ServerGoneError(str(exc))
-            self._taken.append(("gone",))
-        finally:
-            self._read_lock.release()
+            if not self._closed.is_set():
+                self._gone = exc if not isinstance(exc, OSError) else ServerGoneError(str(exc))
+                self._inbox.put([("gone",)])
 
     def _beat(self) -> None:
         while not self._closed.wait(protocol.HEARTBEAT_S):
@@ -83,7 +71,6 @@ class Client:
                 self.send("heartbeat", self.progress)
             except ServerGoneError:
                 return
-            self._pull(0, wait_for_lock=False)
 
     def send(self, kind: str, *fields: Any) -> None:
         try:
@@ -100,8 +87,9 @@ class Client:
         """
         deadline = time.monotonic() + timeout if timeout > 0 else None
         while not self._taken:
-            self._pull(0.5)
-            if not self._taken:
+            try:
+                self._taken.extend(self._inbox.get(timeout=0.5))
+            except queue.Empty:
                 if not alive(self.server_pid):
                     raise ServerGoneError(
                         f"the globalloader server at {self.path} (pid {self.server_pid}) died"
@@ -116,8 +104,9 @@ class Client:
     def get_nowait(self) -> tuple | None:
         """The next message if one has arrived, else None."""
         if not self._taken:
-            self._pull(0)
-            if not self._taken:
+            try:
+                self._taken.extend(self._inbox.get_nowait())
+            except queue.Empty:
                 return None
         return self._check(self._taken.popleft())
 

@@ -34,6 +34,8 @@ CHECK_S = 0.25  # how often liveness, deadlines and idleness are checked
 
 
 class Server:
+    """The connection I/O and the scheduler on one selector, over one arena and its decoders."""
+
     def __init__(self, socket_path: Path, memory: int, workers: int, idle_exit: float = 0.0) -> None:
         """Bind `socket_path` (whose lock the caller holds), then make the pool and workers."""
         self.socket_path = Path(socket_path)
