@@ -145,6 +145,17 @@ def test_the_server_draws_no_further_ahead_than_its_decoders_can_load(tmp_path):
         srv.stop()
 
 
+def test_loads_write_into_space_reserved_ahead_once_the_size_is_known(server, tmp_path):
+    """Samples of one size: only the loads sent before the first one finished (two per worker)
+    ask the server for space; every later load is sent with its space reserved, even while the
+    workers' queues never empty (one load sent without space must not make every later one go
+    without: each would cost its worker a round trip to the server)."""
+    finish(server.job(tmp_path / "a.jsonl", "--start", "20", "--batch", "20"))
+    status = request(server.socket, "status")[1]
+    assert status["decodes"] == 280  # the corrupt one is a load too
+    assert status["space_requests"] <= 2 * status["workers"], status
+
+
 def square(record):
     return {"x": np.full(4, record), "index": record}
 

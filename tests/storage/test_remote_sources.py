@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,42 @@ def test_resume_over_s3_shards_in_shared_mode_serves_exactly_what_remains(
     assert proxy.total_bytes(prefix) == sum(st.size for st in src._stats)  # all read from one cache
     log = (tmp_path / "s.log").read_text()
     assert "Traceback" not in log and "different loop" not in log, log
+
+
+@pytest.mark.integration
+def test_the_servers_decoders_download_each_shard_once_and_ahead(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """Through share=True, a windowed shuffle over s3:// shards: the decode workers read through
+    the machine cache (each shard downloaded once in an epoch, none in the next), and the shards
+    of a pass are downloaded ahead: while the job holds its first batch, the few loads of its
+    window touch only some shards, yet all of them arrive."""
+    urls = write_shards(s3["bucket"], s3["options"], n=64, per_shard=4, size=300)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
+    indexed = TarShards(urls, storage_options=s3["options"])
+    indexed.build_index()  # kept on disk: a later TarShards over these shards reads no shard to index them
+    dataset_bytes = sum(st.size for st in indexed._stats)
+    indexed.close()
+    assert storage.ObjectCache().clear() >= dataset_bytes  # the shards must come again
+    before = proxy.total_bytes(prefix)
+    src = TarShards(urls, storage_options=s3["options"])
+    ds = gl.Dataset(src).shuffle(seed=3, window=2).batch(4)
+    server = Server(tmp_path / "s.sock")
+    try:
+        with gl.Loader(ds, workers=0, prefetch=1, share=True, server=str(server.socket)) as loader:
+            it = iter(loader)
+            keys = list(next(it)["__key__"])
+            deadline = time.monotonic() + 30
+            while proxy.total_bytes(prefix) - before < dataset_bytes and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proxy.total_bytes(prefix) - before == dataset_bytes, "the pass's shards were not downloaded ahead"
+            keys += [k for batch in it for k in batch["__key__"]]
+            loader.set_epoch(1)
+            again = [k for batch in loader for k in batch["__key__"]]
+    finally:
+        server.stop()
+    assert sorted(keys) == sorted(again) == [f"s{i:05d}" for i in range(64)]
+    assert proxy.total_bytes(prefix) - before <= 1.02 * dataset_bytes  # both epochs: each shard once
+    log = (tmp_path / "s.log").read_text()
+    assert "Traceback" not in log, log
 
 
 def test_parquet_over_s3_reads_the_same_rows(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:

@@ -16,6 +16,7 @@ loads are retried. Only an exception raised by the chain itself is reported as a
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import pickle
 import time
@@ -29,6 +30,7 @@ from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SharedPr
 from globalloader.runtime.pool import Worker, WorkerPool
 from globalloader.service.pool import BufferPool
 from globalloader.service.protocol import STALL_S, error_name
+from globalloader.sources.base import Prefetching
 from globalloader.transport import arena
 
 MAX_ATTEMPTS = 3  # workers a load may kill before it fails
@@ -50,6 +52,16 @@ def _run_prefix(prefix: Any, index: int) -> Any:
         raise SourceError(f"reading sample {index} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _prefetch(prefix: Any, indices: Any) -> None:
+    """Have a remote source download the objects of these samples into the machine cache in the
+    background (threads of this worker; see `Prefetching`), so that the loads find them there.
+    A prefetch that fails is no error: the load that needs the object fetches it and reports."""
+    source = None if prefix is None or isinstance(prefix, str) else prefix.source
+    if isinstance(source, Prefetching) and source.remote:
+        with contextlib.suppress(GlobalLoaderError, OSError):
+            source.prefetch(indices)
+
+
 class DecodeBody:
     """A decode worker's body (`runtime.WorkerPool`): the shared prefixes it was sent, and loads."""
 
@@ -68,6 +80,9 @@ class DecodeBody:
 
     def _handle(self, conn: Worker, msg: tuple) -> None:
         prefixes, memory, backlog = self.prefixes, self.memory, self.backlog
+        if msg[0] == "prefetch":
+            _prefetch(prefixes.get(msg[1]), msg[2])
+            return
         if msg[0] == "prefix":
             try:
                 prefixes[msg[1]] = pickle.loads(msg[2])
@@ -112,6 +127,7 @@ class Load:
     deadline: float  # monotonic time by which it must be done
     timeout: float
     attempts: int = 0
+    order: int = 0  # when it was sent, over all workers: earlier loads are placed first
 
 
 @dataclass
@@ -147,8 +163,10 @@ class DecoderPool:
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
         self._space_progress = time.monotonic()  # last time pool space was granted or released
         self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
+        self._sent = 0  # loads sent so far (their order)
         self.decode_s = 0.0
         self.restarts = 0
+        self.space_requests = 0  # loads whose worker had to ask for space (a round trip while it waits)
         self._processes = WorkerPool(DecodeBody(arena_name), size, mp.get_context("fork"), 0, name="decode worker")
         self._workers = [self._watch(slot) for slot in range(size)]
 
@@ -171,9 +189,23 @@ class DecoderPool:
         in_flight = sum(len(worker.loads) for worker in self._workers)
         return in_flight < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
 
-    def _all_placed(self) -> bool:
-        """Whether every load in flight has its space reserved in the pool."""
-        return all(key in self.pool for worker in self._workers for key in worker.loads)
+    def _place_in_flight(self) -> bool:
+        """Whether every load in flight has its space reserved in the pool, after reserving it,
+        oldest first, for the loads sent without (their size was not known yet, or an earlier
+        one had none): their workers then get the offset at once when they ask. Without this, one
+        load sent without space makes every later one go without too, while it is in flight: with
+        a worker's queue always full, each load would cost its worker a round trip to the server."""
+        if self._waiting_space:
+            return False
+        unplaced = sorted(
+            (load for worker in self._workers for key, load in worker.loads.items() if key not in self.pool),
+            key=lambda load: load.order,
+        )
+        for load in unplaced:
+            size = self._sizes.get(load.key[0])
+            if size is None or size > self.pool.capacity or self.pool.reserve(load.key, size) is None:
+                return False
+        return True
 
     def loading(self, key: Key) -> bool:
         """Whether a worker is loading `key` now (a second load of it must not start)."""
@@ -191,15 +223,32 @@ class DecoderPool:
         # and a later one holding the space an earlier one waits for could stall them all.
         size = self._sizes.get(fp)
         offset = None
-        if size is not None and size <= self.pool.capacity and self._all_placed():
+        if size is not None and size <= self.pool.capacity and self._place_in_flight():
             offset = self.pool.reserve((fp, index), size)
-        worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts)
+        self._sent += 1
+        worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts, self._sent)
         try:
             if fp not in worker.prefixes:
                 self._processes.send(worker.slot, ("prefix", fp, prefix))
                 worker.prefixes.add(fp)
             self._processes.send(worker.slot, ("load", fp, index, None if offset is None else (offset, size)))
         except WorkerError:  # it died since we last looked: its replacement takes this load too
+            self._replace(worker, self._why(worker))
+
+    def prefetch(self, fp: str, indices: Any) -> None:
+        """Tell a worker the samples a pass will read: a remote source downloads their objects
+        ahead into the machine cache (the joint sampler's order is not known in advance, and
+        touches most of them early; the cache and its prefetch depth bound what is kept)."""
+        prefix = self._events.prefix_of(fp)
+        if prefix is None:
+            return
+        worker = min(self._workers, key=lambda w: len(w.loads))
+        try:
+            if fp not in worker.prefixes:
+                self._processes.send(worker.slot, ("prefix", fp, prefix))
+                worker.prefixes.add(fp)
+            self._processes.send(worker.slot, ("prefetch", fp, indices))
+        except WorkerError:  # it died since we last looked: the loads fetch what they need themselves
             self._replace(worker, self._why(worker))
 
     def _message(self, worker: _Worker) -> None:
@@ -218,7 +267,13 @@ class DecoderPool:
         kind, fp, index = msg[:3]
         key = (fp, index)
         if kind == "reserve":
+            self.space_requests += 1
             self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3])
+            entry = self.pool.get(key)
+            if entry is not None and not entry.ready and entry.nbytes >= msg[3]:  # reserved since it was sent
+                self._space_progress = time.monotonic()
+                self._tell(worker, ("at", entry.offset))
+                return
             self._abort_reservation(key)  # the guess was too small
             self._reserve(worker, fp, index, msg[3])
             return
