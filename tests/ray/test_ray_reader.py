@@ -3,6 +3,9 @@ fsspec URLs, tar shards, sources of any kind, bad files."""
 
 from __future__ import annotations
 
+import gzip
+import pathlib
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -113,3 +116,45 @@ def test_what_ray_cannot_read_is_named(tmp_path):
         parts_of(gl.from_sequence([{"x": 1}]), None, {"anon": True})
     with pytest.raises(ArgumentError, match="dicts of columns"):
         read_part(parts_of(gl.from_sequence([1, 2]), None, None)[0], None)
+
+
+def write_tar_and_gzip(folder) -> tuple[list[str], list[str]]:
+    """The same samples as .tar shards and as gzip shards (.tar.gz, then .tgz)."""
+    with TarWriter(str(folder / "shard-%06d.tar"), maxcount=5) as writer:
+        for i in range(12):
+            writer.write({"__key__": f"k{i:03d}", "cls": i, "bin": bytes([i]) * (i + 1)})
+    packed = []
+    for n, path in enumerate(writer.paths):
+        packed.append(path[: -len(".tar")] + (".tgz" if n == 2 else ".tar.gz"))
+        pathlib.Path(packed[-1]).write_bytes(gzip.compress(pathlib.Path(path).read_bytes()))
+    return writer.paths, packed
+
+
+def test_gzip_shards_are_streamed_into_the_same_parts_as_tar_shards(tmp_path):
+    plain, packed = write_tar_and_gzip(tmp_path)
+    plain_parts, packed_parts = parts_of(plain, None, None), parts_of(packed, None, None)
+    rows = [(0, 5), (0, 5), (0, 2)]  # a part per shard, rows counted without an index
+    assert [(p.start, p.stop) for p in packed_parts] == [(p.start, p.stop) for p in plain_parts] == rows
+    mixed = parts_of(gl.TarShards([plain[0], packed[1]]), None, None)  # one source, one shard compressed
+    assert [(p.start, p.stop, p.streamed_shard) for p in mixed] == [(0, 5, 0), (5, 10, 1)]
+    for a, b in zip([*plain_parts, *plain_parts[:2]], [*packed_parts, *mixed], strict=True):
+        cols_a, cols_b = read_part(a, None), read_part(b, None)
+        assert cols_a.keys() == cols_b.keys() == {"__key__", "__url__", "cls", "bin"}
+        assert all(cols_a[c].tolist() == cols_b[c].tolist() for c in ("__key__", "cls", "bin"))
+    assert read_part(packed_parts[2], ["__key__"])["__key__"].tolist() == ["k010", "k011"]
+
+
+def test_a_corrupt_gzip_shard_is_named_never_dropped(tmp_path):
+    _, packed = write_tar_and_gzip(tmp_path)
+    blob = pathlib.Path(packed[0]).read_bytes()
+    pathlib.Path(packed[0]).write_bytes(blob[: len(blob) // 2])  # cut mid-stream
+    with pytest.raises(SourceError, match=r"shard-000000\.tar\.gz"):
+        parts_of(packed, None, None)
+    # A wrong CRC at the end: every record decompresses, only reading to the end finds it.
+    pathlib.Path(packed[0]).write_bytes(blob[:-8] + bytes([blob[-8] ^ 0xFF]) + blob[-7:])
+    part = parts_of(packed, None, None)[0]
+    with pytest.raises(SourceError, match=r"shard-000000\.tar\.gz.*CRC"):
+        read_part(part, None)
+    pathlib.Path(packed[1]).write_bytes(b"\x1f\x8b" + b"not deflate" * 10)
+    with pytest.raises(SourceError, match=r"shard-000001\.tar\.gz"):
+        parts_of(packed[1:], None, None)

@@ -3,6 +3,8 @@ machine-wide cache: files with storage_options=, a source object, and a gl.Datas
 
 from __future__ import annotations
 
+import gzip
+import pathlib
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -77,3 +79,18 @@ def test_tar_shards_on_s3_are_read_through_the_cache_once(s3: dict[str, Any], mo
     assert all(sorted(keys) == [f"s{i:05d}" for i in range(30)] for keys in epochs)
     sizes = sum(storage.Store(s3["options"]).stat(u).size for u in urls)
     assert s3["proxy"].total_bytes(prefix) - before <= sizes  # index, both epochs: each shard downloaded once
+
+
+def test_gzip_tar_shards_on_s3_stream_like_the_same_local_tar_shards(s3: dict[str, Any], monkeypatch) -> None:
+    monkeypatch.setenv("GLOBALLOADER_CACHE_DIR", str(s3["cache"]))
+    with gl.TarWriter(str(s3["tmp"] / "plain-%03d.tar"), maxcount=8) as writer:
+        for i in range(30):
+            writer.write({"__key__": f"g{i:05d}", "cls": i})
+    urls = []
+    for n, path in enumerate(writer.paths):
+        urls.append(f"s3://{s3['bucket']}/packed-{n:03d}" + (".tgz" if n % 2 else ".tar.gz"))
+        with storage.Store(s3["options"]).filesystem(urls[-1])[0].open(urls[-1], "wb") as out:
+            out.write(gzip.compress(pathlib.Path(path).read_bytes()))
+    epochs = epoch_keys(urls, "__key__", storage_options=s3["options"])
+    assert all(sorted(keys) == [f"g{i:05d}" for i in range(30)] for keys in epochs) and epochs[0] != epochs[1]
+    assert epochs == epoch_keys(writer.paths, "__key__")  # the same seed: the order of the uncompressed shards

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import itertools
 import pathlib
 import subprocess
 import sys
@@ -199,6 +201,22 @@ def test_tar_shards_are_shuffled_like_parquet(trainers, tmp_path):
     rows = [k for rank in out for k in rank[0]]
     keys = np.concatenate(rows)
     assert sorted(keys.tolist()) == [f"k{i:04d}" for i in range(150)]
+
+
+def test_gzip_shards_give_the_same_batches_as_the_same_tar_shards(trainers, tmp_path):
+    with TarWriter(str(tmp_path / "shard-%06d.tar"), maxcount=40) as writer:
+        for i in range(150):
+            writer.write({"__key__": f"k{i:04d}", "cls": i})
+    packed = [path + ".gz" for path in writer.paths[:2]] + [path[: -len(".tar")] + ".tgz" for path in writer.paths[2:]]
+    for path, gz in zip(writer.paths, packed, strict=True):
+        pathlib.Path(gz).write_bytes(gzip.compress(pathlib.Path(path).read_bytes()))
+    args = {"batch_size": 16, "columns": ["__key__", "cls"], "seed": 5}
+    plain = run(trainers, writer.paths, 2, **args)
+    streamed = run(trainers, packed, 2, **args)
+    as_lists = [[[b.tolist() for b in epoch] for epoch in rank] for rank in streamed]
+    assert as_lists == [[[b.tolist() for b in epoch] for epoch in rank] for rank in plain]  # same seed, same order
+    keys = sorted(k for rank in as_lists for k in itertools.chain.from_iterable(rank[1]))
+    assert keys == [f"k{i:04d}" for i in range(150)]
 
 
 class TestFailures:

@@ -2,28 +2,33 @@
 
 Data is any source, a bare `gl.Dataset` over one, or files (Parquet, or tar shards by their
 `.tar` suffix; URLs with `storage_options=` read through `globalloader.storage`). A part is rows
-[start, stop) of a source: a Parquet file's row groups, a tar shard, else `PART_ROWS` rows.
+[start, stop) of a source: a Parquet file's row groups, a tar shard, else `PART_ROWS` rows. Tar
+sources with gzip shards (`.tar.gz`, `.tgz`: no index) are streamed shard by shard, counted once.
 Arrow blocks become columns by the one Arrow -> NumPy rule (`sources._arrow_values.to_numpy`),
 dict records object columns (None where a record lacks the field).
 """
 
 from __future__ import annotations
 
+import gzip
+import itertools
 import os
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from globalloader import _extras
+from globalloader import _extras, storage
 from globalloader.dataset import Dataset
-from globalloader.errors import ArgumentError, SourceError
+from globalloader.errors import ArgumentError, GlobalLoaderError, SourceError
 from globalloader.sources import Parquet, TarShards
 from globalloader.sources._arrow_values import to_numpy
 from globalloader.sources.base import ArrowBlocks, BatchReads, Blocks, KeepsBlocks, capable
 
 PART_ROWS = 65536  # rows per map task of a source with no blocks: fixed, so orders never depend on the machine
+_GZIP_SUFFIXES = (".gz", ".tgz")
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
@@ -36,6 +41,7 @@ class Part:
     start: int
     stop: int
     source: Any = field(repr=False, compare=False)
+    streamed_shard: int | None = None  # a gzip tar shard of `source`, read by its record stream
 
 
 def parts_of(data: Any, columns: Sequence[str] | None, storage_options: dict[str, Any] | None) -> list[Part]:
@@ -77,6 +83,13 @@ def _split(source: Any) -> list[Part]:
         raise ArgumentError(
             f"{type(source).__name__} has no `fingerprint` string: every rank must agree it reads the same data"
         )
+    if isinstance(source, TarShards) and any(url.lower().endswith(_GZIP_SUFFIXES) for url in source.shards):
+        counts = [sum(1 for _ in _stream(source, shard, check=False)) for shard in range(len(source.shards))]
+        cuts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+        return [
+            Part(f"tar shard {url}", fingerprint, a, b, source, shard)
+            for shard, (url, (a, b)) in enumerate(zip(source.shards, itertools.pairwise(cuts), strict=True))
+        ]
     length = len(source)
     if capable(source, Blocks) and capable(source, ArrowBlocks):  # a file's row groups in one part
         starts = source.block_starts.tolist()
@@ -103,10 +116,13 @@ def read_part(part: Part, columns: Sequence[str] | None) -> dict[str, np.ndarray
         names = table.column_names if table is not None else []
         _check_columns(part, columns, names)
         return {name: to_numpy(table.column(name)) for name in columns or names} if table is not None else {}
-    if capable(source, KeepsBlocks):
-        source.keep_blocks(1)  # a remote shard is fetched whole once, not a request per record
-    indices = np.arange(part.start, part.stop, dtype=np.int64)
-    records = source.read_many(indices) if capable(source, BatchReads) else [source[i] for i in indices.tolist()]
+    if part.streamed_shard is not None:
+        records = list(_stream(source, part.streamed_shard, check=True))
+    else:
+        if capable(source, KeepsBlocks):
+            source.keep_blocks(1)  # a remote shard is fetched whole once, not a request per record
+        indices = np.arange(part.start, part.stop, dtype=np.int64)
+        records = source.read_many(indices) if capable(source, BatchReads) else [source[i] for i in indices.tolist()]
     fields: dict[str, None] = {}
     for record in records:
         if not isinstance(record, dict):
@@ -124,3 +140,19 @@ def _check_columns(part: Part, columns: Sequence[str] | None, names: list[str]) 
     missing = [c for c in columns or () if c not in names]
     if missing:
         raise SourceError(f"{part.name} has no column(s) {missing}; it has {names}")
+
+
+def _stream(source: TarShards, shard: int, check: bool) -> Iterator[dict[str, Any]]:
+    """Shard `shard`'s records by the source's record stream; `check`: then read a gzip shard to its
+    end, so that its CRC and length are checked (the stream stops at the tar's end marker)."""
+    url = source.shards[shard]
+    try:
+        yield from source.iter_records([shard])
+        if check and url.lower().endswith(_GZIP_SUFFIXES):
+            with storage.open_read(source.store, url) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
+                while unpacked.read(1 << 20):
+                    pass
+    except GlobalLoaderError:
+        raise
+    except (OSError, EOFError, zlib.error) as exc:
+        raise SourceError(f"cannot read gzip tar shard {url}: {exc}") from exc
