@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from globalloader.errors import GlobalLoaderError, ProtocolError, ServerStartError
-from globalloader.service import protocol
 from globalloader.runtime.process import alive
+from globalloader.service import protocol
 
 
 def log(line: str) -> None:
