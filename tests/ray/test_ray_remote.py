@@ -91,6 +91,9 @@ def test_gzip_tar_shards_on_s3_stream_like_the_same_local_tar_shards(s3: dict[st
         urls.append(f"s3://{s3['bucket']}/packed-{n:03d}" + (".tgz" if n % 2 else ".tar.gz"))
         with storage.Store(s3["options"]).filesystem(urls[-1])[0].open(urls[-1], "wb") as out:
             out.write(gzip.compress(pathlib.Path(path).read_bytes()))
+    before = s3["proxy"].total_bytes(f"/{s3['bucket']}/packed")
     epochs = epoch_keys(urls, "__key__", storage_options=s3["options"])
     assert all(sorted(keys) == [f"g{i:05d}" for i in range(30)] for keys in epochs) and epochs[0] != epochs[1]
+    sizes = sum(storage.Store(s3["options"]).stat(u).size for u in urls)
+    assert s3["proxy"].total_bytes(f"/{s3['bucket']}/packed") - before == sizes  # counted, read twice: downloaded once
     assert epochs == epoch_keys(writer.paths, "__key__")  # the same seed: the order of the uncompressed shards
