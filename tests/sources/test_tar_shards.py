@@ -175,6 +175,25 @@ def test_iter_records_single_shard_and_gzip(tmp_path: pathlib.Path, make_shards:
         len(packed)
 
 
+@pytest.mark.parametrize("damage", ["crc", "cut", "deflate"])
+def test_iter_records_names_a_damaged_gzip_shard(
+    tmp_path: pathlib.Path, make_shards: Callable[..., list[str]], damage: str
+) -> None:
+    """The record stream stops at the tar's end marker; the gzip trailer (CRC, length) past it is
+    still checked, and a zlib/EOF fault is a SourceError naming the shard, never a silent end."""
+    packed = bytearray(gzip.compress(pathlib.Path(make_shards(3, per_shard=3)[0]).read_bytes()))
+    if damage == "crc":
+        packed[-8] ^= 0xFF
+    elif damage == "cut":
+        del packed[len(packed) // 2 :]
+    else:
+        packed[len(packed) // 2] ^= 0xFF
+    gz = tmp_path / "damaged.tar.gz"
+    gz.write_bytes(bytes(packed))
+    with pytest.raises(SourceError, match=f"cannot read gzip tar shard {gz}|truncated tar {gz}"):
+        list(TarShards(str(gz)).iter_records())
+
+
 def test_missing_shard_names_it(tmp_path: pathlib.Path) -> None:
     missing = str(tmp_path / "nope-000.tar")
     with pytest.raises(SourceError, match=f"file not found: {missing}"):

@@ -10,19 +10,17 @@ dict records object columns (None where a record lacks the field).
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import os
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from globalloader import _extras, storage
+from globalloader import _extras
 from globalloader.dataset import Dataset
-from globalloader.errors import ArgumentError, GlobalLoaderError, SourceError
+from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import Parquet, TarShards
 from globalloader.sources._arrow_values import to_numpy
 from globalloader.sources.base import ArrowBlocks, BatchReads, Blocks, KeepsBlocks, capable
@@ -84,7 +82,7 @@ def _split(source: Any) -> list[Part]:
             f"{type(source).__name__} has no `fingerprint` string: every rank must agree it reads the same data"
         )
     if isinstance(source, TarShards) and any(url.lower().endswith(_GZIP_SUFFIXES) for url in source.shards):
-        counts = [sum(1 for _ in _stream(source, shard, check=False)) for shard in range(len(source.shards))]
+        counts = [sum(1 for _ in source.iter_records([shard])) for shard in range(len(source.shards))]
         cuts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         return [
             Part(f"tar shard {url}", fingerprint, a, b, source, shard)
@@ -117,7 +115,7 @@ def read_part(part: Part, columns: Sequence[str] | None) -> dict[str, np.ndarray
         _check_columns(part, columns, names)
         return {name: to_numpy(table.column(name)) for name in columns or names} if table is not None else {}
     if part.streamed_shard is not None:
-        records = list(_stream(source, part.streamed_shard, check=True))
+        records = list(source.iter_records([part.streamed_shard]))
     else:
         if capable(source, KeepsBlocks):
             source.keep_blocks(1)  # a remote shard is fetched whole once, not a request per record
@@ -140,19 +138,3 @@ def _check_columns(part: Part, columns: Sequence[str] | None, names: list[str]) 
     missing = [c for c in columns or () if c not in names]
     if missing:
         raise SourceError(f"{part.name} has no column(s) {missing}; it has {names}")
-
-
-def _stream(source: TarShards, shard: int, check: bool) -> Iterator[dict[str, Any]]:
-    """Shard `shard`'s records by the source's record stream; `check`: then read a gzip shard to its
-    end, so that its CRC and length are checked (the stream stops at the tar's end marker)."""
-    url = source.shards[shard]
-    try:
-        yield from source.iter_records([shard])
-        if check and url.lower().endswith(_GZIP_SUFFIXES):
-            with storage.open_read(source.store, url) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
-                while unpacked.read(1 << 20):
-                    pass
-    except GlobalLoaderError:
-        raise
-    except (OSError, EOFError, zlib.error) as exc:
-        raise SourceError(f"cannot read gzip tar shard {url}: {exc}") from exc

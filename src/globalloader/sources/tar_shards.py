@@ -8,6 +8,7 @@ import os
 import pathlib
 import threading
 import warnings
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -375,39 +376,50 @@ def _changed(url: str, offset: int) -> SourceError:
 
 
 def _stream_shard(store: storage.Store, url: str, stat: storage.FileStat | None) -> Iterator[dict[str, Any]]:
+    """A shard's records in file order, read as a stream (plain or gzip). A gzip shard is read to
+    its end, so that its CRC and length are checked: a damaged one is a `SourceError` naming it."""
     with storage.open_read(store, url, stat) as raw:
-        stream: IO[bytes] = raw
-        if raw.read(2) == b"\x1f\x8b":
-            raw.seek(0)
-            stream = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
-        else:
-            raw.seek(0)
-        reader = _ForwardReader(stream, url)
-        sample: dict[str, Any] | None = None
-        for member in walk(reader.read_at, url, None):
-            split = split_key(member.name)
-            if split is None:
-                continue
-            key, ext = split
-            if sample is None or key != sample["__key__"]:
-                if sample is not None:
-                    yield sample
-                sample = {"__key__": key, "__url__": url}
-            elif ext in sample:
-                raise SourceError(
-                    f"duplicate member {member.name!r} in {url} at offset "
-                    f"{member.offset}: sample {key!r} already has a .{ext} field"
-                )
-            data = reader.read_at(member.offset, member.size)
-            if len(data) != member.size:
-                raise SourceError(
-                    f"truncated tar {url}: member {member.name!r} at offset "
-                    f"{member.offset - 512} needs {member.size} bytes, "
-                    f"got {len(data)}"
-                )
-            sample[ext] = data
-        if sample is not None:
-            yield sample
+        packed = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        if not packed:
+            yield from _records(raw, url)
+            return
+        try:
+            with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+                yield from _records(stream, url)  # type: ignore[arg-type]
+                while stream.read(_STREAM_BUFFER):  # past the tar's end marker: the CRC is checked at the end
+                    pass
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise SourceError(f"cannot read gzip tar shard {url}: {exc}") from exc
+
+
+def _records(stream: IO[bytes], url: str) -> Iterator[dict[str, Any]]:
+    reader = _ForwardReader(stream, url)
+    sample: dict[str, Any] | None = None
+    for member in walk(reader.read_at, url, None):
+        split = split_key(member.name)
+        if split is None:
+            continue
+        key, ext = split
+        if sample is None or key != sample["__key__"]:
+            if sample is not None:
+                yield sample
+            sample = {"__key__": key, "__url__": url}
+        elif ext in sample:
+            raise SourceError(
+                f"duplicate member {member.name!r} in {url} at offset "
+                f"{member.offset}: sample {key!r} already has a .{ext} field"
+            )
+        data = reader.read_at(member.offset, member.size)
+        if len(data) != member.size:
+            raise SourceError(
+                f"truncated tar {url}: member {member.name!r} at offset "
+                f"{member.offset - 512} needs {member.size} bytes, "
+                f"got {len(data)}"
+            )
+        sample[ext] = data
+    if sample is not None:
+        yield sample
 
 
 class _ForwardReader:
