@@ -280,6 +280,7 @@ class TestFailures:
             {"columns": "key"},
             {"timeout": -1},
             {"max_concurrent_epochs": 0},
+            {"seed": 5 + 2**64},  # would share seed 5's order
         ],
     )
     def test_bad_arguments_name_themselves(self, files, bad):

@@ -13,6 +13,7 @@ import ray
 import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from globalloader._seeding import MASK
 from globalloader.errors import ArgumentError, StateError, WorkerError
 from globalloader.ray.layout import default_num_reducers, make_layout
 from globalloader.ray.prefetch import OutputPrefetcher, ask_queue
@@ -81,6 +82,8 @@ class ShufflingDataset:
             _check_int(arg, value, 1)
         _check_int("rank", rank, 0)
         _check_int("seed", seed, 0)
+        if seed > MASK:  # it would share the order of the seed it equals modulo 2**64
+            raise ArgumentError(f"seed must be below 2**64, got {seed}")
         if rank >= num_trainers:
             raise ArgumentError(f"rank must be in 0..{num_trainers - 1}, got {rank}")
         if columns is not None and (
