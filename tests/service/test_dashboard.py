@@ -127,6 +127,7 @@ def expected(report: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], .
         ("globalloader_decodes_saved_total", ()): report["decodes_saved"],
         ("globalloader_decode_seconds_total", ()): report["decode_s"],
         ("globalloader_decode_worker_restarts_total", ()): report["worker_restarts"],
+        ("globalloader_decode_space_requests_total", ()): report["space_requests"],
         ("globalloader_pool_hits_total", ()): pool.get("hits", 0),
         ("globalloader_pool_evictions_total", ()): pool.get("evictions", 0),
     }
@@ -140,7 +141,7 @@ def expected(report: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], .
 
 
 def test_metrics_are_the_status_numbers(server, dashboard, tmp_path: Path):
-    assert len(SERVER_GAUGES) + len(SERVER_COUNTERS) + 1 == 16  # `expected` names every server-wide metric
+    assert len(SERVER_GAUGES) + len(SERVER_COUNTERS) + 1 == 17  # `expected` names every server-wide metric
     jobs = [
         server.job(tmp_path / f"{name}.out", "--start", "20", "--pause-at", "8", "--sleep", "0.05", "--name", name)
         for name in ("alpha", "beta")

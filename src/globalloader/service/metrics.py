@@ -41,6 +41,11 @@ SERVER_COUNTERS = (
     ),
     ("globalloader_decode_seconds", "Seconds decode workers spent loading, summed over workers", ("decode_s",)),
     ("globalloader_decode_worker_restarts", "Decode workers replaced after they died", ("worker_restarts",)),
+    (
+        "globalloader_decode_space_requests",
+        "Loads whose decode worker had to ask the server for pool space (a round trip while it waits)",
+        ("space_requests",),
+    ),
     ("globalloader_pool_hits", "Requests served from samples already in the pool", ("pool", "hits")),
     ("globalloader_pool_evictions", "Samples evicted from the pool to make room", ("pool", "evictions")),
 )
