@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
+from globalloader._pids import alive
 from globalloader.errors import LoaderTimeoutError, WorkerError
 from globalloader.runtime.pool import INLINE_BYTES, Worker, WorkerPool
-from globalloader.runtime.process import alive
 from globalloader.transport.names import list_names
 
 pytestmark = pytest.mark.timeout(60)

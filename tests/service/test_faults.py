@@ -25,7 +25,7 @@ import pytest
 
 import globalloader as gl
 from globalloader import errors
-from globalloader.runtime.process import alive
+from globalloader._pids import alive
 from globalloader.service import protocol
 from globalloader.service.launcher import connect, request, status
 from helpers import Server, pool_segments

@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from globalloader._pids import alive
 from globalloader.errors import LoaderTimeoutError, WorkerError
-from globalloader.runtime.process import alive, exit_reason, single_threaded_torch, tune_allocator
+from globalloader.runtime.process import exit_reason, single_threaded_torch, tune_allocator
 from globalloader.transport.codec import copy_arrays, decode_tree, encode_tree
 from globalloader.transport.names import PREFIX, remove_leftovers
 from globalloader.transport.segments import BatchMessage, BatchReader, BatchWriter

@@ -1,10 +1,9 @@
-"""Facts about processes that every worker pool and the service need: is a pid alive, how did a
-child end, and the per-process tuning a worker does first."""
+"""Facts about processes that every worker pool needs: how did a child end, and the per-process
+tuning a worker does first. (Whether a pid is alive: `globalloader._pids`.)"""
 
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import sys
 
@@ -31,27 +30,6 @@ def single_threaded_torch() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
-
-
-def alive(pid: int) -> bool:
-    """Whether a process with this pid runs (ours or another user's; a zombie has ended).
-
-    A pid of 0 (a peer in a pid namespace we cannot see) counts as running: such a peer is
-    still noticed when its socket closes.
-    """
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def exit_reason(code: int | None) -> str:

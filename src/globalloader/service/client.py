@@ -18,8 +18,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from globalloader._pids import alive
 from globalloader.errors import GlobalLoaderError, LoaderTimeoutError, ServerGoneError, ServerStartError
-from globalloader.runtime.process import alive
 from globalloader.service import protocol
 from globalloader.service.launcher import connect, ensure_server
 

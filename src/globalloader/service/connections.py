@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from globalloader._pids import alive
 from globalloader.errors import GlobalLoaderError, ProtocolError, ServerStartError
-from globalloader.runtime.process import alive
 from globalloader.service import protocol
 
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from globalloader._pids import alive
 from globalloader.errors import ArgumentError, ServerGoneError, ServerStartError, ServerTimeoutError
-from globalloader.runtime.process import alive
 from globalloader.service import protocol
 from globalloader.transport.arena import POOL_PREFIX
 from globalloader.transport.names import list_names, unlink

@@ -26,12 +26,13 @@ import numpy as np
 from tqdm import tqdm
 
 from globalloader import _extras, _paths, storage
+from globalloader._pids import alive
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources._columns import check_columnar
 from globalloader.sources._mapped_columns import MappedColumns
 from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
 from globalloader.sources.base import ArrowBlocks, Blocks, capable, check_index, check_indices, fingerprint_of
-from globalloader.storage.cache import host_tag, pid_alive
+from globalloader.storage.cache import host_tag
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
 _META_KEY = b"globalloader.arrow_copy"
@@ -251,7 +252,7 @@ class ArrowCopy:
                     other.unlink()
         for tmp in self.path.parent.glob(f".parquet-{where}-*.tmp"):
             parts = tmp.name.rsplit(".", 4)  # .<name>.arrow . host . pid . token . tmp
-            if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not pid_alive(int(parts[2])):
+            if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not alive(int(parts[2])):
                 with contextlib.suppress(OSError):
                     tmp.unlink()
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from globalloader import _paths
+from globalloader._pids import alive
 from globalloader.errors import ArgumentError, CacheFullError, StorageError
 from globalloader.storage.cache_stats import CacheStats, lock_exclusive
 
@@ -330,7 +331,7 @@ class ObjectCache:
                 if len(parts) != 4 or parts[3] != "tmp":
                     continue
                 owner_host, _, pid = parts[1].rpartition("-")
-                if owner_host == host and pid.isdigit() and not pid_alive(int(pid)):
+                if owner_host == host and pid.isdigit() and not alive(int(pid)):
                     with contextlib.suppress(OSError):
                         os.unlink(item.path)
 
@@ -393,14 +394,3 @@ def _refresh_tmp_tag() -> None:
 
 
 os.register_at_fork(after_in_child=_refresh_tmp_tag)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this machine with that pid runs (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
