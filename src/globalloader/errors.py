@@ -11,6 +11,8 @@ and always reaches the caller.
 
 from __future__ import annotations
 
+from numbers import Integral
+
 
 class GlobalLoaderError(Exception):
     """Base class of every error this library raises on purpose."""
@@ -22,6 +24,14 @@ class ArgumentError(GlobalLoaderError, ValueError):
 
 class ArgumentTypeError(ArgumentError, TypeError):
     """An argument has the wrong type where torch raises a TypeError for it (the DataLoader drop-in)."""
+
+
+def check_int(value: object, what: str, low: int = 0) -> int:
+    """An int argument >= `low` as a Python int (a NumPy integer is one too; a bool or a float is
+    not), else an ArgumentError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+        raise ArgumentError(f"{what} must be an int >= {low}, got {value!r}")
+    return int(value)
 
 
 class SampleIndexError(GlobalLoaderError, IndexError):

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from globalloader import _extras
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, check_int
 
 __all__ = ["make_image", "make_jpeg_bytes", "make_jpeg_folder"]
 
@@ -182,14 +182,11 @@ def make_jpeg_folder(
     by an interrupted build, are rebuilt. A lock file serialises concurrent callers (e.g. several
     ranks starting together). Image i is seeded by (seed, i) and labelled i % classes.
     """
-    if not isinstance(n, int) or n < 1:
-        raise ArgumentError(f"n must be a positive int, got {n!r}")
-    if not isinstance(classes, int) or classes < 1:
-        raise ArgumentError(f"classes must be a positive int, got {classes!r}")
+    check_int(n, "n", 1)
+    check_int(classes, "classes", 1)
     if not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ArgumentError(f"quality must be an int in 1..100, got {quality!r}")
-    if not isinstance(seed, int) or seed < 0:
-        raise ArgumentError(f"seed must be a non-negative int, got {seed!r}")
+    check_int(seed, "seed")
     size = _check_size(size)
     _pil()  # fail early, before any file is touched, when Pillow is missing
     root = Path(root)

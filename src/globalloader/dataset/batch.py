@@ -15,17 +15,10 @@ import numpy as np
 from globalloader.dataset.collate import PadCollate
 from globalloader.dataset.collate import collate as default_collate
 from globalloader.dataset.fingerprint import fingerprint
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, check_int
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
-
-
-def check_size(n: Any, what: str) -> int:
-    """A count >= 1 as a Python int (a NumPy integer is one too; a bool or a float is not)."""
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-        raise ArgumentError(f"{what} must be an int >= 1, got {n!r}")
-    return int(n)
 
 
 def check_flag(value: Any, what: str) -> bool:
@@ -42,7 +35,7 @@ class BatchOp:
     collate: Callable[[list[Any]], Any] = default_collate
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "size", check_size(self.size, "batch: n"))  # np.int64(32) -> 32
+        object.__setattr__(self, "size", check_int(self.size, "batch: n", 1))  # np.int64(32) -> 32
         if not callable(self.collate):
             raise ArgumentError(f"batch: collate must be callable, got {type(self.collate).__name__}")
 

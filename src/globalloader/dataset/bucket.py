@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader.dataset.batch import check_flag, check_size
+from globalloader.dataset.batch import check_flag
 from globalloader.dataset.collate import PadCollate
 from globalloader.dataset.collate import collate as default_collate
 from globalloader.dataset.map import describe_fn
-from globalloader.errors import ArgumentError, GlobalLoaderError, TransformError
+from globalloader.errors import ArgumentError, GlobalLoaderError, TransformError, check_int
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -58,7 +58,7 @@ class BucketBatchOp:
             raise ArgumentError(
                 f"bucket_batch: {len(bounds)} boundaries make {len(bounds) + 1} buckets; got {len(sizes)} batch sizes"
             )
-        sizes = tuple(check_size(size, "bucket_batch: batch_size") for size in sizes)
+        sizes = tuple(check_int(size, "bucket_batch: batch_size", 1) for size in sizes)
         return cls(length_fn, bounds, sizes, pad, check_flag(drop_last, "bucket_batch: drop_last"))
 
     def attach(self, plan: Builder) -> None:

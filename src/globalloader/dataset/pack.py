@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader.dataset.batch import check_size
 from globalloader.dataset.collate import common_dtype, fits
-from globalloader.errors import ArgumentError, TransformError
+from globalloader.errors import ArgumentError, TransformError, check_int
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -36,7 +35,7 @@ class PackOp:
     dtype: np.dtype[Any] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "seq_len", check_size(self.seq_len, "pack: seq_len"))
+        object.__setattr__(self, "seq_len", check_int(self.seq_len, "pack: seq_len", 1))
         if self.seq_len > np.iinfo(np.int32).max:
             raise ArgumentError(f"pack: seq_len must fit the int32 positions, got {self.seq_len}")
         if self.key is not None and not isinstance(self.key, str):

@@ -13,25 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from globalloader._seeding import MASK
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, check_int
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
 
 
-def check_seed(seed: Any, what: str) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ArgumentError(f"{what}: seed must be an int >= 0, got {seed!r}")
-    return int(seed)
-
-
 def check_permutation_seed(seed: Any) -> int:
     """A shuffle's own seed keys a 64-bit permutation: a larger one would share its order with
     the seed it equals modulo 2**64, so it is refused rather than cut."""
-    value = check_seed(seed, "shuffle")
+    value = check_int(seed, "shuffle: seed")
     if value > MASK:
         raise ArgumentError(f"shuffle: seed must be below 2**64, got {value}")
     return value
@@ -44,7 +36,7 @@ class SeedOp:
     seed: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "seed", check_seed(self.seed, "seed"))
+        object.__setattr__(self, "seed", check_int(self.seed, "seed: seed"))
 
     def attach(self, plan: Builder) -> None:
         plan.set_root(self.seed)

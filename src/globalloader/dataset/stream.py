@@ -14,10 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from globalloader._seeding import BUFFER_SHUFFLE, generator
-from globalloader.dataset.batch import check_size
 from globalloader.dataset.fingerprint import digest, fn_fingerprint
-from globalloader.dataset.seeds import check_seed
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, check_int
 from globalloader.sampling.sharding import check_shard_args, shard_length
 from globalloader.sources.base import RecordStream
 
@@ -72,9 +70,9 @@ class BufferShuffle:
     seed: int | None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "buffer_size", check_size(self.buffer_size, "shuffle: buffer_size"))
+        object.__setattr__(self, "buffer_size", check_int(self.buffer_size, "shuffle: buffer_size", 1))
         if self.seed is not None:
-            object.__setattr__(self, "seed", check_seed(self.seed, "shuffle"))
+            object.__setattr__(self, "seed", check_int(self.seed, "shuffle: seed"))
 
     def attach(self, plan: Builder) -> None:
         plan.add_stream_op(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))

@@ -16,7 +16,7 @@ from typing import Any
 from globalloader.demo.jobs import JobSpec, run_jobs
 from globalloader.demo.remote import act_three
 from globalloader.demo.workload import demo_images, run_globalloader, run_torch
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, check_int
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -47,8 +47,7 @@ def main(
     (unless `shared` is False): three concurrent jobs, independent then through one server,
     `runs` times; act 3: three jobs over shards in a local S3 server, without and with the
     machine-wide cache (skipped with a note when moto is not installed)."""
-    if not isinstance(runs, int) or runs < 1:
-        raise ArgumentError(f"demo: runs must be an int >= 1, got {runs!r}")
+    check_int(runs, "demo: runs", 1)
     root = demo_images(images)
     print(f"dataset: {images} synthetic JPEGs (500x375) in {root}")
     print(

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from globalloader import _extras
 from globalloader._paths import cache_dir
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, check_int
 
 __all__ = ["CORPORA", "ByteTokenizer", "CorpusSpec", "demo_corpora", "document_sizes", "make_text_corpus"]
 
@@ -175,12 +175,10 @@ def make_text_corpus(
     if kind not in CORPORA:
         raise ArgumentError(f"kind must be one of {sorted(CORPORA)}, got {kind!r}")
     for name, value in (("documents", documents), ("files", files), ("rows_per_group", rows_per_group)):
-        if not isinstance(value, int) or value < 1:
-            raise ArgumentError(f"{name} must be a positive int, got {value!r}")
+        check_int(value, name, 1)
     if files > documents:
         raise ArgumentError(f"files ({files}) must not exceed documents ({documents}): a file would be empty")
-    if not isinstance(seed, int) or seed < 0:
-        raise ArgumentError(f"seed must be a non-negative int, got {seed!r}")
+    check_int(seed, "seed")
     _extras.require("pyarrow.parquet", "parquet")  # fail before any file is touched
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import numpy as np
 
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.resume import Position, epoch_order, load_state, make_state
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, check_int
 from globalloader.execution import report as input_report
 from globalloader.execution.local import LocalRun
 from globalloader.execution.run import UNAVAILABLE, EpochRun
@@ -33,11 +33,6 @@ from globalloader.execution.workers import InlinePool, ProcessPool, ThreadPool
 MODES = ("process", "thread")
 ON_ERROR = ("raise", "skip")
 SHARE = (False, True, "auto")
-
-
-def _is_int(value: object) -> bool:
-    """An int or a NumPy integer (kept as an int), never a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 class Loader:
@@ -83,14 +78,13 @@ class Loader:
     ) -> None:
         if not isinstance(dataset, Dataset):
             raise ArgumentError(f"Loader: dataset must be a globalloader.Dataset, got {type(dataset).__name__}")
-        if not _is_int(workers) or workers < 0:
-            raise ArgumentError(f"Loader: workers must be an int >= 0, got {workers!r}")
+        check_int(workers, "Loader: workers")
         if mode not in MODES:
             raise ArgumentError(f"Loader: mode must be one of {MODES}, got {mode!r}")
         if on_error not in ON_ERROR:
             raise ArgumentError(f"Loader: on_error must be one of {ON_ERROR}, got {on_error!r}")
-        if prefetch is not None and (not _is_int(prefetch) or prefetch < 1):
-            raise ArgumentError(f"Loader: prefetch must be an int >= 1, got {prefetch!r}")
+        if prefetch is not None:
+            check_int(prefetch, "Loader: prefetch", 1)
         if not any(share is choice for choice in SHARE):
             raise ArgumentError(f"Loader: share must be one of {SHARE}, got {share!r}")
         seconds = (int, float, np.integer, np.floating)
@@ -120,10 +114,9 @@ class Loader:
     # -- epochs and positions ----------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` at the next iteration (keeps a loaded mid-epoch position of that epoch)."""
-        if not _is_int(epoch) or epoch < 0:
-            raise ArgumentError(f"set_epoch: epoch must be an int >= 0, got {epoch!r}")
+        epoch = check_int(epoch, "set_epoch: epoch")
         if epoch != self._position.epoch:
-            self._position = Position(int(epoch))
+            self._position = Position(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: loading it into a new Loader yields exactly the remaining items

@@ -14,7 +14,7 @@ import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from globalloader._seeding import MASK
-from globalloader.errors import ArgumentError, StateError, WorkerError
+from globalloader.errors import ArgumentError, StateError, WorkerError, check_int
 from globalloader.ray.layout import default_num_reducers, make_layout
 from globalloader.ray.prefetch import OutputPrefetcher, ask_queue
 from globalloader.ray.queue import BatchQueue, ShuffleSpec
@@ -79,9 +79,9 @@ class ShufflingDataset:
             ("max_concurrent_epochs", max_concurrent_epochs),
             ("prefetch", prefetch),
         ):
-            _check_int(arg, value, 1)
-        _check_int("rank", rank, 0)
-        _check_int("seed", seed, 0)
+            check_int(value, arg, 1)
+        check_int(rank, "rank")
+        check_int(seed, "seed")
         if seed > MASK:  # it would share the order of the seed it equals modulo 2**64
             raise ArgumentError(f"seed must be below 2**64, got {seed}")
         if rank >= num_trainers:
@@ -93,7 +93,7 @@ class ShufflingDataset:
         parts = parts_of(data, columns, storage_options)
         if num_reducers is None:
             num_reducers = default_num_reducers(len(parts), num_trainers)
-        _check_int("num_reducers", num_reducers, num_trainers)
+        check_int(num_reducers, "num_reducers", num_trainers)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.spec = ShuffleSpec(
@@ -203,7 +203,7 @@ class ShufflingDataset:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration reads (epochs go forward only)."""
-        _check_int("epoch", epoch, 0)
+        check_int(epoch, "epoch")
         if epoch >= self.spec.num_epochs:
             raise ArgumentError(f"epoch must be in 0..{self.spec.num_epochs - 1}, got {epoch}")
         if epoch != self._epoch:
@@ -352,8 +352,3 @@ class _EpochIterator:
     def close(self) -> None:
         self._fetcher.close()
         self._current = {}
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-        raise ArgumentError(f"{name} must be an int >= {low}, got {value!r}")

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from globalloader._seeding import entropy_seed, generator, spawned_generator
-from globalloader.errors import ArgumentError, SampleIndexError, StateError
+from globalloader.errors import ArgumentError, SampleIndexError, StateError, check_int
 from globalloader.sampling._regions import RegionMap
 
 _STATE_VERSION = 1
@@ -146,7 +146,7 @@ class JointSampler:
     def __init__(self, seed: int | None = None) -> None:
         if seed is None:
             seed = entropy_seed()
-        self._seed = _check_seed(seed, "seed")
+        self._seed = check_int(seed, "seed")
         # Fresh randomness for orders drawn while jobs share: never replayed within one sampler.
         self._rng = generator(self._seed)
         self._jobs: dict[Hashable, _Job] = {}
@@ -178,8 +178,8 @@ class JointSampler:
         if job in self._jobs:
             raise ArgumentError(f"job {job!r} is already registered; remove_job({job!r}) first")
         indices = _index_set(indices, "indices")
-        seed = self._default_seed(job) if seed is None else _check_seed(seed, "seed")
-        epoch = _check_epoch(epoch)
+        seed = self._default_seed(job) if seed is None else check_int(seed, "seed")
+        epoch = check_int(epoch, "epoch")
         self._start_epoch(self._register(job, indices, seed), epoch)
 
     def remove_job(self, job: Hashable) -> None:
@@ -195,7 +195,7 @@ class JointSampler:
         Whatever remained of the current epoch is dropped.
         """
         j = self._job(job)
-        self._start_epoch(j, j.epoch + 1 if epoch is None else _check_epoch(epoch))
+        self._start_epoch(j, j.epoch + 1 if epoch is None else check_int(epoch, "epoch"))
 
     # -- the hot path -----------------------------------------------------------------------
 
@@ -569,25 +569,13 @@ def _index_set(indices: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
     return ordered
 
 
-def _check_seed(seed: object, name: str) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ArgumentError(f"{name} must be a non-negative int, got {seed!r}")
-    return int(seed)
-
-
-def _check_epoch(epoch: object) -> int:
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-        raise ArgumentError(f"epoch must be a non-negative int, got {epoch!r}")
-    return int(epoch)
-
-
 def _read_state(job: Hashable, indices: np.ndarray, state: dict[str, Any]) -> tuple[int, int, np.ndarray]:
     """Check a `job_state` dict against `indices`: (epoch, seed, consumed mask over indices)."""
     if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
         raise StateError(f"state for job {job!r} is not a version-{_STATE_VERSION} job_state dict")
     try:
-        epoch = _check_epoch(state["epoch"])
-        seed = _check_seed(state["seed"], "state['seed']")
+        epoch = check_int(state["epoch"], "epoch")
+        seed = check_int(state["seed"], "state['seed']")
         size, checksum = int(state["size"]), int(state["checksum"])
         bitmap = base64.b64decode(state["consumed"], validate=True)
     except (KeyError, TypeError, ValueError, binascii.Error, ArgumentError) as exc:

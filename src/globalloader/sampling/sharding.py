@@ -11,9 +11,11 @@ is spread over the whole shuffled order). `uneven` says what happens when `n` do
 
 from __future__ import annotations
 
+from numbers import Integral
+
 import numpy as np
 
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, check_int
 
 UNEVEN_POLICIES = ("pad", "drop", "none")
 
@@ -21,17 +23,12 @@ UNEVEN_POLICIES = ("pad", "drop", "none")
 def check_shard_args(rank: int, world_size: int, uneven: str) -> tuple[int, int]:
     """(rank, world_size) as Python ints (NumPy integers are taken; a bool is not: shard(True, 2)
     is no rank anyone meant), or ArgumentError naming the argument that is wrong."""
-    if not _is_int(world_size) or world_size < 1:
-        raise ArgumentError(f"shard: world_size must be an int >= 1, got {world_size!r}")
-    if not _is_int(rank) or not 0 <= rank < world_size:
+    world_size = check_int(world_size, "shard: world_size", 1)
+    if isinstance(rank, bool) or not isinstance(rank, Integral) or not 0 <= rank < world_size:
         raise ArgumentError(f"shard: rank must be an int in [0, {world_size}), got {rank!r}")
     if uneven not in UNEVEN_POLICIES:
         raise ArgumentError(f"shard: uneven must be one of {UNEVEN_POLICIES}, got {uneven!r}")
-    return int(rank), int(world_size)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    return int(rank), world_size
 
 
 def shard_length(n: int, rank: int, world_size: int, uneven: str) -> int:

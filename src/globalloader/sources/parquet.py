@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from globalloader import _extras, storage
-from globalloader.errors import ArgumentError, SourceError
+from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files
 from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
 from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable, split_batch
@@ -92,8 +92,7 @@ class Parquet:
         self._pq = _extras.require("pyarrow.parquet", "parquet")
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ArgumentError(f"columns must be a list of str or None, got {columns!r}")
-        if not isinstance(cached_row_groups, int) or isinstance(cached_row_groups, bool) or cached_row_groups < 1:
-            raise ArgumentError(f"cached_row_groups must be a positive int, got {cached_row_groups!r}")
+        cached_row_groups = check_int(cached_row_groups, "cached_row_groups", 1)
         self.store = storage.Store(storage_options, cache_limit)
         self.files: list[str] = _files.expand_urls(paths, "paths", self.store)
         self.columns: list[str] | None = list(columns) if columns is not None else None

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from globalloader import _paths, storage
-from globalloader.errors import ArgumentError, SourceError
+from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files, _tar_index
 from globalloader.sources._tar_format import split_key, walk
 from globalloader.sources.base import check_index, fingerprint_of
@@ -79,10 +79,7 @@ class TarShards:
         cache_limit: int | str | None = None,
         cache: bool = True,
     ) -> None:
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise ArgumentError(f"threads must be a positive int, got {threads!r}")
-        if not isinstance(max_open, int) or isinstance(max_open, bool) or max_open < 0:
-            raise ArgumentError(f"max_open must be an int >= 0, got {max_open!r}")
+        threads, max_open = check_int(threads, "threads", 1), check_int(max_open, "max_open")
         if index_dir is not None and not isinstance(index_dir, (str, os.PathLike)):
             raise ArgumentError(f"index_dir must be a str, a path or None, got {index_dir!r}")
         self.store = storage.Store(storage_options, cache_limit, cache=cache)
