@@ -131,10 +131,6 @@ def make_jpeg_bytes(
     return buffer.getvalue()
 
 
-def _params(n: int, size: tuple[int, int], classes: int, quality: int, seed: int) -> dict[str, Any]:
-    return {"recipe": _RECIPE, "n": n, "size": list(size), "classes": classes, "quality": quality, "seed": seed}
-
-
 def _layout(root: Path, n: int, classes: int) -> list[tuple[Path, int]]:
     """(path, label) of image i: labels round-robin, so classes differ in size by one at most."""
     class_width = max(2, len(str(classes - 1)))
@@ -191,7 +187,7 @@ def make_jpeg_folder(
     _pil()  # fail early, before any file is touched, when Pillow is missing
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    params = _params(n, size, classes, quality, seed)
+    params = {"recipe": _RECIPE, "n": n, "size": list(size), "classes": classes, "quality": quality, "seed": seed}
     if _is_complete(root, params, n):
         return root
 

@@ -252,10 +252,7 @@ class Plan:
 
     def _lengths(self) -> list[int | None]:
         """Length after each index operator; lengths[0] is the source's."""
-        if self.is_stream:
-            lengths: list[int | None] = [self.source.length()]
-        else:
-            lengths = [len(self.source)]
+        lengths: list[int | None] = [self.source.length() if self.is_stream else len(self.source)]
         for op in self.index_ops:
             lengths.append(op.length(lengths[-1]))
         return lengths

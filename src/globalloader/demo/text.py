@@ -135,10 +135,6 @@ def _code_document(rng: np.random.Generator, size: int) -> str:
 _WRITERS = {"web": _web_document, "code": _code_document}
 
 
-def _corpus_files(root: Path, kind: str, files: int) -> list[Path]:
-    return [root / f"{kind}-{f:05d}.parquet" for f in range(files)]
-
-
 def _write_file(
     path: Path, file: int, spec: CorpusSpec, documents: int, seed: int, rows_per_group: int, bar: Any
 ) -> None:
@@ -182,7 +178,7 @@ def make_text_corpus(
     _extras.require("pyarrow.parquet", "parquet")  # fail before any file is touched
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    paths = _corpus_files(root, kind, files)
+    paths = [root / f"{kind}-{f:05d}.parquet" for f in range(files)]
     spec = CORPORA[kind]
     params = {"recipe": _RECIPE, "spec": asdict(spec), "documents": documents, "files": files}
     params |= {"rows_per_group": rows_per_group, "seed": seed}

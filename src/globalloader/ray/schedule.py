@@ -124,9 +124,6 @@ class ShuffleScheduler:
                 if not future.done():
                     future.cancel()
 
-    def launched(self, epoch: int) -> bool:
-        return epoch in self._epochs
-
     async def output(self, epoch: int, reducer: int) -> ray.ObjectRef | None:
         """The ref of a reducer's output once submitted (None if the epoch was released)."""
         state = self._epochs.get(epoch)

@@ -332,9 +332,7 @@ class JointSampler:
             self._arrange(j, order, np.zeros(len(order), dtype=np.int64), 1)
             j.seeded = seeded
             return
-        cell_of, count = self._cells_of(j, rest)
-        perm = self._rng.permutation(len(rest))
-        self._arrange(j, rest[perm], cell_of[perm], count)
+        self._redraw(j, rest)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -400,9 +398,7 @@ class JointSampler:
             self._arrange(j, j.indices[perm], np.zeros(len(perm), dtype=np.int64), 1)
             j.seeded = True
             return
-        cell_of, count = self._cells_of(j, j.indices)
-        perm = self._rng.permutation(len(j.indices))
-        self._arrange(j, j.indices[perm], cell_of[perm], count)
+        self._redraw(j, j.indices)
 
     def _alone(self, j: _Job) -> bool:
         """Whether no other job wants any of j's indices (cached until the regions change)."""
@@ -445,6 +441,12 @@ class JointSampler:
             if warm.any():
                 key = _combine(key, np.where(warm, np.cumsum(warm), 0))
         return _dense(key)
+
+    def _redraw(self, j: _Job, rest: np.ndarray) -> None:
+        """Serve j's unseen indices `rest` in a fresh uniform order over the cells of now."""
+        cell_of, count = self._cells_of(j, rest)
+        perm = self._rng.permutation(len(rest))
+        self._arrange(j, rest[perm], cell_of[perm], count)
 
     def _arrange(self, j: _Job, order: np.ndarray, cell_of: np.ndarray, count: int) -> None:
         """Serve `order`, a uniform order of j's unseen indices, from cells 0..count-1.
@@ -501,9 +503,7 @@ class JointSampler:
             for seq, index in cell.log[cell.next_log :]
             if not j.seen[index] and live.get(index) == seq
         )
-        cell_of, count = self._cells_of(j, rest)
-        perm = self._rng.permutation(len(rest))
-        self._arrange(j, rest[perm], cell_of[perm], count)
+        self._redraw(j, rest)
         cells, cell_ids = j.cells, j.cell
         for entry in entries:
             cells[cell_ids[entry[1]]].log.append(entry)
