@@ -110,24 +110,16 @@ def _code_document(rng: np.random.Generator, size: int) -> str:
     number = rng.integers(0, 1000, size=tokens)
     line_ends = np.cumsum(rng.integers(2, 12, size=tokens // 2 + 1))
     indents = rng.integers(0, 4, size=len(line_ends))
+    # Each token's text for every kind (keyword, name, operator, number); its kind picks one.
+    texts = [np.array(_KEYWORDS, dtype=object)[keyword], names, np.array(_OPERATORS, dtype=object)[operator]]
+    words = np.array([*texts, number.astype(str).astype(object)], dtype=object)[kinds, np.arange(tokens)]
     lines: list[str] = []
     start = 0
     for end, indent in zip(line_ends, indents, strict=True):
         if start >= tokens:
             break
         stop = min(int(end), tokens)
-        line = []
-        for i in range(start, stop):
-            kind = kinds[i]
-            if kind == 0:
-                line.append(_KEYWORDS[keyword[i]])
-            elif kind == 1:
-                line.append(names[i])
-            elif kind == 2:
-                line.append(_OPERATORS[operator[i]])
-            else:
-                line.append(str(number[i]))
-        lines.append("    " * int(indent) + " ".join(line))
+        lines.append("    " * int(indent) + " ".join(words[start:stop]))
         start = stop
     return "\n".join(lines)
 
