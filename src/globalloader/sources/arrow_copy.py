@@ -186,15 +186,13 @@ class ArrowCopy:
             crc_tmp.write_text(checksum)  # the checksum goes first: a copy is never without one
             os.replace(crc_tmp, self._checksum_path)
             os.replace(tmp, self.path)
-        except OSError as exc:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
             crc_tmp.unlink(missing_ok=True)
-            raise SourceError(
-                f"cannot write the Arrow copy {self.path}: {exc.strerror or exc}; free space there or pass folder="
-            ) from None
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            crc_tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise SourceError(
+                    f"cannot write the Arrow copy {self.path}: {exc.strerror or exc}; free space there or pass folder="
+                ) from None
             raise
 
     def _write(self, source: Any, tmp: pathlib.Path, progress: bool | None) -> None:
