@@ -55,11 +55,12 @@ def test_without_opencv_pillow_warps_the_libjpeg_turbo_pixels(without_opencv):
         assert_close_uint8(*crop_both(transform, data, seed))
 
 
-def test_the_flip_is_folded_into_the_warp_and_mirrors_it():
+@pytest.mark.parametrize("size", [48, 224], ids=["dct_scaled_warp", "whole_pixel_resize"])
+def test_the_flip_is_folded_into_the_warp_and_mirrors_it(size):
     data = jpeg(photo(375, 500))
     for opencv in (True, False):
         decoder = "auto" if opencv else "pillow"
-        kept = RandomResizedCropFlipNormalize(size=48, flip_p=0.0, normalize=False, antialias=False, decoder=decoder)
+        kept = RandomResizedCropFlipNormalize(size=size, flip_p=0.0, normalize=False, antialias=False, decoder=decoder)
         mirrored = RandomResizedCropFlipNormalize(**{**kept.__dict__, "flip_p": 1.0})
         a = kept({"jpg": data}, rng=np.random.default_rng(5))["jpg"]
         b = mirrored({"jpg": data}, rng=np.random.default_rng(5))["jpg"]
