@@ -284,7 +284,8 @@ def decoders_alone(images: list[bytes], rounds: int) -> dict[str, Any]:
     decoders: dict[str, Callable[[bytes], np.ndarray]] = {
         "pillow": lambda data: np.asarray(Image.open(io.BytesIO(data)).convert("RGB")),
         "simplejpeg": lambda data: simplejpeg.decode_jpeg(data),
-        "simplejpeg_1/8": lambda data: simplejpeg.decode_jpeg(data, min_factor=8),
+        # min_factor alone does not scale: simplejpeg picks the factor from the minimum size too.
+        "simplejpeg_1/8": lambda data: simplejpeg.decode_jpeg(data, min_height=1, min_width=1, min_factor=8),
     }
     versions = {"pillow": Image.__version__, "simplejpeg": simplejpeg.__version__}
     try:

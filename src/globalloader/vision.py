@@ -8,6 +8,8 @@ call (`Image.resize(size, box=...)`) on the crop's region only, the flip on the 
 `normalize` runs two in-place float32 ufunc passes over long rows (or is left to the training step:
 `normalize=False` and `globalloader.torch.normalize_batch`). Both decoders give the same shapes and
 dtypes and values within a grey level or two of each other (the same libjpeg-turbo algorithms).
+`RandomResizedCropFlipNormalize(antialias=False)` resamples with one bilinear warp instead
+(OpenCV, in `globalloader._warp`): faster, and aliased where the antialiased resize is not.
 
 Functions take and return the same kind of image they are given (Pillow image or uint8 HWC array).
 Random functions draw from a caller's `numpy.random.Generator`, so the dataset chain decides the
