@@ -96,6 +96,17 @@ def test_decoded_fields_png_and_gray_take_the_warp_too(decoder):
     assert out.shape == (40, 40, 1) and out.dtype == np.uint8
 
 
+def test_strided_arrays_are_warped_as_their_copies():
+    array = photo(300, 400)
+    transform = RandomResizedCropFlipNormalize(size=64, normalize=False, antialias=False)
+    reference = RandomResizedCropFlipNormalize(**{**transform.__dict__, "decoder": "pillow"})
+    for view in (array[:, ::-1], array[::2, ::3], array[:, :, ::-1], np.asfortranarray(array)):
+        for seed in range(4):
+            out = transform({"image": view}, rng=np.random.default_rng(seed))["image"]
+            copy = {"image": np.ascontiguousarray(view)}
+            assert_close_uint8(out, reference(copy, rng=np.random.default_rng(seed))["image"])
+
+
 def test_images_wider_than_opencv_addresses_are_warped_by_pillow():
     # warpAffine keeps coordinates in 16 bits: a crop at x > 32767 would read the wrong pixels.
     # Columns of 1000 pixels each have their own grey, so an output tells where it was read.
