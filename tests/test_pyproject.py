@@ -56,3 +56,5 @@ def test_the_fast_jpeg_decoder_is_in_the_vision_and_test_extras():
     extras = PROJECT["project"]["optional-dependencies"]
     # The test extra too: without it the tests of the libjpeg-turbo path would compare Pillow to itself.
     assert "simplejpeg" in _names(extras["vision"]) and "simplejpeg" in _names(extras["test"])
+    # OpenCV's warp (antialias=False) likewise, tested against Pillow's.
+    assert "opencv-python-headless" in _names(extras["vision"]) and "opencv-python-headless" in _names(extras["test"])

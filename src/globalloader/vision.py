@@ -8,6 +8,8 @@ call (`Image.resize(size, box=...)`) on the crop's region only, the flip on the 
 `normalize` runs two in-place float32 ufunc passes over long rows (or is left to the training step:
 `normalize=False` and `globalloader.torch.normalize_batch`). Both decoders give the same shapes and
 dtypes and values within a grey level or two of each other (the same libjpeg-turbo algorithms).
+`RandomResizedCropFlipNormalize(antialias=False)` resamples with one bilinear warp instead
+(OpenCV, in `globalloader._warp`): faster, and aliased where the antialiased resize is not.
 
 Functions take and return the same kind of image they are given (Pillow image or uint8 HWC array).
 Random functions draw from a caller's `numpy.random.Generator`, so the dataset chain decides the
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader import _extras, _jpeg
+from globalloader import _extras, _jpeg, _warp
 from globalloader.errors import ArgumentError, CorruptSampleError
 
 if TYPE_CHECKING:
@@ -627,6 +629,14 @@ class RandomResizedCropFlipNormalize:
     of the crop's region to `size`, the flip on the output and one normalize pass. Draws, in
     order: the crop (see `random_resized_crop_box`), then the flip, with either `decoder`.
     `field` None finds the image as `Decode` does.
+
+    The resample is antialiased (Pillow's, as torchvision's `antialias=True`). `antialias=False`
+    trades that for speed, as torchvision's `antialias=False` does: one bilinear warp (OpenCV
+    when installed, the flip folded in) that reads 2x2 source pixels per output pixel, so detail
+    finer than the output's pixels aliases; the DCT scaling leaves at most 2x to shrink on the
+    crop's tighter side. Its values are not those of the antialiased resample (they differ by
+    up to tens of grey levels at sharp edges); `decoder="pillow"` computes the same warp in Pillow,
+    within one grey level. OpenCV then runs on one thread, process-wide (`cv2.setNumThreads(1)`).
     """
 
     field: str | None = None
@@ -641,11 +651,13 @@ class RandomResizedCropFlipNormalize:
     draft: bool = True
     normalize: bool = True
     decoder: str = "auto"
+    antialias: bool = True
 
     def __post_init__(self) -> None:
         _check_field(self.field, type(self).__name__)
         _check_decoder(self.decoder, type(self).__name__)
         _check_flag(self.normalize, "normalize", type(self).__name__)
+        _check_flag(self.antialias, "antialias", type(self).__name__)
         _hw(self.size)
         if not isinstance(self.size, int):
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
@@ -679,8 +691,11 @@ class RandomResizedCropFlipNormalize:
             height, width = _image_hw(pixels)
             left, top, w, h = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
             box = (left, top, left + w, top + h)
-        img = _resize_region(pixels, (out_w, out_h), box)
-        img = hflip(img, rng, self.flip_p)  # on the small output, in Pillow: cheap and contiguous
+        if self.antialias:
+            img = _resize_region(pixels, (out_w, out_h), box)
+            img = hflip(img, rng, self.flip_p)  # on the small output, in Pillow: cheap and contiguous
+        else:  # one warp, the flip folded in; the same one draw as hflip's
+            img = _warp.warp(pixels, (out_w, out_h), box, rng.random() < self.flip_p, self.decoder == "auto")
         return {**record, field: _output(to_array(img), self)}
 
 
