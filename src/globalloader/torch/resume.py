@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from globalloader.errors import StateError
-from globalloader.execution.timeline import StepTimeline
 from globalloader.torch.rng import (
     decode_process_rng,
     encode_process_rng,
@@ -70,12 +69,9 @@ class Progress:
     __slots__ = (
         "base_seed",
         "batches",
-        "busy_s",
         "done",
         "fresh_workers",
         "snapshot",
-        "timeline",
-        "wait_s",
         "workers",
     )
 
@@ -83,9 +79,6 @@ class Progress:
         self.snapshot = snapshot  # RNG states the pass started from (`rng_snapshot`)
         self.batches = 0  # taken so far (delivered, or raised)
         self.done = False  # the pass has ended
-        self.wait_s = 0.0  # the consumer waiting for workers
-        self.busy_s = 0.0  # workers (or the main process) loading
-        self.timeline = StepTimeline()  # each batch's wait, for `DataLoader.report()`
         self.base_seed: int | None = None
         self.fresh_workers = True
         # per worker, its RNG states where its part of the pass stands: None (as seeded), a

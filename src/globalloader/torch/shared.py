@@ -78,9 +78,6 @@ class SharedChain:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
 
-    def stats(self) -> dict[str, Any]:
-        return self.loader.stats()
-
     def close(self) -> None:
         self.loader.close()
 
