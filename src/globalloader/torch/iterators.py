@@ -210,12 +210,12 @@ class WorkerIter(_BaseIter):
         states: list[Any] = [None] * self._num_workers
         waiting = set(range(self._num_workers))
         while waiting:
-            worker, reply = pool.receive_any(_WAITING)
-            if reply.kind == RESET and reply.generation == self._generation:
-                states[worker] = reply.rng
+            worker, (generation, _, kind, payload, _, _, rng) = pool.receive_any(_WAITING)
+            if kind == RESET and generation == self._generation:
+                states[worker] = rng
                 waiting.discard(worker)
-            elif reply.kind == BATCH:  # a reply to the pass before: drop it
-                pool.discard(worker, reply.payload)
+            elif kind == BATCH:  # a reply to the pass before: drop it
+                pool.discard(worker, payload)
         self._begin(progress, False, states, 0)
 
     def _begin(self, progress: Progress, fresh: bool, states: list[Any] | None, skip: int) -> None:
@@ -286,8 +286,7 @@ class WorkerIter(_BaseIter):
                 number = self._received
                 return self._take(number, *self._ready.pop(number))
             pool = self._live_pool()
-            worker, reply = pool.receive_any(_WAITING)
-            generation, number, kind, payload, timer, idle, rng = reply
+            worker, (generation, number, kind, payload, timer, idle, rng) = pool.receive_any(_WAITING)
             if generation != self._generation:  # a reply to an earlier pass: drop it
                 if kind == BATCH:
                     pool.discard(worker, payload)

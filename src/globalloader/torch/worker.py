@@ -35,23 +35,14 @@ from globalloader.torch.tensors import torch
 if TYPE_CHECKING:
     from globalloader.dataset.plan import Timer
 
-# Result kinds of a worker's `Reply`
+# A worker's reply to each message, a plain tuple (a named one costs microseconds more to pickle):
+# (generation, task or -1 for RESET, kind, payload, timer: stage -> [items, seconds] of a BATCH or
+# None, seconds the worker waited for the message, its RNG states where its next task starts or None)
+Reply = tuple[int, int, int, Any, "Timer | None", float, Any]
 BATCH = 0  # payload: a batch packed by `runtime.Worker.pack`
 FAILED = 1  # payload: (exception, traceback text)
 EXHAUSTED = 2  # an iterable dataset's copy in this worker has no more items
 RESET = 4  # the worker has started a new pass (persistent workers); its RNG state comes along
-
-
-class Reply(NamedTuple):
-    """What a worker sends for each message."""
-
-    generation: int  # the pass (persistent workers: each reset starts a new one)
-    task: int  # -1 for RESET
-    kind: int  # BATCH, FAILED, EXHAUSTED or RESET
-    payload: Any  # BATCH: packed by `runtime.Worker.pack`; FAILED: (exception, traceback text)
-    timer: Timer | None  # BATCH: stage -> [items, seconds] of this task
-    idle: float  # seconds the worker waited for this task
-    rng: Any  # the worker's RNG states where its next task starts (None: unchanged or not reported)
 
 
 class WorkerSpec(NamedTuple):
@@ -134,7 +125,7 @@ class TorchBody:
                 self.setup_error = failure(exc, WorkerError)
             reset_reporter = RngReporter()  # the full state: the consumer starts the pass from it
             self.reporter = None if self.spec.iterable else reset_reporter
-            return Reply(generation, -1, RESET, None, None, idle, reset_reporter.changed())
+            return (generation, -1, RESET, None, None, idle, reset_reporter.changed())
         timer: Timer | None = None
         if self.setup_error is not None or self.fetch is None:
             kind, payload, self.setup_error = FAILED, self.setup_error or _no_fetcher(), None
@@ -150,7 +141,7 @@ class TorchBody:
             except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
                 kind, payload, timer = FAILED, failure(exc, WorkerError), None
         rng = None if self.reporter is None else self.reporter.changed()  # where its next task starts
-        return Reply(generation, number, kind, payload, timer, idle, rng)
+        return (generation, number, kind, payload, timer, idle, rng)
 
 
 class Fetcher:
