@@ -245,7 +245,7 @@ class DataLoader(Generic[T_co]):
             restore_rng(self, state["rng"])
         progress = Progress(rng_snapshot(self))
         self.statistics.new_pass()
-        if self.persistent_workers and self.num_workers > 0:
+        if self.persistent_workers:  # only with num_workers > 0 (checked when built)
             if resume is not None and self._iterator is not None:
                 self.close()  # its workers run another pass: start them from the state's seeds
             if self._iterator is None:

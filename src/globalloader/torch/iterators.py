@@ -29,11 +29,10 @@ import traceback
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from globalloader.errors import StateError
 from globalloader.runtime.pool import WorkerPool, raised_again
 from globalloader.torch.collate import as_torch_batch
-from globalloader.torch.resume import Progress, Resume
-from globalloader.torch.tensors import pin, torch
+from globalloader.torch.resume import Progress, Resume, past_the_end
+from globalloader.torch.tensors import accelerator_available, pin, torch
 from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec
 
 if TYPE_CHECKING:
@@ -62,7 +61,7 @@ class _BaseIter:
         self._dataset = loader.dataset
         self._iterable = loader._dataset_kind_iterable
         self._auto_collation = loader._auto_collation
-        self._pin = loader.pin_memory and _pin_available()
+        self._pin = loader.pin_memory and accelerator_available()
         self._pin_device = loader.pin_memory_device
         self._datapipe = isinstance(loader.dataset, torch.utils.data.IterDataPipe)
 
@@ -137,17 +136,14 @@ class InProcessIter(_BaseIter):
         self._fetch = Fetcher(_spec(loader, dataset), dataset, default_collate=default)
         for taken in range(resume.skip):
             try:
-                self._advance(fetch=self._iterable)
+                self._next_batch(fetch=self._iterable)
             except StopIteration:
-                raise StateError(
-                    f"load_state_dict: the state's position batches={resume.skip} is past the end of this "
-                    f"pass ({taken} batches): the dataset is not the one the state was taken from"
-                ) from None
+                raise past_the_end(resume.skip, taken) from None
             except Exception:  # noqa: BLE001 - a batch that raised when it was first taken: it counts, as it did then
                 continue
         self._num_yielded = resume.skip
 
-    def _advance(self, fetch: bool = True) -> Any:
+    def _next_batch(self, fetch: bool = True) -> Any:
         try:
             index = next(self._sampler_iter)
         except StopIteration:
@@ -160,8 +156,6 @@ class InProcessIter(_BaseIter):
         batch = self._fetch(index, timer)
         self._stats.add_task(timer, 0.0, 0)
         return batch
-
-    _next_batch = _advance
 
 
 class WorkerIter(_BaseIter):
@@ -242,10 +236,7 @@ class WorkerIter(_BaseIter):
                 try:
                     self._next_batch()
                 except StopIteration:
-                    raise StateError(
-                        f"load_state_dict: the state's position batches={skip} is past the end of this pass "
-                        f"({taken} batches): the dataset is not the one the state was taken from"
-                    ) from None
+                    raise past_the_end(skip, taken) from None
             self._replaying = False
         self._num_yielded = skip
 
@@ -347,12 +338,6 @@ class WorkerIter(_BaseIter):
 
     def __del__(self) -> None:
         self._shutdown_workers()
-
-
-def _pin_available() -> bool:
-    from globalloader.torch.tensors import accelerator_available
-
-    return accelerator_available()
 
 
 def _spec(loader: LoaderSettings, dataset: Any) -> WorkerSpec:

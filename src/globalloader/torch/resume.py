@@ -86,6 +86,14 @@ class Progress:
         self.workers: list[Any] | None = None
 
 
+def past_the_end(skip: int, taken: int) -> StateError:
+    """A state whose position is beyond the pass being resumed: it was taken from another dataset."""
+    return StateError(
+        f"load_state_dict: the state's position batches={skip} is past the end of this pass "
+        f"({taken} batches): the dataset is not the one the state was taken from"
+    )
+
+
 def _samplers(loader: LoaderSettings) -> list[Any]:
     """The loader's sampler objects (batch sampler first), for their generators and epochs."""
     found: list[Any] = []
