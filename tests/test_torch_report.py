@@ -89,11 +89,13 @@ def test_shared_drop_in_reports_its_loaders_run(tmp_path: Path, monkeypatch):
         loader = gt.DataLoader(dataset, batch_size=4, num_workers=1, share=True, server=str(server.socket))
         batches = sum(1 for _ in loader)
         page = loader.report(tmp_path / "shared.html").read_text()
+        stats = loader.stats()
         loader.close()
     finally:
         server.stop()
     assert batches == 12 and "<th>batches</th><td>12</td>" in page
     assert "Shared mode: the shared maps ran on the global loader server" in page
+    assert set(stats) == {"stages", "workers", "consumer", "skipped"} and stats["consumer"]["items"] == 12
 
 
 ITEMS, BATCH, SLEEP = 16, 4, 0.01
