@@ -30,7 +30,8 @@ from globalloader.execution.stats import LoaderStats
 from globalloader.torch.iterators import InProcessIter, WorkerIter
 from globalloader.torch.resume import STATE_KIND, Progress, Resume, check_state, make_state, restore_rng, rng_snapshot
 from globalloader.torch.rng import process_rng, set_process_rng
-from globalloader.torch.shared import SharedChain
+from globalloader.torch.shared import shared_loader
+from globalloader.torch.tensors import to_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -177,7 +178,7 @@ class DataLoader(Generic[T_co]):
         self._progress: Progress | None = None  # of the current pass (state_dict)
         self.statistics = LoaderStats()  # every pass's stages and loop clock, for stats() and report()
         self._resume: tuple[Resume, dict[str, Any]] | None = None  # (how, state) for the next iter()
-        self._shared = SharedChain.build(self, share, server) if share else None
+        self._shared = shared_loader(self, share, server) if share else None
         _warn_if_too_many_workers(num_workers)
         object.__setattr__(self, "_initialized", True)
 
@@ -237,7 +238,7 @@ class DataLoader(Generic[T_co]):
 
     def __iter__(self) -> Iterator[T_co]:
         if self._shared is not None:
-            return iter(self._shared)
+            return (to_tensors(batch) for batch in self._shared)
         pending, self._resume = self._resume, None
         resume = None
         if pending is not None:
@@ -316,13 +317,13 @@ class DataLoader(Generic[T_co]):
         """What `globalloader.Loader.stats()` gives, over every pass so far: per stage (`fetch`:
         the dataset's samples, `collate`, `transport`: into shared memory) items and busy seconds;
         the workers' tasks, busy and idle seconds; the loop's batches, wait and own time."""
-        return self._shared.loader.stats() if self._shared is not None else self.statistics.report()
+        return self._shared.stats() if self._shared is not None else self.statistics.report()
 
     def report(self, path: str | os.PathLike[str] = "input-report.html") -> Path:
         """Write one self-contained HTML page on this DataLoader's run so far: throughput over
         time, time per stage, the loop's wait per batch and a diagnosis (see `globalloader.Loader.report`)."""
         if self._shared is not None:
-            return self._shared.loader.report(path)
+            return self._shared.report(path)
         step = "batch" if self._auto_collation else "sample"
         record = input_report.RunRecord.of(self.statistics, self.num_workers, step)
         return input_report.write(path, record, title="globalloader.torch.DataLoader input report")
