@@ -178,14 +178,12 @@ def make_state(loader: LoaderSettings, progress: Progress, epoch: int | None, pr
         "rng": progress.snapshot,
         "base_seed": progress.base_seed,
         "fresh_workers": progress.fresh_workers,
-        "workers": None if progress.workers is None else [_encoded(w) for w in progress.workers],
+        # per worker: None, already encoded (a loaded state's), or as the worker sent it
+        "workers": None
+        if progress.workers is None
+        else [encode_process_rng(w) if isinstance(w, tuple) else w for w in progress.workers],
         "process_rng": process,
     }
-
-
-def _encoded(rng: Any) -> Any:
-    """A worker's RNG states as a state records them: None, already encoded, or as the worker sent them."""
-    return encode_process_rng(rng) if isinstance(rng, tuple) else rng
 
 
 def check_state(loader: LoaderSettings, state: Any) -> Resume:
@@ -209,7 +207,9 @@ def check_state(loader: LoaderSettings, state: Any) -> Resume:
             + "; ".join(differs)
             + ". Build the DataLoader as the one that saved it"
         )
-    batches = _field(state, "batches", int)
+    batches = state.get("batches")
+    if not isinstance(batches, int) or isinstance(batches, bool):
+        raise StateError(f"load_state_dict: batches should be an int, got {batches!r}")
     limit = ours["batches_per_pass"]
     if batches < 0 or (limit is not None and batches > limit):
         bound = "0 or more" if limit is None else f"between 0 and {limit} (the batches of a pass)"
@@ -242,13 +242,6 @@ def check_state(loader: LoaderSettings, state: Any) -> Resume:
     if process is not None:
         decode_process_rng(process, "process_rng")
     return Resume(skip=batches, base_seed=seed, fresh_workers=fresh, workers=workers)
-
-
-def _field(state: dict[str, Any], name: str, kind: type) -> Any:
-    value = state.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise StateError(f"load_state_dict: {name} should be an {kind.__name__}, got {value!r}")
-    return value
 
 
 def _check_snapshot(snapshot: Any, has_generator: bool, kinds: list[str | None]) -> None:
