@@ -603,14 +603,6 @@ def test_state_dict_refuses_a_foreign_state():
         gt.DataLoader(Squares(4)).load_state_dict({"epoch": 0})
 
 
-def test_stats_count_batches_and_waiting():
-    loader = gt.DataLoader(Squares(8), batch_size=2, num_workers=2)
-    list(loader)
-    stats = loader.stats()
-    assert stats["batches"] == 4 and stats["workers"] == 2
-    assert stats["wait_s"] >= 0 and stats["worker_busy_s"] > 0
-
-
 def test_torch_source_fingerprint_is_the_datasets_own_or_none():
     assert gt.TorchSource(Tagged("a")).fingerprint != gt.TorchSource(Tagged("b")).fingerprint
     with pytest.raises(AttributeError, match="no `fingerprint` attribute"):

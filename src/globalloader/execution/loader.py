@@ -212,21 +212,14 @@ class Loader:
 
     def run_record(self) -> input_report.RunRecord:
         """What `report()` draws: the loop's timeline and the workers' time per stage."""
-        stats = self.statistics.report()
         notes = []
         if self.share:
             notes.append(
                 "Shared mode: the shared maps ran on the global loader server and are not in this job's "
                 "worker time; see `globalloader status --web` for the server's side."
             )
-        return input_report.RunRecord(
-            timeline=self.statistics.timeline,
-            stages={name: stage["busy_s"] for name, stage in stats["stages"].items()},
-            workers=self.workers,
-            worker_idle_s=stats["workers"]["wait_s"] if self.workers else None,
-            step="batch" if self.plan.batch is not None else "sample",
-            notes=notes,
-        )
+        step = "batch" if self.plan.batch is not None else "sample"
+        return input_report.RunRecord.of(self.statistics, self.workers, step, notes)
 
     def _close_pool(self) -> None:
         pool, self.pool = self.pool, None

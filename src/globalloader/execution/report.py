@@ -23,10 +23,11 @@ from typing import Any
 
 from globalloader._extras import require
 from globalloader.errors import ArgumentError
+from globalloader.execution.stats import LoaderStats
 from globalloader.execution.timeline import StepTimeline, wait_edges
 
 INPUT_BOUND = 0.10  # waiting for data more than this share of the loop's time: input-bound
-_STAGE_NAMES = {"transport": "transfer (to the loop)", "read": "read (source)"}
+_STAGE_NAMES = {"transport": "transfer (to the loop)", "read": "read (source)", "fetch": "fetch (the dataset)"}
 
 
 @dataclass
@@ -42,6 +43,19 @@ class RunRecord:
     worker_idle_s: float | None = None
     step: str = "batch"
     notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, stats: LoaderStats, workers: int, step: str, notes: list[str] | None = None) -> RunRecord:
+        """The record of a run that `stats` measured (a Loader's, or the torch drop-in's)."""
+        totals = stats.report()
+        return cls(
+            timeline=stats.timeline,
+            stages={name: stage["busy_s"] for name, stage in totals["stages"].items()},
+            workers=workers,
+            worker_idle_s=totals["workers"]["wait_s"] if workers else None,
+            step=step,
+            notes=notes or [],
+        )
 
     def steady_wait(self) -> tuple[float, float]:
         """(waited, worked) seconds of the loop after its first step."""

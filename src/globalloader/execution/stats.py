@@ -3,7 +3,8 @@
 Workers time every stage of every task (read, each map, collate, transport) and send the totals
 with each result; the consumer adds how long `next()` waited and how long the training step
 between two `next()` calls took. If the consumer waits, loading is the bottleneck; if workers sit
-idle, the training step is.
+idle, the training step is. The torch drop-in records into the same object (its workers' stages
+are fetch, collate and transport), so both front doors give one structure and one report.
 """
 
 from __future__ import annotations

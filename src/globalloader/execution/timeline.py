@@ -29,9 +29,8 @@ def wait_edges() -> list[float]:
 class StepTimeline:
     """Steps, waits and loop time per bucket of run time, and a histogram of waits per step.
 
-    Call `begin()` when a pass starts, then `step(wait)` as each item reaches the loop (or
-    `delivered(total_wait)` with a running total of the pass's wait). Not thread-safe: the loop's
-    thread records.
+    Call `begin()` when a pass starts, then `step(wait)` as each item reaches the loop. Not
+    thread-safe: the loop's thread records.
     """
 
     def __init__(self) -> None:
@@ -46,17 +45,10 @@ class StepTimeline:
         self.first_wait: float | None = None  # the first step's wait (workers starting, caches cold)
         self.span = 0.0  # seconds from the origin to the latest step (the last bucket ends there)
         self._last: float | None = None  # when the previous step of this pass reached the loop
-        self._total = 0.0  # the pass's running wait, for `delivered`
 
     def begin(self) -> None:
         """A new pass: time since the previous pass's last step is not the loop's."""
         self._last = None
-        self._total = 0.0
-
-    def delivered(self, total_wait: float) -> None:
-        """A step reached the loop; `total_wait` is the pass's running wait including it."""
-        self.step(max(0.0, total_wait - self._total))
-        self._total = total_wait
 
     def step(self, wait: float) -> None:
         """A step reached the loop after it waited `wait` seconds for it."""

@@ -8,7 +8,8 @@ the default collate stacks samples straight into that memory. On top:
 - `state_dict()` / `load_state_dict()`: resume a pass exactly where it stopped: the same order,
   and the same values drawn from `torch`, `random` and `numpy` in workers (see `resume`);
   map-style datasets skip the delivered batches without loading them;
-- `stats()`: batches, time the training loop waited, time workers were busy;
+- `stats()` and `report()`: a Loader's per-stage figures (fetch, collate, transport per
+  worker, the loop's wait and its own time), from the same `execution.stats`;
 - `set_epoch(epoch)`: passed on to a sampler that has one (DistributedSampler);
 - `share=True`: feed the job from the machine's global loader server (`globalloader.Loader`),
   for map-style datasets with a `fingerprint`.
@@ -24,12 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, ArgumentTypeError, StateError
-from globalloader.execution.timeline import StepTimeline
-from globalloader.torch import report as input_report
+from globalloader.execution import report as input_report
+from globalloader.execution.stats import LoaderStats
 from globalloader.torch.iterators import InProcessIter, WorkerIter
 from globalloader.torch.resume import STATE_KIND, Progress, Resume, check_state, make_state, restore_rng, rng_snapshot
 from globalloader.torch.rng import process_rng, set_process_rng
-from globalloader.torch.shared import SharedChain
+from globalloader.torch.shared import shared_loader
+from globalloader.torch.tensors import to_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -173,11 +175,10 @@ class DataLoader(Generic[T_co]):
         self._dataset_kind_iterable = iterable
         self._IterableDataset_len_called: int | None = None
         self._iterator = None
-        self._progress: Progress | None = None  # of the current pass (stats, state_dict)
-        self._timeline = StepTimeline()  # every pass's batches, for report()
-        self._earlier_busy_s = 0.0  # loading seconds of the passes before the current one
+        self._progress: Progress | None = None  # of the current pass (state_dict)
+        self.statistics = LoaderStats()  # every pass's stages and loop clock, for stats() and report()
         self._resume: tuple[Resume, dict[str, Any]] | None = None  # (how, state) for the next iter()
-        self._shared = SharedChain.build(self, share, server) if share else None
+        self._shared = shared_loader(self, share, server) if share else None
         _warn_if_too_many_workers(num_workers)
         object.__setattr__(self, "_initialized", True)
 
@@ -237,15 +238,15 @@ class DataLoader(Generic[T_co]):
 
     def __iter__(self) -> Iterator[T_co]:
         if self._shared is not None:
-            return iter(self._shared)
+            return (to_tensors(batch) for batch in self._shared)
         pending, self._resume = self._resume, None
         resume = None
         if pending is not None:
             resume, state = pending
             restore_rng(self, state["rng"])
         progress = Progress(rng_snapshot(self))
-        self._count_pass(progress)
-        if self.persistent_workers and self.num_workers > 0:
+        self.statistics.new_pass()
+        if self.persistent_workers:  # only with num_workers > 0 (checked when built)
             if resume is not None and self._iterator is not None:
                 self.close()  # its workers run another pass: start them from the state's seeds
             if self._iterator is None:
@@ -313,29 +314,19 @@ class DataLoader(Generic[T_co]):
         self._resume = (resume, state)
 
     def stats(self) -> dict[str, Any]:
-        """Batches taken this pass, seconds the loop waited for them, seconds workers were busy."""
-        if self._shared is not None:
-            return self._shared.stats()
-        progress = self._progress or Progress({})
-        return {
-            "batches": progress.batches,
-            "wait_s": progress.wait_s,
-            "worker_busy_s": progress.busy_s,
-            "workers": self.num_workers,
-        }
+        """What `globalloader.Loader.stats()` gives, over every pass so far: per stage (`fetch`:
+        the dataset's samples, `collate`, `transport`: into shared memory) items and busy seconds;
+        the workers' tasks, busy and idle seconds; the loop's batches, wait and own time."""
+        return self._shared.stats() if self._shared is not None else self.statistics.report()
 
     def report(self, path: str | os.PathLike[str] = "input-report.html") -> Path:
         """Write one self-contained HTML page on this DataLoader's run so far: throughput over
-        time, loading time, the loop's wait per batch and a diagnosis (see `globalloader.Loader.report`)."""
-        busy_s = self._earlier_busy_s + (self._progress.busy_s if self._progress is not None else 0.0)
-        return input_report.write(path, self._timeline, busy_s, self.num_workers, getattr(self._shared, "loader", None))
-
-    def _count_pass(self, progress: Progress) -> None:
-        """A new pass: its batches go on the run's timeline; the last pass's loading time is kept."""
-        if self._progress is not None:
-            self._earlier_busy_s += self._progress.busy_s
-        progress.timeline = self._timeline
-        self._timeline.begin()
+        time, time per stage, the loop's wait per batch and a diagnosis (see `globalloader.Loader.report`)."""
+        if self._shared is not None:
+            return self._shared.report(path)
+        step = "batch" if self._auto_collation else "sample"
+        record = input_report.RunRecord.of(self.statistics, self.num_workers, step)
+        return input_report.write(path, record, title="globalloader.torch.DataLoader input report")
 
     def close(self) -> None:
         """Stop persistent workers now (they also stop when the DataLoader is collected)."""

@@ -9,6 +9,11 @@ With workers, task `i` goes to worker `i mod num_workers` (skipping workers whos
 exhausted), `prefetch_factor` tasks per worker are in flight, and batches are yielded in task
 order (or as they come with `in_order=False`).
 
+Each iterator times the loop as a Loader's run does (`execution.stats`, the DataLoader's
+`statistics`): per batch, the seconds `next()` waited and the seconds the loop spent between two
+`next()` calls; the stages of each batch (fetch, collate, transport) come from the worker that
+loaded it, or are timed in place without workers.
+
 Each iterator records in its `Progress` where the pass stands, the seed its workers were started
 with and (map-style datasets) each worker's RNG states after its last delivered batch, so a
 DataLoader can resume the pass exactly (`resume`): restore the pass's RNG states, draw the same
@@ -24,14 +29,14 @@ import traceback
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from globalloader.errors import StateError
 from globalloader.runtime.pool import WorkerPool, raised_again
 from globalloader.torch.collate import as_torch_batch
-from globalloader.torch.resume import Progress, Resume
-from globalloader.torch.tensors import pin, torch
+from globalloader.torch.resume import Progress, Resume, past_the_end
+from globalloader.torch.tensors import accelerator_available, pin, torch
 from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec
 
 if TYPE_CHECKING:
+    from globalloader.dataset.plan import Timer
     from globalloader.torch.settings import LoaderSettings
 
 
@@ -45,17 +50,18 @@ def _draw_seed(generator: Any) -> int:
 
 
 class _BaseIter:
-    """What both iterators share: the sampler walk, counting, the length warning, pinning."""
+    """What both iterators share: the sampler walk, the loop's clock, counting, the length warning, pinning."""
 
     def __init__(self, loader: LoaderSettings, progress: Progress) -> None:
         # No reference to the loader: dropping a loader and its iterator must stop the workers at once.
         self._index_sampler = loader._index_sampler
         self._uses_workers = loader.num_workers > 0
         self._progress = progress
+        self._stats = loader.statistics
         self._dataset = loader.dataset
         self._iterable = loader._dataset_kind_iterable
         self._auto_collation = loader._auto_collation
-        self._pin = loader.pin_memory and _pin_available()
+        self._pin = loader.pin_memory and accelerator_available()
         self._pin_device = loader.pin_memory_device
         self._datapipe = isinstance(loader.dataset, torch.utils.data.IterDataPipe)
 
@@ -63,6 +69,7 @@ class _BaseIter:
         self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
         self._len_called = loader._IterableDataset_len_called
+        self._last_yield: float | None = None  # when the loop last got a batch of this pass
 
     def __iter__(self) -> _BaseIter:
         return self
@@ -70,9 +77,30 @@ class _BaseIter:
     def __len__(self) -> int:
         return len(self._index_sampler)
 
+    def _next_batch(self) -> Any:
+        raise NotImplementedError
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        if self._last_yield is not None:
+            self._stats.consumer_busy(start - self._last_yield)
+        self._last_yield = None
+        try:
+            batch = self._deliver(self._next_batch())
+        except StopIteration:
+            raise
+        except Exception:
+            self._took(start)  # a batch whose loading raised is taken too: the loop waited for it
+            raise
+        self._took(start)
+        return batch
+
+    def _took(self, start: float) -> None:
+        self._last_yield = now = time.perf_counter()
+        self._stats.consumer_wait(now - start)
+
     def _deliver(self, batch: Any) -> Any:
         self._num_yielded += 1
-        self._progress.timeline.delivered(self._progress.wait_s if self._uses_workers else self._progress.busy_s)
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             warnings.warn(
                 f"Length of IterableDataset {self._dataset} was reported to be {self._len_called} "
@@ -108,30 +136,26 @@ class InProcessIter(_BaseIter):
         self._fetch = Fetcher(_spec(loader, dataset), dataset, default_collate=default)
         for taken in range(resume.skip):
             try:
-                self._advance(fetch=self._iterable)
+                self._next_batch(fetch=self._iterable)
             except StopIteration:
-                raise StateError(
-                    f"load_state_dict: the state's position batches={resume.skip} is past the end of this "
-                    f"pass ({taken} batches): the dataset is not the one the state was taken from"
-                ) from None
+                raise past_the_end(resume.skip, taken) from None
             except Exception:  # noqa: BLE001 - a batch that raised when it was first taken: it counts, as it did then
                 continue
         self._num_yielded = resume.skip
 
-    def _advance(self, fetch: bool = True) -> Any:
+    def _next_batch(self, fetch: bool = True) -> Any:
         try:
             index = next(self._sampler_iter)
         except StopIteration:
             self._progress.done = True
             raise
         self._progress.batches += 1  # taken, even if loading it raises
-        return self._fetch(index) if fetch else None
-
-    def __next__(self) -> Any:
-        start = time.perf_counter()
-        batch = self._advance()
-        self._progress.busy_s += time.perf_counter() - start
-        return self._deliver(batch)
+        if not fetch:
+            return None
+        timer: Timer = {}
+        batch = self._fetch(index, timer)
+        self._stats.add_task(timer, 0.0, 0)
+        return batch
 
 
 class WorkerIter(_BaseIter):
@@ -180,7 +204,7 @@ class WorkerIter(_BaseIter):
         states: list[Any] = [None] * self._num_workers
         waiting = set(range(self._num_workers))
         while waiting:
-            worker, (generation, _, kind, payload, _, rng) = pool.receive_any(_WAITING)
+            worker, (generation, _, kind, payload, _, _, rng) = pool.receive_any(_WAITING)
             if kind == RESET and generation == self._generation:
                 states[worker] = rng
                 waiting.discard(worker)
@@ -212,10 +236,7 @@ class WorkerIter(_BaseIter):
                 try:
                     self._next_batch()
                 except StopIteration:
-                    raise StateError(
-                        f"load_state_dict: the state's position batches={skip} is past the end of this pass "
-                        f"({taken} batches): the dataset is not the one the state was taken from"
-                    ) from None
+                    raise past_the_end(skip, taken) from None
             self._replaying = False
         self._num_yielded = skip
 
@@ -255,18 +276,16 @@ class WorkerIter(_BaseIter):
             if self._received in self._ready:
                 number = self._received
                 return self._take(number, *self._ready.pop(number))
-            start = time.perf_counter()
             pool = self._live_pool()
-            worker, (generation, number, kind, payload, busy, rng) = pool.receive_any(_WAITING)
-            self._progress.wait_s += time.perf_counter() - start
+            worker, (generation, number, kind, payload, timer, idle, rng) = pool.receive_any(_WAITING)
             if generation != self._generation:  # a reply to an earlier pass: drop it
                 if kind == BATCH:
                     pool.discard(worker, payload)
                 continue
-            self._progress.busy_s += busy
             self._waiting.pop(number, None)
             if kind == BATCH:  # map it now: once mapped, its worker may stop without taking it away
                 payload = pool.unpack(worker, payload)
+                self._stats.add_task(timer, idle, 0)
             elif kind == EXHAUSTED:
                 self._active[worker] = False
                 if not self._persistent:
@@ -300,7 +319,7 @@ class WorkerIter(_BaseIter):
 
     def __next__(self) -> Any:
         try:
-            return self._deliver(self._next_batch())
+            return super().__next__()
         except Exception as exc:
             # The frames below hold the error in their locals: a cycle (error -> traceback -> frame
             # -> error) that would keep this iterator and its workers alive until the garbage
@@ -319,12 +338,6 @@ class WorkerIter(_BaseIter):
 
     def __del__(self) -> None:
         self._shutdown_workers()
-
-
-def _pin_available() -> bool:
-    from globalloader.torch.tensors import accelerator_available
-
-    return accelerator_available()
 
 
 def _spec(loader: LoaderSettings, dataset: Any) -> WorkerSpec:

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from globalloader.errors import StateError
-from globalloader.execution.timeline import StepTimeline
 from globalloader.torch.rng import (
     decode_process_rng,
     encode_process_rng,
@@ -70,12 +69,9 @@ class Progress:
     __slots__ = (
         "base_seed",
         "batches",
-        "busy_s",
         "done",
         "fresh_workers",
         "snapshot",
-        "timeline",
-        "wait_s",
         "workers",
     )
 
@@ -83,14 +79,19 @@ class Progress:
         self.snapshot = snapshot  # RNG states the pass started from (`rng_snapshot`)
         self.batches = 0  # taken so far (delivered, or raised)
         self.done = False  # the pass has ended
-        self.wait_s = 0.0  # the consumer waiting for workers
-        self.busy_s = 0.0  # workers (or the main process) loading
-        self.timeline = StepTimeline()  # each batch's wait, for `DataLoader.report()`
         self.base_seed: int | None = None
         self.fresh_workers = True
         # per worker, its RNG states where its part of the pass stands: None (as seeded), a
         # `process_rng` dict (a resumed state) or what the worker sent (`RngReporter.changed`)
         self.workers: list[Any] | None = None
+
+
+def past_the_end(skip: int, taken: int) -> StateError:
+    """A state whose position is beyond the pass being resumed: it was taken from another dataset."""
+    return StateError(
+        f"load_state_dict: the state's position batches={skip} is past the end of this pass "
+        f"({taken} batches): the dataset is not the one the state was taken from"
+    )
 
 
 def _samplers(loader: LoaderSettings) -> list[Any]:
@@ -177,14 +178,12 @@ def make_state(loader: LoaderSettings, progress: Progress, epoch: int | None, pr
         "rng": progress.snapshot,
         "base_seed": progress.base_seed,
         "fresh_workers": progress.fresh_workers,
-        "workers": None if progress.workers is None else [_encoded(w) for w in progress.workers],
+        # per worker: None, already encoded (a loaded state's), or as the worker sent it
+        "workers": None
+        if progress.workers is None
+        else [encode_process_rng(w) if isinstance(w, tuple) else w for w in progress.workers],
         "process_rng": process,
     }
-
-
-def _encoded(rng: Any) -> Any:
-    """A worker's RNG states as a state records them: None, already encoded, or as the worker sent them."""
-    return encode_process_rng(rng) if isinstance(rng, tuple) else rng
 
 
 def check_state(loader: LoaderSettings, state: Any) -> Resume:
@@ -208,7 +207,9 @@ def check_state(loader: LoaderSettings, state: Any) -> Resume:
             + "; ".join(differs)
             + ". Build the DataLoader as the one that saved it"
         )
-    batches = _field(state, "batches", int)
+    batches = state.get("batches")
+    if not isinstance(batches, int) or isinstance(batches, bool):
+        raise StateError(f"load_state_dict: batches should be an int, got {batches!r}")
     limit = ours["batches_per_pass"]
     if batches < 0 or (limit is not None and batches > limit):
         bound = "0 or more" if limit is None else f"between 0 and {limit} (the batches of a pass)"
@@ -241,13 +242,6 @@ def check_state(loader: LoaderSettings, state: Any) -> Resume:
     if process is not None:
         decode_process_rng(process, "process_rng")
     return Resume(skip=batches, base_seed=seed, fresh_workers=fresh, workers=workers)
-
-
-def _field(state: dict[str, Any], name: str, kind: type) -> Any:
-    value = state.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise StateError(f"load_state_dict: {name} should be an {kind.__name__}, got {value!r}")
-    return value
 
 
 def _check_snapshot(snapshot: Any, has_generator: bool, kinds: list[str | None]) -> None:

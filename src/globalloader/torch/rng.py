@@ -70,11 +70,9 @@ def set_generator_state(generator: Any, text: Any, field: str) -> None:
 
 def process_rng() -> dict[str, Any]:
     """The states of this process's global `torch`, `random` and `numpy` RNGs."""
-    return encode_process_rng(_capture())
-
-
-def _capture() -> tuple[bytes, Any, Any]:
-    return torch.get_rng_state().numpy().tobytes(), random.getstate(), np.random.get_state(legacy=True)
+    return encode_process_rng(
+        (torch.get_rng_state().numpy().tobytes(), random.getstate(), np.random.get_state(legacy=True))
+    )
 
 
 def encode_process_rng(raw: tuple[bytes, Any, Any]) -> dict[str, Any]:
@@ -106,8 +104,7 @@ class RngReporter:
             return None
         numpy_state = cast("tuple[Any, ...]", np.random.get_state(legacy=True))
         self._last, self._gauss_cached = seen, bool(numpy_state[3])
-        raw = (seen[0], seen[1], numpy_state)
-        return raw
+        return seen[0], seen[1], numpy_state
 
 
 def _numpy_words() -> bytes | None:

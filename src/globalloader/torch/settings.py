@@ -8,7 +8,10 @@ cycle. `DataLoader` has every member, so type checkers accept it wherever this i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from globalloader.execution.stats import LoaderStats
 
 
 class LoaderSettings(Protocol):
@@ -32,6 +35,7 @@ class LoaderSettings(Protocol):
     in_order: bool
     _dataset_kind_iterable: bool
     _IterableDataset_len_called: int | None  # what len() reported for an iterable dataset, if asked
+    statistics: LoaderStats  # the run's time per stage and the loop's clock, over every pass
 
     @property
     def _auto_collation(self) -> bool: ...

@@ -10,6 +10,9 @@ iterator's base seed and the worker id; `worker_init_fn(worker_id)` runs once, a
 For resume, a worker of a map-style dataset reports the state of those three RNGs after each task
 (the state its next task starts from), and one started to resume a pass puts back the state it
 is given before its first task.
+Each batch's reply carries its time per stage (`fetch`: the dataset's samples, `collate`,
+`transport`: writing it to shared memory) and the seconds the worker waited for the task, the
+figures a Loader's workers send (`execution.stats`): three clock reads per batch, none per sample.
 The process itself (start, death, timeout, parent death, one intra-op thread) is
 `runtime.WorkerPool`'s; this module is only the body it runs.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -29,7 +32,13 @@ from globalloader.torch.collate import stack_collate
 from globalloader.torch.rng import RngReporter, set_process_rng
 from globalloader.torch.tensors import torch
 
-# Result kinds a worker sends: (generation, task, kind, payload, busy seconds, RNG state or None)
+if TYPE_CHECKING:
+    from globalloader.dataset.plan import Timer
+
+# A worker's reply to each message, a plain tuple (a named one costs microseconds more to pickle):
+# (generation, task or -1 for RESET, kind, payload, timer: stage -> [items, seconds] of a BATCH or
+# None, seconds the worker waited for the message, its RNG states where its next task starts or None)
+Reply = tuple[int, int, int, Any, "Timer | None", float, Any]
 BATCH = 0  # payload: a batch packed by `runtime.Worker.pack`
 FAILED = 1  # payload: (exception, traceback text)
 EXHAUSTED = 2  # an iterable dataset's copy in this worker has no more items
@@ -60,7 +69,7 @@ def worker_seeds(base_seed: int, worker_id: int) -> tuple[int, np.ndarray]:
 
 class TorchBody:
     """A DataLoader worker's body (`runtime.WorkerPool`): seed, set up the dataset copy, then one
-    reply per task: (generation, task, kind, payload, busy seconds, RNG state or None)."""
+    `Reply` per message."""
 
     def __init__(
         self, spec: WorkerSpec, base_seed: int, shared_seed: int | None, rng: list[dict[str, Any] | None] | None
@@ -97,8 +106,14 @@ class TorchBody:
             set_process_rng(self.rng[worker_id], "worker rng")
         # An iterable dataset resumes by replaying its batches (RNG draws included): no report per task.
         self.reporter = None if spec.iterable else RngReporter()
+        self.idle_since = time.perf_counter()
 
     def run(self, worker: Worker, message: tuple[str, int, int, Any]) -> None:
+        idle = time.perf_counter() - self.idle_since
+        worker.send(self._reply(worker, message, idle))
+        self.idle_since = time.perf_counter()
+
+    def _reply(self, worker: Worker, message: tuple[str, int, int, Any], idle: float) -> Reply:
         op, generation, number, payload = message
         if op == "reset":  # persistent workers, next pass
             if self.datapipe:
@@ -109,23 +124,24 @@ class TorchBody:
             except Exception as exc:  # noqa: BLE001 - the dataset's __iter__ failed: reported as the next result
                 self.setup_error = failure(exc, WorkerError)
             reset_reporter = RngReporter()  # the full state: the consumer starts the pass from it
-            worker.send((generation, -1, RESET, None, 0.0, reset_reporter.changed()))
             self.reporter = None if self.spec.iterable else reset_reporter
-            return
-        start = time.perf_counter()
-        reply: tuple[int, int, int, Any, float]
+            return (generation, -1, RESET, None, None, idle, reset_reporter.changed())
+        timer: Timer | None = None
         if self.setup_error is not None or self.fetch is None:
-            reply = (generation, number, FAILED, self.setup_error or _no_fetcher(), 0.0)
-            self.setup_error = None
+            kind, payload, self.setup_error = FAILED, self.setup_error or _no_fetcher(), None
         else:
             try:
-                packed = worker.pack(self.fetch(payload))
-                reply = (generation, number, BATCH, packed, time.perf_counter() - start)
+                timer = {}
+                batch = self.fetch(payload, timer)
+                start = time.perf_counter()
+                kind, payload = BATCH, worker.pack(batch)
+                timer["transport"] = [1, time.perf_counter() - start]
             except StopIteration:
-                reply = (generation, number, EXHAUSTED, None, 0.0)
+                kind, payload, timer = EXHAUSTED, None, None
             except Exception as exc:  # noqa: BLE001 - whatever the dataset or collate raised goes to the consumer
-                reply = (generation, number, FAILED, failure(exc, WorkerError), 0.0)
-        worker.send((*reply, None if self.reporter is None else self.reporter.changed()))
+                kind, payload, timer = FAILED, failure(exc, WorkerError), None
+        rng = None if self.reporter is None else self.reporter.changed()  # where its next task starts
+        return (generation, number, kind, payload, timer, idle, rng)
 
 
 class Fetcher:
@@ -142,23 +158,29 @@ class Fetcher:
             self.collate = torch.utils.data.default_convert
         self.getitems = getattr(dataset, "__getitems__", None)
 
-    def __call__(self, index: Any) -> Any:
-        spec = self.spec
+    def __call__(self, index: Any, timer: Timer) -> Any:
+        """The batch (or sample) for `index`; adds its `fetch` and `collate` seconds to `timer`."""
+        spec, start = self.spec, time.perf_counter()
         if self.items is not None:
             if not spec.auto_collation:
-                return self.collate(next(self.items))  # StopIteration ends this worker's share
-            data, size = [], spec.batch_size or 1
-            for item in self.items:
-                data.append(item)
-                if len(data) == size:
-                    break
-            if not data or (spec.drop_last and len(data) < size):
-                raise StopIteration
-            return self.collate(data)
-        if not spec.auto_collation:
-            return self.collate(self.dataset[index])
-        data = self.getitems(index) if self.getitems else [self.dataset[i] for i in index]
-        return self.collate(data)
+                data = next(self.items)  # StopIteration ends this worker's share
+            else:
+                data, size = [], spec.batch_size or 1
+                for item in self.items:
+                    data.append(item)
+                    if len(data) == size:
+                        break
+                if not data or (spec.drop_last and len(data) < size):
+                    raise StopIteration
+        elif not spec.auto_collation:
+            data = self.dataset[index]
+        else:
+            data = self.getitems(index) if self.getitems else [self.dataset[i] for i in index]
+        fetched = time.perf_counter()
+        batch = self.collate(data)
+        timer["fetch"] = [len(data) if spec.auto_collation and hasattr(data, "__len__") else 1, fetched - start]
+        timer["collate"] = [1, time.perf_counter() - fetched]
+        return batch
 
 
 def _seed_datapipe(dataset: Any, shared_seed: int | None) -> Any:
