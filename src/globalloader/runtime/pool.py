@@ -217,6 +217,12 @@ class WorkerPool:
             self._wait([w], doing)
         return self._read(w, doing)
 
+    def read(self, w: int, doing: str = "") -> Any:
+        """Worker `w`'s next reply when its pipe is known to be readable (an event loop's
+        selector said so): no poll, no deadline. A pipe that is readable because the worker
+        died raises WorkerError."""
+        return self._read(w, doing)
+
     def receive_any(self, doing: str = "") -> tuple[int, Any]:
         """(worker, reply) for the next reply of any worker not told to stop."""
         w = self._wait([w for w in range(len(self.conns)) if w not in self.stopped], doing)

@@ -28,6 +28,9 @@ from globalloader._pids import alive
 from globalloader.errors import GlobalLoaderError, ProtocolError, ServerStartError
 from globalloader.service import protocol
 
+HOLD_S = 0.008  # the longest a ticket waits at the server for others to share its frame
+HOLD_TICKETS = 16  # ... or until this many wait
+
 
 def log(line: str) -> None:
     print(f"globalloader server: {line}", file=sys.stderr, flush=True)
@@ -42,7 +45,9 @@ class Connection:
     opened: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     framer: protocol.Framer = field(default_factory=protocol.Framer)
-    queued: list[tuple] = field(default_factory=list)  # messages of this round of events, not yet framed
+    queued: list[tuple] = field(default_factory=list)  # messages not yet framed (see Connections.post_all)
+    since: float = 0.0  # when the oldest of them was queued
+    urgent: bool = False  # one of them is not a ticket: it goes out at the end of this round
     outbox: bytearray = field(default_factory=bytearray)
     job: Any = None  # the scheduler's job, from its hello until it is dropped
     closing: bool = False  # close once the outbox is sent
@@ -179,11 +184,13 @@ class Connections:
 
     # -- sending -----------------------------------------------------------------------------
     def send(self, conn: Connection, kind: str, *fields: Any) -> None:
-        """Queue a message: what one round of events queued for a client goes out in one frame
-        when the round is over (`post_all`)."""
+        """Queue a message; `post_all` sends what is due, one frame per client."""
         if conn.sock.fileno() < 0:
             return
+        if not conn.queued:
+            conn.since = time.monotonic()
         conn.queued.append((kind, *fields))
+        conn.urgent = conn.urgent or kind not in protocol.BATCHED
         self._unposted[conn.sock] = conn
 
     def _post(self, conn: Connection) -> None:
@@ -193,17 +200,29 @@ class Connections:
             return
         waiting = bool(conn.outbox)  # then the socket is full: the selector flushes when it drains
         conn.outbox += protocol.frame_all(conn.queued)
-        conn.queued = []
+        conn.queued, conn.urgent = [], False
         if not waiting:
             self._flush(conn)
         if conn.sock.fileno() >= 0 and len(conn.outbox) > protocol.SEND_LIMIT:
             self.close(conn, f"stopped reading ({len(conn.outbox):,} bytes unsent)")
 
-    def post_all(self) -> None:
-        """Send what this round of events queued, one frame per client."""
-        while self._unposted:
-            _, conn = self._unposted.popitem()
-            self._post(conn)
+    def post_all(self, settled: Callable[[Connection], bool]) -> float | None:
+        """Send what is due, one frame per client; return the seconds until held tickets are
+        due (None: nothing held).
+
+        Tickets wait for company (HOLD_TICKETS of them, or HOLD_S), so that a job that asked
+        far ahead gets them a few per frame: one send, one wake-up of its reader and one of its
+        training thread per few samples, not per sample. They go at once with any other message,
+        and when `settled(conn)` says no more are on their way to that client now."""
+        now, due = time.monotonic(), None
+        for sock, conn in list(self._unposted.items()):
+            left = conn.since + HOLD_S - now
+            if conn.urgent or left <= 0 or len(conn.queued) >= HOLD_TICKETS or settled(conn):
+                del self._unposted[sock]
+                self._post(conn)
+            else:
+                due = left if due is None else min(due, left)
+        return due
 
     def _flush(self, conn: Connection) -> None:
         if conn.sock.fileno() < 0:

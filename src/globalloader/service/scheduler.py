@@ -260,6 +260,12 @@ class Scheduler:
                 with self.io.serving(job.conn, "want"):
                     self._pump(job)
 
+    def settled(self, conn: Connection) -> bool:
+        """Whether no ticket is on its way to this client now (every sample its job drew has
+        been answered): what is queued for it need not wait for more."""
+        job: Job | None = conn.job
+        return job is None or not job.open or job.delivered >= job.drawn
+
     def _deliver(self, job: Job, seq: int, index: int) -> None:
         entry = self.pool.acquire((job.group.fingerprint, index), job.id)
         job.delivered += 1

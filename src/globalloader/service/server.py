@@ -4,8 +4,9 @@ A `Server` is two parts on one selector in one thread: the connection I/O (`conn
 accept, frame, queue and send) and the scheduler (`scheduler`: jobs, groups, draws, loads),
 with the buffer pool in a shared-memory arena and the decode workers (`decoder`). The main loop
 waits for events (client sockets, worker pipes), runs them, lets the jobs that asked draw, and
-sends what the round queued, one frame per client. A failure while serving a job is sent to that
-job as a named error; the server and the other jobs go on.
+sends what is due, one frame per client (tickets wait a few milliseconds for company). A
+failure while serving a job is sent to that job as a named error; the server and the other
+jobs go on.
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ class Server:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_running", False))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_running", False))
         last_check = time.monotonic()
+        timeout = CHECK_S
         try:
             while self._running:
-                for key, mask in self._selector.select(timeout=CHECK_S):
+                for key, mask in self._selector.select(timeout=timeout):
                     try:
                         key.data(mask)
                     except Exception as exc:  # noqa: BLE001 - never let one event end the server
@@ -113,7 +115,8 @@ class Server:
                     last_check = now
                     self._check(now)
                 self.scheduler.draw()
-                self.io.post_all()
+                due = self.io.post_all(self.scheduler.settled)
+                timeout = CHECK_S if due is None else min(CHECK_S, due)
         finally:
             self.close()
 
