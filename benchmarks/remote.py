@@ -18,7 +18,12 @@ epoch in the same process. Then 2 jobs at once on one machine (one cache folder)
 epochs' bytes / the dataset, and the slower job's time; globalloader also with `share=True`.
 Median of `--rounds` (3) with min and max; JSON in benchmarks/results/remote.json.
 
-The floor of globalloader's cold epoch is measured too, in a fresh process per round: the time
+Where globalloader's cold epoch goes, per round (`phases`): the seconds to construct the source
+(for S3: importing the client, making it, listing the shards), to index it (`len()`: the
+sidecars), the CPU seconds of the job's processes over the cold epoch (the loader's and its
+workers') and those of this process meanwhile (the S3 server and the proxy, which share the
+machine's cores with the job: the local-disk baseline does not pay them). The floor of
+globalloader's cold epoch is measured too, in a fresh process per round: the time
 to import the S3 client (s3fs), to list the shards, and to download every shard and sidecar
 whole with 8 requests in flight (no decoding): what any remote epoch pays on top of the work
 the same epoch does from local disk.
@@ -181,15 +186,32 @@ def _floor(spec: dict[str, Any]) -> dict[str, Any]:
     return {"import_s": imported - t0, "list_s": listed - imported, "download_s": done - listed, "bytes": got}
 
 
+def _cpu_seconds() -> float | None:
+    """CPU seconds of this process and its live children (the loader's workers), or None where
+    /proc does not list children."""
+    own = os.times()
+    total = own.user + own.system + own.children_user + own.children_system
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        for children in Path("/proc/self/task").glob("*/children"):
+            for pid in children.read_text().split():
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    except OSError:
+        return None
+    return total
+
+
 def _job(spec: dict[str, Any]) -> dict[str, Any]:
     system, proxy, epochs = spec["system"], spec["proxy"], spec["epochs"]
     if system == "floor":
         return _floor(spec)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), _cpu_seconds()
     begin_bytes = _stats(proxy)
     make = {"gl": _gl_loader, "gl-local": _gl_loader, "mosaic": _mosaic_loader, "litdata": _lit_loader}[system]
-    loader = make(spec)
-    result: dict[str, Any] = {"epochs": []}
+    phases: dict[str, Any] = {}
+    loader = make({**spec, "phases": phases, "start": start})
+    result: dict[str, Any] = {"epochs": [], "phases": phases}
     for epoch in range(epochs):
         t0, first, samples = time.perf_counter(), None, 0
         for batch in loader:
@@ -197,6 +219,9 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
                 first = time.perf_counter() - (start if epoch == 0 else t0)
             samples += len(batch["cls"])
         elapsed = time.perf_counter() - (start if epoch == 0 else t0)
+        if epoch == 0 and start_cpu is not None:
+            end_cpu = _cpu_seconds()
+            phases["cold_cpu_s"] = None if end_cpu is None else end_cpu - start_cpu
         now_bytes = _stats(proxy)
         result["epochs"].append(
             {"samples": samples, "seconds": elapsed, "first_batch": first, "bytes": now_bytes - begin_bytes}
@@ -212,6 +237,9 @@ def _gl_loader(spec: dict[str, Any]) -> Any:
 
     opts = options(spec["proxy"]) if spec["system"] == "gl" else None
     src = gl.TarShards(spec["url"], storage_options=opts)
+    constructed = time.perf_counter()
+    len(src)  # what the Loader's first iteration would do first: measured apart
+    spec["phases"].update(source_s=constructed - spec["start"], index_s=time.perf_counter() - constructed)
     chain = gl.Dataset(src).shuffle(seed=0, window=2).map(decode).batch(BATCH)
     share = {"share": True, "server": spec["socket"]} if spec.get("share") else {}
     return gl.Loader(chain, workers=WORKERS, **share)
@@ -298,10 +326,14 @@ def _run_jobs(system: str, fmt: dict[str, Any], proxy: FaultProxy, jobs: int, sh
         "socket": str(scratch / "s.sock"),
     }
     try:
-        before = proxy.total_bytes()
+        before, before_cpu = proxy.total_bytes(), os.times()
         procs = [_child(spec, env) for _ in range(jobs)]
         results = [_finish(p, f"{system} x{jobs}{' share' if share else ''}") for p in procs]
-        served = proxy.total_bytes() - before
+        served, after_cpu = proxy.total_bytes() - before, os.times()
+        if results[0] is not None and "phases" in results[0]:  # this process: the S3 server and the proxy
+            results[0]["phases"]["server_cpu_s"] = (
+                after_cpu.user + after_cpu.system - before_cpu.user - before_cpu.system
+            )
     finally:
         if share:
             subprocess.run(
@@ -311,11 +343,11 @@ def _run_jobs(system: str, fmt: dict[str, Any], proxy: FaultProxy, jobs: int, sh
     return results[0] if jobs == 1 else {"jobs": results, "bytes": served}
 
 
-def _summary(values: list[float]) -> dict[str, float] | None:
-    values = [v for v in values if v is not None]
-    if not values:
+def _summary(values: list[float | None]) -> dict[str, float] | None:
+    known = [v for v in values if v is not None]
+    if not known:
         return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+    return {"median": statistics.median(known), "min": min(known), "max": max(known), "n": len(known)}
 
 
 def main() -> None:
@@ -397,6 +429,11 @@ def _digest(runs: dict[str, list[Any]], formats: dict[str, Any]) -> dict[str, An
                 "failed_rounds": len(rounds) - len(ok),
                 "traceback_at_exit": any(r["stderr_traceback"] for r in ok),
             }
+            if system.startswith("gl"):
+                out[name]["phases"] = {
+                    key: _summary([r["phases"].get(key) for r in ok])
+                    for key in ("source_s", "index_s", "cold_cpu_s", "server_cpu_s")
+                }
         else:
             ok = [r for r in rounds if all(j is not None for j in r["jobs"])]
             out[name] = {  # bytes served to both jobs together, from the first start to the last end
@@ -438,6 +475,14 @@ def _print(digest: dict[str, Any], latency: float) -> None:
             f"{_fmt(d['first_batch_s'], ' s', 2):>22} {_fmt(d['cold_bytes_x'], 'x', 2):>20} "
             f"{_fmt(d['warm_bytes_x'], 'x', 2):>20}"
         )
+    for name, d in digest.items():
+        p = d.get("phases")
+        if p:
+            print(
+                f"{name}: source {_fmt(p['source_s'], ' s', 2)}, index {_fmt(p['index_s'], ' s', 2)}; CPU over the "
+                f"cold epoch: job {_fmt(p['cold_cpu_s'], ' s', 2)}, "
+                f"S3 server + proxy {_fmt(p['server_cpu_s'], ' s', 2)}"
+            )
     for name, d in digest.items():
         if " x2" in name:
             print(f"{name:14} bytes {_fmt(d['bytes_x'], 'x', 2)}, slower job {_fmt(d['slowest_job_s'], ' s', 1)}")

@@ -4,6 +4,7 @@ shards into the machine cache ahead of the workers, several at once."""
 from __future__ import annotations
 
 import pathlib
+import threading
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 import globalloader as gl
 from globalloader.demo.s3 import write_shards
 from globalloader.sources import TarShards
+from globalloader.storage.prefetch import Prefetcher
 
 
 def test_prefetch_downloads_the_named_shards_in_the_background(s3: dict[str, Any]) -> None:
@@ -51,3 +53,60 @@ def test_a_loader_downloads_ahead_of_its_workers(s3: dict[str, Any], tmp_path: p
     assert sorted(keys) == [f"s{i:05d}" for i in range(48)]
     assert proxy.count("GET", prefix) - before == len(urls)  # each shard once
     assert proxy.most_in_flight >= 2  # one worker alone reads one at a time: these came ahead
+
+
+def test_a_loader_fetches_thousands_of_samples_ahead_however_small_its_batches(
+    s3: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    # A window shuffle moves to new shards every `window` shards: a horizon of a few small batches
+    # would name them only just before they are read. One batch taken, the loader goes on
+    # downloading the rest of this short epoch (every shard, each once) while nobody reads.
+    urls = write_shards(s3["bucket"], s3["options"], n=96, per_shard=4)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
+    indexes = tmp_path / "indexes"
+    first = TarShards(urls, storage_options=s3["options"], index_dir=indexes)
+    assert len(first) == 96
+    first.close()
+    first.store.cache.clear()
+    src = TarShards(urls, storage_options=s3["options"], index_dir=indexes)
+    assert len(src) == 96 and src.scanned == 0
+    before = proxy.count("GET", prefix, ".tar")
+    with gl.Loader(gl.Dataset(src).shuffle(seed=3, window=2).batch(2), workers=1, mode="thread") as loader:
+        batches = iter(loader)
+        next(batches)
+        deadline = time.monotonic() + 30
+        while proxy.count("GET", prefix, ".tar") - before < len(urls):
+            assert time.monotonic() < deadline, (
+                f"only {proxy.count('GET', prefix, '.tar') - before} of {len(urls)} shards were fetched ahead"
+            )
+            time.sleep(0.02)
+        keys = [k for batch in batches for k in batch["__key__"]]
+    assert len(keys) == 94
+    assert proxy.count("GET", prefix, ".tar") - before == len(urls)  # each shard once
+
+
+def test_the_waiting_requests_stay_within_their_bytes_and_count() -> None:
+    started, release, fetched = threading.Event(), threading.Event(), []
+
+    def fetch(url: str) -> None:
+        fetched.append(url)
+        started.set()
+        assert release.wait(20)
+
+    prefetcher = Prefetcher(fetch, threads=1, depth=3, budget=10)
+    prefetcher.request([("a", 100)])  # alone: taken whatever its size
+    assert started.wait(20)
+    prefetcher.request([("b", 6), ("c", 6), ("d", 3)])  # c would pass 10 bytes: c and the newer d dropped
+    prefetcher.request([("e", 1), ("f", 1), ("g", 1)])  # 3 waiting at most: g dropped
+    release.set()
+    deadline = time.monotonic() + 20
+    while len(fetched) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert fetched == ["a", "b", "e", "f"]
+    prefetcher.request([("c", 6), ("g", 1)])  # dropped ones may be asked for again
+    while len(fetched) < 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert fetched == ["a", "b", "e", "f", "c", "g"]

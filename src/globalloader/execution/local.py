@@ -17,7 +17,11 @@ from globalloader.execution.run import EpochRun, Host
 from globalloader.execution.workers import Task
 from globalloader.sources.base import Prefetching
 
-_PREFETCH_TASKS = 8  # tasks past the submitted ones whose remote objects are fetched ahead
+# How far past the submitted tasks remote objects are fetched ahead: at least this many tasks, and
+# at least this many samples (a window shuffle moves on to new shards every `window` shards, so a
+# horizon of a few small batches would announce them only milliseconds before they are read).
+_PREFETCH_TASKS = 8
+_PREFETCH_SAMPLES = 4096
 
 
 class LocalRun(EpochRun):
@@ -27,12 +31,14 @@ class LocalRun(EpochRun):
         source = self.plan.source
         self._prefetch_to = position.task  # tasks before this one were announced to the source
         self._prefetcher = source if isinstance(source, Prefetching) and source.remote and cursor.tasks else None
+        self._horizon = max(_PREFETCH_TASKS, -(-_PREFETCH_SAMPLES // self.plan.task_size))
 
     def position(self) -> Position:
         return self._cursor.position()
 
     def _submit(self) -> None:
         cursor = self._cursor
+        self._announce()  # before the first submission: this process starts the downloads, not a worker
         while cursor.next_task - cursor.collected < self.host.prefetch:
             claimed = cursor.claim()
             if claimed is None:
@@ -46,7 +52,7 @@ class LocalRun(EpochRun):
         cursor = self._cursor
         if self._prefetcher is None or cursor.tasks is None:
             return
-        last = min(cursor.tasks, cursor.next_task + _PREFETCH_TASKS)
+        last = min(cursor.tasks, cursor.next_task + self._horizon)
         if self._prefetch_to >= last:
             return
         indices: list[np.ndarray] = []

@@ -218,9 +218,11 @@ class Store:
             return
         with self._lock:
             if self._prefetcher is None:
-                self._prefetcher = Prefetcher(self._prefetch_one)
+                # Waiting to be downloaded: at most a quarter of the cache's limit (a deep horizon never
+                # queues more than the cache would keep).
+                self._prefetcher = Prefetcher(self._prefetch_one, budget=self.cache.limit // 4)
             self._wanted.update(objects)
-        self._prefetcher.request(url for url, _ in objects)
+        self._prefetcher.request((url, stat.size) for url, stat in objects)
 
     def _prefetch_one(self, url: str) -> None:
         stat = self._wanted[url]
