@@ -18,7 +18,11 @@ resized crop to 224 (scale 0.08-1, ratio 3/4-4/3), horizontal flip, normalize to
      `fn.crop_mirror_normalize`, one thread, synchronous executor, batches of 32;
    - spdl: Meta's SPDL, `spdl.io.load_image` with an FFmpeg crop/scale/hflip filter, then
      `vision.normalize`.
-   A peer that cannot be imported or run here is recorded with the exact error.
+   A peer that cannot be imported or run here is recorded with the exact error. Peers run only
+   with `--peers`, and then to benchmarks/results/decode_peers.json: loading DALI and SPDL into
+   the process changes how the C allocator returns memory (the usual code's ~530 page faults per
+   500x375 sample disappear), which speeds every contestant, so that run compares gl with the
+   peers, and the run without them gives the ratios against the usual code.
 2. Decoders alone (to a uint8 array): Pillow, simplejpeg, PyTurboJPEG at full size; simplejpeg at
    1/8 scale (what no DCT scale skips: the entropy decoding); libjpeg-turbo's lossless crop of
    the random crop (tjTransform, the system's libturbojpeg) followed by a decode of the result.
@@ -36,9 +40,9 @@ not ship. simplejpeg carries its own libjpeg-turbo.
 
 Goals: gl >= 2.5x usual at 500x375 and >= 3.5x at 1024x768 per sample; the loader >= 1.5x torch's
 DataLoader + usual code; gl within 10% of DALI's CPU pipeline or ahead.
-JSON to benchmarks/results/decode.json (`--output`).
+JSON to benchmarks/results/decode.json, or decode_peers.json with `--peers` (`--output`).
 
-    python benchmarks/decode.py [--rounds 5] [--samples 200] [--workers 2] [--no-loader] [--no-peers]
+    python benchmarks/decode.py [--rounds 5] [--samples 200] [--workers 2] [--no-loader] [--peers]
                                 [--profile-only]
 """
 
@@ -162,7 +166,7 @@ def peers(enabled: bool) -> tuple[dict[str, Callable[[], Runner]], dict[str, str
     makers: dict[str, Callable[[], Runner]] = {}
     missing: dict[str, str] = {}
     if not enabled:
-        return makers, {"dali_cpu": "--no-peers", "spdl": "--no-peers"}
+        return makers, {"dali_cpu": "run with --peers", "spdl": "run with --peers"}
     for name, make in (("dali_cpu", dali_runner), ("spdl", spdl_runner)):
         try:
             runner = make()
@@ -430,12 +434,14 @@ def main() -> None:
     parser.add_argument("--loader-images", type=int, default=2000)
     parser.add_argument("--loader-rounds", type=int, default=3)
     parser.add_argument("--no-loader", action="store_true")
-    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--peers", action="store_true", help="also DALI and SPDL (to decode_peers.json)")
     parser.add_argument("--profile-only", action="store_true", help="only the per-step profile (4.)")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=None, help="decode.json; decode_peers.json with --peers")
     args = parser.parse_args()
+    if args.output is None:
+        args.output = RESULTS.with_name("decode_peers.json") if args.peers else RESULTS
 
-    peer_makers, missing = peers(not args.no_peers and not args.profile_only)
+    peer_makers, missing = peers(args.peers and not args.profile_only)
     result: dict[str, Any] = {"benchmark": "decode", "peers_not_run": missing, "per_sample": {}, "profile_us": {}}
     for width, height in SIZES:
         label = f"{width}x{height}"
