@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from globalloader._seeding import generator
 from globalloader.dataset.chain import Dataset
 from globalloader.demo.workload import train_step
-from globalloader.errors import ArgumentError, ServerGoneError, WorkerError
+from globalloader.errors import ArgumentError, ServerGoneError, WorkerError, check_int
 from globalloader.execution.loader import Loader
 from globalloader.sources import ImageFolder
 from globalloader.vision import Decode, RandomCropFlipNormalize
@@ -132,8 +132,7 @@ def run_jobs(
         raise ArgumentError(f"run_jobs: mode must be one of {MODES}, got {mode!r}")
     if not specs or len({s.name for s in specs}) != len(specs):
         raise ArgumentError(f"run_jobs: specs must be non-empty with distinct names, got {[s.name for s in specs]}")
-    if not isinstance(workers, int) or workers < 0:
-        raise ArgumentError(f"run_jobs: workers must be an int >= 0, got {workers!r}")
+    workers = check_int(workers, "run_jobs: workers")
     server_workers = max(1, len(specs) * workers)
     folder = Path(tempfile.mkdtemp(prefix="gl-jobs-"))
     server = _Server(folder, memory, server_workers) if mode == "shared" else None

@@ -164,7 +164,6 @@ class DecoderPool:
         self._space_progress = time.monotonic()  # last time pool space was granted or released
         self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
         self._sent = 0  # loads sent so far (their order)
-        self._unplaced = False  # a load may be in flight without space reserved (see _place_in_flight)
         self.decode_s = 0.0
         self.restarts = 0
         self.space_requests = 0  # loads whose worker had to ask for space (a round trip while it waits)
@@ -198,8 +197,6 @@ class DecoderPool:
         a worker's queue always full, each load would cost its worker a round trip to the server."""
         if self._waiting_space:
             return False
-        if not self._unplaced:  # the usual case: every load was sent with its space
-            return True
         unplaced = sorted(
             (load for worker in self._workers for key, load in worker.loads.items() if key not in self.pool),
             key=lambda load: load.order,
@@ -208,7 +205,6 @@ class DecoderPool:
             size = self._sizes.get(load.key[0])
             if size is None or size > self.pool.capacity or self.pool.reserve(load.key, size) is None:
                 return False
-        self._unplaced = False
         return True
 
     def loading(self, key: Key) -> bool:
@@ -229,7 +225,6 @@ class DecoderPool:
         offset = None
         if size is not None and size <= self.pool.capacity and self._place_in_flight():
             offset = self.pool.reserve((fp, index), size)
-        self._unplaced = self._unplaced or offset is None
         self._sent += 1
         worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts, self._sent)
         try:
