@@ -173,3 +173,14 @@ def test_image_folder_on_a_url_reads_through_the_cache(s3: dict[str, Any], tmp_p
     changed = gl.ImageFolder(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
     dog0 = [changed[i]["image"] for i in range(8) if changed[i]["__key__"] == "dog/0"]
     assert changed.fingerprint != remote.fingerprint and dog0 == [b"changed"]
+
+
+def test_sizes_and_versions_come_from_the_listing_else_one_request_each(s3: dict[str, Any]) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=24, per_shard=8, size=300)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard-"
+    asked = storage.Store(s3["options"]).stats(urls)  # named one by one: a HEAD each
+    assert proxy.count("HEAD", prefix) == len(urls) == 3
+    listed = TarShards(f"s3://{s3['bucket']}/shard-*.tar", storage_options=s3["options"])
+    assert proxy.count("HEAD", prefix) == 3  # the listing answered every shard
+    assert listed.shards == urls and listed._stats == asked
+    assert all(st.size > 0 and st.version for st in asked)

@@ -113,6 +113,10 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes: with Nagle's algorithm the body would wait for the
+    # client's delayed ACK of the headers (up to 40 ms on a kept-alive connection), a delay no
+    # object store adds and that `latency` does not count.
+    disable_nagle_algorithm = True
     server: FaultProxy
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet

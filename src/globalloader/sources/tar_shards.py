@@ -90,8 +90,7 @@ class TarShards:
         self._remote = [bool(storage.scheme_of(url)) for url in self.shards]
         # Shards held in the machine cache are read whole from it, never kept in memory.
         self._cached = [self.store.cached(url) for url in self.shards]
-        with ThreadPoolExecutor(self._threads) as pool:
-            self._stats = list(pool.map(self.store.stat, self.shards))
+        self._stats = self.store.stats(self.shards, self._threads)  # a listing answered them: no request
         for url, st in zip(self.shards, self._stats, strict=True):
             self._reader.expect(url, st)
         self.fingerprint: str = fingerprint_of(

@@ -47,6 +47,9 @@ from globalloader.storage.cache_stats import CacheStats, lock_exclusive
 DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
 LIMIT_ENV = "GLOBALLOADER_CACHE_LIMIT"
 LOCK_TIMEOUT = 900.0  # seconds to wait for another process's download of the same entry
+# Longest pause between two tries of that lock: a worker waiting for the prefetch's download of its
+# shard starts reading at most this late (a try is one system call).
+WAIT_POLL = 0.002
 STATS_NAME = "stats"  # the counters' record in the folder (entries are named by 40 hex digits)
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
 _MAGIC = b"GLC1"
@@ -245,7 +248,7 @@ class ObjectCache:
                 f"another process to download {entry.url} into the cache {self.root}; "
                 f"if none is running, remove {lock_path}"
             )
-            lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.01)
+            lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=WAIT_POLL)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)

@@ -20,6 +20,7 @@ import os
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, NamedTuple
 
 from globalloader.errors import ArgumentError, SourceError
@@ -134,6 +135,21 @@ class Store:
         with self._lock:
             self._infos[url] = (now, stat)
         return stat
+
+    def stats(self, urls: list[str], threads: int = 8) -> list[FileStat]:
+        """`stat` of each URL, in order: the ones a listing answered (and local files) at once, the
+        others asked `threads` at a time (each is a request)."""
+        now = time.monotonic()
+        found: list[FileStat | None] = []
+        for url in urls:
+            known = self._infos.get(url) if scheme_of(url) else None
+            found.append(known[1] if known is not None and now - known[0] < INFO_TTL else None)
+        ask = [i for i, (url, stat) in enumerate(zip(urls, found, strict=True)) if stat is None and scheme_of(url)]
+        if len(ask) > 1 and threads > 1:
+            with ThreadPoolExecutor(min(threads, len(ask))) as pool:
+                for i, stat in zip(ask, pool.map(self.stat, [urls[i] for i in ask]), strict=True):
+                    found[i] = stat
+        return [stat if stat is not None else self.stat(url) for url, stat in zip(urls, found, strict=True)]
 
     def glob(self, pattern: str) -> list[str]:
         """Sorted URLs matching a glob pattern."""
