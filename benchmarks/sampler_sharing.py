@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from coupled import CoupledPair  # benchmarks/coupled.py, beside this file
 from tqdm import tqdm
 
 from globalloader.sampling import JointSampler
-from globalloader.sampling.coupled import CoupledPair
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sampler_sharing.json"
 POLICIES = ("lru", "fifo", "wanted")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 
 def cache_dir(*parts: str, create: bool = True) -> pathlib.Path:
@@ -24,3 +27,35 @@ def cache_dir(*parts: str, create: bool = True) -> pathlib.Path:
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def build_once(
+    root: pathlib.Path, name: str, params: dict[str, Any], whole: Callable[[], bool], build: Callable[[], None]
+) -> None:
+    """Run `build` in `root` unless an earlier build with the same `params` is complete there.
+
+    A marker `root/.globalloader-{name}.json`, written last, records the parameters; `whole()`
+    says the files are all there. Different parameters, or files left by an interrupted build,
+    are built again. A lock file serialises concurrent callers (several ranks starting together).
+    """
+    marker = root / f".globalloader-{name}.json"
+
+    def complete() -> bool:
+        try:
+            return bool(json.loads(marker.read_text()) == params) and whole()
+        except (OSError, ValueError):
+            return False
+
+    if complete():
+        return
+    import fcntl  # POSIX only; imported here so the rest of the module works everywhere
+
+    with open(root / f".globalloader-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if complete():  # another process finished while this one waited
+            return
+        marker.unlink(missing_ok=True)
+        build()
+        temporary = marker.with_suffix(".tmp")
+        temporary.write_text(json.dumps(params))
+        os.replace(temporary, marker)

@@ -14,7 +14,6 @@ keeps generation near 2 ms per image plus the JPEG encode.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import shutil
@@ -25,14 +24,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from globalloader import _extras
+from globalloader._paths import build_once
 from globalloader.errors import ArgumentError, check_int
 
 __all__ = ["make_image", "make_jpeg_bytes", "make_jpeg_folder"]
 
 # Bump when the picture recipe changes, so folders made by an older recipe are rebuilt.
 _RECIPE = 1
-_MARKER = ".globalloader-synthetic.json"
-_LOCK = ".globalloader-synthetic.lock"
 _CLASS_DIR = re.compile(r"class_\d+")
 
 
@@ -140,23 +138,17 @@ def _layout(root: Path, n: int, classes: int) -> list[tuple[Path, int]]:
     ]
 
 
-def _is_complete(root: Path, params: dict[str, Any], n: int) -> bool:
-    try:
-        if json.loads((root / _MARKER).read_text()) != params:
-            return False
-    except (OSError, ValueError):
-        return False
-    found = sum(
+def _count(root: Path) -> int:
+    """The JPEGs in the class folders of `root`."""
+    return sum(
         sum(1 for f in os.scandir(d.path) if f.name.endswith(".jpg"))
         for d in os.scandir(root)
         if d.is_dir() and _CLASS_DIR.fullmatch(d.name)
     )
-    return found == n
 
 
 def _clear(root: Path) -> None:
-    """Remove what an earlier build made (marker first), leaving the user's other files alone."""
-    (root / _MARKER).unlink(missing_ok=True)
+    """Remove what an earlier build made, leaving the user's other files alone."""
     for entry in os.scandir(root):
         if entry.is_dir(follow_symlinks=False) and _CLASS_DIR.fullmatch(entry.name):
             shutil.rmtree(entry.path)
@@ -173,10 +165,8 @@ def make_jpeg_folder(
 ) -> Path:
     """Make (once) an ImageFolder tree `root/class_XX/img_XXXXXX.jpg` of `n` synthetic photos.
 
-    A marker file written last records the parameters: a second call with the same parameters
-    returns at once without touching the files; different parameters, or a folder left partial
-    by an interrupted build, are rebuilt. A lock file serialises concurrent callers (e.g. several
-    ranks starting together). Image i is seeded by (seed, i) and labelled i % classes.
+    A second call with the same parameters returns at once without touching the files
+    (`_paths.build_once`). Image i is seeded by (seed, i) and labelled i % classes.
     """
     check_int(n, "n", 1)
     check_int(classes, "classes", 1)
@@ -188,15 +178,8 @@ def make_jpeg_folder(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     params = {"recipe": _RECIPE, "n": n, "size": list(size), "classes": classes, "quality": quality, "seed": seed}
-    if _is_complete(root, params, n):
-        return root
 
-    import fcntl  # POSIX only; imported here so the rest of the module works everywhere
-
-    with open(root / _LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if _is_complete(root, params, n):  # another process finished while we waited
-            return root
+    def build() -> None:
         _clear(root)
         layout = _layout(root, n, classes)
         for folder in sorted({path.parent for path, _ in layout}):
@@ -206,7 +189,6 @@ def make_jpeg_folder(
         ):
             rng = np.random.default_rng([seed, i])
             path.write_bytes(make_jpeg_bytes(rng, size, quality, label, classes))
-        marker = root / (_MARKER + ".tmp")
-        marker.write_text(json.dumps(params))
-        os.replace(marker, root / _MARKER)
+
+    build_once(root, "synthetic", params, lambda: _count(root) == n, build)
     return root

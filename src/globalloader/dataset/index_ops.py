@@ -17,7 +17,7 @@ import numpy.typing as npt
 from globalloader.dataset.seeds import check_permutation_seed
 from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sampling.permutation import Permutation
-from globalloader.sampling.sharding import check_shard_args, shard_length, shard_positions
+from globalloader.sampling.sharding import ShardArgs, shard_length, shard_positions
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -100,17 +100,8 @@ class Shuffle:
 
 
 @dataclass(frozen=True)
-class Shard:
+class Shard(ShardArgs):
     """This rank's strided share of the input; see `globalloader.sampling.sharding`."""
-
-    rank: int
-    world_size: int
-    uneven: str
-
-    def __post_init__(self) -> None:
-        rank, world_size = check_shard_args(self.rank, self.world_size, self.uneven)
-        object.__setattr__(self, "rank", rank)
-        object.__setattr__(self, "world_size", world_size)
 
     def attach(self, plan: Builder) -> None:
         plan.add_index(self)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from globalloader._seeding import BUFFER_SHUFFLE, generator
 from globalloader.dataset.fingerprint import digest, fn_fingerprint
 from globalloader.errors import ArgumentError, check_int
-from globalloader.sampling.sharding import check_shard_args, shard_length
+from globalloader.sampling.sharding import ShardArgs, shard_length
 from globalloader.sources.base import RecordStream
 
 if TYPE_CHECKING:
@@ -99,17 +99,8 @@ class BufferShuffle:
 
 
 @dataclass(frozen=True)
-class StreamShard:
+class StreamShard(ShardArgs):
     """Every `world_size`-th record from `rank`; "pad"/"drop" need the stream's length."""
-
-    rank: int
-    world_size: int
-    uneven: str
-
-    def __post_init__(self) -> None:
-        rank, world_size = check_shard_args(self.rank, self.world_size, self.uneven)
-        object.__setattr__(self, "rank", rank)
-        object.__setattr__(self, "world_size", world_size)
 
     def attach(self, plan: Builder) -> None:
         plan.add_stream_op(self)

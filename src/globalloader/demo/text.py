@@ -13,8 +13,6 @@ train, and the same function runs in every loader the benchmark compares.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from globalloader import _extras
-from globalloader._paths import cache_dir
+from globalloader._paths import build_once, cache_dir
 from globalloader.errors import ArgumentError, check_int
 
 __all__ = ["CORPORA", "ByteTokenizer", "CorpusSpec", "demo_corpora", "document_sizes", "make_text_corpus"]
@@ -155,10 +153,9 @@ def make_text_corpus(
     Parquet files `root/{kind}-NNNNN.parquet` with one string column "text".
 
     Documents are split evenly over the files (the first files take one more when it does not
-    divide); each file holds row groups of `rows_per_group` rows. A marker written last records
-    the parameters: a second call with the same ones returns the paths without touching the files;
-    different ones, or files left by an interrupted write, are rewritten. A lock file serialises
-    concurrent callers. Needs pyarrow (the `parquet` extra).
+    divide); each file holds row groups of `rows_per_group` rows. A second call with the same
+    parameters returns the paths without touching the files (`_paths.build_once`). Needs pyarrow
+    (the `parquet` extra).
     """
     if kind not in CORPORA:
         raise ArgumentError(f"kind must be one of {sorted(CORPORA)}, got {kind!r}")
@@ -174,30 +171,16 @@ def make_text_corpus(
     spec = CORPORA[kind]
     params = {"recipe": _RECIPE, "spec": asdict(spec), "documents": documents, "files": files}
     params |= {"rows_per_group": rows_per_group, "seed": seed}
-    marker = root / f".globalloader-text-{kind}.json"
 
-    def complete() -> bool:
-        try:
-            return bool(json.loads(marker.read_text()) == params) and all(p.is_file() for p in paths)
-        except (OSError, ValueError):
-            return False
-
-    if complete():
-        return paths
-    with open(root / f".globalloader-text-{kind}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if complete():  # another process finished while this one waited
-            return paths
-        marker.unlink(missing_ok=True)
+    def build() -> None:
         for stale in root.glob(f"{kind}-*.parquet"):
             stale.unlink()
         per_file = [documents // files + (f < documents % files) for f in range(files)]
         with tqdm(total=documents, desc=f"synthetic {kind} text", unit="doc", disable=not progress) as bar:
             for file, (path, count) in enumerate(zip(paths, per_file, strict=True)):
                 _write_file(path, file, spec, count, seed, rows_per_group, bar)
-        temporary = marker.with_suffix(".tmp")
-        temporary.write_text(json.dumps(params))
-        os.replace(temporary, marker)
+
+    build_once(root, f"text-{kind}", params, lambda: all(p.is_file() for p in paths), build)
     return paths
 
 

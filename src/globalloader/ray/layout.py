@@ -88,14 +88,12 @@ def make_layout(
             )
         num_batches = -(-total // per_round)
         tail = total - (num_batches - 1) * per_round
-        if tail < num_trainers:  # too few to give each trainer a last batch: widen full ones
-            num_batches -= 1
-            sizes = np.full((num_trainers, num_batches), batch_size, np.int64)
-            sizes[:tail, -1] += 1
-        else:
-            sizes = np.full((num_trainers, num_batches), batch_size, np.int64)
+        widen = tail < num_trainers  # too few to give each trainer a last batch: widen full ones
+        num_batches -= widen
+        sizes = np.full((num_trainers, num_batches), batch_size, np.int64)
+        if not widen:
             sizes[:, -1] = tail // num_trainers
-            sizes[: tail % num_trainers, -1] += 1
+        sizes[: tail % num_trainers, -1] += 1
     ranks, batches = _split_reducers(num_trainers, num_batches, num_reducers)
     return ShuffleLayout(file_rows, sizes, ranks, batches, total - int(sizes.sum()))
 

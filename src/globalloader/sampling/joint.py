@@ -15,29 +15,20 @@ the region-wise "follow" specified in docs/shared.md ("The joint sampler"):
   job's epoch began, that has not been evicted since, and that it has not seen; else a fresh
   element (uniform among its unseen ones), which the others may then follow.
 
-Why that is uniform: every later decision (of any job, of the pool, of a schedule that depends
-on hits and misses) treats indices only through their history, and the indices of a cell share
-theirs. Exchanging two of them in the whole future maps each possible future to an equally
-likely one, so given everything that happened before the draw the order inside each cell is
-exchangeable, and with the uniform labels the job's order is uniform: given its own previous
-epochs in particular, so epochs are independent. Cells that were only regions were not enough:
-a faster follower has already seen this job's last items when its next epoch starts and will not
-draw them fresh soon, so this job's first follows avoided them (docs/shared.md has the figures).
-The price: a warm index is taken at its own random position and is rarely followed, so each
-epoch loses about as many follows as the pool holds samples of the job's set. Consequences that
-shape the code (see also docs/shared.md):
+Why that is uniform (docs/shared.md, "Why each order is uniform"): every later decision treats
+indices only through their history, which the indices of a cell share, so the order inside each
+cell is exchangeable and, with uniform labels, the job's order is uniform given its previous
+epochs too. Cells that were only regions were not enough (a faster follower avoids this job's
+last items). The price: a warm index is rarely followed, so each epoch loses about as many
+follows as the pool holds samples of the job's set. Consequences that shape the code:
 
-- A job joining mid-epoch makes the others re-draw the rest of their epoch where its set cuts
-  their cells, but a job leaving never merges them before their next epoch: merging would let
-  the follow rule prefer the part the leaver had loaded.
+- A job joining mid-epoch makes the others re-draw where its set cuts their cells; a job
+  leaving never merges them (the follow rule would prefer the part the leaver had loaded).
 - Only draws made since the job's own epoch began may be followed, so epochs stay independent.
-- A sample becomes followable when a job draws it fresh, whether that draw finds it in memory
-  or loads it. `loaded` therefore decides nothing; `evicted` ends a sample's followability and
-  its warmth.
-- The rule is blind to identities only if the orders it follows are fresh randomness: a job
-  that starts an epoch while sharing draws it from the sampler's stream, not from its seed, so
-  a job re-run with the same seed cannot make the others' epochs repeat; a job alone on its
-  seeded shuffle re-draws the rest of it when another job comes to share its indices.
+- A fresh draw makes a sample followable, loaded or not: `loaded` decides nothing; `evicted`
+  ends a sample's followability and its warmth.
+- A job that starts an epoch while sharing draws it from the sampler's stream, not its seed,
+  so a job re-run with the same seed cannot make the others' epochs repeat.
 
 Cost per request is O(1) amortised (a few list, dict and bytearray lookups): each follow-log
 entry and each fresh-list element is passed at most once per epoch. Drawing an order (epoch
@@ -328,11 +319,9 @@ class JointSampler:
             # shuffle's first `done` elements, the rest of that shuffle is uniform.
             plain = _plain_order(seed, epoch, len(indices))
             seeded = bool(consumed[plain[:done]].all())
-            order = indices[plain[done:]] if seeded else rest[self._rng.permutation(len(rest))]
-            self._arrange(j, order, np.zeros(len(order), dtype=np.int64), 1)
-            j.seeded = seeded
-            return
-        self._redraw(j, rest)
+            self._arrange_alone(j, indices[plain[done:]] if seeded else rest[self._rng.permutation(len(rest))], seeded)
+        else:
+            self._redraw(j, rest)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -394,11 +383,9 @@ class JointSampler:
         j.epoch = epoch
         j.seen = bytearray(self._regions.size)
         if self._alone(j):
-            perm = _plain_order(j.seed, epoch, len(j.indices))
-            self._arrange(j, j.indices[perm], np.zeros(len(perm), dtype=np.int64), 1)
-            j.seeded = True
-            return
-        self._redraw(j, j.indices)
+            self._arrange_alone(j, j.indices[_plain_order(j.seed, epoch, len(j.indices))], seeded=True)
+        else:
+            self._redraw(j, j.indices)
 
     def _alone(self, j: _Job) -> bool:
         """Whether no other job wants any of j's indices (cached until the regions change)."""
@@ -409,16 +396,8 @@ class JointSampler:
         return j.layout[1]
 
     def _cells_of(self, j: _Job, rest: np.ndarray) -> tuple[np.ndarray, int]:
-        """Cells for drawing j's order of `rest` (its unseen indices) now: (cell id of each, count).
-
-        Two indices share a cell only when nothing the sampler or the pool holds can tell them
-        apart: the same region; for every other job that wants them, both seen this epoch or
-        both in the same cell of that job; and neither warm (drawn and not evicted since, so
-        perhaps resident, in flight or waiting in a follow log): each warm index is a cell of
-        its own. Then everything that happens next treats the indices of a cell alike, and a
-        fresh uniform arrangement over these cells gives j a uniform order of `rest` given the
-        whole history so far (docs/shared.md, "Why each order is uniform").
-        """
+        """Cells (as the module docstring defines them) for drawing j's order of `rest`, its
+        unseen indices, now: (cell id of each, count)."""
         if not len(rest):
             return rest, 0
         regions = self._regions
@@ -447,6 +426,11 @@ class JointSampler:
         cell_of, count = self._cells_of(j, rest)
         perm = self._rng.permutation(len(rest))
         self._arrange(j, rest[perm], cell_of[perm], count)
+
+    def _arrange_alone(self, j: _Job, order: np.ndarray, seeded: bool) -> None:
+        """Serve `order` from one cell; `seeded`: it is the plain shuffle of j's seed."""
+        self._arrange(j, order, np.zeros(len(order), dtype=np.int64), 1)
+        j.seeded = seeded
 
     def _arrange(self, j: _Job, order: np.ndarray, cell_of: np.ndarray, count: int) -> None:
         """Serve `order`, a uniform order of j's unseen indices, from cells 0..count-1.
@@ -477,15 +461,10 @@ class JointSampler:
         j.cells = cells
 
     def _refine(self, j: _Job) -> None:
-        """Re-draw the rest of j's epoch when a joining job's set cuts one of its cells, or
-        when j was alone on its seeded shuffle and is no longer alone.
-
-        The rest is re-drawn exactly as an epoch start would draw it, over the cells of the
-        current state (`_cells_of`), so it is uniform given everything that happened so far
-        (and a seeded order, which a job re-run with the same seed would replay, is never
-        followed). The follow logs are history and are kept: their live entries are warm, so
-        each has a cell of its own.
-        """
+        """Re-draw the rest of j's epoch, as an epoch start would, when a joining job's set cuts
+        one of its cells or when j was alone on its seeded shuffle and is no longer alone (a
+        seeded order is never followed). The follow logs are history and are kept: their live
+        entries are warm, so each has a cell of its own."""
         if j.pos >= j.length:
             return  # epoch done; its next epoch starts from the current regions
         seen = np.frombuffer(j.seen, dtype=np.uint8)

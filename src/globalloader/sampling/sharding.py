@@ -11,6 +11,7 @@ is spread over the whole shuffled order). `uneven` says what happens when `n` do
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from numbers import Integral
 
 import numpy as np
@@ -20,15 +21,25 @@ from globalloader.errors import ArgumentError, check_int
 UNEVEN_POLICIES = ("pad", "drop", "none")
 
 
-def check_shard_args(rank: int, world_size: int, uneven: str) -> tuple[int, int]:
-    """(rank, world_size) as Python ints (NumPy integers are taken; a bool is not: shard(True, 2)
-    is no rank anyone meant), or ArgumentError naming the argument that is wrong."""
-    world_size = check_int(world_size, "shard: world_size", 1)
-    if isinstance(rank, bool) or not isinstance(rank, Integral) or not 0 <= rank < world_size:
-        raise ArgumentError(f"shard: rank must be an int in [0, {world_size}), got {rank!r}")
-    if uneven not in UNEVEN_POLICIES:
-        raise ArgumentError(f"shard: uneven must be one of {UNEVEN_POLICIES}, got {uneven!r}")
-    return int(rank), world_size
+@dataclass(frozen=True)
+class ShardArgs:
+    """A `shard(rank, world_size, uneven)`'s arguments, checked: rank and world_size become
+    Python ints (NumPy integers are taken; a bool is not: shard(True, 2) is no rank anyone
+    meant), else ArgumentError naming the argument that is wrong."""
+
+    rank: int
+    world_size: int
+    uneven: str
+
+    def __post_init__(self) -> None:
+        world_size = check_int(self.world_size, "shard: world_size", 1)
+        rank = self.rank
+        if isinstance(rank, bool) or not isinstance(rank, Integral) or not 0 <= rank < world_size:
+            raise ArgumentError(f"shard: rank must be an int in [0, {world_size}), got {rank!r}")
+        if self.uneven not in UNEVEN_POLICIES:
+            raise ArgumentError(f"shard: uneven must be one of {UNEVEN_POLICIES}, got {self.uneven!r}")
+        object.__setattr__(self, "rank", int(rank))
+        object.__setattr__(self, "world_size", world_size)
 
 
 def shard_length(n: int, rank: int, world_size: int, uneven: str) -> int:

@@ -14,11 +14,9 @@ Each iterator times the loop as a Loader's run does (`execution.stats`, the Data
 `next()` calls; the stages of each batch (fetch, collate, transport) come from the worker that
 loaded it, or are timed in place without workers.
 
-Each iterator records in its `Progress` where the pass stands, the seed its workers were started
-with and (map-style datasets) each worker's RNG states after its last delivered batch, so a
-DataLoader can resume the pass exactly (`resume`): restore the pass's RNG states, draw the same
-seeds, start workers from the recorded RNG states, skip the batches already taken (map-style:
-without loading them; iterable: by loading and dropping them, the only way to advance them).
+Each iterator records in its `Progress` what `torch.resume` needs to resume the pass exactly,
+and starts from a `Resume`: map-style datasets skip taken batches without loading them, iterable
+ones load and drop them (the only way to advance them).
 """
 
 from __future__ import annotations

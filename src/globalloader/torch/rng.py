@@ -1,11 +1,6 @@
-"""The random number generator states a DataLoader resume restores, as JSON-able values.
-
-A pass of torch's DataLoader draws from three kinds of RNG: the loader's `generator` (or torch's
-global RNG) for the base seed and the sampler's order, the samplers' own generators, and, inside
-each worker, the global `torch`, `random` and `numpy` RNGs the dataset code draws from. To give
-a resumed pass the very values an uninterrupted one gets, a state records these RNGs' states;
-this module turns them into plain strings, ints and lists (so a state can go into any checkpoint,
-JSON included) and back, refusing a malformed one with a `StateError` naming the field.
+"""The random number generator states a DataLoader resume restores (which ones: `torch.resume`),
+as plain strings, ints and lists (so a state can go into any checkpoint, JSON included) and back,
+refusing a malformed one with a `StateError` naming the field.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for globalloader.sampling.coupled: the seed slides' two-job lock-step rule.
+"""Tests for benchmarks/coupled.py: the seed slides' two-job lock-step rule.
 
 One step: each job's element is uniform over its remaining set and the two agree with
 probability n_i / max(n1, n2). Over epochs: each job's order is a uniform permutation. Fixed
@@ -7,15 +7,22 @@ seeds, alpha = 0.001, and the slides' first (biased) merge rule as a control tha
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
 from globalloader.errors import ArgumentError
-from globalloader.sampling.coupled import CoupledPair, coupled_pair_step
+
+_SPEC = importlib.util.spec_from_file_location("coupled", Path(__file__).parents[2] / "benchmarks" / "coupled.py")
+assert _SPEC is not None and _SPEC.loader is not None
+coupled = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(coupled)
+CoupledPair, coupled_pair_step = coupled.CoupledPair, coupled.coupled_pair_step
 
 ALPHA = 0.001
 
