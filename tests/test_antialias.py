@@ -1,0 +1,115 @@
+"""The antialiased resample of the crop (globalloader._antialias, torch's kernel) against Pillow's.
+
+Pillow's `crop(box).resize(size, BILINEAR)` is the reference: the same shapes, values within one
+grey level, only the crop's pixels read. The transform's two decoders agree through it, and its
+crop box is the drawn one, rounded to whole decoded pixels.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import numpy as np
+import pytest
+import torch  # the `test` extra installs it: without it these tests would compare Pillow to itself
+from PIL import Image
+from test_jpeg import assert_close_uint8, jpeg, photo
+
+from globalloader import _antialias, _jpeg
+from globalloader.vision import RandomResizedCropFlipNormalize, random_resized_crop_box
+
+
+def pillow(array: np.ndarray, size_wh: tuple[int, int], box: tuple[int, int, int, int]) -> np.ndarray:
+    return np.asarray(Image.fromarray(array).crop(box).resize(size_wh, Image.Resampling.BILINEAR))
+
+
+@pytest.mark.parametrize(
+    ("box", "size_wh"),
+    [
+        ((0, 0, 500, 375), (224, 224)),  # the whole image, shrunk
+        ((37, 11, 337, 261), (224, 224)),  # a crop, shrunk more across than down
+        ((120, 90, 180, 170), (224, 224)),  # a small crop, enlarged
+        ((3, 5, 451, 303), (56, 40)),  # shrunk 8x, not square
+        ((499, 374, 500, 375), (7, 3)),  # one pixel
+    ],
+)
+def test_the_resample_matches_pillows_crop_then_resize(box, size_wh):
+    array = photo(375, 500)
+    assert _antialias._torch() is torch  # this path, not Pillow's, is under test
+    out = _antialias.resize(array, size_wh, box)
+    assert out is not None and out.dtype == np.uint8 and out.flags.c_contiguous
+    assert_close_uint8(out, pillow(array, size_wh, box))
+
+
+def test_only_the_crop_is_read_and_the_input_is_left_alone():
+    array = photo(200, 300)
+    box = (50, 40, 250, 160)
+    before = array.copy()
+    reference = _antialias.resize(array, (64, 64), box)
+    outside = array.copy()
+    outside[:40] = outside[160:] = 0
+    outside[:, :50] = outside[:, 250:] = 255
+    assert np.array_equal(_antialias.resize(outside, (64, 64), box), reference)
+    assert np.array_equal(array, before)
+    read_only = np.asarray(Image.fromarray(array))  # Pillow's export: not writable
+    assert not read_only.flags.writeable
+    assert np.array_equal(_antialias.resize(read_only, (64, 64), box), reference)
+
+
+@pytest.mark.parametrize(
+    ("array", "box"),
+    [
+        (photo(50, 60)[:, :, :1], (0, 0, 60, 50)),  # one channel: Pillow's
+        (photo(50, 60).astype(np.float32), (0, 0, 60, 50)),  # not uint8
+        (photo(50, 60), (0.5, 0, 60, 50)),  # off whole pixels
+        (photo(50, 60), (0, 0, 61, 50)),  # outside the image
+        (photo(50, 60), (10, 0, 10, 50)),  # empty
+    ],
+)
+def test_what_torch_does_not_resample_is_left_to_pillow(array, box):
+    assert _antialias.resize(array, (8, 8), box) is None
+
+
+@pytest.fixture
+def without_torch(monkeypatch):
+    """torch cannot be imported (None in sys.modules makes `import torch` raise ImportError)."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    _antialias._torch.cache_clear()
+    yield
+    _antialias._torch.cache_clear()
+
+
+def test_without_torch_pillow_resamples(without_torch):
+    data = jpeg(photo(375, 500))
+    transform = RandomResizedCropFlipNormalize(size=64, normalize=False)
+    assert _antialias.resize(photo(20, 20), (8, 8), (0, 0, 20, 20)) is None
+    for seed in range(4):
+        out = transform({"jpg": data}, rng=np.random.default_rng(seed))["jpg"]
+        slow = RandomResizedCropFlipNormalize(size=64, normalize=False, decoder="pillow")
+        assert_close_uint8(out, slow({"jpg": data}, rng=np.random.default_rng(seed))["jpg"])
+
+
+@pytest.mark.parametrize(("height", "width", "size"), [(375, 500, 224), (1200, 1600, 64), (777, 1001, 100)])
+def test_the_transform_resizes_the_drawn_crop_on_whole_decoded_pixels(height, width, size):
+    # An independent reference: Pillow decodes at the same DCT scale (draft), crops the drawn box
+    # divided by the scale with its edges rounded, resizes, and flips on the same draw.
+    data = jpeg(photo(height, width))
+    transform = RandomResizedCropFlipNormalize(size=size, normalize=False)
+    factors = set()
+    for seed in range(8):
+        out = transform({"jpg": data}, rng=np.random.default_rng(seed))["jpg"]
+        rng = np.random.default_rng(seed)
+        left, top, w, h = random_resized_crop_box(width, height, rng)
+        factor = _jpeg.dct_factor(w, h, size, size)
+        factors.add(factor)
+        img = Image.open(io.BytesIO(data))
+        if factor > 1:
+            img.draft("RGB", (width // factor, height // factor))
+        img = img.convert("RGB")
+        box = tuple(round(v / factor) for v in (left, top, left + w, top + h))
+        expected = img.crop(box).resize((size, size), Image.Resampling.BILINEAR)
+        if rng.random() < 0.5:
+            expected = expected.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        assert_close_uint8(out, np.asarray(expected))
+    assert max(factors) > 1 or height < 448
