@@ -16,7 +16,7 @@ import torch  # the `test` extra installs it: without it these tests would compa
 from PIL import Image
 from test_jpeg import assert_close_uint8, jpeg, photo
 
-from globalloader import _antialias, _jpeg
+from globalloader import _antialias, _jpeg, _warp
 from globalloader.vision import RandomResizedCropFlipNormalize, random_resized_crop_box
 
 
@@ -40,6 +40,25 @@ def test_the_resample_matches_pillows_crop_then_resize(box, size_wh):
     out = _antialias.resize(array, size_wh, box)
     assert out is not None and out.dtype == np.uint8 and out.flags.c_contiguous
     assert_close_uint8(out, pillow(array, size_wh, box))
+
+
+@pytest.mark.parametrize("opencv", [True, False])
+def test_the_flip_mirrors_the_resampled_crop(opencv, monkeypatch):
+    array = photo(200, 300)
+    box = (50, 40, 250, 160)
+    if not opencv:  # `import cv2` raises ImportError: NumPy interleaves and flips
+        monkeypatch.setitem(sys.modules, "cv2", None)
+        _warp._cv2.cache_clear()
+    try:
+        assert (_warp.opencv() is None) != opencv
+        plain = _antialias.resize(array, (64, 48), box)
+        mirrored = _antialias.resize(array, (64, 48), box, flip=True)
+    finally:
+        _warp._cv2.cache_clear()
+    assert plain.shape == mirrored.shape == (48, 64, 3) and plain.flags.c_contiguous and mirrored.flags.c_contiguous
+    assert np.array_equal(mirrored, plain[:, ::-1])
+    reference = np.asarray(Image.fromarray(array).crop(box).resize((64, 48), Image.Resampling.BILINEAR))
+    assert_close_uint8(plain, reference)
 
 
 def test_only_the_crop_is_read_and_the_input_is_left_alone():

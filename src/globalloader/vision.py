@@ -418,10 +418,15 @@ def _whole_pixels(box: tuple[float, float, float, float]) -> tuple[int, int, int
 
 
 def _resize_crop(
-    image: PILImage.Image | np.ndarray, size_wh: tuple[int, int], box: tuple[int, int, int, int], fast: bool
+    image: PILImage.Image | np.ndarray,
+    size_wh: tuple[int, int],
+    box: tuple[int, int, int, int],
+    flip: bool,
+    fast: bool,
 ) -> PILImage.Image | np.ndarray:
     """The crop `box` (left, top, right, bottom, whole pixels) resized to `size_wh` with the
-    antialiased bilinear filter, which reads only inside the crop (torchvision's `resized_crop`).
+    antialiased bilinear filter, which reads only inside the crop (torchvision's `resized_crop`),
+    then mirrored left-right if `flip`.
 
     With `fast`, a uint8 RGB array goes through torch's SIMD kernel when torch is installed
     (`globalloader._antialias`, within one grey level); otherwise Pillow: `crop` then `resize`,
@@ -429,13 +434,14 @@ def _resize_crop(
     """
     if isinstance(image, np.ndarray):
         if fast:
-            out = _antialias.resize(image, size_wh, box)
+            out = _antialias.resize(image, size_wh, box, flip)
             if out is not None:
                 return out
         image = _region_to_pil(image, *box)
     else:
         image = image.crop(box)
-    return image.resize(size_wh, _resample(None))
+    image = image.resize(size_wh, _resample(None))
+    return image.transpose(_pil().Transpose.FLIP_LEFT_RIGHT) if flip else image
 
 
 def _region_to_pil(image: np.ndarray, x0: int, y0: int, x1: int, y1: int) -> PILImage.Image:
@@ -726,8 +732,9 @@ class RandomResizedCropFlipNormalize:
             left, top, w, h = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
             box = (left, top, left + w, top + h)
         if self.antialias:
-            img = _resize_crop(pixels, (out_w, out_h), _whole_pixels(box), self.decoder == "auto")
-            img = hflip(img, rng, self.flip_p)  # on the small output: cheap
+            # The flip on the small output (one draw, as hflip's), into a contiguous array.
+            flip = rng.random() < self.flip_p
+            img = _resize_crop(pixels, (out_w, out_h), _whole_pixels(box), flip, self.decoder == "auto")
         else:  # one warp, the flip folded in; the same one draw as hflip's
             img = _warp.warp(pixels, (out_w, out_h), box, rng.random() < self.flip_p, self.decoder == "auto")
         return {**record, field: _output(to_array(img), self)}
