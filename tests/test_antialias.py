@@ -16,7 +16,9 @@ import torch  # the `test` extra installs it: without it these tests would compa
 from PIL import Image
 from test_jpeg import assert_close_uint8, jpeg, photo
 
+import globalloader as gl
 from globalloader import _antialias, _jpeg, _warp
+from globalloader.synthetic import make_jpeg_folder
 from globalloader.vision import RandomResizedCropFlipNormalize, random_resized_crop_box
 
 
@@ -99,6 +101,16 @@ def without_torch(monkeypatch):
     _antialias._torch.cache_clear()
 
 
+def test_a_cpu_without_torchs_simd_kernel_keeps_pillow(monkeypatch):
+    # On such CPUs (ARM, x86 without AVX2) torch would take its generic path: Pillow resamples.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    _antialias._torch.cache_clear()
+    try:
+        assert _antialias.resize(photo(20, 20), (8, 8), (0, 0, 20, 20)) is None
+    finally:
+        _antialias._torch.cache_clear()
+
+
 def test_without_torch_pillow_resamples(without_torch):
     data = jpeg(photo(375, 500))
     transform = RandomResizedCropFlipNormalize(size=64, normalize=False)
@@ -132,3 +144,19 @@ def test_the_transform_resizes_the_drawn_crop_on_whole_decoded_pixels(height, wi
             expected = expected.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         assert_close_uint8(out, np.asarray(expected))
     assert max(factors) > 1 or height < 448
+
+
+def test_forked_workers_resample_after_the_parent_used_torchs_threads(tmp_path):
+    # The parent's intra-op thread pool is up (a threaded matmul) before the Loader forks its
+    # workers; they resample with torch and must finish, with the batches the chain gives in-process.
+    root = make_jpeg_folder(tmp_path / "images", n=12, classes=2, progress=False)
+    torch.set_num_threads(2)
+    a = torch.ones(600, 600)
+    assert float((a @ a).sum()) == 600.0**3
+    chain = gl.Dataset(gl.ImageFolder(root)).map(RandomResizedCropFlipNormalize(size=64, chw=True)).batch(4)
+    expected = [batch["image"] for batch in chain]
+    with gl.Loader(chain, workers=2, start_method="fork", timeout=60.0) as loader:
+        got = [batch["image"] for batch in loader]
+    assert len(got) == len(expected) == 3
+    for g, e in zip(got, expected, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(e))

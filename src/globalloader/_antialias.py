@@ -10,8 +10,10 @@ Torch resamples a whole tensor, so its filter stops at the crop's edges (as torc
 `resized_crop` does: crop, then resize): the Pillow reference is `image.crop(box).resize(size)`,
 not `resize(size, box=...)`, which also reads the pixels just outside the box. Used when torch is
 installed (imported on first use), for 3-channel uint8 arrays and a box on whole pixels; anything
-else keeps Pillow. The op runs on the calling thread: torch splits it over its intra-op threads only
-for batches, and this is one image, so no process-wide torch setting is touched.
+else keeps Pillow. And on x86 CPUs with AVX2 (or AVX-512) only: there the uint8 kernel is SIMD and
+runs on the calling thread, not torch's intra-op thread pool, so a worker forked from a process
+that used those threads is safe (tests/test_antialias.py); no process-wide torch setting is
+touched.
 """
 
 from __future__ import annotations
@@ -24,14 +26,19 @@ import numpy as np
 
 from globalloader import _warp
 
+# The CPU capabilities for which torch runs the uint8 kernel with SIMD on the calling thread; its
+# generic path elsewhere is not measured to beat Pillow's and may use the intra-op thread pool.
+_SIMD = frozenset({"AVX2", "AVX512"})
+
 
 @functools.cache
 def _torch() -> Any:
-    """torch if installed, else None: Pillow then resamples."""
+    """torch if installed and its SIMD kernel runs on this CPU, else None: Pillow then resamples."""
     try:
-        return importlib.import_module("torch")
+        torch = importlib.import_module("torch")
     except ImportError:
         return None
+    return torch if torch.backends.cpu.get_cpu_capability() in _SIMD else None
 
 
 def resize(
