@@ -55,10 +55,13 @@ def test_the_flip_mirrors_the_resampled_crop(opencv, monkeypatch):
         assert (_warp.opencv() is None) != opencv
         plain = _antialias.resize(array, (64, 48), box)
         mirrored = _antialias.resize(array, (64, 48), box, flip=True)
+        planar = [_antialias.resize(array, (64, 48), box, flip, planar=True) for flip in (False, True)]
     finally:
         _warp._cv2.cache_clear()
     assert plain.shape == mirrored.shape == (48, 64, 3) and plain.flags.c_contiguous and mirrored.flags.c_contiguous
     assert np.array_equal(mirrored, plain[:, ::-1])
+    for hwc, expected in zip(planar, (plain, mirrored), strict=True):  # CHW planes, seen as HWC
+        assert hwc.transpose(2, 0, 1).flags.c_contiguous and np.array_equal(hwc, expected)
     reference = np.asarray(Image.fromarray(array).crop(box).resize((64, 48), Image.Resampling.BILINEAR))
     assert_close_uint8(plain, reference)
 
@@ -160,3 +163,21 @@ def test_forked_workers_resample_after_the_parent_used_torchs_threads(tmp_path):
     assert len(got) == len(expected) == 3
     for g, e in zip(got, expected, strict=True):
         assert np.array_equal(np.asarray(g), np.asarray(e))
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_chw_output_is_the_hwc_output_transposed(normalize):
+    # chw takes the kernel's planes as they are (flipped per row): the same values as HWC.
+    data = jpeg(photo(375, 500))
+    hwc = RandomResizedCropFlipNormalize(size=(48, 64), normalize=normalize)
+    chw = RandomResizedCropFlipNormalize(size=(48, 64), normalize=normalize, chw=True)
+    flips = set()
+    for seed in range(8):
+        a = hwc({"jpg": data}, rng=np.random.default_rng(seed))["jpg"]
+        b = chw({"jpg": data}, rng=np.random.default_rng(seed))["jpg"]
+        assert b.shape == (3, 48, 64) and b.flags.c_contiguous and b.dtype == a.dtype
+        assert np.array_equal(b, a.transpose(2, 0, 1))
+        rng = np.random.default_rng(seed)
+        random_resized_crop_box(500, 375, rng)
+        flips.add(bool(rng.random() < 0.5))
+    assert flips == {False, True}

@@ -42,12 +42,19 @@ def _torch() -> Any:
 
 
 def resize(
-    image: np.ndarray, size_wh: tuple[int, int], box: tuple[int, int, int, int], flip: bool = False
+    image: np.ndarray,
+    size_wh: tuple[int, int],
+    box: tuple[int, int, int, int],
+    flip: bool = False,
+    planar: bool = False,
 ) -> np.ndarray | None:
     """uint8 HWC `image[top:bottom, left:right]` resized to `size_wh` with Pillow's antialiased
-    bilinear filter (mirrored left-right if `flip`), a new C-contiguous array, or None when this
-    path does not apply (no torch, not 3 channels, a box off whole pixels or empty): the caller
-    then resamples with Pillow."""
+    bilinear filter (mirrored left-right if `flip`), or None when this path does not apply (no
+    torch, not 3 channels, a box off whole pixels or empty): the caller then resamples with Pillow.
+
+    The result is a new C-contiguous HWC array; with `planar`, an HWC view of C-contiguous channel
+    planes (what the kernel writes), for a caller that wants CHW: its transpose(2, 0, 1) is free.
+    """
     torch = _torch()
     left, top, right, bottom = box
     if (
@@ -68,6 +75,11 @@ def resize(
     )
     planes = out[0].numpy()  # the kernel writes channel planes (NCHW), whatever the input's layout
     cv2 = _warp.opencv()
+    if planar:
+        if flip:  # each row of the (C*H, W) stack mirrored
+            rows = planes.reshape(-1, planes.shape[2])
+            planes = (cv2.flip(rows, 1) if cv2 is not None else rows[:, ::-1].copy()).reshape(planes.shape)
+        return planes.transpose(1, 2, 0)
     if cv2 is None:
         return np.ascontiguousarray(planes.transpose(1, 2, 0)[:, ::-1] if flip else planes.transpose(1, 2, 0))
     # Interleaving the planes is a loop 3 pixels long in NumPy: OpenCV's merge is 15 times faster.

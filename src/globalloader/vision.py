@@ -423,18 +423,20 @@ def _resize_crop(
     box: tuple[int, int, int, int],
     flip: bool,
     fast: bool,
+    planar: bool = False,
 ) -> PILImage.Image | np.ndarray:
     """The crop `box` (left, top, right, bottom, whole pixels) resized to `size_wh` with the
     antialiased bilinear filter, which reads only inside the crop (torchvision's `resized_crop`),
     then mirrored left-right if `flip`.
 
     With `fast`, a uint8 RGB array goes through torch's SIMD kernel when torch is installed
-    (`globalloader._antialias`, within one grey level); otherwise Pillow: `crop` then `resize`,
-    an array's crop copied once into Pillow (`_region_to_pil`).
+    (`globalloader._antialias`, within one grey level; with `planar` its result is laid out for a
+    CHW output); otherwise Pillow: `crop` then `resize`, an array's crop copied once into Pillow
+    (`_region_to_pil`).
     """
     if isinstance(image, np.ndarray):
         if fast:
-            out = _antialias.resize(image, size_wh, box, flip)
+            out = _antialias.resize(image, size_wh, box, flip, planar)
             if out is not None:
                 return out
         image = _region_to_pil(image, *box)
@@ -734,7 +736,8 @@ class RandomResizedCropFlipNormalize:
         if self.antialias:
             # The flip on the small output (one draw, as hflip's), into a contiguous array.
             flip = rng.random() < self.flip_p
-            img = _resize_crop(pixels, (out_w, out_h), _whole_pixels(box), flip, self.decoder == "auto")
+            fast = self.decoder == "auto"
+            img = _resize_crop(pixels, (out_w, out_h), _whole_pixels(box), flip, fast, planar=self.chw)
         else:  # one warp, the flip folded in; the same one draw as hflip's
             img = _warp.warp(pixels, (out_w, out_h), box, rng.random() < self.flip_p, self.decoder == "auto")
         return {**record, field: _output(to_array(img), self)}
