@@ -9,7 +9,8 @@ resized crop to 224 (scale 0.08-1, ratio 3/4-4/3), horizontal flip, normalize to
    drift on a shared machine hits all alike. Reported: median ms/sample with min/max, and the
    ratio usual / contestant per round (median and spread). Contestants:
    - usual: Pillow open, convert("RGB"), one resize(box=...), transpose, float32, normalize;
-   - gl: `RandomResizedCropFlipNormalize(size=224)` (libjpeg-turbo into NumPy, DCT scaling);
+   - gl: `RandomResizedCropFlipNormalize(size=224)` (libjpeg-turbo into NumPy, DCT scaling, the
+     crop resampled by torch's antialiased kernel: Pillow's filter, within one grey level);
    - gl_uint8: the same with `normalize=False` (normalized on the device by the training step);
    - gl_pillow: the same with `decoder="pillow"` (the fallback);
    - gl_fast: the same with `antialias=False` (one bilinear warp with OpenCV, the flip folded in:
@@ -334,6 +335,10 @@ STEPS = {
     ("vision.py", "random_resized_crop_box"): "crop box",
     ("~", "<method 'decode' of 'ImagingDecoder' objects>"): "crop region to Pillow RGB (one copy)",
     ("~", "<method 'resize' of 'ImagingCore' objects>"): "resample crop region -> 224 (Pillow)",
+    ("~", "<built-in method torch._C._nn._upsample_bilinear2d_aa>"): "resample crop -> 224 (torch, Pillow's filter)",
+    ("_antialias.py", "resize"): "crop to a torch tensor (one copy)",
+    ("~", "<built-in method numpy.array>"): "crop to a torch tensor (one copy)",
+    ("~", "<merge>"): "planes to HWC (OpenCV merge)",
     ("~", "<method 'transpose' of 'ImagingCore' objects>"): "flip (224x224)",
     ("~", "<flip>"): "flip (224x224)",
     ("~", "<resize>"): "resample whole-pixel crop -> 224 (OpenCV resize)",

@@ -44,6 +44,11 @@ def _cv2() -> Any:
     return cv2
 
 
+def opencv() -> Any:
+    """OpenCV (on one thread) if installed, else None."""
+    return _cv2()
+
+
 def warp(
     pixels: Any,
     size_wh: tuple[int, int],

@@ -3,8 +3,9 @@
 Speed comes from doing as little pixel work as possible: JPEGs are decoded by libjpeg-turbo straight
 into a NumPy array (simplejpeg, in the `vision` extra; Pillow decodes other formats, and JPEGs
 when simplejpeg is missing or `decoder="pillow"`), at 1/2, 1/4 or 1/8 scale in the DCT domain when
-the crop still keeps at least the output's pixels ("draft"); crop and resize happen in one Pillow
-call (`Image.resize(size, box=...)`) on the crop's region only, the flip on the small output, and
+the crop still keeps at least the output's pixels ("draft"); the crop is resized with the
+antialiased bilinear filter reading only inside it (torch's SIMD kernel when installed, else
+Pillow's `crop` then `resize`; see `globalloader._antialias`), the flip on the small output, and
 `normalize` runs two in-place float32 ufunc passes over long rows (or is left to the training step:
 `normalize=False` and `globalloader.torch.normalize_batch`). Both decoders give the same shapes and
 dtypes and values within a grey level or two of each other (the same libjpeg-turbo algorithms).
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader import _extras, _jpeg, _warp
+from globalloader import _antialias, _extras, _jpeg, _warp
 from globalloader.errors import ArgumentError, CorruptSampleError
 
 if TYPE_CHECKING:
@@ -408,6 +409,43 @@ def _resize_region(
     return region.resize(size_wh, _resample(None), box=(left - x0, top - y0, right - x0, bottom - y0))
 
 
+def _whole_pixels(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
+    """A crop box on whole pixels of the decoded image: the box drawn on the full image, divided by
+    the DCT scale, has its edges rounded to the nearest pixel edge (at most half a decoded pixel
+    off; a no-op at full scale). Keeps at least one pixel per side."""
+    left, top, right, bottom = (round(v) for v in box)
+    return left, top, max(right, left + 1), max(bottom, top + 1)
+
+
+def _resize_crop(
+    image: PILImage.Image | np.ndarray,
+    size_wh: tuple[int, int],
+    box: tuple[int, int, int, int],
+    flip: bool,
+    fast: bool,
+    planar: bool = False,
+) -> PILImage.Image | np.ndarray:
+    """The crop `box` (left, top, right, bottom, whole pixels) resized to `size_wh` with the
+    antialiased bilinear filter, which reads only inside the crop (torchvision's `resized_crop`),
+    then mirrored left-right if `flip`.
+
+    With `fast`, a uint8 RGB array goes through torch's SIMD kernel when torch is installed
+    (`globalloader._antialias`, within one grey level; with `planar` its result is laid out for a
+    CHW output); otherwise Pillow: `crop` then `resize`, an array's crop copied once into Pillow
+    (`_region_to_pil`).
+    """
+    if isinstance(image, np.ndarray):
+        if fast:
+            out = _antialias.resize(image, size_wh, box, flip, planar)
+            if out is not None:
+                return out
+        image = _region_to_pil(image, *box)
+    else:
+        image = image.crop(box)
+    image = image.resize(size_wh, _resample(None))
+    return image.transpose(_pil().Transpose.FLIP_LEFT_RIGHT) if flip else image
+
+
 def _region_to_pil(image: np.ndarray, x0: int, y0: int, x1: int, y1: int) -> PILImage.Image:
     """`image[y0:y1, x0:x1]` as a Pillow image in one copy.
 
@@ -626,11 +664,13 @@ class RandomResizedCropFlipNormalize:
     training step (`globalloader.torch.normalize_batch`). From bytes, the crop box is drawn from
     the header's size before decoding, so a JPEG is decoded at the smallest DCT scale (1/2, 1/4,
     1/8) at which the crop still has at least `size` pixels (`draft`); then one bilinear resample
-    of the crop's region to `size`, the flip on the output and one normalize pass. Draws, in
+    of the crop to `size` (its edges on whole decoded pixels; the filter reads only inside it, as
+    torchvision's `resized_crop`), the flip on the output and one normalize pass. Draws, in
     order: the crop (see `random_resized_crop_box`), then the flip, with either `decoder`.
     `field` None finds the image as `Decode` does.
 
-    The resample is antialiased (Pillow's, as torchvision's `antialias=True`). `antialias=False`
+    The resample is antialiased (Pillow's filter, as torchvision's `antialias=True`; computed by
+    torch's SIMD kernel when torch is installed and `decoder="auto"`). `antialias=False`
     trades that for speed, as torchvision's `antialias=False` does: one bilinear warp (OpenCV
     when installed, the flip folded in) that reads 2x2 source pixels per output pixel, so detail
     finer than the output's pixels aliases; the DCT scaling leaves at most 2x to shrink on the
@@ -685,6 +725,8 @@ class RandomResizedCropFlipNormalize:
             factor = _jpeg.dct_factor(w, h, out_w, out_h) if self.draft else 1
             # The resample copies the region it reads, so the decode may use the scratch buffer.
             pixels, s = _decode_scaled(value, name, self.mode, opened, factor, scratch=True)
+            if self.antialias and s != 1:  # a scaled decode is ceil(size / factor): both decoders
+                s = factor
             box = (left / s, top / s, (left + w) / s, (top + h) / s)
         else:
             pixels = value if _in_mode(value, self.mode) else _as_pil(value, name, self.mode)
@@ -692,8 +734,10 @@ class RandomResizedCropFlipNormalize:
             left, top, w, h = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
             box = (left, top, left + w, top + h)
         if self.antialias:
-            img = _resize_region(pixels, (out_w, out_h), box)
-            img = hflip(img, rng, self.flip_p)  # on the small output, in Pillow: cheap and contiguous
+            # The flip on the small output (one draw, as hflip's), into a contiguous array.
+            flip = rng.random() < self.flip_p
+            fast = self.decoder == "auto"
+            img = _resize_crop(pixels, (out_w, out_h), _whole_pixels(box), flip, fast, planar=self.chw)
         else:  # one warp, the flip folded in; the same one draw as hflip's
             img = _warp.warp(pixels, (out_w, out_h), box, rng.random() < self.flip_p, self.decoder == "auto")
         return {**record, field: _output(to_array(img), self)}
