@@ -10,7 +10,10 @@ resized crop to 224 (scale 0.08-1, ratio 3/4-4/3), horizontal flip, normalize to
    ratio usual / contestant per round (median and spread). Contestants:
    - usual: Pillow open, convert("RGB"), one resize(box=...), transpose, float32, normalize;
    - gl: `RandomResizedCropFlipNormalize(size=224)` (libjpeg-turbo into NumPy, DCT scaling, the
-     crop resampled by torch's antialiased kernel: Pillow's filter, within one grey level);
+     crop resampled by torch's antialiased kernel: Pillow's filter, within one grey level; torch
+     is imported by this script, as by any PyTorch training process);
+   - gl_no_torch: the same, made while torch is hidden (a process that has not imported torch:
+     Pillow resamples);
    - gl_uint8: the same with `normalize=False` (normalized on the device by the training step);
    - gl_pillow: the same with `decoder="pillow"` (the fallback);
    - gl_fast: the same with `antialias=False` (one bilinear warp with OpenCV, the flip folded in:
@@ -60,6 +63,7 @@ import platform
 import pstats
 import resource
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -67,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch  # imported at once, as in a PyTorch training process: gl then resamples on its kernel
 from PIL import Image
 from tqdm.auto import tqdm
 
@@ -107,8 +112,17 @@ def per_sample(transform: Callable[[bytes, np.random.Generator], Any]) -> Runner
     return run
 
 
-def gl_runner(**options: Any) -> Runner:
-    transform = vision.RandomResizedCropFlipNormalize(size=OUT, **options)
+def gl_runner(hide_torch: bool = False, **options: Any) -> Runner:
+    """gl's transform; with `hide_torch`, made as in a process that has not imported torch."""
+    hidden = {"torch": None} if hide_torch else {}
+    saved = {name: sys.modules.pop(name) for name in hidden}
+    sys.modules.update(hidden)
+    try:
+        transform = vision.RandomResizedCropFlipNormalize(size=OUT, **options)
+    finally:
+        for name in hidden:
+            del sys.modules[name]
+        sys.modules.update(saved)
     return per_sample(lambda data, rng: transform({"jpg": data}, rng=rng))
 
 
@@ -392,8 +406,6 @@ def _cpu_s() -> float:
 def loader_epoch(name: str, root: Path, workers: int, epoch: int) -> tuple[float, float]:
     """(samples per second, samples per CPU second) of one epoch, workers started and stopped
     inside the timed region; the CPU count covers the main process and its workers."""
-    import torch
-
     cpu0, t0 = _cpu_s(), time.perf_counter()
     samples = 0
     if name == "gl_loader":
@@ -464,6 +476,7 @@ def main() -> None:
         contestants: dict[str, Runner] = {
             "usual": per_sample(usual),
             "gl": gl_runner(),
+            "gl_no_torch": gl_runner(hide_torch=True),
             "gl_uint8": gl_runner(normalize=False),
             "gl_pillow": gl_runner(decoder="pillow"),
             "gl_fast": gl_runner(antialias=False),

@@ -8,6 +8,9 @@ crop box is the drawn one, rounded to whole decoded pixels.
 from __future__ import annotations
 
 import io
+import pathlib
+import pickle
+import subprocess
 import sys
 
 import numpy as np
@@ -18,6 +21,7 @@ from test_jpeg import assert_close_uint8, jpeg, photo
 
 import globalloader as gl
 from globalloader import _antialias, _jpeg, _warp
+from globalloader.dataset.fingerprint import fingerprint
 from globalloader.synthetic import make_jpeg_folder
 from globalloader.vision import RandomResizedCropFlipNormalize, random_resized_crop_box
 
@@ -38,7 +42,7 @@ def pillow(array: np.ndarray, size_wh: tuple[int, int], box: tuple[int, int, int
 )
 def test_the_resample_matches_pillows_crop_then_resize(box, size_wh):
     array = photo(375, 500)
-    assert _antialias._torch() is torch  # this path, not Pillow's, is under test
+    assert _antialias.available()  # this path, not Pillow's, is under test
     out = _antialias.resize(array, size_wh, box)
     assert out is not None and out.dtype == np.uint8 and out.flags.c_contiguous
     assert_close_uint8(out, pillow(array, size_wh, box))
@@ -50,14 +54,14 @@ def test_the_flip_mirrors_the_resampled_crop(opencv, monkeypatch):
     box = (50, 40, 250, 160)
     if not opencv:  # `import cv2` raises ImportError: NumPy interleaves and flips
         monkeypatch.setitem(sys.modules, "cv2", None)
-        _warp._cv2.cache_clear()
+        _warp.opencv.cache_clear()
     try:
         assert (_warp.opencv() is None) != opencv
         plain = _antialias.resize(array, (64, 48), box)
         mirrored = _antialias.resize(array, (64, 48), box, flip=True)
         planar = [_antialias.resize(array, (64, 48), box, flip, planar=True) for flip in (False, True)]
     finally:
-        _warp._cv2.cache_clear()
+        _warp.opencv.cache_clear()
     assert plain.shape == mirrored.shape == (48, 64, 3) and plain.flags.c_contiguous and mirrored.flags.c_contiguous
     assert np.array_equal(mirrored, plain[:, ::-1])
     for hwc, expected in zip(planar, (plain, mirrored), strict=True):  # CHW planes, seen as HWC
@@ -97,31 +101,45 @@ def test_what_torch_does_not_resample_is_left_to_pillow(array, box):
 
 @pytest.fixture
 def without_torch(monkeypatch):
-    """torch cannot be imported (None in sys.modules makes `import torch` raise ImportError)."""
+    """This process has not imported torch (None in sys.modules: not imported, and not importable)."""
     monkeypatch.setitem(sys.modules, "torch", None)
-    _antialias._torch.cache_clear()
+    _antialias._simd.cache_clear()
     yield
-    _antialias._torch.cache_clear()
+    _antialias._simd.cache_clear()
 
 
 def test_a_cpu_without_torchs_simd_kernel_keeps_pillow(monkeypatch):
     # On such CPUs (ARM, x86 without AVX2) torch would take its generic path: Pillow resamples.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    _antialias._torch.cache_clear()
+    _antialias._simd.cache_clear()
     try:
-        assert _antialias.resize(photo(20, 20), (8, 8), (0, 0, 20, 20)) is None
+        assert not _antialias.available()
+        assert not RandomResizedCropFlipNormalize(size=8)._torch_resample
     finally:
-        _antialias._torch.cache_clear()
+        _antialias._simd.cache_clear()
 
 
 def test_without_torch_pillow_resamples(without_torch):
     data = jpeg(photo(375, 500))
     transform = RandomResizedCropFlipNormalize(size=64, normalize=False)
-    assert _antialias.resize(photo(20, 20), (8, 8), (0, 0, 20, 20)) is None
+    assert not _antialias.available() and not transform._torch_resample
     for seed in range(4):
         out = transform({"jpg": data}, rng=np.random.default_rng(seed))["jpg"]
         slow = RandomResizedCropFlipNormalize(size=64, normalize=False, decoder="pillow")
         assert_close_uint8(out, slow({"jpg": data}, rng=np.random.default_rng(seed))["jpg"])
+
+
+def test_a_process_that_has_not_imported_torch_does_not_import_it():
+    # A job that does not use torch (installed here) must not pay its import in every worker.
+    code = (
+        "import sys, numpy as np; from globalloader.vision import RandomResizedCropFlipNormalize as T; "
+        "from test_jpeg import jpeg, photo; "
+        "out = T(size=32)({'jpg': jpeg(photo(375, 500))}, rng=np.random.default_rng(0))['jpg']; "
+        "assert out.shape == (32, 32, 3) and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    tests = str(pathlib.Path(__file__).parent)
+    done = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize(("height", "width", "size"), [(375, 500, 224), (1200, 1600, 64), (777, 1001, 100)])
@@ -181,3 +199,16 @@ def test_chw_output_is_the_hwc_output_transposed(normalize):
         random_resized_crop_box(500, 375, rng)
         flips.add(bool(rng.random() < 0.5))
     assert flips == {False, True}
+
+
+def test_the_kernel_is_chosen_where_the_transform_is_made_and_travels_with_it(monkeypatch):
+    # Every process of a job resamples alike: the choice is kept with the transform (pickled to
+    # workers, in its fingerprint and equality), not made again where it runs.
+    with_torch = RandomResizedCropFlipNormalize(size=64)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    without = RandomResizedCropFlipNormalize(size=64)
+    monkeypatch.undo()
+    assert with_torch._torch_resample and not without._torch_resample
+    assert not RandomResizedCropFlipNormalize(size=64, decoder="pillow")._torch_resample
+    assert pickle.loads(pickle.dumps(without)) == without and not pickle.loads(pickle.dumps(without))._torch_resample
+    assert with_torch != without and fingerprint(with_torch) != fingerprint(without)

@@ -7,6 +7,7 @@ here, a real ImportError) Pillow warps what libjpeg-turbo decoded, with the same
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
 
@@ -25,10 +26,10 @@ from globalloader.vision import RandomResizedCropFlipNormalize, random_resized_c
 def without_opencv(monkeypatch):
     """cv2 cannot be imported (None in sys.modules makes `import cv2` raise ImportError)."""
     monkeypatch.setitem(sys.modules, "cv2", None)
-    _warp._cv2.cache_clear()
-    assert _warp._cv2() is None
+    _warp.opencv.cache_clear()
+    assert _warp.opencv() is None
     yield
-    _warp._cv2.cache_clear()
+    _warp.opencv.cache_clear()
 
 
 @pytest.mark.parametrize(("height", "width"), [(375, 500), (1200, 1600), (777, 1001), (9, 17), (1, 1)])
@@ -45,7 +46,7 @@ def test_the_warp_matches_the_pillow_path(height, width, size):
 
 
 def test_opencv_runs_on_one_thread():
-    assert _warp._cv2() is cv2 and cv2.getNumThreads() == 1
+    assert _warp.opencv() is cv2 and cv2.getNumThreads() == 1
 
 
 def test_without_opencv_pillow_warps_the_libjpeg_turbo_pixels(without_opencv):
@@ -61,7 +62,7 @@ def test_the_flip_is_folded_into_the_warp_and_mirrors_it(size):
     for opencv in (True, False):
         decoder = "auto" if opencv else "pillow"
         kept = RandomResizedCropFlipNormalize(size=size, flip_p=0.0, normalize=False, antialias=False, decoder=decoder)
-        mirrored = RandomResizedCropFlipNormalize(**{**kept.__dict__, "flip_p": 1.0})
+        mirrored = dataclasses.replace(kept, flip_p=1.0)
         a = kept({"jpg": data}, rng=np.random.default_rng(5))["jpg"]
         b = mirrored({"jpg": data}, rng=np.random.default_rng(5))["jpg"]
         assert not np.array_equal(a, b)
@@ -74,7 +75,7 @@ def test_it_is_not_the_antialiased_resample():
     stripes[:, ::2] = 255
     record = {"image": stripes}
     smooth = RandomResizedCropFlipNormalize(size=224, scale=(1, 1), ratio=(4 / 3, 4 / 3), normalize=False)
-    sharp = RandomResizedCropFlipNormalize(**{**smooth.__dict__, "antialias": False})
+    sharp = dataclasses.replace(smooth, antialias=False)
     a = smooth(record, rng=np.random.default_rng(0))["image"].astype(int)
     b = sharp(record, rng=np.random.default_rng(0))["image"].astype(int)
     assert a.std() < b.std() / 2
@@ -86,7 +87,7 @@ def test_decoded_fields_png_and_gray_take_the_warp_too(decoder):
     png = io.BytesIO()
     Image.fromarray(array).save(png, "PNG")
     reference = RandomResizedCropFlipNormalize(size=40, normalize=False, antialias=False, decoder="pillow")
-    transform = RandomResizedCropFlipNormalize(**{**reference.__dict__, "decoder": decoder})
+    transform = dataclasses.replace(reference, decoder=decoder)
     for value in (array, Image.fromarray(array), png.getvalue()):
         for seed in range(4):
             out = transform({"image": value}, rng=np.random.default_rng(seed))["image"]
@@ -99,7 +100,7 @@ def test_decoded_fields_png_and_gray_take_the_warp_too(decoder):
 def test_strided_arrays_are_warped_as_their_copies():
     array = photo(300, 400)
     transform = RandomResizedCropFlipNormalize(size=64, normalize=False, antialias=False)
-    reference = RandomResizedCropFlipNormalize(**{**transform.__dict__, "decoder": "pillow"})
+    reference = dataclasses.replace(transform, decoder="pillow")
     for view in (array[:, ::-1], array[::2, ::3], array[:, :, ::-1], np.asfortranarray(array)):
         for seed in range(4):
             out = transform({"image": view}, rng=np.random.default_rng(seed))["image"]
@@ -112,7 +113,7 @@ def test_images_wider_than_opencv_addresses_are_warped_by_pillow():
     # Columns of 1000 pixels each have their own grey, so an output tells where it was read.
     wide = np.repeat((np.arange(40) * 6).astype(np.uint8), 1000)[None, :, None].repeat(64, 0).repeat(3, 2)
     fast = RandomResizedCropFlipNormalize(size=8, scale=(4e-4, 4e-4), ratio=(1, 1), normalize=False, antialias=False)
-    reference = RandomResizedCropFlipNormalize(**{**fast.__dict__, "decoder": "pillow"})
+    reference = dataclasses.replace(fast, decoder="pillow")
     lefts = []
     for seed in range(30):
         out = fast({"image": wide}, rng=np.random.default_rng(seed))["image"]

@@ -8,18 +8,20 @@ times faster on a 224x224 output (benchmarks/decode.py), within one grey level o
 
 Torch resamples a whole tensor, so its filter stops at the crop's edges (as torchvision's
 `resized_crop` does: crop, then resize): the Pillow reference is `image.crop(box).resize(size)`,
-not `resize(size, box=...)`, which also reads the pixels just outside the box. Used when torch is
-installed (imported on first use), for 3-channel uint8 arrays and a box on whole pixels; anything
-else keeps Pillow. And on x86 CPUs with AVX2 (or AVX-512) only: there the uint8 kernel is SIMD and
-runs on the calling thread, not torch's intra-op thread pool, so a worker forked from a process
-that used those threads is safe (tests/test_antialias.py); no process-wide torch setting is
-touched.
+not `resize(size, box=...)`, which also reads the pixels just outside the box. Used when the
+process that makes the transform has imported torch (as a PyTorch training job has: torch is never
+imported for it, so a job that does not use torch pays neither its import nor its memory), for
+3-channel uint8 arrays and a box on whole pixels; anything else keeps Pillow. And on x86 CPUs with
+AVX2 (or AVX-512) only: there the uint8 kernel is SIMD and runs on the calling thread, not torch's
+intra-op thread pool, so a worker forked from a process that used those threads is safe
+(tests/test_antialias.py); no process-wide torch setting is touched.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from typing import Any
 
 import numpy as np
@@ -31,14 +33,17 @@ from globalloader import _warp
 _SIMD = frozenset({"AVX2", "AVX512"})
 
 
+def available() -> bool:
+    """Whether this process may resample on torch's SIMD kernel: it has imported torch and the
+    kernel is SIMD on this CPU. Asked once, where a transform is made, and kept with it, so that
+    its workers (a spawned one imports torch for it) compute the values the maker's process would."""
+    torch = sys.modules.get("torch")
+    return torch is not None and _simd(torch)
+
+
 @functools.cache
-def _torch() -> Any:
-    """torch if installed and its SIMD kernel runs on this CPU, else None: Pillow then resamples."""
-    try:
-        torch = importlib.import_module("torch")
-    except ImportError:
-        return None
-    return torch if torch.backends.cpu.get_cpu_capability() in _SIMD else None
+def _simd(torch: Any) -> bool:
+    return torch.backends.cpu.get_cpu_capability() in _SIMD
 
 
 def resize(
@@ -49,23 +54,23 @@ def resize(
     planar: bool = False,
 ) -> np.ndarray | None:
     """uint8 HWC `image[top:bottom, left:right]` resized to `size_wh` with Pillow's antialiased
-    bilinear filter (mirrored left-right if `flip`), or None when this path does not apply (no
-    torch, not 3 channels, a box off whole pixels or empty): the caller then resamples with Pillow.
+    bilinear filter (mirrored left-right if `flip`), or None when this path does not apply (not 3
+    channels, a box off whole pixels or empty): the caller then resamples with Pillow. Only for a
+    caller that `available()` said may use torch.
 
     The result is a new C-contiguous HWC array; with `planar`, an HWC view of C-contiguous channel
     planes (what the kernel writes), for a caller that wants CHW: its transpose(2, 0, 1) is free.
     """
-    torch = _torch()
     left, top, right, bottom = box
     if (
-        torch is None
-        or image.ndim != 3
+        image.ndim != 3
         or image.shape[2] != 3
         or image.dtype != np.uint8
         or not all(isinstance(v, int) for v in box)
         or not (0 <= left < right <= image.shape[1] and 0 <= top < bottom <= image.shape[0])
     ):
         return None
+    torch = importlib.import_module("torch")  # already imported, except in a spawned worker
     # One copy of the crop: the kernel is fast on contiguous channels-last input only (a strided
     # view takes a generic path, tens of times slower), and torch wraps only writable memory.
     region = np.array(image[top:bottom, left:right], order="C")

@@ -34,7 +34,7 @@ _OPENCV_MODES = frozenset({"RGB", "L"})
 
 
 @functools.cache
-def _cv2() -> Any:
+def opencv() -> Any:
     """OpenCV, on one thread, if installed (the `vision` extra), else None: Pillow then warps."""
     try:
         cv2 = importlib.import_module("cv2")
@@ -44,22 +44,17 @@ def _cv2() -> Any:
     return cv2
 
 
-def opencv() -> Any:
-    """OpenCV (on one thread) if installed, else None."""
-    return _cv2()
-
-
 def warp(
     pixels: Any,
     size_wh: tuple[int, int],
     box: tuple[float, float, float, float],
     flip: bool,
-    opencv: bool = True,
+    use_opencv: bool = True,
 ) -> Any:
     """Bilinear resample of `box` (left, top, right, bottom) of `pixels` (a uint8 HWC array or a
     Pillow image) to `size_wh`, mirrored left-right if `flip`: a uint8 array from OpenCV (when
-    `opencv` and installed), else a Pillow image. Pixel centres map to pixel centres."""
-    cv2 = _cv2() if opencv else None
+    `use_opencv` and installed), else a Pillow image. Pixel centres map to pixel centres."""
+    cv2 = opencv() if use_opencv else None
     if cv2 is not None and not isinstance(pixels, np.ndarray) and pixels.mode in _OPENCV_MODES:
         pixels = np.asarray(pixels)
     if cv2 is not None and isinstance(pixels, np.ndarray) and max(pixels.shape[:2]) <= _OPENCV_MAX_SIDE:

@@ -24,6 +24,7 @@ lets the service recognise the same deterministic prefix across jobs.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import operator
@@ -358,14 +359,15 @@ def random_resized_crop(
 ) -> Any:
     """Crop a random area and aspect (see `random_resized_crop_box`) and resize it to `size`.
 
-    One Pillow resize with `box=` does both, so no intermediate crop is made.
+    The filter reads only inside the crop (torchvision's `resized_crop`), as in
+    `RandomResizedCropFlipNormalize`.
     """
     out_h, out_w = _hw(size)
     img_h, img_w = _image_hw(img)
     left, top, w, h = random_resized_crop_box(img_w, img_h, rng, scale, ratio)
     as_array = isinstance(img, np.ndarray)
-    pil_img = _array_to_pil(img) if as_array else img
-    out = pil_img.resize((out_w, out_h), _resample(resample), box=(left, top, left + w, top + h))
+    crop = _array_to_pil(img[top : top + h, left : left + w]) if as_array else img.crop((left, top, left + w, top + h))
+    out = crop.resize((out_w, out_h), _resample(resample))
     return to_array(out) if as_array else out
 
 
@@ -429,10 +431,9 @@ def _resize_crop(
     antialiased bilinear filter, which reads only inside the crop (torchvision's `resized_crop`),
     then mirrored left-right if `flip`.
 
-    With `fast`, a uint8 RGB array goes through torch's SIMD kernel when torch is installed
-    (`globalloader._antialias`, within one grey level; with `planar` its result is laid out for a
-    CHW output); otherwise Pillow: `crop` then `resize`, an array's crop copied once into Pillow
-    (`_region_to_pil`).
+    With `fast`, a uint8 RGB array goes through torch's SIMD kernel (`globalloader._antialias`,
+    within one grey level; with `planar` its result is laid out for a CHW output); otherwise
+    Pillow: `crop` then `resize`, an array's crop copied once into Pillow (`_region_to_pil`).
     """
     if isinstance(image, np.ndarray):
         if fast:
@@ -670,7 +671,8 @@ class RandomResizedCropFlipNormalize:
     `field` None finds the image as `Decode` does.
 
     The resample is antialiased (Pillow's filter, as torchvision's `antialias=True`; computed by
-    torch's SIMD kernel when torch is installed and `decoder="auto"`). `antialias=False`
+    torch's SIMD kernel with `decoder="auto"` when the process that makes the transform has
+    imported torch; within a grey level of Pillow's). `antialias=False`
     trades that for speed, as torchvision's `antialias=False` does: one bilinear warp (OpenCV
     when installed, the flip folded in) that reads 2x2 source pixels per output pixel, so detail
     finer than the output's pixels aliases; the DCT scaling leaves at most 2x to shrink on the
@@ -692,12 +694,16 @@ class RandomResizedCropFlipNormalize:
     normalize: bool = True
     decoder: str = "auto"
     antialias: bool = True
+    _torch_resample: bool = dataclasses.field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
         _check_field(self.field, type(self).__name__)
         _check_decoder(self.decoder, type(self).__name__)
         _check_flag(self.normalize, "normalize", type(self).__name__)
         _check_flag(self.antialias, "antialias", type(self).__name__)
+        # Chosen here and kept (pickled to workers, part of the fingerprint): torch's kernel and
+        # Pillow's differ by up to a grey level, so every process of a job must use the same one.
+        object.__setattr__(self, "_torch_resample", self.decoder == "auto" and _antialias.available())
         _hw(self.size)
         if not isinstance(self.size, int):
             object.__setattr__(self, "size", tuple(self.size))  # hashable, like the rest
@@ -736,8 +742,7 @@ class RandomResizedCropFlipNormalize:
         if self.antialias:
             # The flip on the small output (one draw, as hflip's), into a contiguous array.
             flip = rng.random() < self.flip_p
-            fast = self.decoder == "auto"
-            img = _resize_crop(pixels, (out_w, out_h), _whole_pixels(box), flip, fast, planar=self.chw)
+            img = _resize_crop(pixels, (out_w, out_h), _whole_pixels(box), flip, self._torch_resample, self.chw)
         else:  # one warp, the flip folded in; the same one draw as hflip's
             img = _warp.warp(pixels, (out_w, out_h), box, rng.random() < self.flip_p, self.decoder == "auto")
         return {**record, field: _output(to_array(img), self)}
