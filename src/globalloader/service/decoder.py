@@ -159,11 +159,15 @@ class DecoderPool:
         unregister: Callable[[Connection], None],
     ) -> None:
         self.size, self._arena, self._events = size, arena_name, events
+        self.pool = events.pool
         self._register, self._unregister = register, unregister
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
         self._space_progress = time.monotonic()  # last time pool space was granted or released
         self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
         self._sent = 0  # loads sent so far (their order)
+        # Every load in flight by key, beside its worker's own `loads` (`_start` and `_end` keep
+        # both): the scheduler asks `room` and `loading` for each sample it draws.
+        self._loading: dict[Key, _Worker] = {}
         self.decode_s = 0.0
         self.restarts = 0
         self.space_requests = 0  # loads whose worker had to ask for space (a round trip while it waits)
@@ -178,16 +182,11 @@ class DecoderPool:
     def _why(self, worker: _Worker) -> str:
         return self._processes.exited(worker.slot) or "closed its pipe"
 
-    @property
-    def pool(self) -> BufferPool:
-        return self._events.pool
-
     def room(self) -> bool:
         """Whether the server should draw more samples now: while fewer than LOADS_PER_WORKER
         loads per worker are in flight, or while a load waits for pool space (then only what jobs
         draw can complete their batches, and so release space)."""
-        in_flight = sum(len(worker.loads) for worker in self._workers)
-        return in_flight < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
+        return len(self._loading) < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
 
     def _place_in_flight(self) -> bool:
         """Whether every load in flight has its space reserved in the pool, after reserving it,
@@ -197,11 +196,12 @@ class DecoderPool:
         a worker's queue always full, each load would cost its worker a round trip to the server."""
         if self._waiting_space:
             return False
-        unplaced = sorted(
-            (load for worker in self._workers for key, load in worker.loads.items() if key not in self.pool),
-            key=lambda load: load.order,
-        )
-        for load in unplaced:
+        pool = self.pool
+        unplaced = [key for key in self._loading if key not in pool]
+        if not unplaced:
+            return True
+        loads = sorted((self._loading[key].loads[key] for key in unplaced), key=lambda load: load.order)
+        for load in loads:
             size = self._sizes.get(load.key[0])
             if size is None or size > self.pool.capacity or self.pool.reserve(load.key, size) is None:
                 return False
@@ -209,7 +209,7 @@ class DecoderPool:
 
     def loading(self, key: Key) -> bool:
         """Whether a worker is loading `key` now (a second load of it must not start)."""
-        return any(key in worker.loads for worker in self._workers)
+        return key in self._loading
 
     def load(self, fp: str, index: int, timeout: float, attempts: int = 0) -> None:
         """Start loading sample `index` of prefix `fp`; `timeout` bounds how long it may run."""
@@ -226,7 +226,7 @@ class DecoderPool:
         if size is not None and size <= self.pool.capacity and self._place_in_flight():
             offset = self.pool.reserve((fp, index), size)
         self._sent += 1
-        worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts, self._sent)
+        self._start(worker, Load((fp, index), time.monotonic() + timeout, timeout, attempts, self._sent))
         try:
             if fp not in worker.prefixes:
                 self._processes.send(worker.slot, ("prefix", fp, prefix))
@@ -234,6 +234,14 @@ class DecoderPool:
             self._processes.send(worker.slot, ("load", fp, index, None if offset is None else (offset, size)))
         except WorkerError:  # it died since we last looked: its replacement takes this load too
             self._replace(worker, self._why(worker))
+
+    def _start(self, worker: _Worker, load: Load) -> None:
+        worker.loads[load.key] = load
+        self._loading[load.key] = worker
+
+    def _end(self, worker: _Worker, key: Key) -> None:
+        if worker.loads.pop(key, None) is not None:
+            del self._loading[key]
 
     def prefetch(self, fp: str, indices: Any) -> None:
         """Tell a worker the samples a pass will read: a remote source downloads their objects
@@ -277,7 +285,7 @@ class DecoderPool:
             self._abort_reservation(key)  # the guess was too small
             self._reserve(worker, fp, index, msg[3])
             return
-        worker.loads.pop(key, None)
+        self._end(worker, key)
         if kind == "done":
             self.decode_s += msg[4]
             self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3][0])
@@ -327,7 +335,7 @@ class DecoderPool:
             if late:
                 self._processes.kill(worker.slot)  # before its space is given back: it must not write there
                 for load in late:
-                    worker.loads.pop(load.key)
+                    self._end(worker, load.key)
                     self._abort_reservation(load.key)
                     self._events.failed(
                         load.key[0],
@@ -378,7 +386,8 @@ class DecoderPool:
         self.restarts += 1
         self._waiting_space = deque(w for w in self._waiting_space if w[0] is not worker)
         self._workers.append(self._watch(worker.slot))
-        for load in worker.loads.values():
+        for load in list(worker.loads.values()):
+            self._end(worker, load.key)
             fp, index = load.key
             self._abort_reservation(load.key)
             if load.attempts + 1 >= MAX_ATTEMPTS:
