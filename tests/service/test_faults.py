@@ -7,6 +7,7 @@ fault counted as a bad sample) and checks the job now gets a named error or an e
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -44,6 +45,20 @@ def huge_at_5(record):
 
 def hangs_at_7(record):
     if record == 7:
+        time.sleep(3600)
+    return values(record)
+
+
+_LOADED: list[int] = []  # in a decode worker: the samples it loaded
+
+
+def hangs_at_its_second_load(path: str, record):
+    """Hangs on the second sample a decode worker loads (the second of its first group), after
+    adding that sample's index to the lines of `path`."""
+    _LOADED.append(record)
+    if len(_LOADED) == 2:
+        with open(path, "a") as lines:
+            lines.write(f"{record}\n")
         time.sleep(3600)
     return values(record)
 
@@ -250,6 +265,21 @@ def test_a_shared_map_that_hangs_times_out_and_the_server_goes_on(srv):
     with gl.Loader(chain(values), share=True, server=str(srv.socket)) as loader:
         assert sorted(indices(loader)) == list(range(40))
     assert status(srv.socket)["worker_restarts"] >= 1
+
+
+def test_a_hang_is_blamed_on_its_own_sample_not_on_the_one_before_it_in_its_group(srv, tmp_path):
+    """A worker gets its loads two per message and answers them together, but a finished load's
+    outcome waits at most HOLD_S for the rest of its group: the server hears of the sample loaded
+    just before the hanging one, so the timeout names the hanging sample, not that one."""
+    hung = tmp_path / "hung"
+    fn = functools.partial(hangs_at_its_second_load, str(hung))
+    with (
+        gl.Loader(chain(fn, n=8, batch=None), share=True, server=str(srv.socket), timeout=3) as loader,
+        pytest.raises(errors.LoaderTimeoutError) as caught,
+    ):
+        list(loader)
+    first = hung.read_text().split()[0]  # a replacement worker hangs at its second load too
+    assert f"sample {first}:" in str(caught.value)
 
 
 def test_a_request_the_server_rejects_is_raised_in_the_job(srv):

@@ -16,6 +16,7 @@ import pytest
 
 import globalloader as gl
 from globalloader.errors import ServerGoneError, StateError
+from globalloader.service.decoder import LOADS_PER_WORKER
 from globalloader.service.launcher import request
 from helpers import Server, pool_segments
 
@@ -128,7 +129,8 @@ def test_the_pool_stays_within_its_budget_under_pressure(tmp_path):
 
 def test_the_server_draws_no_further_ahead_than_its_decoders_can_load(tmp_path):
     """A job asks for a window of 30 samples, but the server draws them only while its decoders
-    have room (two loads per worker): with one worker, at most two requests wait for a load."""
+    have room (LOADS_PER_WORKER loads per worker): with one worker, at most that many requests
+    wait for a load."""
     srv = Server(tmp_path / "gate.sock", workers=1)
     try:
         proc = srv.job(tmp_path / "a.jsonl", "--start", "20", "--stop", "60", "--slow-decode")
@@ -140,20 +142,20 @@ def test_the_server_draws_no_further_ahead_than_its_decoders_can_load(tmp_path):
             time.sleep(0.05)
         finish(proc)
         assert epochs(tmp_path / "a.jsonl")[0] == Counter(range(20, 60))
-        assert 1 <= max(waiting) <= 2, waiting
+        assert 1 <= max(waiting) <= LOADS_PER_WORKER, waiting
     finally:
         srv.stop()
 
 
 def test_loads_write_into_space_reserved_ahead_once_the_size_is_known(server, tmp_path):
-    """Samples of one size: only the loads sent before the first one finished (two per worker)
+    """Samples of one size: only the loads sent before the first one finished (LOADS_PER_WORKER each)
     ask the server for space; every later load is sent with its space reserved, even while the
     workers' queues never empty (one load sent without space must not make every later one go
     without: each would cost its worker a round trip to the server)."""
     finish(server.job(tmp_path / "a.jsonl", "--start", "20", "--batch", "20"))
     status = request(server.socket, "status")[1]
     assert status["decodes"] == 280  # the corrupt one is a load too
-    assert status["space_requests"] <= 2 * status["workers"], status
+    assert status["space_requests"] <= LOADS_PER_WORKER * status["workers"], status
 
 
 def square(record):

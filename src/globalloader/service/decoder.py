@@ -1,11 +1,12 @@
 """The server's decode workers: read and run a group's shared prefix, write into the arena.
 
-A load is a short conversation on the worker's pipe: the server sends `load`; the worker runs
-the prefix (source read + shared maps), writes the sample into the offset reserved ahead when it
-fits, else asks the server to `reserve` the bytes it needs and waits for `at` (the pool may first
-evict, or wait for releases), then reports `done` with its layout, or `failed` with the name of
-the error class and a message. Each worker keeps the prefixes it has been sent, so a chain is
-unpickled once per worker, not once per sample.
+A load is a short conversation on the worker's pipe: the server sends `load` (or `loads`, a
+group of them in one message); the worker runs the prefix (source read + shared maps), writes the
+sample into the offset reserved ahead when it fits, else asks the server to `reserve` the bytes it
+needs and waits for `at` (the pool may first evict, or wait for releases), then reports `done`
+with its layout, or `failed` with the name of the error class and a message (a group's outcomes
+go back together as `replies`, within HOLD_S of each being done). Each worker keeps the prefixes
+it has been sent, so a chain is unpickled once per worker, not once per sample.
 
 Faults of the machinery are not faults of a sample: a worker that dies (a signal, an OOM kill)
 is replaced and its loads are given to another worker; only a load that kills `MAX_ATTEMPTS`
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import pickle
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,7 +36,13 @@ from globalloader.sources.base import Prefetching
 from globalloader.transport import arena
 
 MAX_ATTEMPTS = 3  # workers a load may kill before it fails
-LOADS_PER_WORKER = 2  # in flight: one running, one queued so that no worker idles between loads
+# In flight per worker: two groups of GROUP loads, one running and one queued, so that no worker
+# idles between groups. A group is one message each way (the loads, then their outcomes): half
+# the messages, wake-ups and context switches of one load per message, for one decode of delay
+# on the first sample of a group.
+LOADS_PER_WORKER = 4
+GROUP = 2
+HOLD_S = 0.05  # the longest a finished load's outcome waits for the rest of its group
 Key = tuple[str, int]  # (prefix fingerprint, index)
 
 
@@ -72,13 +80,49 @@ class DecodeBody:
         self.memory = arena.attach(self.arena_name)
         self.prefixes: dict[str, Any] = {}
         self.backlog: deque[tuple] = deque()  # messages that arrived while waiting for an offset
+        self.replies: list[tuple] = []  # outcomes of the loads of this message, sent together
+        self.held_since = 0.0  # when the oldest of them was finished
+        self.lock = threading.Lock()  # over replies and every send: a thread sends late ones
+        threading.Thread(target=self._send_held, args=(worker,), daemon=True, name="globalloader-replies").start()
 
     def run(self, worker: Worker, msg: tuple) -> None:
         self._handle(worker, msg)
         while self.backlog:
             self._handle(worker, self.backlog.popleft())
+        self._reply(worker)
+
+    def _send_held(self, conn: Worker) -> None:
+        """Outcomes held longer than HOLD_S go out without the rest of their group: a load that
+        runs long (or hangs) keeps nothing else from its job, and when it passes its deadline it
+        is the only load of its worker that the server has no outcome for, so the error names it."""
+        while True:
+            time.sleep(HOLD_S)
+            if self.replies and time.monotonic() - self.held_since > HOLD_S:
+                try:
+                    self._reply(conn)
+                except (OSError, ValueError):  # the server closed the pipe: this worker is ending
+                    return
+
+    def _done(self, reply: tuple) -> None:
+        with self.lock:
+            if not self.replies:
+                self.held_since = time.monotonic()
+            self.replies.append(reply)
+
+    def _reply(self, conn: Worker) -> None:
+        """Send the outcomes gathered so far: one message for a group of loads."""
+        with self.lock:
+            replies, self.replies = self.replies, []
+            if len(replies) == 1:
+                conn.send(replies[0])
+            elif replies:
+                conn.send(("replies", replies))
 
     def _handle(self, conn: Worker, msg: tuple) -> None:
+        if msg[0] == "loads":
+            for load in msg[1]:
+                self._handle(conn, ("load", *load))
+            return
         prefixes, memory, backlog = self.prefixes, self.memory, self.backlog
         if msg[0] == "prefetch":
             _prefetch(prefixes.get(msg[1]), msg[2])
@@ -96,29 +140,31 @@ class DecodeBody:
         t0 = time.perf_counter()
         prefix = prefixes[fp]
         if isinstance(prefix, str):
-            conn.send(("failed", fp, index, "SharedPrefixError", prefix))
+            self._done(("failed", fp, index, "SharedPrefixError", prefix))
             return
         try:
             sample = _run_prefix(prefix, index)
             layout, placed = arena.encode(sample)
         except Exception as exc:  # noqa: BLE001 - whatever the user's maps raise is that sample's failure, sent back
-            conn.send(("failed", fp, index, error_name(exc), str(exc)))
+            self._done(("failed", fp, index, error_name(exc), str(exc)))
             return
         if guess is not None and layout[0] <= guess[1]:
             memory.write(guess[0], placed)  # the usual case: no round trip to the server
-            conn.send(("done", fp, index, layout, time.perf_counter() - t0))
+            self._done(("done", fp, index, layout, time.perf_counter() - t0))
             return
-        conn.send(("reserve", fp, index, layout[0]))
+        self._reply(conn)  # what is done goes first: the server may need it to make room
+        with self.lock:
+            conn.send(("reserve", fp, index, layout[0]))
         while True:
             reply = conn.receive()
             if reply[0] in ("at", "abort"):
                 break
             backlog.append(reply)
         if reply[0] == "abort":
-            conn.send(("failed", fp, index, reply[1], reply[2]))
+            self._done(("failed", fp, index, reply[1], reply[2]))
             return
         memory.write(reply[1], placed)
-        conn.send(("done", fp, index, layout, time.perf_counter() - t0))
+        self._done(("done", fp, index, layout, time.perf_counter() - t0))
 
 
 @dataclass
@@ -135,6 +181,7 @@ class _Worker:
     slot: int  # its place in the WorkerPool
     prefixes: set[str] = field(default_factory=set)
     loads: dict[Key, Load] = field(default_factory=dict)  # in flight
+    unsent: list[tuple[str, int, Any]] = field(default_factory=list)  # loads for `send`: (fp, index, guess)
 
 
 class Events(Protocol):
@@ -159,11 +206,15 @@ class DecoderPool:
         unregister: Callable[[Connection], None],
     ) -> None:
         self.size, self._arena, self._events = size, arena_name, events
+        self.pool = events.pool
         self._register, self._unregister = register, unregister
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
         self._space_progress = time.monotonic()  # last time pool space was granted or released
         self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
         self._sent = 0  # loads sent so far (their order)
+        # Every load in flight by key, beside its worker's own `loads` (`_start` and `_end` keep
+        # both): the scheduler asks `room` and `loading` for each sample it draws.
+        self._loading: dict[Key, _Worker] = {}
         self.decode_s = 0.0
         self.restarts = 0
         self.space_requests = 0  # loads whose worker had to ask for space (a round trip while it waits)
@@ -178,16 +229,11 @@ class DecoderPool:
     def _why(self, worker: _Worker) -> str:
         return self._processes.exited(worker.slot) or "closed its pipe"
 
-    @property
-    def pool(self) -> BufferPool:
-        return self._events.pool
-
     def room(self) -> bool:
         """Whether the server should draw more samples now: while fewer than LOADS_PER_WORKER
         loads per worker are in flight, or while a load waits for pool space (then only what jobs
         draw can complete their batches, and so release space)."""
-        in_flight = sum(len(worker.loads) for worker in self._workers)
-        return in_flight < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
+        return len(self._loading) < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
 
     def _place_in_flight(self) -> bool:
         """Whether every load in flight has its space reserved in the pool, after reserving it,
@@ -197,11 +243,12 @@ class DecoderPool:
         a worker's queue always full, each load would cost its worker a round trip to the server."""
         if self._waiting_space:
             return False
-        unplaced = sorted(
-            (load for worker in self._workers for key, load in worker.loads.items() if key not in self.pool),
-            key=lambda load: load.order,
-        )
-        for load in unplaced:
+        pool = self.pool
+        unplaced = [key for key in self._loading if key not in pool]
+        if not unplaced:
+            return True
+        loads = sorted((self._loading[key].loads[key] for key in unplaced), key=lambda load: load.order)
+        for load in loads:
             size = self._sizes.get(load.key[0])
             if size is None or size > self.pool.capacity or self.pool.reserve(load.key, size) is None:
                 return False
@@ -209,7 +256,7 @@ class DecoderPool:
 
     def loading(self, key: Key) -> bool:
         """Whether a worker is loading `key` now (a second load of it must not start)."""
-        return any(key in worker.loads for worker in self._workers)
+        return key in self._loading
 
     def load(self, fp: str, index: int, timeout: float, attempts: int = 0) -> None:
         """Start loading sample `index` of prefix `fp`; `timeout` bounds how long it may run."""
@@ -226,14 +273,41 @@ class DecoderPool:
         if size is not None and size <= self.pool.capacity and self._place_in_flight():
             offset = self.pool.reserve((fp, index), size)
         self._sent += 1
-        worker.loads[(fp, index)] = Load((fp, index), time.monotonic() + timeout, timeout, attempts, self._sent)
+        self._start(worker, Load((fp, index), time.monotonic() + timeout, timeout, attempts, self._sent))
         try:
             if fp not in worker.prefixes:
+                self._send(worker)  # the loads queued before it, in order
                 self._processes.send(worker.slot, ("prefix", fp, prefix))
                 worker.prefixes.add(fp)
-            self._processes.send(worker.slot, ("load", fp, index, None if offset is None else (offset, size)))
         except WorkerError:  # it died since we last looked: its replacement takes this load too
             self._replace(worker, self._why(worker))
+            return
+        worker.unsent.append((fp, index, None if offset is None else (offset, size)))
+
+    def send(self) -> None:
+        """Send the loads started since the last call, one message per worker: the server calls
+        it once per round of events, so a worker that finished two loads gets its next two in one
+        message (and answers them in one)."""
+        for worker in list(self._workers):
+            if worker.unsent:
+                try:
+                    self._send(worker)
+                except WorkerError:
+                    self._replace(worker, self._why(worker))
+
+    def _send(self, worker: _Worker) -> None:
+        unsent, worker.unsent = worker.unsent, []
+        for k in range(0, len(unsent), GROUP):
+            group = unsent[k : k + GROUP]
+            self._processes.send(worker.slot, ("load", *group[0]) if len(group) == 1 else ("loads", group))
+
+    def _start(self, worker: _Worker, load: Load) -> None:
+        worker.loads[load.key] = load
+        self._loading[load.key] = worker
+
+    def _end(self, worker: _Worker, key: Key) -> None:
+        if worker.loads.pop(key, None) is not None:
+            del self._loading[key]
 
     def prefetch(self, fp: str, indices: Any) -> None:
         """Tell a worker the samples a pass will read: a remote source downloads their objects
@@ -258,7 +332,9 @@ class DecoderPool:
             self._replace(worker, self._why(worker))
             return
         try:
-            self._handle(worker, msg)
+            for reply in msg[1] if msg[0] == "replies" else (msg,):
+                if worker in self._workers:
+                    self._handle(worker, reply)
         except Exception:  # a bug here must not leave the worker waiting for an answer forever
             self._replace(worker, "was restarted after a server error (see the log)")
             raise
@@ -277,7 +353,7 @@ class DecoderPool:
             self._abort_reservation(key)  # the guess was too small
             self._reserve(worker, fp, index, msg[3])
             return
-        worker.loads.pop(key, None)
+        self._end(worker, key)
         if kind == "done":
             self.decode_s += msg[4]
             self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3][0])
@@ -325,19 +401,21 @@ class DecoderPool:
                 continue
             late = [load for load in worker.loads.values() if now > load.deadline]
             if late:
+                # The one running: a worker takes its loads in order and answers each within
+                # HOLD_S of finishing it. The loads queued behind it are loaded again elsewhere.
+                load = min(late, key=lambda load: load.order)
                 self._processes.kill(worker.slot)  # before its space is given back: it must not write there
-                for load in late:
-                    worker.loads.pop(load.key)
-                    self._abort_reservation(load.key)
-                    self._events.failed(
-                        load.key[0],
-                        load.key[1],
-                        "LoaderTimeoutError",
-                        (
-                            f"sample {load.key[1]}: the shared prefix ran for more than {load.timeout:.0f} s on it "
-                            "(Loader(timeout=)); its decode worker was restarted"
-                        ),
-                    )
+                self._end(worker, load.key)
+                self._abort_reservation(load.key)
+                self._events.failed(
+                    load.key[0],
+                    load.key[1],
+                    "LoaderTimeoutError",
+                    (
+                        f"sample {load.key[1]}: the shared prefix ran for more than {load.timeout:.0f} s on it "
+                        "(Loader(timeout=)); its decode worker was restarted"
+                    ),
+                )
                 self._replace(worker, "was killed after a load passed its deadline")
         if self._waiting_space and now - self._space_progress > STALL_S:
             self._fail_stalled()
@@ -378,7 +456,9 @@ class DecoderPool:
         self.restarts += 1
         self._waiting_space = deque(w for w in self._waiting_space if w[0] is not worker)
         self._workers.append(self._watch(worker.slot))
-        for load in worker.loads.values():
+        worker.unsent.clear()
+        for load in list(worker.loads.values()):
+            self._end(worker, load.key)
             fp, index = load.key
             self._abort_reservation(load.key)
             if load.attempts + 1 >= MAX_ATTEMPTS:

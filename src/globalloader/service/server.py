@@ -115,6 +115,7 @@ class Server:
                     last_check = now
                     self._check(now)
                 self.scheduler.draw()
+                self.scheduler.decoders.send()
                 due = self.io.post_all(self.scheduler.settled)
                 timeout = CHECK_S if due is None else min(CHECK_S, due)
         finally:
