@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -227,3 +228,47 @@ def test_a_job_killed_while_its_loads_are_held_leaves_the_job_sharing_them_whole
         time.sleep(0.1)
     with gl.Loader(chain(values), share=True, server=str(srv.socket)) as again:
         once(indices(again), local_order())
+
+
+def slow_first_once(flag: str, record):
+    """Sample 0 runs 4 s the first time: long, but well within its job's timeout."""
+    if record == 0 and not os.path.exists(flag):
+        Path(flag).write_text("running")
+        time.sleep(4)
+    return values(record)
+
+
+def values_b(record):
+    return {"x": np.full(256, record, np.int64), "index": record, "job": 1}  # another prefix
+
+
+def test_a_load_queued_behind_another_jobs_long_load_is_not_blamed_for_it(tmp_path):
+    """One decode worker; job A (timeout 60 s) has a load running 4 s, job B (timeout 2 s) has
+    its loads queued behind it in the same worker. B's loads never ran, so they cannot have run
+    past B's timeout: the worker is not killed, no B sample is named, and both get every sample.
+    (It was: B's queued sample was failed as 'the shared prefix ran for more than 2 s on it' and
+    A's running load was killed and retried.)"""
+    from globalloader.service.launcher import status
+
+    server = Server(tmp_path / "q.sock", memory="8M", workers=1)
+    try:
+        flag = tmp_path / "flag"
+        a_ds = gl.Dataset(gl.from_sequence([0, 1])).map(functools.partial(slow_first_once, str(flag)), shared=True)
+        b_ds = gl.Dataset(gl.from_sequence(list(range(10)))).map(values_b, shared=True)
+        a_seen: list[int] = []
+        with gl.Loader(a_ds, share=True, server=str(server.socket), timeout=60) as a:
+            ia = iter(a)
+            reader = threading.Thread(target=lambda: a_seen.extend(int(s["index"]) for s in ia))
+            reader.start()
+            deadline = time.monotonic() + 30
+            while not flag.exists():  # A's sample 0 is running, its sample 1 queued behind it
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with gl.Loader(b_ds, share=True, server=str(server.socket), timeout=2) as b:
+                b_seen = [int(s["index"]) for s in b]
+            reader.join(timeout=60)
+        once(a_seen, [0, 1])
+        once(b_seen, list(range(10)))
+        assert status(server.socket)["worker_restarts"] == 0
+    finally:
+        server.stop()
