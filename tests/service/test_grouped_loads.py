@@ -7,6 +7,7 @@ naming the sample at fault; never a hang, a lost or a duplicated sample.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -270,5 +271,32 @@ def test_a_load_queued_behind_another_jobs_long_load_is_not_blamed_for_it(tmp_pa
         once(a_seen, [0, 1])
         once(b_seen, list(range(10)))
         assert status(server.socket)["worker_restarts"] == 0
+    finally:
+        server.stop()
+
+
+def hangs_holding_the_gil_at_second_load_once(flag: str, record):
+    """As `hangs_at_nth_load_once(2)`, but the hang is a C call that keeps the GIL (a native
+    decoder stuck without releasing it): the thread that sends held outcomes cannot run."""
+    if _nth_load_of_this_worker(record) == 2 and not os.path.exists(flag):
+        Path(flag).write_text(str(record))
+        ctypes.PyDLL(None).sleep(3600)
+    return values(record)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: a hang that holds the GIL keeps the finished first load of its group held, "
+    "so the timeout names that sample, not the hanging one",
+)
+def test_a_hang_holding_the_gil_names_its_own_sample(tmp_path):
+    server = Server(tmp_path / "h.sock", memory="8M", workers=1)
+    try:
+        flag = tmp_path / "flag"
+        fn = functools.partial(hangs_holding_the_gil_at_second_load_once, str(flag))
+        with gl.Loader(chain(fn, batch=None), share=True, server=str(server.socket), timeout=3) as loader:
+            with pytest.raises(errors.LoaderTimeoutError) as caught:
+                list(loader)
+            assert f"sample {int(flag.read_text())}:" in str(caught.value)
     finally:
         server.stop()
