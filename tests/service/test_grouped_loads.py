@@ -39,11 +39,22 @@ def _nth_load_of_this_worker(record) -> int:
     return len(_LOADED)
 
 
+def _first(flag: str, record) -> bool:
+    """Whether this is the first time any worker got here: creates `flag` holding `record`, at
+    most once over all workers (they run at once: a check then a write would let two through)."""
+    try:
+        fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(str(record))
+    return True
+
+
 def dies_at_second_load_once(flag: str, record):
     """Kills its decode worker at the second load it gets (the first of its group is finished and
     its outcome held), the first time only: the retry in the replacement succeeds."""
-    if _nth_load_of_this_worker(record) == 2 and not os.path.exists(flag):
-        Path(flag).write_text(str(record))
+    if _nth_load_of_this_worker(record) == 2 and _first(flag, record):
         os.kill(os.getpid(), signal.SIGKILL)
     return values(record)
 
@@ -51,8 +62,7 @@ def dies_at_second_load_once(flag: str, record):
 def hangs_at_nth_load_once(flag: str, nth: int, record):
     """Hangs at the nth load its decode worker gets, the first time only (1: the first of a group,
     its pair queued behind it; 2: the second, its pair finished)."""
-    if _nth_load_of_this_worker(record) == nth and not os.path.exists(flag):
-        Path(flag).write_text(str(record))
+    if _nth_load_of_this_worker(record) == nth and _first(flag, record):
         time.sleep(3600)
     return values(record)
 
@@ -233,8 +243,7 @@ def test_a_job_killed_while_its_loads_are_held_leaves_the_job_sharing_them_whole
 
 def slow_first_once(flag: str, record):
     """Sample 0 runs 4 s the first time: long, but well within its job's timeout."""
-    if record == 0 and not os.path.exists(flag):
-        Path(flag).write_text("running")
+    if record == 0 and _first(flag, record):
         time.sleep(4)
     return values(record)
 
@@ -278,8 +287,7 @@ def test_a_load_queued_behind_another_jobs_long_load_is_not_blamed_for_it(tmp_pa
 def hangs_holding_the_gil_at_second_load_once(flag: str, record):
     """As `hangs_at_nth_load_once(2)`, but the hang is a C call that keeps the GIL (a native
     decoder stuck without releasing it): the thread that sends held outcomes cannot run."""
-    if _nth_load_of_this_worker(record) == 2 and not os.path.exists(flag):
-        Path(flag).write_text(str(record))
+    if _nth_load_of_this_worker(record) == 2 and _first(flag, record):
         ctypes.PyDLL(None).sleep(3600)
     return values(record)
 
