@@ -182,6 +182,9 @@ class _Worker:
     prefixes: set[str] = field(default_factory=set)
     loads: dict[Key, Load] = field(default_factory=dict)  # in flight
     unsent: list[tuple[str, int, Any]] = field(default_factory=list)  # loads for `send`: (fp, index, guess)
+    # When it last answered a load: the oldest load in flight started running no earlier (a load
+    # queued behind another job's long one must not be timed while it waits, nor blamed for it).
+    answered: float = field(default_factory=time.monotonic)
 
 
 class Events(Protocol):
@@ -354,6 +357,7 @@ class DecoderPool:
             self._reserve(worker, fp, index, msg[3])
             return
         self._end(worker, key)
+        worker.answered = time.monotonic()
         if kind == "done":
             self.decode_s += msg[4]
             self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3][0])
@@ -399,11 +403,13 @@ class DecoderPool:
             if why is not None:
                 self._replace(worker, why)
                 continue
-            late = [load for load in worker.loads.values() if now > load.deadline]
-            if late:
-                # The one running: a worker takes its loads in order and answers each within
-                # HOLD_S of finishing it. The loads queued behind it are loaded again elsewhere.
-                load = min(late, key=lambda load: load.order)
+            # The one running is the oldest: a worker takes its loads in order and answers each
+            # within HOLD_S of finishing it. Its time runs from when it was sent or from the
+            # worker's last answer, whichever is later: the loads queued behind it wait without
+            # being timed (their job's timeout may be shorter than the running load's), and are
+            # loaded again elsewhere when it is late.
+            load = min(worker.loads.values(), key=lambda load: load.order, default=None)
+            if load is not None and now > max(load.deadline, worker.answered + load.timeout):
                 self._processes.kill(worker.slot)  # before its space is given back: it must not write there
                 self._end(worker, load.key)
                 self._abort_reservation(load.key)
