@@ -292,11 +292,6 @@ def hangs_holding_the_gil_at_second_load_once(flag: str, record):
     return values(record)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a hang that holds the GIL keeps the finished first load of its group held, "
-    "so the timeout names that sample, not the hanging one",
-)
 def test_a_hang_holding_the_gil_names_its_own_sample(tmp_path):
     server = Server(tmp_path / "h.sock", memory="8M", workers=1)
     try:
@@ -308,3 +303,31 @@ def test_a_hang_holding_the_gil_names_its_own_sample(tmp_path):
             assert f"sample {int(flag.read_text())}:" in str(caught.value)
     finally:
         server.stop()
+
+
+def kills_its_first_three_loads(folder: str, bad: int, record):
+    """Sample `bad` kills its decode worker the first three times it is loaded (as many as a
+    load may kill before it fails), then loads: a retry after the error succeeds."""
+    if record == bad:
+        for k in range(3):
+            if _first(f"{folder}/kill-{k}", record):
+                os.kill(os.getpid(), signal.SIGKILL)
+    return values(record)
+
+
+def test_only_the_sample_that_kills_its_worker_is_named_not_the_ones_queued_behind_it(srv, tmp_path):
+    # The loads queued behind the killer die with its worker each time; they must not count
+    # those deaths as their own, or after three they would fail in its place.
+    bad = 5
+    fn = functools.partial(kills_its_first_three_loads, str(tmp_path), bad)
+    named: list[str] = []
+    seen: list[int] = []
+    with gl.Loader(chain(fn, batch=None), share=True, server=str(srv.socket), timeout=60) as loader:
+        for _ in range(4):
+            try:
+                seen.extend(int(sample["index"]) for sample in loader)  # goes on after an error
+                break
+            except errors.WorkerError as exc:
+                named.append(str(exc).split("sample ", 1)[1].split(":", 1)[0])
+    assert named == [str(bad)]
+    once(seen, local_order(batch=None))

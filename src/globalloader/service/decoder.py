@@ -73,8 +73,11 @@ def _prefetch(prefix: Any, indices: Any) -> None:
 class DecodeBody:
     """A decode worker's body (`runtime.WorkerPool`): the shared prefixes it was sent, and loads."""
 
-    def __init__(self, arena_name: str) -> None:
+    def __init__(self, arena_name: str, running: Any) -> None:
         self.arena_name = arena_name
+        # Per worker slot, the order number of the load it started last (shared memory, written
+        # here, read by the server): which load of a group runs, whatever outcomes are held.
+        self.running = running
 
     def setup(self, worker: Worker) -> None:
         self.memory = arena.attach(self.arena_name)
@@ -93,8 +96,7 @@ class DecodeBody:
 
     def _send_held(self, conn: Worker) -> None:
         """Outcomes held longer than HOLD_S go out without the rest of their group: a load that
-        runs long (or hangs) keeps nothing else from its job, and when it passes its deadline it
-        is the only load of its worker that the server has no outcome for, so the error names it."""
+        runs long (or hangs) keeps nothing else from its job."""
         while True:
             time.sleep(HOLD_S)
             if self.replies and time.monotonic() - self.held_since > HOLD_S:
@@ -136,7 +138,8 @@ class DecodeBody:
                     "the server must be able to import every module the shared maps use"
                 )
             return
-        _, fp, index, guess = msg  # guess: (offset, bytes) reserved ahead, or None
+        _, fp, index, guess, order = msg  # guess: (offset, bytes) reserved ahead, or None
+        self.running[conn.index] = order
         t0 = time.perf_counter()
         prefix = prefixes[fp]
         if isinstance(prefix, str):
@@ -181,7 +184,7 @@ class _Worker:
     slot: int  # its place in the WorkerPool
     prefixes: set[str] = field(default_factory=set)
     loads: dict[Key, Load] = field(default_factory=dict)  # in flight
-    unsent: list[tuple[str, int, Any]] = field(default_factory=list)  # loads for `send`: (fp, index, guess)
+    unsent: list[tuple[str, int, Any, int]] = field(default_factory=list)  # loads for `send`: (fp, index, guess, order)
     # When it last answered a load: the oldest load in flight started running no earlier (a load
     # queued behind another job's long one must not be timed while it waits, nor blamed for it).
     answered: float = field(default_factory=time.monotonic)
@@ -221,7 +224,9 @@ class DecoderPool:
         self.decode_s = 0.0
         self.restarts = 0
         self.space_requests = 0  # loads whose worker had to ask for space (a round trip while it waits)
-        self._processes = WorkerPool(DecodeBody(arena_name), size, mp.get_context("fork"), 0, name="decode worker")
+        context = mp.get_context("fork")
+        self._running = context.RawArray("q", size)  # see DecodeBody.running
+        self._processes = WorkerPool(DecodeBody(arena_name, self._running), size, context, 0, name="decode worker")
         self._workers = [self._watch(slot) for slot in range(size)]
 
     def _watch(self, slot: int) -> _Worker:
@@ -285,7 +290,7 @@ class DecoderPool:
         except WorkerError:  # it died since we last looked: its replacement takes this load too
             self._replace(worker, self._why(worker))
             return
-        worker.unsent.append((fp, index, None if offset is None else (offset, size)))
+        worker.unsent.append((fp, index, None if offset is None else (offset, size), self._sent))
 
     def send(self) -> None:
         """Send the loads started since the last call, one message per worker: the server calls
@@ -403,13 +408,17 @@ class DecoderPool:
             if why is not None:
                 self._replace(worker, why)
                 continue
-            # The one running is the oldest: a worker takes its loads in order and answers each
-            # within HOLD_S of finishing it. Its time runs from when it was sent or from the
-            # worker's last answer, whichever is later: the loads queued behind it wait without
-            # being timed (their job's timeout may be shorter than the running load's), and are
-            # loaded again elsewhere when it is late.
+            # The oldest load is timed: a worker takes its loads in order. Its time runs from when
+            # it was sent or from the worker's last answer, whichever is later: the loads queued
+            # behind it wait without being timed (their job's timeout may be shorter than the
+            # running load's), and are loaded again elsewhere when it is late.
             load = min(worker.loads.values(), key=lambda load: load.order, default=None)
             if load is not None and now > max(load.deadline, worker.answered + load.timeout):
+                # The one to blame is the one the worker started last: a finished load's outcome
+                # may still be held for its group, behind one that hangs (keeping the GIL, even
+                # the worker's sending thread cannot run).
+                started = self._running[worker.slot]
+                load = next((other for other in worker.loads.values() if other.order == started), load)
                 self._processes.kill(worker.slot)  # before its space is given back: it must not write there
                 self._end(worker, load.key)
                 self._abort_reservation(load.key)
@@ -422,7 +431,7 @@ class DecoderPool:
                         "(Loader(timeout=)); its decode worker was restarted"
                     ),
                 )
-                self._replace(worker, "was killed after a load passed its deadline")
+                self._replace(worker, "was killed after a load passed its deadline", blamed=True)
         if self._waiting_space and now - self._space_progress > STALL_S:
             self._fail_stalled()
 
@@ -452,10 +461,14 @@ class DecoderPool:
         except WorkerError:
             self._replace(worker, self._why(worker))
 
-    def _replace(self, worker: _Worker, why: str) -> None:
-        """A decode worker died: start another and give it the dead one's loads again."""
+    def _replace(self, worker: _Worker, why: str, blamed: bool = False) -> None:
+        """A decode worker died: start another and give it the dead one's loads again. Only the
+        load it was running counts an attempt (the others waited behind it), unless `blamed`
+        (that one has already failed) or it is not known (then every one counts)."""
         if worker not in self._workers:
             return
+        started = self._running[worker.slot]
+        running = None if blamed else next((load for load in worker.loads.values() if load.order == started), None)
         self._workers.remove(worker)
         self._unregister(self._processes.conns[worker.slot])
         self._processes.restart(worker.slot)
@@ -467,7 +480,8 @@ class DecoderPool:
             self._end(worker, load.key)
             fp, index = load.key
             self._abort_reservation(load.key)
-            if load.attempts + 1 >= MAX_ATTEMPTS:
+            attempts = load.attempts + (not blamed and (running is None or load is running))
+            if attempts >= MAX_ATTEMPTS:
                 self._events.failed(
                     fp,
                     index,
@@ -478,7 +492,7 @@ class DecoderPool:
                     ),
                 )
             else:
-                self.load(fp, index, load.timeout, load.attempts + 1)
+                self.load(fp, index, load.timeout, attempts)
 
     def close(self) -> None:
         self._processes.close()
