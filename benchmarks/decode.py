@@ -69,6 +69,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch  # imported at once, as in a PyTorch training process: gl then resamples on its kernel
@@ -114,15 +115,8 @@ def per_sample(transform: Callable[[bytes, np.random.Generator], Any]) -> Runner
 
 def gl_runner(hide_torch: bool = False, **options: Any) -> Runner:
     """gl's transform; with `hide_torch`, made as in a process that has not imported torch."""
-    hidden = {"torch": None} if hide_torch else {}
-    saved = {name: sys.modules.pop(name) for name in hidden}
-    sys.modules.update(hidden)
-    try:
+    with mock.patch.dict(sys.modules, {"torch": None} if hide_torch else {}):
         transform = vision.RandomResizedCropFlipNormalize(size=OUT, **options)
-    finally:
-        for name in hidden:
-            del sys.modules[name]
-        sys.modules.update(saved)
     return per_sample(lambda data, rng: transform({"jpg": data}, rng=rng))
 
 

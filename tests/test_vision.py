@@ -218,8 +218,10 @@ def test_random_resized_crop_resizes_exactly_the_sampled_box():
         out = vision.random_resized_crop(array, 32, np.random.default_rng(seed))
         assert out.shape == (32, 32, 3) and out.dtype == np.uint8
         rows, cols = out[:, :, 0].astype(int), out[:, :, 1].astype(int)
-        assert top - 1 <= rows.min() and rows.max() <= top + h
-        assert left - 1 <= cols.min() and cols.max() <= left + w
+        assert top <= rows.min() and rows.max() < top + h  # only the crop is read
+        assert left <= cols.min() and cols.max() < left + w
+        crop = Image.fromarray(array).crop((left, top, left + w, top + h))  # as torchvision's resized_crop
+        assert np.array_equal(np.asarray(crop.resize((32, 32), Image.Resampling.BILINEAR)), out)
         assert np.all(np.diff(rows[:, 0]) >= 0) and np.all(np.diff(cols[0]) >= 0)
         pil_img = Image.fromarray(array)
         pil_out = vision.random_resized_crop(pil_img, 32, np.random.default_rng(seed))

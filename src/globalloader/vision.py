@@ -4,8 +4,9 @@ Speed comes from doing as little pixel work as possible: JPEGs are decoded by li
 into a NumPy array (simplejpeg, in the `vision` extra; Pillow decodes other formats, and JPEGs
 when simplejpeg is missing or `decoder="pillow"`), at 1/2, 1/4 or 1/8 scale in the DCT domain when
 the crop still keeps at least the output's pixels ("draft"); the crop is resized with the
-antialiased bilinear filter reading only inside it (torch's SIMD kernel when installed, else
-Pillow's `crop` then `resize`; see `globalloader._antialias`), the flip on the small output, and
+antialiased bilinear filter reading only inside it (torch's SIMD kernel when the process that
+makes the transform has imported torch, else Pillow's `crop` then `resize`; see
+`globalloader._antialias`), the flip on the small output, and
 `normalize` runs two in-place float32 ufunc passes over long rows (or is left to the training step:
 `normalize=False` and `globalloader.torch.normalize_batch`). Both decoders give the same shapes and
 dtypes and values within a grey level or two of each other (the same libjpeg-turbo algorithms).
@@ -366,7 +367,7 @@ def random_resized_crop(
     img_h, img_w = _image_hw(img)
     left, top, w, h = random_resized_crop_box(img_w, img_h, rng, scale, ratio)
     as_array = isinstance(img, np.ndarray)
-    crop = _array_to_pil(img[top : top + h, left : left + w]) if as_array else img.crop((left, top, left + w, top + h))
+    crop = _region_to_pil(img, left, top, left + w, top + h) if as_array else img.crop((left, top, left + w, top + h))
     out = crop.resize((out_w, out_h), _resample(resample))
     return to_array(out) if as_array else out
 
@@ -455,7 +456,7 @@ def _region_to_pil(image: np.ndarray, x0: int, y0: int, x1: int, y1: int) -> PIL
     faster than 4-band RGBX). `fromarray` would copy it twice (a contiguous copy, then the unpack)
     at several times the cost. Other layouts go through `fromarray`.
     """
-    if image.shape[2] == 3 and image.flags.c_contiguous:
+    if image.ndim == 3 and image.shape[2] == 3 and image.flags.c_contiguous:
         row = image.strides[0]
         rows = image.data.cast("B")[y0 * row + x0 * 3 :]
         return _pil().frombuffer("RGB", (x1 - x0, y1 - y0), rows, "raw", "RGB", row, 1)

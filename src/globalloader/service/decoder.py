@@ -414,11 +414,10 @@ class DecoderPool:
             # running load's), and are loaded again elsewhere when it is late.
             load = min(worker.loads.values(), key=lambda load: load.order, default=None)
             if load is not None and now > max(load.deadline, worker.answered + load.timeout):
-                # The one to blame is the one the worker started last: a finished load's outcome
-                # may still be held for its group, behind one that hangs (keeping the GIL, even
-                # the worker's sending thread cannot run).
-                started = self._running[worker.slot]
-                load = next((other for other in worker.loads.values() if other.order == started), load)
+                # The one to blame is the one it runs: a finished load's outcome may still be held
+                # for its group, behind one that hangs (keeping the GIL, even the worker's sending
+                # thread cannot run).
+                load = self._started(worker) or load
                 self._processes.kill(worker.slot)  # before its space is given back: it must not write there
                 self._end(worker, load.key)
                 self._abort_reservation(load.key)
@@ -461,14 +460,18 @@ class DecoderPool:
         except WorkerError:
             self._replace(worker, self._why(worker))
 
+    def _started(self, worker: _Worker) -> Load | None:
+        """The load `worker` started last, from its mark in shared memory, if still in flight."""
+        started = self._running[worker.slot]
+        return next((load for load in worker.loads.values() if load.order == started), None)
+
     def _replace(self, worker: _Worker, why: str, blamed: bool = False) -> None:
         """A decode worker died: start another and give it the dead one's loads again. Only the
         load it was running counts an attempt (the others waited behind it), unless `blamed`
         (that one has already failed) or it is not known (then every one counts)."""
         if worker not in self._workers:
             return
-        started = self._running[worker.slot]
-        running = None if blamed else next((load for load in worker.loads.values() if load.order == started), None)
+        running = None if blamed else self._started(worker)
         self._workers.remove(worker)
         self._unregister(self._processes.conns[worker.slot])
         self._processes.restart(worker.slot)

@@ -119,10 +119,10 @@ class Store:
         """Size and version of one file; a SourceError naming it when it is missing."""
         if not scheme_of(url):
             return _local_stat(url)
+        known = self._known(url)
+        if known is not None:
+            return known
         now = time.monotonic()
-        known = self._infos.get(url)
-        if known is not None and now - known[0] < INFO_TTL:
-            return known[1]
         fs, path = self.filesystem(url)
         # Asked of the store itself, not of the client's listing cache (one client per process holds
         # the listing that expanded a pattern): a changed object must show as changed.
@@ -136,20 +136,19 @@ class Store:
             self._infos[url] = (now, stat)
         return stat
 
+    def _known(self, url: str) -> FileStat | None:
+        """What a listing or an earlier `stat` said of `url`, if not older than INFO_TTL."""
+        known = self._infos.get(url)
+        return known[1] if known is not None and time.monotonic() - known[0] < INFO_TTL else None
+
     def stats(self, urls: list[str], threads: int = 8) -> list[FileStat]:
         """`stat` of each URL, in order: the ones a listing answered (and local files) at once, the
         others asked `threads` at a time (each is a request)."""
-        now = time.monotonic()
-        found: list[FileStat | None] = []
-        for url in urls:
-            known = self._infos.get(url) if scheme_of(url) else None
-            found.append(known[1] if known is not None and now - known[0] < INFO_TTL else None)
-        ask = [i for i, (url, stat) in enumerate(zip(urls, found, strict=True)) if stat is None and scheme_of(url)]
+        ask = [url for url in urls if scheme_of(url) and self._known(url) is None]
         if len(ask) > 1 and threads > 1:
             with ThreadPoolExecutor(min(threads, len(ask))) as pool:
-                for i, stat in zip(ask, pool.map(self.stat, [urls[i] for i in ask]), strict=True):
-                    found[i] = stat
-        return [stat if stat is not None else self.stat(url) for url, stat in zip(urls, found, strict=True)]
+                list(pool.map(self.stat, ask))  # remembered: the calls below find them
+        return [self.stat(url) for url in urls]
 
     def glob(self, pattern: str) -> list[str]:
         """Sorted URLs matching a glob pattern."""
