@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import multiprocessing
 import pickle
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from globalloader import vision
+from globalloader import _warp, vision
 from globalloader.errors import ArgumentError, CorruptSampleError
 from globalloader.vision import (
     IMAGENET_MEAN,
@@ -286,6 +287,41 @@ def test_normalize_matches_float64_reference(layout, chw):
         expected = expected.transpose(2, 0, 1)
     assert out.dtype == np.float32 and out.shape == expected.shape
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6)
+
+
+@pytest.fixture(params=[True, False], ids=["opencv", "no_opencv"])
+def opencv(request, monkeypatch):
+    """Both ways a mirrored crop is handled: OpenCV mirrors the output in place; without it
+    (`import cv2` fails) NumPy reads the negative stride."""
+    if not request.param:
+        monkeypatch.setitem(sys.modules, "cv2", None)
+    _warp.opencv.cache_clear()
+    assert (_warp.opencv() is not None) == request.param
+    yield request.param
+    _warp.opencv.cache_clear()
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4])
+@pytest.mark.parametrize("chw", [False, True])
+def test_a_mirrored_crop_normalizes_and_copies_to_its_exact_pixels(opencv, channels, chw):
+    base = np.random.default_rng(channels).integers(0, 256, (61, 77, channels), dtype=np.uint8)
+    view = base[4:50, 6:71][:, ::-1]  # what random_crop then hflip hand over
+    mean, std = [0.3] * channels, [0.2] * channels
+    expected = reference_normalize(np.ascontiguousarray(view), mean, std)
+    out = vision.normalize(view, mean, std, chw)
+    assert out.flags.c_contiguous
+    np.testing.assert_allclose(out, expected.transpose(2, 0, 1) if chw else expected, rtol=0, atol=2e-6)
+    into = np.full((2, *out.shape), np.nan, np.float32)  # a batch slot: written whole, nothing else
+    assert np.shares_memory(vision.normalize(view, mean, std, chw, out=into[1]), into[1])
+    np.testing.assert_array_equal(into[1], out)
+    assert np.isnan(into[0]).all()
+    crop = RandomCropFlipNormalize(size=(40, 50), flip_p=1.0, chw=chw, normalize=False)
+    raw = crop({"image": base}, rng=np.random.default_rng(2))["image"]
+    rng = np.random.default_rng(2)
+    top, left = int(rng.integers(0, 22)), int(rng.integers(0, 28))
+    mirrored = base[top : top + 40, left : left + 50][:, ::-1]
+    assert raw.flags.c_contiguous
+    np.testing.assert_array_equal(raw, mirrored.transpose(2, 0, 1) if chw else mirrored)
 
 
 def test_normalize_custom_stats_and_out_buffer():
