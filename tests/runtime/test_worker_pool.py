@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -17,7 +18,7 @@ import pytest
 from globalloader._pids import alive
 from globalloader.errors import LoaderTimeoutError, WorkerError
 from globalloader.runtime.pool import INLINE_BYTES, Worker, WorkerPool
-from globalloader.transport.names import list_names
+from globalloader.transport.names import ORPHAN_AGE_S, SHM_DIR, list_names, remove_leftovers, remove_orphans
 
 pytestmark = pytest.mark.timeout(60)
 FORK = mp.get_context("fork")
@@ -195,3 +196,58 @@ def test_workers_exit_when_their_owner_is_killed(tmp_path):
     finally:
         owner.kill()
         owner.wait()
+
+
+def _shm_age(names: list[str], seconds: float) -> None:
+    """Make `names` look last written `seconds` ago."""
+    then = time.time() - seconds
+    for name in names:
+        os.utime(os.path.join(SHM_DIR, name), (then, then))
+
+
+def test_a_new_pool_removes_what_a_job_killed_whole_left_in_shared_memory(pool):
+    """SIGKILL of a job's process group kills its workers too, so no watchdog unlinks their unread
+    batches: the next pool on the machine does, once they are ORPHAN_AGE_S old, and touches
+    neither a younger orphan nor the segments of a live owner."""
+    code = f"""
+        import multiprocessing as mp, os, sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_worker_pool import Echo
+        from globalloader.runtime.pool import INLINE_BYTES, WorkerPool
+        pool = WorkerPool(Echo(), 2, mp.get_context("fork"), 30.0)
+        for w in range(2):
+            pool.send(w, ("batch", 2 * INLINE_BYTES))
+            pool.receive(w)  # written, never read
+        print(pool.prefix, *(p.pid for p in pool.procs), flush=True)
+        time.sleep(600)
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    argv = [sys.executable, "-c", textwrap.dedent(code)]
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        prefix, *pids = job.stdout.readline().split()
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        deadline = time.monotonic() + 5
+        while any(alive(int(pid)) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = list_names(prefix)
+        assert len(left) == 2  # the kill left them: nobody was there to unlink them
+        live = pool(1)  # a live owner's unread batch, made old: never an orphan
+        live.send(0, ("batch", 2 * INLINE_BYTES))
+        live.receive(0)
+        mine = list_names(live.prefix)
+        _shm_age(mine, 10 * ORPHAN_AGE_S)
+        _shm_age(left[:1], ORPHAN_AGE_S / 2)  # too young to be sure
+        _shm_age(left[1:], 2 * ORPHAN_AGE_S)
+        pool(1)
+        assert list_names(prefix) == left[:1] and list_names(live.prefix) == mine
+        assert remove_orphans() == 0
+        _shm_age(left[:1], 2 * ORPHAN_AGE_S)
+        assert remove_orphans() == 1 and list_names(prefix) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        if "prefix" in locals():
+            remove_leftovers(prefix)

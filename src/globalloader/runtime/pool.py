@@ -33,7 +33,7 @@ from globalloader._pids import alive
 from globalloader.errors import LoaderTimeoutError, WorkerError
 from globalloader.runtime.process import exit_reason, single_threaded_torch, tune_allocator
 from globalloader.transport.codec import copy_arrays, decode_tree, encode_tree
-from globalloader.transport.names import PREFIX, remove_leftovers
+from globalloader.transport.names import PREFIX, remove_leftovers, remove_orphans
 from globalloader.transport.segments import BatchMessage, BatchReader, BatchWriter
 
 _WATCH_PERIOD = 0.5  # seconds between a worker's checks that its owner is alive
@@ -165,6 +165,7 @@ class WorkerPool:
     ) -> None:
         self.owner = os.getpid()
         self.prefix = f"{PREFIX}{self.owner}-{id(self) & 0xFFFFFF:x}-"
+        remove_orphans()  # what jobs killed whole with their workers left in /dev/shm
         self.timeout, self.name, self._setting = timeout, name, setting
         self._body, self._context = body, context
         self.reader = BatchReader()

@@ -1,5 +1,5 @@
 """Names of POSIX shared memory: the "gl-" prefix every segment and pool starts with, unlinking,
-leftovers of crashed processes, and the free space of /dev/shm.
+leftovers of crashed processes (and of process groups killed whole), and the free space of /dev/shm.
 
 Names are created with `_posixshmem` directly rather than `multiprocessing.shared_memory`, whose
 resource tracker registers segments a process merely attaches to and unlinks them (with
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import _posixshmem
 import os
+import time
 
+from globalloader._pids import alive
 from globalloader.errors import ArgumentError
 
 PREFIX = "gl-"  # every name this library creates starts with it
 SHM_DIR = "/dev/shm"  # where Linux exposes POSIX shared-memory names
+# A dead owner's segment this old is an orphan (a live job's batches are read within seconds).
+ORPHAN_AGE_S = 60.0
 
 
 def free_bytes() -> int | None:
@@ -42,6 +46,29 @@ def remove_leftovers(prefix: str) -> int:
     """
     check_prefix(prefix)
     return sum(1 for name in list_names(prefix) if unlink(name))
+
+
+def remove_orphans() -> int:
+    """Unlink the batch segments (`gl-<owner pid>-...`) of owners that died with their workers;
+    return how many. A SIGKILL of a whole process group leaves no watchdog to clean up, and each
+    such crash would keep a few batches of /dev/shm for good.
+
+    A name is an orphan when no process with its pid runs, this user owns it, and it was last
+    written more than ORPHAN_AGE_S ago: the age keeps safe a job whose pid this process cannot see
+    (another pid namespace sharing /dev/shm) and a pid just reused.
+    """
+    removed, now, uid = 0, time.time(), os.geteuid()
+    for name in list_names(PREFIX):
+        pid = name[len(PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or alive(int(pid)):
+            continue
+        try:
+            st = os.stat(os.path.join(SHM_DIR, name))
+        except OSError:  # gone meanwhile
+            continue
+        if st.st_uid == uid and now - st.st_mtime > ORPHAN_AGE_S:
+            removed += unlink(name)
+    return removed
 
 
 def check_prefix(prefix: str) -> None:
