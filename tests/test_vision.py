@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import multiprocessing
 import pickle
-import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from globalloader import _warp, vision
+from globalloader import vision
 from globalloader.errors import ArgumentError, CorruptSampleError
 from globalloader.vision import (
     IMAGENET_MEAN,
@@ -287,18 +286,6 @@ def test_normalize_matches_float64_reference(layout, chw):
         expected = expected.transpose(2, 0, 1)
     assert out.dtype == np.float32 and out.shape == expected.shape
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6)
-
-
-@pytest.fixture(params=[True, False], ids=["opencv", "no_opencv"])
-def opencv(request, monkeypatch):
-    """Both ways a mirrored crop is handled: OpenCV mirrors the output in place; without it
-    (`import cv2` fails) NumPy reads the negative stride."""
-    if not request.param:
-        monkeypatch.setitem(sys.modules, "cv2", None)
-    _warp.opencv.cache_clear()
-    assert (_warp.opencv() is not None) == request.param
-    yield request.param
-    _warp.opencv.cache_clear()
 
 
 @pytest.mark.parametrize("channels", [1, 3, 4])

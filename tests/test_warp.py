@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import sys
 
 import cv2  # the `test` extra installs it: without it these tests would compare Pillow to itself
 import numpy as np
@@ -20,16 +19,6 @@ from test_jpeg import assert_close_uint8, crop_both, jpeg, photo
 from globalloader import _warp
 from globalloader.errors import ArgumentError
 from globalloader.vision import RandomResizedCropFlipNormalize, random_resized_crop_box
-
-
-@pytest.fixture
-def without_opencv(monkeypatch):
-    """cv2 cannot be imported (None in sys.modules makes `import cv2` raise ImportError)."""
-    monkeypatch.setitem(sys.modules, "cv2", None)
-    _warp.opencv.cache_clear()
-    assert _warp.opencv() is None
-    yield
-    _warp.opencv.cache_clear()
 
 
 @pytest.mark.parametrize(("height", "width"), [(375, 500), (1200, 1600), (777, 1001), (9, 17), (1, 1)])

@@ -79,14 +79,13 @@ def resize(
         source, size=(size_wh[1], size_wh[0]), mode="bilinear", align_corners=False, antialias=True
     )
     planes = out[0].numpy()  # the kernel writes channel planes (NCHW), whatever the input's layout
-    cv2 = _warp.opencv()
     if planar:
-        if flip:  # each row of the (C*H, W) stack mirrored
+        if flip:  # each row of the (C*H, W) stack mirrored, in place
             rows = planes.reshape(-1, planes.shape[2])
-            planes = (cv2.flip(rows, 1) if cv2 is not None else rows[:, ::-1].copy()).reshape(planes.shape)
+            _warp.mirror(rows, out=rows)
         return planes.transpose(1, 2, 0)
-    if cv2 is None:
-        return np.ascontiguousarray(planes.transpose(1, 2, 0)[:, ::-1] if flip else planes.transpose(1, 2, 0))
     # Interleaving the planes is a loop 3 pixels long in NumPy: OpenCV's merge is 15 times faster.
-    pixels: np.ndarray = cv2.merge(tuple(planes))
-    return cv2.flip(pixels, 1) if flip else pixels
+    cv2 = _warp.opencv()
+    hwc = planes.transpose(1, 2, 0)
+    pixels: np.ndarray = cv2.merge(tuple(planes)) if cv2 is not None else np.ascontiguousarray(hwc)
+    return _warp.mirror(pixels, out=pixels) if flip else pixels

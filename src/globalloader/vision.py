@@ -515,13 +515,12 @@ def normalize(
         out = np.empty(shape, np.float32)
     elif out.dtype != np.float32 or out.shape != shape:
         raise ArgumentError(f"normalize: out must be float32 of shape {shape}, got {out.dtype} {out.shape}")
-    cv2 = _warp.opencv()
-    if array.strides[1] < 0 and cv2 is not None and out.flags.c_contiguous:
+    if array.strides[1] < 0 and _warp.opencv() is not None and out.flags.c_contiguous:
         # hflip's mirrored view: normalize the pixels as stored, along whole rows, then mirror
         # the result in place (OpenCV: microseconds), not NumPy's loop over a negative stride.
         normalize(array[:, ::-1], mean_t, std_t, chw, out)
-        mirrored = out.reshape(-1, width) if chw else out  # CHW: every row of every plane
-        cv2.flip(mirrored, 1, dst=mirrored)
+        rows = out.reshape(-1, width) if chw else out  # CHW: every row of every plane
+        _warp.mirror(rows, out=rows)
         return out
     scale, offset = _affine(mean_t, std_t)
     if chw:
@@ -769,9 +768,8 @@ def _output(array: np.ndarray, transform: RandomResizedCropFlipNormalize | Rando
     (contiguous, HWC or CHW); both with the layout `chw` asks for."""
     if transform.normalize:
         return normalize(array, transform.mean, transform.std, transform.chw)
-    cv2 = _warp.opencv()
-    if not transform.chw and array.strides[1] < 0 and cv2 is not None:  # hflip's view, copied by
-        return cv2.flip(array[:, ::-1], 1).reshape(array.shape)  # OpenCV: NumPy's copy is 30x slower
+    if not transform.chw and array.strides[1] < 0:  # hflip's view: a mirrored copy of the pixels
+        return _warp.mirror(array[:, ::-1])
     return np.ascontiguousarray(array.transpose(2, 0, 1) if transform.chw else array)
 
 
