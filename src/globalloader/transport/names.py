@@ -48,25 +48,26 @@ def remove_leftovers(prefix: str) -> int:
     return sum(1 for name in list_names(prefix) if unlink(name))
 
 
-def remove_orphans() -> int:
-    """Unlink the batch segments (`gl-<owner pid>-...`) of owners that died with their workers;
-    return how many. A SIGKILL of a whole process group leaves no watchdog to clean up, and each
-    such crash would keep a few batches of /dev/shm for good.
+def remove_orphans(prefix: str = PREFIX, min_age_s: float = ORPHAN_AGE_S) -> int:
+    """Unlink the names `<prefix><pid>...` of dead owners; return how many. By default the batch
+    segments (`gl-<owner pid>-...`) of owners that died with their workers: a SIGKILL of a whole
+    process group leaves no watchdog to clean up, and each such crash would keep a few batches of
+    /dev/shm for good.
 
     A name is an orphan when no process with its pid runs, this user owns it, and it was last
-    written more than ORPHAN_AGE_S ago: the age keeps safe a job whose pid this process cannot see
-    (another pid namespace sharing /dev/shm) and a pid just reused.
+    written more than `min_age_s` ago: the age keeps safe a job whose pid this process cannot see
+    (another pid namespace sharing /dev/shm), whose batches are read within seconds.
     """
     removed, now, uid = 0, time.time(), os.geteuid()
-    for name in list_names(PREFIX):
-        pid = name[len(PREFIX) :].split("-", 1)[0]
+    for name in list_names(prefix):
+        pid = name[len(prefix) :].split("-", 1)[0]
         if not pid.isdigit() or alive(int(pid)):
             continue
         try:
             st = os.stat(os.path.join(SHM_DIR, name))
         except OSError:  # gone meanwhile
             continue
-        if st.st_uid == uid and now - st.st_mtime > ORPHAN_AGE_S:
+        if st.st_uid == uid and now - st.st_mtime >= min_age_s:
             removed += unlink(name)
     return removed
 
