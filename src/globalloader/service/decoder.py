@@ -483,7 +483,8 @@ class DecoderPool:
             self._end(worker, load.key)
             fp, index = load.key
             self._abort_reservation(load.key)
-            attempts = load.attempts + (not blamed and (running is None or load is running))
+            ran = not blamed and (running is None or load is running)  # it may have killed the worker
+            attempts = load.attempts + int(ran)
             if attempts >= MAX_ATTEMPTS:
                 self._events.failed(
                     fp,
