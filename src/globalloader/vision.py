@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader import _antialias, _extras, _jpeg, _warp
+from globalloader import _antialias, _extras, _jpeg, _slots, _warp
 from globalloader.errors import ArgumentError, CorruptSampleError
 
 if TYPE_CHECKING:
@@ -512,7 +512,7 @@ def normalize(
         raise ArgumentError(f"normalize: {channels} channels but mean has {len(mean_t)} and std {len(std_t)} values")
     shape = (channels, height, width) if chw else (height, width, channels)
     if out is None:
-        out = np.empty(shape, np.float32)
+        out = _slots.empty(shape, np.float32)
     elif out.dtype != np.float32 or out.shape != shape:
         raise ArgumentError(f"normalize: out must be float32 of shape {shape}, got {out.dtype} {out.shape}")
     if array.strides[1] < 0 and _warp.opencv() is not None and out.flags.c_contiguous:
@@ -769,8 +769,11 @@ def _output(array: np.ndarray, transform: RandomResizedCropFlipNormalize | Rando
     if transform.normalize:
         return normalize(array, transform.mean, transform.std, transform.chw)
     if not transform.chw and array.strides[1] < 0:  # hflip's view: a mirrored copy of the pixels
-        return _warp.mirror(array[:, ::-1])
-    return np.ascontiguousarray(array.transpose(2, 0, 1) if transform.chw else array)
+        return _warp.mirror(array[:, ::-1], out=_slots.empty(array.shape, np.uint8))
+    pixels = array.transpose(2, 0, 1) if transform.chw else array
+    out = _slots.empty(pixels.shape, pixels.dtype)
+    np.copyto(out, pixels)
+    return out
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from globalloader import _slots
 from globalloader.errors import ArgumentError
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -176,6 +177,9 @@ def _collate(items: list[Any], where: str, deferred: bool = False, pad: Any = No
                 f"collate: arrays in {where} have different shapes {sorted(shapes)}; "
                 "resize them in a map, pad them with batch(n, pad=0), or pass collate="
             )
+        whole = _slots.taken(items)  # the samples were written in their batch rows already
+        if whole is not None:
+            return whole
         if deferred and first.size:
             return Stacked(items, dtype)
         return np.stack(items).astype(dtype, copy=False)

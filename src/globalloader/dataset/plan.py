@@ -13,11 +13,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from globalloader import _slots
 from globalloader._seeding import derive
 from globalloader.dataset.batch import BatchOp
 from globalloader.dataset.cache import MISSING, CacheOp
@@ -388,31 +390,39 @@ class Plan:
         """Samples from indices, or from (index, record) pairs whose records went through the
         first `first_map` maps; then the batch."""
         result = TaskResult(None)
-        samples = []
+        samples: list[Any] = []
         grouped = self.grouped
-        for item in items:
-            index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
-            try:
-                start = 0 if record is MISSING else first_map
-                if grouped:
-                    samples.append((index, self._records(epoch, index, record, timer, start)))
-                else:
-                    samples.append(self._sample(epoch, index, record, timer, start))
-            except SAMPLE_ERRORS as exc:  # only a sample's own fault is skipped, never the machinery's
-                if not skip_errors:
-                    raise
-                result.skipped.append((index, f"{type(exc).__name__}: {exc}"))
-        if self.batch is None:
-            result.output = samples
-            return result
-        if samples:
+        default = self.batch is not None and self.batch.collate is default_collate
+        # Samples written in their batch rows (no collate copy), unless a cache keeps them past
+        # the batch or the transport stacks them into shared memory anyway.
+        slotted = default and not grouped and not deferred and self.cache is None
+        with _slots.batch_slots(len(items)) if slotted else nullcontext() as slots:
+            for item in items:
+                index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
+                if slots is not None:
+                    _slots.next_sample(slots, len(samples))
+                try:
+                    start = 0 if record is MISSING else first_map
+                    if grouped:
+                        samples.append((index, self._records(epoch, index, record, timer, start)))
+                    else:
+                        samples.append(self._sample(epoch, index, record, timer, start))
+                except SAMPLE_ERRORS as exc:  # only a sample's own fault is skipped, never the machinery's
+                    if not skip_errors:
+                        raise
+                    result.skipped.append((index, f"{type(exc).__name__}: {exc}"))
+            if self.batch is None:
+                result.output = samples
+                return result
+            if not samples:
+                return result
             t0 = time.perf_counter()
-            if deferred and self.batch.collate is default_collate and not self.batch_maps:
+            if deferred and default and not self.batch_maps:
                 batch = default_collate(samples, deferred=True)
             else:
                 batch = self.batch.collate(samples)
             _tick(timer, "collate", t0)
-            result.output = self._batch_maps(batch, epoch, task, timer)
+        result.output = self._batch_maps(batch, epoch, task, timer)
         return result
 
     def _batch_maps(self, batch: Any, epoch: int, task: int, timer: Timer) -> Any:
