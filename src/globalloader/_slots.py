@@ -7,7 +7,8 @@ server), the default collate would copy every sample's array into a fresh batch:
 of one (n, *shape) buffer per output, and `taken(items)` gives the collate that buffer when
 the items are exactly its rows 0..n-1 in order. Anything else (another shape, a skipped or
 reordered sample, a row shared by two fields) is left to the collate's copy, so the batch is
-always the one a copy would make, and no two fields of a batch share memory.
+always the one a copy would make, and no two fields of a batch share memory. What a map makes
+before a `cache()` point gets no row: the cache must not keep a view of a batch.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ _CURRENT: ContextVar[_Slots | None] = ContextVar("globalloader_batch_slots", def
 
 
 class _Slots:
-    __slots__ = ("buffers", "claimed", "position", "requests", "size")
+    __slots__ = ("buffers", "claimed", "open", "position", "requests", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.position = 0  # the row of the sample being built
         self.requests = 0  # arrays that sample asked for so far
+        self.open = True  # False while the sample's maps make what a cache keeps
         self.buffers: list[np.ndarray | None] = []
         self.claimed: set[int] = set()
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        if not self.open:
+            return np.empty(shape, dtype)
         k, self.requests = self.requests, self.requests + 1
         if k == len(self.buffers):  # a buffer only from the first row, so its rows can all be filled
             self.buffers.append(np.empty((self.size, *shape), dtype) if self.position == 0 else None)
@@ -59,10 +63,18 @@ def batch_slots(size: int) -> Iterator[Any]:
         _CURRENT.reset(token)
 
 
-def next_sample(slots: _Slots, position: int) -> None:
+def next_sample(slots: _Slots, position: int, open: bool = True) -> None:
     """The next sample built goes to row `position` (the batch's count of samples kept so far:
-    a skipped sample's row is written again by the next one)."""
-    slots.position, slots.requests = position, 0
+    a skipped sample's row is written again by the next one); `open=False` hands it no rows
+    until `open_rows()`, so that nothing a cache keeps is a view of a batch."""
+    slots.position, slots.requests, slots.open = position, 0, open
+
+
+def open_rows() -> None:
+    """From here on, the sample being built may be written in its batch row."""
+    slots = _CURRENT.get()
+    if slots is not None:
+        slots.open = True
 
 
 def taken(items: list[np.ndarray]) -> np.ndarray | None:

@@ -110,6 +110,26 @@ def test_a_batch_changed_in_place_never_changes_a_cached_sample():
         np.testing.assert_array_equal(a, b)
 
 
+def test_maps_after_a_cache_still_write_in_place_and_the_cache_stays_whole():
+    crop = vision.RandomCropFlipNormalize(size=16)
+    written: list[int] = []
+
+    def note(record):
+        written.append(record["image"].ctypes.data)
+        return record
+
+    prepared = source(pictures()).map(lambda r: {**r, "image": r["image"][::2, ::2].copy()}, name="half")
+    cached = prepared.cache().map(crop).map(note).batch(BATCH)
+    with gl.Loader(cached) as loader, gl.Loader(prepared.map(crop).batch(BATCH)) as plain:
+        for _ in range(2):  # the second epoch reads the cache
+            written.clear()
+            wanted = list(plain)  # the same epoch's batches, never cached
+            for k, (got, want) in enumerate(zip(loader, wanted, strict=True)):
+                np.testing.assert_array_equal(got["image"], want["image"])
+                assert got["image"].ctypes.data == written[k * BATCH]  # no copy after the cache
+                got["image"][...] = -1.0  # the training step reuses the batch's memory
+
+
 def test_records_that_are_rows_of_one_array_are_copied_into_the_batch():
     rows = np.random.default_rng(3).integers(0, 256, (N, 8, 8, 3), dtype=np.uint8)
     chain = gl.Dataset(gl.from_sequence(list(rows), key="rows")).batch(BATCH)

@@ -393,14 +393,14 @@ class Plan:
         samples: list[Any] = []
         grouped = self.grouped
         default = self.batch is not None and self.batch.collate is default_collate
-        # Samples written in their batch rows (no collate copy), unless a cache keeps them past
-        # the batch or the transport stacks them into shared memory anyway.
-        slotted = default and not grouped and not deferred and self.cache is None
+        # Samples written in their batch rows (no collate copy), unless the transport stacks them
+        # into shared memory anyway; rows only after the cache point (`_sample` opens them).
+        slotted = default and not grouped and not deferred
         with _slots.batch_slots(len(items)) if slotted else nullcontext() as slots:
             for item in items:
                 index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
                 if slots is not None:
-                    _slots.next_sample(slots, len(samples))
+                    _slots.next_sample(slots, len(samples), open=self.cache is None)
                 try:
                     start = 0 if record is MISSING else first_map
                     if grouped:
@@ -457,8 +457,10 @@ class Plan:
                 _tick(timer, "read", t0)
         computed = start == 0
         for k in range(start, len(self.maps) if stop is None else stop):
-            if k == self.cache_at and self.cache is not None and computed:
-                self.cache.put(index, record)
+            if k == self.cache_at and self.cache is not None:
+                if computed:
+                    self.cache.put(index, record)
+                _slots.open_rows()  # what the maps make from here on is never cached
             record = self._apply(self.maps[k], record, epoch, index, k, timer)
         if self.cache is not None and computed and self.cache_at == (len(self.maps) if stop is None else stop):
             self.cache.put(index, record)
