@@ -1,8 +1,8 @@
 """Batch slots: a transform writes a sample's array straight into its row of the batch.
 
-While a batch is built in the consumer's own thread (workers=0 and the jobs of the shared
-server), the default collate would copy every sample's array into a fresh batch: for
-224x224x3 float32 images that copy is a fifth of the consumer's work. Inside `batch_slots(n)`,
+Where a batch is built in memory the loop reads directly (workers=0, thread workers, the jobs
+of the shared server), the default collate would copy every sample's array into a fresh batch,
+for 224x224x3 float32 images a large part of that thread's work. Inside `batch_slots(n)`,
 `empty(shape, dtype)` (used by normalize and the crops' uint8 copies) hands sample p its row p
 of one (n, *shape) buffer per output, and `taken(items)` gives the collate that buffer when
 the items are exactly its rows 0..n-1 in order. Anything else (another shape, a skipped or
