@@ -54,6 +54,16 @@ def test_a_batch_is_where_its_samples_were_written_and_equals_their_stack(normal
             assert not np.shares_memory(batches[a], batches[b])
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_resized_crop_writes_in_place_too(normalize):
+    crop = vision.RandomResizedCropFlipNormalize(size=16, normalize=normalize)
+    chain = source(pictures()).map(crop)
+    batches = [b["image"] for b in chain.batch(BATCH)]
+    for got, want in zip(batches, expected(chain), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert all(b.base is not None and b.base.shape == b.shape for b in batches)  # a slot buffer, not a stack
+
+
 def test_skipped_samples_leave_no_row_behind():
     crop = vision.RandomCropFlipNormalize(size=24)
     bad = {"p3", "p7", "p8", "p15"}  # p7 ends the first batch of 8, p15 the second
