@@ -24,15 +24,21 @@ _CURRENT: ContextVar[_Slots | None] = ContextVar("globalloader_batch_slots", def
 
 
 class _Slots:
-    __slots__ = ("buffers", "claimed", "open", "position", "requests", "size")
+    __slots__ = ("buffers", "open", "position", "requests", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.position = 0  # the row of the sample being built
         self.requests = 0  # arrays that sample asked for so far
         self.open = True  # False while the sample's maps make what a cache keeps
+        # One per output of a sample, in the order asked; None: not a batch's (any more).
         self.buffers: list[np.ndarray | None] = []
-        self.claimed: set[int] = set()
+
+    def start(self, position: int, open: bool = True) -> None:
+        """The next sample built goes to row `position` (the batch's count of samples kept so far:
+        a skipped sample's row is written again by the next one); `open=False` hands it no rows
+        until `open_rows()`, so that nothing a cache keeps is a view of a batch."""
+        self.position, self.requests, self.open = position, 0, open
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         if not self.open:
@@ -53,21 +59,14 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 @contextmanager
-def batch_slots(size: int) -> Iterator[Any]:
-    """Slots for a batch of up to `size` samples; call `next_sample(position)` before each."""
+def batch_slots(size: int) -> Iterator[_Slots]:
+    """Slots for a batch of up to `size` samples; call `start(position)` before each."""
     slots = _Slots(size)
     token = _CURRENT.set(slots)
     try:
         yield slots
     finally:
         _CURRENT.reset(token)
-
-
-def next_sample(slots: _Slots, position: int, open: bool = True) -> None:
-    """The next sample built goes to row `position` (the batch's count of samples kept so far:
-    a skipped sample's row is written again by the next one); `open=False` hands it no rows
-    until `open_rows()`, so that nothing a cache keeps is a view of a batch."""
-    slots.position, slots.requests, slots.open = position, 0, open
 
 
 def open_rows() -> None:
@@ -78,14 +77,16 @@ def open_rows() -> None:
 
 
 def taken(items: list[np.ndarray]) -> np.ndarray | None:
-    """The slot buffer whose rows 0..len(items)-1 are `items` in order, once per batch; else None."""
+    """The slot buffer whose rows 0..len(items)-1 are `items` in order, handed out once (so two
+    fields never share it); else None."""
     slots = _CURRENT.get()
     if slots is None or not items:
         return None
     buffer = items[0].base
-    if not isinstance(buffer, np.ndarray) or id(buffer) in slots.claimed:
+    if not isinstance(buffer, np.ndarray) or len(items) > len(buffer):
         return None
-    if not any(buffer is b for b in slots.buffers) or len(items) > len(buffer):
+    k = next((k for k, b in enumerate(slots.buffers) if b is buffer), None)
+    if k is None:
         return None
     start, step, row_shape, row_strides = buffer.ctypes.data, buffer.strides[0], buffer.shape[1:], buffer.strides[1:]
     for p, item in enumerate(items):
@@ -93,5 +94,5 @@ def taken(items: list[np.ndarray]) -> np.ndarray | None:
             return None
         if item.shape != row_shape or item.strides != row_strides or item.dtype != buffer.dtype:
             return None
-    slots.claimed.add(id(buffer))
+    slots.buffers[k] = None
     return buffer[: len(items)]

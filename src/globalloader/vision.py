@@ -768,10 +768,10 @@ def _output(array: np.ndarray, transform: RandomResizedCropFlipNormalize | Rando
     (contiguous, HWC or CHW); both with the layout `chw` asks for."""
     if transform.normalize:
         return normalize(array, transform.mean, transform.std, transform.chw)
-    if not transform.chw and array.strides[1] < 0:  # hflip's view: a mirrored copy of the pixels
-        return _warp.mirror(array[:, ::-1], out=_slots.empty(array.shape, np.uint8))
     pixels = array.transpose(2, 0, 1) if transform.chw else array
     out = _slots.empty(pixels.shape, pixels.dtype)
+    if not transform.chw and array.strides[1] < 0:  # hflip's view: the stored pixels mirrored
+        return _warp.mirror(array[:, ::-1], out=out)
     np.copyto(out, pixels)
     return out
 

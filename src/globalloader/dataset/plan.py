@@ -400,7 +400,7 @@ class Plan:
             for item in items:
                 index, record = (item[0], item[1]) if pairs else (int(item), MISSING)
                 if slots is not None:
-                    _slots.next_sample(slots, len(samples), open=self.cache is None)
+                    slots.start(len(samples), open=self.cache is None)
                 try:
                     start = 0 if record is MISSING else first_map
                     if grouped:
