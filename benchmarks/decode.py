@@ -352,6 +352,10 @@ STEPS = {
     ("~", "<resize>"): "resample whole-pixel crop -> 224 (OpenCV resize)",
     ("~", "<warpAffine>"): "resample DCT-scaled crop -> 224 (OpenCV warp, flip folded in)",
     ("vision.py", "normalize"): "normalize (224x224x3)",
+    ("vision.py", "_float_pixels"): "normalize (224x224x3)",
+    ("multiarray.py", "copyto"): "normalize (224x224x3)",
+    ("~", "<transform>"): "normalize (224x224x3)",
+    ("~", "<addWeighted>"): "normalize (224x224x3)",
     ("~", "<method 'encode' of 'ImagingEncoder' objects>"): "output to NumPy (224x224)",
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import pickle
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -309,6 +309,51 @@ def test_a_mirrored_crop_normalizes_and_copies_to_its_exact_pixels(opencv, chann
     mirrored = base[top : top + 40, left : left + 50][:, ::-1]
     assert raw.flags.c_contiguous
     np.testing.assert_array_equal(raw, mirrored.transpose(2, 0, 1) if chw else mirrored)
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "crop_view", "flipped", "planes"])
+def test_hwc_and_chw_outputs_hold_the_same_numbers(opencv, channels, layout):
+    """Whichever way a layout is computed (OpenCV's passes or NumPy's), the CHW output is the HWC
+    output transposed, bit for bit, and each is within a float32 step of the exact value."""
+    base = np.random.default_rng(channels).integers(0, 256, (58, 66, channels), dtype=np.uint8)
+    planes = np.ascontiguousarray(base.transpose(2, 0, 1))  # what torch's resample writes
+    array = {
+        "contiguous": base,
+        "crop_view": base[3:50, 5:61],
+        "flipped": base[:, ::-1],
+        "planes": planes.transpose(1, 2, 0),
+    }[layout]
+    mean, std = [0.2, 0.45, 0.4, 0.6][:channels], [0.23, 0.22, 0.3, 0.25][:channels]
+    hwc, chw = vision.normalize(array, mean, std), vision.normalize(array, mean, std, chw=True)
+    assert hwc.flags.c_contiguous and chw.flags.c_contiguous
+    np.testing.assert_array_equal(chw, hwc.transpose(2, 0, 1))
+    np.testing.assert_allclose(hwc, reference_normalize(np.ascontiguousarray(array), mean, std), rtol=0, atol=2e-6)
+
+
+def test_normalize_writes_into_a_batch_row_and_touches_nothing_else(opencv):
+    pixels = np.random.default_rng(5).integers(0, 256, (3, 40, 30, 3), dtype=np.uint8)
+    for chw, shape in ((False, (40, 30, 3)), (True, (3, 40, 30))):
+        batch = np.full((3, *shape), np.nan, np.float32)
+        for row in (2, 0):
+            assert np.shares_memory(vision.normalize(pixels[row], chw=chw, out=batch[row]), batch[row])
+        assert np.isnan(batch[1]).all()
+        for row in (0, 2):
+            expected = reference_normalize(pixels[row])
+            np.testing.assert_allclose(batch[row], expected.transpose(2, 0, 1) if chw else expected, atol=2e-6)
+
+
+def test_normalize_in_threads_keeps_each_threads_pixels_apart():
+    """The float copy of the pixels is a per-thread scratch: threads never read each other's."""
+    rng = np.random.default_rng(6)
+    images = [rng.integers(0, 256, (64 + i, 48, 3), dtype=np.uint8) for i in range(6)]
+    expected = [vision.normalize(image) for image in images]
+
+    def run(i: int) -> bool:
+        return all(np.array_equal(vision.normalize(images[(i + k) % 6]), expected[(i + k) % 6]) for k in range(300))
+
+    with ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(run, range(6)))
 
 
 def test_normalize_custom_stats_and_out_buffer():
