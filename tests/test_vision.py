@@ -312,7 +312,7 @@ def test_a_mirrored_crop_normalizes_and_copies_to_its_exact_pixels(opencv, chann
 
 
 @pytest.mark.parametrize("channels", [1, 2, 3, 4])
-@pytest.mark.parametrize("layout", ["contiguous", "crop_view", "flipped", "planes"])
+@pytest.mark.parametrize("layout", ["contiguous", "crop_view", "flipped", "planes", "channels_of_a_wider_array"])
 def test_hwc_and_chw_outputs_hold_the_same_numbers(opencv, channels, layout):
     """Whichever way a layout is computed (OpenCV's passes or NumPy's), the CHW output is the HWC
     output transposed, bit for bit, and each is within a float32 step of the exact value."""
@@ -323,12 +323,22 @@ def test_hwc_and_chw_outputs_hold_the_same_numbers(opencv, channels, layout):
         "crop_view": base[3:50, 5:61],
         "flipped": base[:, ::-1],
         "planes": planes.transpose(1, 2, 0),
+        "channels_of_a_wider_array": np.dstack([base, base[:, :, :1]])[:, :, :channels],
     }[layout]
     mean, std = [0.2, 0.45, 0.4, 0.6][:channels], [0.23, 0.22, 0.3, 0.25][:channels]
     hwc, chw = vision.normalize(array, mean, std), vision.normalize(array, mean, std, chw=True)
     assert hwc.flags.c_contiguous and chw.flags.c_contiguous
     np.testing.assert_array_equal(chw, hwc.transpose(2, 0, 1))
     np.testing.assert_allclose(hwc, reference_normalize(np.ascontiguousarray(array), mean, std), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 3), (5, 0, 3), (0, 0, 1), (1, 1, 3), (1, 1, 1)])
+def test_empty_and_one_pixel_images_normalize(opencv, shape):
+    array = np.full(shape, 200, np.uint8)
+    for chw in (False, True):
+        out = vision.normalize(array, [0.5] * shape[2], [0.25] * shape[2], chw=chw)
+        assert out.shape == ((shape[2], *shape[:2]) if chw else shape) and out.dtype == np.float32
+        np.testing.assert_allclose(out, (200 / 255 - 0.5) / 0.25, rtol=0, atol=2e-6)
 
 
 def test_normalize_writes_into_a_batch_row_and_touches_nothing_else(opencv):

@@ -560,7 +560,7 @@ def normalize(
         return out
     scale, offset = _affine(mean_t, std_t)
     rows_contiguous = array.strides[2] == 1 and array.strides[1] == channels
-    cv2 = _warp.opencv() if channels in _OPENCV_CHANNELS and out.flags.c_contiguous else None
+    cv2 = _warp.opencv() if channels in _OPENCV_CHANNELS and array.size and out.flags.c_contiguous else None
     if cv2 is not None:
         # OpenCV's passes read uint8 and write float32 once, about half NumPy's time (which
         # passes over the float output twice), all with one rounding of the exact value, so an
