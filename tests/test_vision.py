@@ -353,6 +353,19 @@ def test_normalize_writes_into_a_batch_row_and_touches_nothing_else(opencv):
             np.testing.assert_allclose(batch[row], expected.transpose(2, 0, 1) if chw else expected, atol=2e-6)
 
 
+def test_a_large_image_does_not_grow_the_threads_float_scratch():
+    small = np.full((64, 64, 3), 9, np.uint8)
+    large = np.full((1500, 1500, 3), 9, np.uint8)  # 27 MB as float32: over the scratch size
+
+    def run() -> int:  # in a new thread: its scratch starts empty
+        vision.normalize(small)
+        np.testing.assert_allclose(vision.normalize(large)[::500, ::500], vision.normalize(small)[:3, :3], atol=2e-6)
+        return int(vision._float_scratch.buffer.nbytes)
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(run).result() == small.size * 4
+
+
 def test_normalize_in_threads_keeps_each_threads_pixels_apart():
     """The float copy of the pixels is a per-thread scratch: threads never read each other's."""
     rng = np.random.default_rng(6)

@@ -506,7 +506,10 @@ def _affine_matrix(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarra
 
 def _float_pixels(array: np.ndarray) -> np.ndarray:
     """`array`'s values as float32 in this thread's reused buffer, valid until the thread's next
-    call: a scratch for a reader that writes its result elsewhere."""
+    call: a scratch for a reader that writes its result elsewhere. Images over the JPEG decode's
+    scratch size get a fresh array, so one large image does not pin its size in every thread."""
+    if array.size * 4 > _jpeg.SCRATCH_BYTES:
+        return array.astype(np.float32)
     buffer: np.ndarray | None = getattr(_float_scratch, "buffer", None)
     if buffer is None or buffer.size < array.size:
         buffer = _float_scratch.buffer = np.empty(array.size, np.float32)
