@@ -15,7 +15,7 @@ import pytest
 import simplejpeg  # the `test` extra installs it: without it these tests would compare Pillow to itself
 from PIL import Image
 
-from globalloader import _jpeg, vision
+from globalloader import _jpeg, _scratch, vision
 from globalloader.errors import ArgumentError, CorruptSampleError
 from globalloader.vision import Decode, RandomResizedCropFlipNormalize
 
@@ -289,14 +289,18 @@ def test_the_random_crop_is_seed_driven_and_the_same_on_both_paths():
 
 def test_scratch_decodes_reuse_one_buffer_per_thread_and_equal_fresh_ones(monkeypatch):
     small, large, gray = jpeg(photo(90, 120)), jpeg(photo(375, 500, seed=1)), jpeg(photo(61, 77), mode="L")
+
+    def kept() -> np.ndarray:  # the start of this thread's JPEG scratch buffer
+        return _scratch.array("jpeg", 1, np.uint8)
+
     for data in (small, large, small, gray, large):
         header = _jpeg.read_header(data, None, None)
         fresh, scratch = header.decode(data, 2), header.decode(data, 2, scratch=True)
-        assert np.array_equal(fresh, scratch) and not np.shares_memory(fresh, _jpeg._scratch.buffer)
-        assert np.shares_memory(scratch, _jpeg._scratch.buffer)
-    monkeypatch.setattr(_jpeg, "SCRATCH_BYTES", 1000)  # beyond it: an array of its own
+        assert np.array_equal(fresh, scratch) and not np.shares_memory(fresh, kept())
+        assert np.shares_memory(scratch, kept())
+    monkeypatch.setattr(_scratch, "LIMIT", 1000)  # beyond it: an array of its own
     header = _jpeg.read_header(large, "RGB", None)
-    assert not np.shares_memory(header.decode(large, 1, scratch=True), _jpeg._scratch.buffer)
+    assert not np.shares_memory(header.decode(large, 1, scratch=True), kept())
 
 
 def test_crops_in_threads_equal_crops_in_sequence():

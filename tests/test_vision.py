@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from globalloader import vision
+from globalloader import _scratch, vision
 from globalloader.errors import ArgumentError, CorruptSampleError
 from globalloader.vision import (
     IMAGENET_MEAN,
@@ -341,6 +341,23 @@ def test_empty_and_one_pixel_images_normalize(opencv, shape):
         np.testing.assert_allclose(out, (200 / 255 - 0.5) / 0.25, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("chw", [False, True])
+def test_opencvs_pass_rounds_the_exact_value_once(opencv, chw):
+    """The OpenCV pass computes x * scale + offset exactly and rounds it once; NumPy's fallback
+    rounds the product, then the sum, and some of the 256 values per channel come out a rounding
+    step off. So this fails if the OpenCV pass were skipped, and checks the fallback stays close."""
+    array = np.repeat(np.arange(256, dtype=np.uint8), 3).reshape(16, 16, 3)
+    scale, offset = vision._affine(tuple(IMAGENET_MEAN), tuple(IMAGENET_STD))
+    exact = (array * scale.astype(np.float64) + offset.astype(np.float64)).astype(np.float32)
+    out = vision.normalize(array, chw=chw)
+    out = out.transpose(1, 2, 0) if chw else out
+    if opencv:
+        np.testing.assert_array_equal(out, exact)
+    else:
+        assert not np.array_equal(out, exact)
+        np.testing.assert_allclose(out, exact, rtol=0, atol=2e-6)
+
+
 def test_normalize_writes_into_a_batch_row_and_touches_nothing_else(opencv):
     pixels = np.random.default_rng(5).integers(0, 256, (3, 40, 30, 3), dtype=np.uint8)
     for chw, shape in ((False, (40, 30, 3)), (True, (3, 40, 30))):
@@ -360,7 +377,7 @@ def test_a_large_image_does_not_grow_the_threads_float_scratch():
     def run() -> int:  # in a new thread: its scratch starts empty
         vision.normalize(small)
         np.testing.assert_allclose(vision.normalize(large)[::500, ::500], vision.normalize(small)[:3, :3], atol=2e-6)
-        return int(vision._float_scratch.buffer.nbytes)
+        return int(_scratch.array("normalize", 1, np.float32).base.nbytes)  # the buffer kept
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(run).result() == small.size * 4

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import threading
 from typing import Any
 
 import numpy as np
+
+from globalloader import _scratch
 
 # A JPEG starts with SOI (FF D8) and then a marker (FF).
 _SOI = b"\xff\xd8\xff"
@@ -34,9 +35,6 @@ DCT_FACTORS: tuple[int, ...] = (8, 4, 2)
 _COLORSPACE = {"RGB": "RGB", "L": "GRAY"}
 # The file colorspaces decoded here; CMYK and YCCK go to Pillow.
 _DECODED = frozenset({"Gray", "YCbCr", "RGB"})
-# Decodes up to this size reuse one buffer per thread (`scratch`); larger ones get their own.
-SCRATCH_BYTES = 16 << 20
-_scratch = threading.local()
 
 
 @functools.cache
@@ -66,16 +64,14 @@ class JpegHeader:
         """uint8 HWC pixels at 1/factor scale (ceil(width / factor) wide), or None if libjpeg-turbo
         reported anything, corruption or a warning: the caller then lets Pillow decide.
 
-        With `scratch` the pixels land in this thread's reused buffer, valid only until the
-        thread's next scratch decode: for a caller that copies what it needs (the crop's resample)
-        and drops the array. A fresh array per sample (half a megabyte at 500x375) is fresh memory
-        whenever the allocator has handed it back to the system since the last sample, and its
-        page faults cost a third of the decode (the page faults counted in benchmarks/decode.py).
+        With `scratch` the pixels land in this thread's scratch array (`globalloader._scratch`:
+        no page faults of fresh memory), valid only until the thread's next scratch decode: for a
+        caller that copies what it needs (the crop's resample) and drops the array.
         """
         simplejpeg = _simplejpeg()
         height, width = -(-self.height // factor), -(-self.width // factor)
         size = height * width * (1 if self.colorspace == "GRAY" else 3)
-        buffer = _scratch_buffer(size) if scratch and size <= SCRATCH_BYTES else None
+        buffer = _scratch.array("jpeg", size, np.uint8) if scratch else None
         try:
             array: np.ndarray = simplejpeg.decode_jpeg(
                 data,
@@ -89,14 +85,6 @@ class JpegHeader:
         except ValueError:
             return None
         return array
-
-
-def _scratch_buffer(size: int) -> np.ndarray:
-    """This thread's scratch buffer, grown to at least `size` bytes."""
-    buffer: np.ndarray | None = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.size < size:
-        buffer = _scratch.buffer = np.empty(size, np.uint8)
-    return buffer
 
 
 def read_header(data: Any, mode: str | None, max_pixels: int | None) -> JpegHeader | None:

@@ -30,7 +30,6 @@ import io
 import math
 import operator
 import struct
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalloader import _antialias, _extras, _jpeg, _slots, _warp
+from globalloader import _antialias, _extras, _jpeg, _scratch, _slots, _warp
 from globalloader.errors import ArgumentError, CorruptSampleError
 
 if TYPE_CHECKING:
@@ -68,10 +67,9 @@ IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 _ENCODED = (bytes, bytearray, memoryview)
-# The channel counts normalize leaves to OpenCV (its per-pixel affine takes up to 4).
-_OPENCV_CHANNELS = frozenset({1, 3, 4})
-# Per thread: the float32 copy of the pixels that normalize's one-pass OpenCV affine reads.
-_float_scratch = threading.local()
+# normalize leaves images of up to this many channels to OpenCV (gray, gray + alpha, RGB, RGBA):
+# OpenCV reads a NumPy array's last axis as its channels only up to a limit.
+_OPENCV_MAX_CHANNELS = 4
 # The extensions of image members in WebDataset tar shards (the field names TarShards gives them).
 IMAGE_EXTENSIONS: tuple[str, ...] = (
     "jpg",
@@ -505,15 +503,11 @@ def _affine_matrix(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarra
 
 
 def _float_pixels(array: np.ndarray) -> np.ndarray:
-    """`array`'s values as float32 in this thread's reused buffer, valid until the thread's next
-    call: a scratch for a reader that writes its result elsewhere. Images over the JPEG decode's
-    scratch size get a fresh array, so one large image does not pin its size in every thread."""
-    if array.size * 4 > _jpeg.SCRATCH_BYTES:
+    """`array`'s values as float32, in this thread's scratch (see `_scratch`) when it fits."""
+    scratch = _scratch.array("normalize", array.size, np.float32)
+    if scratch is None:
         return array.astype(np.float32)
-    buffer: np.ndarray | None = getattr(_float_scratch, "buffer", None)
-    if buffer is None or buffer.size < array.size:
-        buffer = _float_scratch.buffer = np.empty(array.size, np.float32)
-    pixels = buffer[: array.size].reshape(array.shape)
+    pixels = scratch.reshape(array.shape)
     np.copyto(pixels, array)
     return pixels
 
@@ -533,7 +527,7 @@ def normalize(
 ) -> np.ndarray:
     """float32 `(array / 255 - mean) / std` from a uint8 HWC array, HWC or (chw=True) CHW.
 
-    Precomputed float32 scale and offset, no float64 temporaries. With OpenCV (1, 3 or 4
+    Precomputed float32 scale and offset, no float64 temporaries. With OpenCV (up to 4
     channels): one affine pass per pixel (HWC) or per channel plane (CHW). Otherwise one NumPy
     multiply and one in-place add, along whole rows (an HWC image viewed as H x W*C with tiled
     constants) because NumPy is several times slower when its inner loop is 3 channels long.
@@ -562,8 +556,7 @@ def normalize(
         _warp.mirror(rows, out=rows)
         return out
     scale, offset = _affine(mean_t, std_t)
-    rows_contiguous = array.strides[2] == 1 and array.strides[1] == channels
-    cv2 = _warp.opencv() if channels in _OPENCV_CHANNELS and array.size and out.flags.c_contiguous else None
+    cv2 = _warp.opencv() if channels <= _OPENCV_MAX_CHANNELS and array.size and out.flags.c_contiguous else None
     if cv2 is not None:
         # OpenCV's passes read uint8 and write float32 once, about half NumPy's time (which
         # passes over the float output twice), all with one rounding of the exact value, so an
@@ -579,7 +572,7 @@ def normalize(
     elif chw:
         np.multiply(array.transpose(2, 0, 1), scale[:, None, None], out=out)
         out += offset[:, None, None]
-    elif rows_contiguous and out.flags.c_contiguous:
+    elif array.strides[2] == 1 and array.strides[1] == channels and out.flags.c_contiguous:
         scale_row, offset_row = _affine_rows(mean_t, std_t, width)
         rows_out = out.reshape(height, width * channels)
         np.multiply(array.reshape(height, width * channels), scale_row, out=rows_out)
