@@ -370,6 +370,18 @@ def test_normalize_writes_into_a_batch_row_and_touches_nothing_else(opencv):
             np.testing.assert_allclose(batch[row], expected.transpose(2, 0, 1) if chw else expected, atol=2e-6)
 
 
+def test_a_result_opencv_put_elsewhere_is_copied_into_out():
+    """OpenCV reallocates a `dst` it cannot use; the values must still land in `out`."""
+    out = np.zeros((4, 5, 3), np.float32)
+    elsewhere = np.arange(60, dtype=np.float32)  # another array, another shape
+    vision._written(elsewhere, out)
+    np.testing.assert_array_equal(out, elsewhere.reshape(4, 5, 3))
+    same_memory = out.reshape(-1).reshape(4, 5, 3)  # another object over the same memory
+    out_before = out.copy()
+    vision._written(same_memory, out)
+    np.testing.assert_array_equal(out, out_before)
+
+
 def test_a_large_image_does_not_grow_the_threads_float_scratch():
     small = np.full((64, 64, 3), 9, np.uint8)
     large = np.full((1500, 1500, 3), 9, np.uint8)  # 27 MB as float32: over the scratch size

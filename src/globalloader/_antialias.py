@@ -70,15 +70,16 @@ def resize(
         or not (0 <= left < right <= image.shape[1] and 0 <= top < bottom <= image.shape[0])
     ):
         return None
-    torch = importlib.import_module("torch")  # already imported, except in a spawned worker
+    # Imported already, except in a spawned worker (sys.modules first: this runs once per sample).
+    torch = sys.modules.get("torch") or importlib.import_module("torch")
     # One copy of the crop: the kernel is fast on contiguous channels-last input only (a strided
     # view takes a generic path, tens of times slower), and torch wraps only writable memory.
     region = np.array(image[top:bottom, left:right], order="C")
-    source = torch.from_numpy(region).permute(2, 0, 1).unsqueeze(0)  # NCHW view, channels-last strides
+    source = torch.from_numpy(region.transpose(2, 0, 1)[None])  # NCHW view, channels-last strides
     out = torch.nn.functional.interpolate(
         source, size=(size_wh[1], size_wh[0]), mode="bilinear", align_corners=False, antialias=True
     )
-    planes = out[0].numpy()  # the kernel writes channel planes (NCHW), whatever the input's layout
+    planes = out.numpy()[0]  # the kernel writes channel planes (NCHW), whatever the input's layout
     if planar:
         if flip:  # each row of the (C*H, W) stack mirrored, in place
             rows = planes.reshape(-1, planes.shape[2])
