@@ -179,18 +179,21 @@ def test_the_writer_s_sidecar_matches_a_scan(tmp_path: pathlib.Path) -> None:
         assert index.exts == scanned.exts and index.crc32 == zlib.crc32(data)
 
 
+@pytest.mark.parametrize("memo", ["expired", "kept"])
 def test_a_shard_changed_after_the_listing_is_refused_not_read(
-    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, memo: str
 ) -> None:
     """The listing that expanded the pattern gave each shard's ETag; once that memo has expired a
-    download asks the store again, so a shard rewritten since (same size, other bytes) is an
-    error, not new bytes read through the old index."""
+    download asks the store again, and while it is kept the download is asked for with If-Match on
+    it: either way a shard rewritten since (same size, other bytes) is an error, not new bytes read
+    through the old index."""
     urls = write_shards(s3["bucket"], s3["options"], n=8, per_shard=4)
     src = TarShards(f"s3://{s3['bucket']}/shard-*.tar", storage_options=s3["options"])
     assert len(src) == 8 and src.scanned == 2
     src.close()
     src.store.cache.clear()
     _rewrite(urls[0], s3["options"], range(4), 2000)  # same sizes, other bytes
-    monkeypatch.setattr(storage.store, "INFO_TTL", 0.0)  # the memo of sizes and versions has expired
+    if memo == "expired":
+        monkeypatch.setattr(storage.store, "INFO_TTL", 0.0)  # the memo of sizes and versions has expired
     with pytest.raises(SourceError, match=r"shard-000\.tar changed since the source was made"):
         src[0]

@@ -89,6 +89,33 @@ def is_transient(exc: BaseException) -> bool:
     return any(mark in text for mark in _THROTTLING)
 
 
+def read_s3_if_match(fs: Any, path: str, start: int, end: int, etag: str) -> bytes | None:
+    """Bytes [start, end) of the S3 object at `path` if it still has ETag `etag`, else None.
+
+    One GET with If-Match, so the answer is all of that version or a refusal (412), never bytes of
+    a version written since. Through s3fs's async call: its `cat_file` takes no conditions.
+    """
+    from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+    bucket, key, _ = fs.split_path(path)
+
+    async def get() -> bytes:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+        try:
+            return bytes(await resp["Body"].read())
+        finally:
+            resp["Body"].close()
+
+    try:
+        data: bytes = sync(fs.loop, get)
+        return data
+    except OSError as exc:
+        code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+        if exc.errno == errno.EINVAL and code == "PreconditionFailed":
+            return None
+        raise
+
+
 def filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str]:
     """(fsspec filesystem, path) for `url`; instances are shared per process and options."""
     scheme = scheme_of(url)

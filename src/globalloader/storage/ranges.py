@@ -77,7 +77,8 @@ class RangeReader:
     def read_remote(self, url: str, start: int, length: int) -> bytes:
         """`read` for a URL known to have a scheme."""
         if not self.store.cached(url):
-            return self.store.read_range(url, start, start + length)
+            expected = self._stats.get(url)
+            return self.store.read_range(url, start, start + length, expected.version if expected else "")
         stat = self._stats.get(url) or self.store.stat(url)
         end = min(start + length, stat.size)
         if start >= end:

@@ -26,7 +26,7 @@ from typing import IO, Any, NamedTuple
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.storage import retry
 from globalloader.storage._fork import reset_in_forked_children
-from globalloader.storage._fs import LOCAL_SCHEMES, filesystem, scheme_of
+from globalloader.storage._fs import LOCAL_SCHEMES, filesystem, read_s3_if_match, scheme_of
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
 from globalloader.storage.prefetch import Prefetcher
 
@@ -178,12 +178,23 @@ class Store:
             self._infos.update((url, (now, stat)) for url, stat in out.items())
         return out
 
-    def read_range(self, url: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of a remote object, straight from the store (retried)."""
+    def read_range(self, url: str, start: int, end: int, version: str = "") -> bytes:
+        """Bytes [start, end) of a remote object, straight from the store (retried).
+
+        Given the `version` its listing or `stat` reported, an S3 object is asked for with
+        If-Match on that ETag (S3 quotes its ETags): a version written since is a SourceError,
+        never bytes mixed with the index or other blocks of the version the source was made from.
+        """
         fs, path = self.filesystem(url)
-        return retry.call(
-            lambda: fs.cat_file(path, start=start, end=end), url, f"read [{start}, {end}) of", self.retry_policy
-        )
+        what = f"read [{start}, {end}) of"
+        if not (version.startswith('"') and scheme_of(url) in ("s3", "s3a")):
+            return retry.call(lambda: fs.cat_file(path, start=start, end=end), url, what, self.retry_policy)
+        data = retry.call(lambda: read_s3_if_match(fs, path, start, end, version), url, what, self.retry_policy)
+        if data is None:
+            raise SourceError(
+                f"{url} changed since the source was made (its ETag is no longer {version}); construct the source again"
+            )
+        return data
 
     def read_optional(self, url: str, limit: int) -> bytes | None:
         """A small remote object whole, straight from the store (retried), or None when it does
@@ -217,7 +228,7 @@ class Store:
             first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
             for start in range(first, end, size):
                 stop = min(end, start + size)
-                data = self.read_range(url, start, stop)
+                data = self.read_range(url, start, stop, stat.version)
                 if len(data) != stop - start:
                     raise SourceError(f"{url} returned {len(data)} bytes for [{start}, {stop}): it changed while read")
                 write(data)
