@@ -8,6 +8,8 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
+from globalloader.errors import StorageError
+
 
 def cache_dir(*parts: str, create: bool = True) -> pathlib.Path:
     """Return the cache folder joined with `parts`, creating it on demand (unless `create` is false).
@@ -16,16 +18,22 @@ def cache_dir(*parts: str, create: bool = True) -> pathlib.Path:
     `~/.cache/globalloader`. Read on every call, so a test or a job can redirect it with the
     environment variable alone.
     """
-    base = os.environ.get("GLOBALLOADER_CACHE_DIR")
+    base, xdg = os.environ.get("GLOBALLOADER_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME")
     if base:
-        root = pathlib.Path(base).expanduser()
+        root, chosen_by = pathlib.Path(base).expanduser(), f"GLOBALLOADER_CACHE_DIR={base}"
+    elif xdg:
+        root, chosen_by = pathlib.Path(xdg).expanduser() / "globalloader", f"XDG_CACHE_HOME={xdg}"
     else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
-        root = root / "globalloader"
+        root, chosen_by = pathlib.Path.home() / ".cache" / "globalloader", "the home folder"
     path = root.joinpath(*parts)
     if create:
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot create the cache folder {path} (from {chosen_by}): {exc.strerror}; "
+                "point GLOBALLOADER_CACHE_DIR at a writable folder"
+            ) from None
     return path
 
 

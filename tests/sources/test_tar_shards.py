@@ -137,10 +137,15 @@ def test_unreadable_cached_index_is_rebuilt(make_shards: Callable[..., list[str]
     assert len(src) == 4 and src.scanned == 1 and src[3]["txt"] == b"sample 3"
 
 
-def test_unwritable_cache_still_works(make_shards: Callable[..., list[str]], tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("by", ["index_dir", "environment"])
+def test_unwritable_cache_still_works(
+    make_shards: Callable[..., list[str]], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, by: str
+) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the index folder should be")
-    src = TarShards(make_shards(3), index_dir=blocker / "index")
+    if by == "environment":  # the default folder, under the machine's cache folder
+        monkeypatch.setenv("GLOBALLOADER_CACHE_DIR", str(blocker))
+    src = TarShards(make_shards(3), index_dir=blocker / "index" if by == "index_dir" else None)
     assert len(src) == 3 and src.scanned == 1 and src[2]["txt"] == b"sample 2"
 
 

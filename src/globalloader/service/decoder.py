@@ -211,7 +211,7 @@ class DecoderPool:
         register: Callable[[Connection, Callable[[], None]], None],
         unregister: Callable[[Connection], None],
     ) -> None:
-        self.size, self._arena, self._events = size, arena_name, events
+        self.size, self._events = size, events
         self.pool = events.pool
         self._register, self._unregister = register, unregister
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
