@@ -149,6 +149,22 @@ def test_a_rewrite_the_listing_has_not_seen_is_refused_not_cached(s3: dict[str, 
         assert f.read() == b"B" * 5000
 
 
+def test_a_pinned_object_version_is_read_after_a_rewrite(s3: dict[str, Any]) -> None:
+    """With a version_aware client, a URL naming an S3 object version reads that version, not
+    the latest one (and the version check does not take the rewrite for a change)."""
+    opts = {**s3["options"], "version_aware": True}
+    store = storage.Store(opts)
+    fs, _ = store.filesystem(f"s3://{s3['bucket']}")
+    fs.call_s3("put_bucket_versioning", Bucket=s3["bucket"], VersioningConfiguration={"Status": "Enabled"})
+    fs.pipe_file(f"{s3['bucket']}/kept.bin", b"A" * 3000)
+    first = fs.info(f"{s3['bucket']}/kept.bin")["VersionId"]
+    fs.pipe_file(f"{s3['bucket']}/kept.bin", b"B" * 3000)
+    url = f"s3://{s3['bucket']}/kept.bin?versionId={first}"
+    for cache in (True, False):
+        with storage.open_read(storage.Store(opts, cache=cache), url) as f:
+            assert f.read() == b"A" * 3000
+
+
 @pytest.mark.parametrize("cache", [True, False], ids=["blocks", "uncached"])
 def test_a_rewrite_between_two_reads_never_mixes_versions(s3: dict[str, Any], cache: bool) -> None:
     """A large object is read block by block (or, uncached, range by range): a rewrite after the

@@ -97,10 +97,13 @@ def read_s3_if_match(fs: Any, path: str, start: int, end: int, etag: str) -> byt
     """
     from fsspec.asyn import sync  # type: ignore[import-untyped]
 
-    bucket, key, _ = fs.split_path(path)
+    bucket, key, version_id = fs.split_path(path)
+    pinned = {"VersionId": version_id} if version_id else {}  # a version_aware client's "?versionId="
 
     async def get() -> bytes:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+        resp = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag, **pinned
+        )
         try:
             return bytes(await resp["Body"].read())
         finally:
