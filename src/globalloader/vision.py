@@ -514,7 +514,7 @@ def _float_pixels(array: np.ndarray) -> np.ndarray:
 
 def _written(result: np.ndarray, out: np.ndarray) -> None:
     """Make sure an OpenCV call's result is in `out` (it reallocates a `dst` it cannot use)."""
-    if result is not out and result.ctypes.data != out.ctypes.data:  # OpenCV hands `dst` back when used
+    if result is not out:  # OpenCV returns the `dst` object itself when it wrote there
         np.copyto(out, result.reshape(out.shape))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from globalloader import _paths, storage
-from globalloader.errors import ArgumentError, SourceError, StorageError, check_int
+from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files, _tar_index
 from globalloader.sources._tar_format import split_key, walk
 from globalloader.sources.base import check_index, fingerprint_of
@@ -140,11 +140,11 @@ class TarShards:
         with self._lock:
             if self._indexed:
                 return
-            folder: pathlib.Path | None
+            wanted = _paths.cache_dir("tar-index", create=False) if self._index_dir is None else self._index_dir
+            folder: pathlib.Path | None = pathlib.Path(wanted)
             try:
-                folder = pathlib.Path(self._index_dir) if self._index_dir is not None else _paths.cache_dir("tar-index")
-                folder.mkdir(parents=True, exist_ok=True)
-            except (OSError, StorageError):  # a read-only cache costs a scan per construction, not a failure
+                pathlib.Path(wanted).mkdir(parents=True, exist_ok=True)
+            except OSError:  # a read-only cache costs a scan per construction, not a failure
                 folder = None
             indexes = []
             with (

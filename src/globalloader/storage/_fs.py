@@ -31,6 +31,7 @@ MAX_CONNECTIONS = 32  # open connections per S3 client (one client serves every 
 # Schemes that are not object storage: the machine cache never holds them (`memory://` lives in
 # one process, `file://` is a local file already).
 LOCAL_SCHEMES = frozenset({"file", "local", "memory"})
+S3_SCHEMES = frozenset({"s3", "s3a"})  # the schemes s3fs serves
 
 # Errno values of faults that may pass: s3fs maps 503/SlowDown to EBUSY and 500 to EREMOTEIO.
 _TRANSIENT_ERRNOS = frozenset(
@@ -105,7 +106,8 @@ def read_s3_if_match(fs: Any, path: str, start: int, end: int, etag: str) -> byt
             "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag, **pinned
         )
         try:
-            return bytes(await resp["Body"].read())
+            body: bytes = await resp["Body"].read()
+            return body
         finally:
             resp["Body"].close()
 
@@ -135,13 +137,13 @@ def filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str]:
 
 def _make(url: str, scheme: str, kwargs: dict[str, Any]) -> Any:
     fsspec = _extras.require("fsspec", "remote")
-    if scheme in ("s3", "s3a"):
+    if scheme in S3_SCHEMES:
         kwargs = _s3_defaults(kwargs)
     try:
         fs, _ = fsspec.core.url_to_fs(url, **kwargs)
     except (ImportError, ValueError, TypeError) as exc:
         raise SourceError(f"cannot open {url}: {exc}") from None
-    if scheme in ("s3", "s3a"):
+    if scheme in S3_SCHEMES:
         fs.retries = 1  # s3fs's own loop: one attempt; storage.retry decides the rest
     return fs
 

@@ -26,7 +26,7 @@ from typing import IO, Any, NamedTuple
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.storage import retry
 from globalloader.storage._fork import reset_in_forked_children
-from globalloader.storage._fs import LOCAL_SCHEMES, filesystem, read_s3_if_match, scheme_of
+from globalloader.storage._fs import LOCAL_SCHEMES, S3_SCHEMES, filesystem, read_s3_if_match, scheme_of
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
 from globalloader.storage.prefetch import Prefetcher
 
@@ -187,13 +187,11 @@ class Store:
         """
         fs, path = self.filesystem(url)
         what = f"read [{start}, {end}) of"
-        if not (version.startswith('"') and scheme_of(url) in ("s3", "s3a")):
+        if not (version.startswith('"') and scheme_of(url) in S3_SCHEMES):
             return retry.call(lambda: fs.cat_file(path, start=start, end=end), url, what, self.retry_policy)
         data = retry.call(lambda: read_s3_if_match(fs, path, start, end, version), url, what, self.retry_policy)
         if data is None:
-            raise SourceError(
-                f"{url} changed since the source was made (its ETag is no longer {version}); construct the source again"
-            )
+            raise _changed(url, f"its ETag is no longer {version}")
         return data
 
     def read_optional(self, url: str, limit: int) -> bytes | None:
@@ -221,10 +219,7 @@ class Store:
         def download(write: Any) -> None:
             fresh = self.stat(url)
             if fresh != stat:
-                raise SourceError(
-                    f"{url} changed since the source was made (size {stat.size} -> {fresh.size}, version "
-                    f"{stat.version!r} -> {fresh.version!r}); construct the source again"
-                )
+                raise _changed(url, f"size {stat.size} -> {fresh.size}, version {stat.version!r} -> {fresh.version!r}")
             first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
             for start in range(first, end, size):
                 stop = min(end, start + size)
@@ -290,6 +285,11 @@ class _Upload(io.BufferedWriter):
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(self._tmp.name)
+
+
+def _changed(url: str, how: str) -> SourceError:
+    """The error of a read that finds the object no longer the version its source was made from."""
+    return SourceError(f"{url} changed since the source was made ({how}); construct the source again")
 
 
 def _local_stat(url: str) -> FileStat:
