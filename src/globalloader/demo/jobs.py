@@ -137,9 +137,8 @@ def run_jobs(
     folder = Path(tempfile.mkdtemp(prefix="gl-jobs-"))
     server = _Server(folder, memory, server_workers) if mode == "shared" else None
     try:
-        socket = str(server.socket) if server else None
-        describe = server.describe if server else (lambda: "")
-        results = _run_processes(str(root), specs, mode, workers, batch_size, seed, socket, progress, stall_s, describe)
+        run = _Run(mode, str(root), workers, batch_size, seed, str(server.socket) if server else None)
+        results = _run_processes(run, specs, progress, stall_s, server.describe if server else (lambda: ""))
         status = server.status() if server else None
     finally:
         if server:
@@ -148,28 +147,27 @@ def run_jobs(
     return _summary(root, specs, mode, workers, server_workers, results, status)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every job process of one run is given besides its spec."""
+
+    mode: str
+    root: str
+    workers: int
+    batch_size: int
+    seed: int
+    socket: str | None  # the server's, in shared mode
+
+
 # -- the parent: processes, progress, summary ------------------------------------------------
 def _run_processes(
-    root: str,
-    specs: Sequence[JobSpec],
-    mode: str,
-    workers: int,
-    batch_size: int,
-    seed: int,
-    socket: str | None,
-    progress: bool,
-    stall_s: float,
-    describe: Callable[[], str],
+    run: _Run, specs: Sequence[JobSpec], progress: bool, stall_s: float, describe: Callable[[], str]
 ) -> dict[str, dict[str, Any]]:
+    mode = run.mode
     ctx = mp.get_context("spawn")
     barrier, out, stop = ctx.Barrier(len(specs)), ctx.Queue(), ctx.Event()
     procs = {
-        s.name: ctx.Process(
-            target=_job_main,
-            name=f"job-{s.name}",
-            args=(mode, root, s, workers, batch_size, seed, socket, barrier, out, stop),
-        )
-        for s in specs
+        s.name: ctx.Process(target=_job_main, name=f"job-{s.name}", args=(run, s, barrier, out, stop)) for s in specs
     }
     foreground = {s.name for s in specs if not s.background}
     for proc in procs.values():
@@ -292,23 +290,10 @@ class _Server:
         from globalloader.service import launcher
 
         self.socket, self._log = folder / "server.sock", folder / "server.log"
+        cmd = [sys.executable, "-m", "globalloader.service.server", "--socket", str(self.socket)]
+        cmd += ["--memory", str(memory), "--workers", str(workers)]
         with open(self._log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "globalloader.service.server",
-                    "--socket",
-                    str(self.socket),
-                    "--memory",
-                    str(memory),
-                    "--workers",
-                    str(workers),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + 30
         while not launcher.is_running(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -319,7 +304,7 @@ class _Server:
     def status(self) -> dict[str, Any]:
         from globalloader.service import launcher
 
-        return launcher.request(self.socket, "status")[1]
+        return launcher.status(self.socket)
 
     def describe(self) -> str:
         """The server's view, for an error message: its jobs and its pool."""
@@ -349,25 +334,11 @@ class _Server:
 
 
 # -- a job process ---------------------------------------------------------------------------
-def _job_main(
-    mode: str,
-    root: str,
-    spec: JobSpec,
-    workers: int,
-    batch_size: int,
-    seed: int,
-    socket: str | None,
-    barrier: Any,
-    out: Any,
-    stop: Any,
-) -> None:
+def _job_main(run: _Run, spec: JobSpec, barrier: Any, out: Any, stop: Any) -> None:
     """One job: set up (imports, chain), wait for the others, run its epochs, report."""
     try:
-        run = _torch_job if mode == "torch" else _loader_job
-        result = run(
-            mode, root, _Job(spec, out, stop if spec.background else None), workers, batch_size, seed, socket, barrier
-        )
-        out.put(("done", spec.name, result))
+        job = _torch_job if run.mode == "torch" else _loader_job
+        out.put(("done", spec.name, job(run, _Job(spec, out, stop if spec.background else None), barrier)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises WorkerError
         barrier.abort()
         out.put(("error", spec.name, traceback.format_exc()))
@@ -399,12 +370,10 @@ class _Job:
         return keys
 
 
-def _loader_job(
-    mode: str, root: str, job: _Job, workers: int, batch_size: int, seed: int, socket: str | None, barrier: Any
-) -> dict[str, Any]:
-    spec, share = job.spec, mode == "shared"
-    chain = job_chain(root, spec.indices, batch_size, seed)
-    w = 0 if share else workers
+def _loader_job(run: _Run, job: _Job, barrier: Any) -> dict[str, Any]:
+    spec, share, socket = job.spec, run.mode == "shared", run.socket
+    chain = job_chain(run.root, spec.indices, run.batch_size, run.seed)
+    w = 0 if share else run.workers
     barrier.wait(timeout=_START_TIMEOUT_S)
     start = time.monotonic()
     with Loader(chain, workers=w, prefetch=max(2, 2 * w), share=share, server=socket, name=spec.name) as loader:
@@ -419,7 +388,7 @@ def _loader_job(
             from globalloader.service import launcher
 
             assert socket is not None, "a shared run always has its server's socket"
-            mine = [j for j in launcher.request(Path(socket), "status")[1]["jobs"] if j["pid"] == os.getpid()]
+            mine = [j for j in launcher.status(Path(socket))["jobs"] if j["pid"] == os.getpid()]
             result["followed_share"] = mine[0]["followed_share"] if mine else None
         else:
             result["decodes"] = loader.stats()["stages"].get("decode", {}).get("items", 0)
@@ -445,12 +414,11 @@ class _TorchSubset:
         return job_sample(self.source, self.indices[k], self.seed, self.epoch)
 
 
-def _torch_job(
-    mode: str, root: str, job: _Job, workers: int, batch_size: int, seed: int, socket: str | None, barrier: Any
-) -> dict[str, Any]:
+def _torch_job(run: _Run, job: _Job, barrier: Any) -> dict[str, Any]:
     import torch
 
-    data = _TorchSubset(root, job.spec.indices, seed)
+    seed, workers = run.seed, run.workers
+    data = _TorchSubset(run.root, job.spec.indices, seed)
     barrier.wait(timeout=_START_TIMEOUT_S)
     start = time.monotonic()
     epochs = []
@@ -464,7 +432,7 @@ def _torch_job(
         context = "fork" if workers else None
         loader = torch.utils.data.DataLoader(
             cast("torch.utils.data.Dataset[dict[str, Any]]", data),  # duck-typed: torch is imported lazily
-            batch_size=batch_size,
+            batch_size=run.batch_size,
             shuffle=True,
             num_workers=workers,
             generator=generator,

@@ -122,23 +122,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
-    def do_GET(self) -> None:
-        self._proxy("GET")
-
-    def do_HEAD(self) -> None:
-        self._proxy("HEAD")
-
-    def do_PUT(self) -> None:
-        self._proxy("PUT")
-
-    def do_POST(self) -> None:
-        self._proxy("POST")
-
-    def do_DELETE(self) -> None:
-        self._proxy("DELETE")
-
-    def _proxy(self, method: str) -> None:
-        proxy = self.server
+    def _proxy(self) -> None:
+        proxy, method = self.server, self.command
         path = self.path.split("?", 1)[0]
         if path == "/__stats__":  # for other processes (benchmarks): bytes and GETs so far
             data = json.dumps({"bytes": proxy.total_bytes(), "gets": proxy.count("GET")}).encode()
@@ -163,19 +148,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 with proxy.lock:
                     proxy.in_flight -= 1
 
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _proxy
+
     def _answer(self, method: str, path: str, body: bytes, draw: float, cut: float) -> None:
         proxy = self.server
         if proxy.latency:
             time.sleep(proxy.latency)
         forced = next((status for part, status in proxy.forced.items() if part in path), None)
         if forced is not None:
-            self._error(forced, _CODES[forced], path, method)
+            self._error(forced, path, method)
             return
         faulty = proxy.faults_on and method in ("GET", "HEAD")
         if faulty and draw < proxy.slowdown:
             with proxy.lock:
                 proxy.faults["503"] += 1
-            self._error(503, ("SlowDown", "Please reduce your request rate."), path, method)
+            self._error(503, path, method)
             return
         if faulty and draw < proxy.slowdown + proxy.reset and (method == "HEAD" or cut < 0.5):
             with proxy.lock:
@@ -211,8 +198,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             with proxy.lock:
                 proxy.bytes_sent[path] += len(data)
 
-    def _error(self, status: int, code: tuple[str, str], path: str, method: str) -> None:
-        body = _ERROR.format(code=code[0], message=code[1], path=path).encode()
+    def _error(self, status: int, path: str, method: str) -> None:
+        code, message = _CODES[status]
+        body = _ERROR.format(code=code, message=message, path=path).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
