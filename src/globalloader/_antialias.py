@@ -7,13 +7,12 @@ triangle stretched over the shrink factor). Pillow computes it in plain C; torch
 times faster on a 224x224 output (benchmarks/decode.py), within one grey level of Pillow's.
 
 Torch resamples a whole tensor, so its filter stops at the crop's edges (as torchvision's
-`resized_crop` does: crop, then resize): the Pillow reference is `image.crop(box).resize(size)`,
-not `resize(size, box=...)`, which also reads the pixels just outside the box. Used when the
-process that makes the transform has imported torch (as a PyTorch training job has: torch is never
-imported for it, so a job that does not use torch pays neither its import nor its memory), for
-3-channel uint8 arrays and a box on whole pixels; anything else keeps Pillow. And on x86 CPUs with
-AVX2 (or AVX-512) only: there the uint8 kernel is SIMD and runs on the calling thread, not torch's
-intra-op thread pool, so a worker forked from a process that used those threads is safe
+`resized_crop` does): the Pillow reference is `image.crop(box).resize(size)`, not
+`resize(size, box=...)`, which also reads the pixels just outside the box. Used only where the
+process that makes the transform has imported torch (torch is never imported for this: a job that
+does not use torch pays neither its import nor its memory), and only on x86 CPUs with AVX2 (or
+AVX-512): there the uint8 kernel is SIMD and runs on the calling thread, not torch's intra-op
+thread pool, so a worker forked from a process that used those threads is safe
 (tests/test_antialias.py); no process-wide torch setting is touched.
 """
 

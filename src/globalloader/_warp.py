@@ -44,14 +44,12 @@ def opencv() -> Any:
     return cv2
 
 
-def mirror(image: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """`image` (rows x columns, channels last if any) mirrored left-right, into `out` (C-contiguous,
-    of its shape; `image` itself mirrors in place) or a new array. OpenCV's SIMD flip when
-    installed; NumPy's copy otherwise, which walks 3-byte pixels backwards some 30 times slower."""
+def mirror(image: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`image` (rows x columns, channels last if any) mirrored left-right into `out` (C-contiguous,
+    of its shape; `image` itself mirrors in place). OpenCV's SIMD flip when installed; NumPy's
+    copy otherwise, which walks 3-byte pixels backwards some 30 times slower."""
     cv2 = opencv()
     if cv2 is None or not image.size:
-        if out is None:
-            return np.ascontiguousarray(image[:, ::-1])
         out[...] = image[:, ::-1]  # NumPy buffers an overlapping source
         return out
     mirrored: np.ndarray = cv2.flip(image, 1, dst=out)

@@ -7,7 +7,7 @@ import os
 import sys
 
 from globalloader._version import __version__
-from globalloader.errors import GlobalLoaderError
+from globalloader.errors import ArgumentError, GlobalLoaderError
 
 _SOCKET_HELP = (
     "the server's socket (default: $GLOBALLOADER_SOCKET if set, else server.sock in "
@@ -142,12 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "stop":
                 print("stopped" if launcher.stop(path) else f"no server runs at {path}")
             elif args.web:
-                from globalloader.errors import ArgumentError
                 from globalloader.service import dashboard
 
                 if args.once:
                     raise ArgumentError("status: --once and --web exclude each other")
-
                 dashboard.serve(path, port=args.port)
             else:
                 status.watch(path, once=args.once)

@@ -2,16 +2,11 @@
 
 Speed comes from doing as little pixel work as possible: JPEGs are decoded by libjpeg-turbo straight
 into a NumPy array (simplejpeg, in the `vision` extra; Pillow decodes other formats, and JPEGs
-when simplejpeg is missing or `decoder="pillow"`), at 1/2, 1/4 or 1/8 scale in the DCT domain when
-the crop still keeps at least the output's pixels ("draft"); the crop is resized with the
-antialiased bilinear filter reading only inside it (torch's SIMD kernel when the process that
-makes the transform has imported torch, else Pillow's `crop` then `resize`; see
-`globalloader._antialias`), the flip on the small output, and
-`normalize` runs two in-place float32 ufunc passes over long rows (or is left to the training step:
-`normalize=False` and `globalloader.torch.normalize_batch`). Both decoders give the same shapes and
-dtypes and values within a grey level or two of each other (the same libjpeg-turbo algorithms).
-`RandomResizedCropFlipNormalize(antialias=False)` resamples with one bilinear warp instead
-(OpenCV, in `globalloader._warp`): faster, and aliased where the antialiased resize is not.
+when simplejpeg is missing or `decoder="pillow"`: the same shapes, dtypes and values within a grey
+level or two), at 1/2, 1/4 or 1/8 scale when the crop still keeps the output's pixels ("draft");
+the crop is resampled reading only inside it (`globalloader._antialias`, `globalloader._warp`),
+the flip runs on the small output, and `normalize` makes one or two float32 passes (or is left to
+the training step: `normalize=False` and `globalloader.torch.normalize_batch`).
 
 Functions take and return the same kind of image they are given (Pillow image or uint8 HWC array).
 Random functions draw from a caller's `numpy.random.Generator`, so the dataset chain decides the
@@ -432,13 +427,9 @@ def _resize_crop(
     planar: bool = False,
 ) -> PILImage.Image | np.ndarray:
     """The crop `box` (left, top, right, bottom, whole pixels) resized to `size_wh` with the
-    antialiased bilinear filter, which reads only inside the crop (torchvision's `resized_crop`),
-    then mirrored left-right if `flip`.
-
-    With `fast`, a uint8 RGB array goes through torch's SIMD kernel (`globalloader._antialias`,
-    within one grey level; with `planar` its result is laid out for a CHW output); otherwise
-    Pillow: `crop` then `resize`, an array's crop copied once into Pillow (`_region_to_pil`).
-    """
+    antialiased bilinear filter reading only inside it, then mirrored left-right if `flip`: with
+    `fast` on torch's kernel when it applies (`_antialias.resize`; `planar` for a CHW output),
+    else Pillow's `crop` then `resize`."""
     if isinstance(image, np.ndarray):
         if fast:
             out = _antialias.resize(image, size_wh, box, flip, planar)
@@ -725,15 +716,13 @@ class RandomResizedCropFlipNormalize:
     order: the crop (see `random_resized_crop_box`), then the flip, with either `decoder`.
     `field` None finds the image as `Decode` does.
 
-    The resample is antialiased (Pillow's filter, as torchvision's `antialias=True`; computed by
-    torch's SIMD kernel with `decoder="auto"` when the process that makes the transform has
-    imported torch; within a grey level of Pillow's). `antialias=False`
-    trades that for speed, as torchvision's `antialias=False` does: one bilinear warp (OpenCV
-    when installed, the flip folded in) that reads 2x2 source pixels per output pixel, so detail
-    finer than the output's pixels aliases; the DCT scaling leaves at most 2x to shrink on the
-    crop's tighter side. Its values are not those of the antialiased resample (they differ by
-    up to tens of grey levels at sharp edges); `decoder="pillow"` computes the same warp in Pillow,
-    within one grey level. OpenCV then runs on one thread, process-wide (`cv2.setNumThreads(1)`).
+    The resample is antialiased, as torchvision's `antialias=True` (Pillow's filter; with
+    `decoder="auto"` torch's kernel, within a grey level, when the process that makes the transform
+    has imported torch). `antialias=False` trades that for speed, as torchvision's does: one
+    bilinear warp (the flip folded in) reading 2x2 source pixels per output pixel, so detail finer
+    than the output's pixels aliases and values differ by up to tens of grey levels at sharp edges;
+    OpenCV computes it when installed (then on one thread, process-wide), Pillow with
+    `decoder="pillow"`, within one grey level of each other.
     """
 
     field: str | None = None
