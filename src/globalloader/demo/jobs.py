@@ -144,7 +144,7 @@ def run_jobs(
         if server:
             server.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    return _summary(root, specs, mode, workers, server_workers, results, status)
+    return _summary(run, specs, server_workers, results, status)
 
 
 @dataclass(frozen=True)
@@ -215,15 +215,9 @@ def _check_alive(procs: dict[str, Any], results: dict[str, Any]) -> None:
 
 
 def _summary(
-    root: Path | str,
-    specs: Sequence[JobSpec],
-    mode: str,
-    workers: int,
-    server_workers: int,
-    results: dict[str, dict[str, Any]],
-    status: dict[str, Any] | None,
+    run: _Run, specs: Sequence[JobSpec], server_workers: int, results: dict[str, Any], status: dict[str, Any] | None
 ) -> dict[str, Any]:
-    keys = _keys(str(root))
+    keys = _keys(run.root)
     jobs, starts, ends = [], [], []
     for spec in specs:
         r = dict(results[spec.name])
@@ -246,7 +240,7 @@ def _summary(
     samples = sum(r["samples"] for r in jobs)
     decodes = status["decodes"] if status else sum(r["decodes"] for r in jobs)
     summary: dict[str, Any] = {
-        "mode": mode,
+        "mode": run.mode,
         "jobs": jobs,
         "wall_s": wall,
         "samples": samples,
@@ -256,7 +250,7 @@ def _summary(
         "decodes_per_union": decodes / union,
     }
     if status is None:
-        summary["workers"] = {"per_job": workers, "total": workers * len(specs)}
+        summary["workers"] = {"per_job": run.workers, "total": run.workers * len(specs)}
     else:
         summary["workers"] = {"per_job": 0, "server": server_workers, "total": server_workers}
         summary["pool_bytes"] = status["pool"]["capacity"]

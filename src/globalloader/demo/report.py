@@ -8,6 +8,7 @@ both see the same machine), never the ratio of two single runs.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -55,12 +56,10 @@ def main(
         f"batch {batch_size}, {workers} workers; a stand-in step reads every batch; {runs} run(s) of each\n"
     )
     loaders: list[tuple[str, Callable[..., dict[str, float]]]] = [("globalloader", run_globalloader)]
-    try:
+    with contextlib.suppress(ImportError):
         import torch  # noqa: F401 - only to know whether the comparison can run
 
         loaders.append(("torch DataLoader", run_torch))
-    except ImportError:
-        pass
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in loaders}
     for run in range(runs):
         for name, fn in loaders:

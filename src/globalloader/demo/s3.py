@@ -35,12 +35,6 @@ _CODES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class MotoServer:
     """moto's ThreadedMotoServer on a free loopback port."""
 
@@ -51,7 +45,9 @@ class MotoServer:
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
 
-        self.port = free_port()
+        with socket.socket() as free:  # a free port for the server
+            free.bind(("127.0.0.1", 0))
+            self.port = int(free.getsockname()[1])
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
         self.url = f"http://127.0.0.1:{self.port}"
