@@ -215,7 +215,11 @@ def _check_alive(procs: dict[str, Any], results: dict[str, Any]) -> None:
 
 
 def _summary(
-    run: _Run, specs: Sequence[JobSpec], server_workers: int, results: dict[str, Any], status: dict[str, Any] | None
+    run: _Run,
+    specs: Sequence[JobSpec],
+    server_workers: int,
+    results: dict[str, dict[str, Any]],
+    status: dict[str, Any] | None,
 ) -> dict[str, Any]:
     keys = _keys(run.root)
     jobs, starts, ends = [], [], []
