@@ -95,7 +95,6 @@ class BatchQueue:
             "batch_sizes": self._layout.batch_sizes[rank],
             "reducer_batches": self._layout.reducer_batches[self._layout.rank_reducers(rank)],
             "rows": int(self._layout.file_rows.sum()),
-            "dropped": self._layout.dropped,
         }
 
     def finished(self) -> bool:
