@@ -59,16 +59,6 @@ class DataLoader(Generic[T_co]):
     collate_fn/num_workers/timeout only) and `server` (its socket path; default: the user's own).
     """
 
-    dataset: Any
-    batch_size: int | None
-    num_workers: int
-    pin_memory: bool
-    drop_last: bool
-    timeout: float
-    sampler: Any
-    prefetch_factor: int | None
-    _iterator: Any
-
     def __init__(
         self,
         dataset: Any,
@@ -174,7 +164,7 @@ class DataLoader(Generic[T_co]):
         self.persistent_workers = persistent_workers
         self._dataset_kind_iterable = iterable
         self._IterableDataset_len_called: int | None = None
-        self._iterator = None
+        self._iterator: Any = None
         self._progress: Progress | None = None  # of the current pass (state_dict)
         self.statistics = LoaderStats()  # every pass's stages and loop clock, for stats() and report()
         self._resume: tuple[Resume, dict[str, Any]] | None = None  # (how, state) for the next iter()

@@ -1,22 +1,16 @@
 """The iterators `DataLoader.__iter__` returns: in the main process, or over a worker pool.
 
 Both follow torch's iterator contract: each pass draws a base seed from the loader's generator
-(or torch's global RNG) and then iterates the loader's sampler or batch sampler in the main
-process; a sample's error is raised for its own batch and the pass can go on; an iterable
-dataset's length, once asked for, warns when more batches come than it announced.
+(or torch's global RNG), then walks the sampler or batch sampler in the main process; a sample's
+error is raised for its own batch and the pass can go on; an iterable dataset's length, once
+asked for, warns when more batches come than it announced. With workers, task `i` goes to worker
+`i mod num_workers` (skipping exhausted ones), `prefetch_factor` tasks per worker are in flight,
+and batches come in task order (or as they come with `in_order=False`).
 
-With workers, task `i` goes to worker `i mod num_workers` (skipping workers whose iterable is
-exhausted), `prefetch_factor` tasks per worker are in flight, and batches are yielded in task
-order (or as they come with `in_order=False`).
-
-Each iterator times the loop as a Loader's run does (`execution.stats`, the DataLoader's
-`statistics`): per batch, the seconds `next()` waited and the seconds the loop spent between two
-`next()` calls; the stages of each batch (fetch, collate, transport) come from the worker that
-loaded it, or are timed in place without workers.
-
-Each iterator records in its `Progress` what `torch.resume` needs to resume the pass exactly,
-and starts from a `Resume`: map-style datasets skip taken batches without loading them, iterable
-ones load and drop them (the only way to advance them).
+Each iterator times the loop as a Loader's run does (`execution.stats`: the wait in `next()`, the
+loop's own time, each batch's stages), records in its `Progress` what `torch.resume` needs to
+resume the pass exactly, and starts from a `Resume`: map-style datasets skip taken batches
+without loading them, iterable ones load and drop them (the only way to advance them).
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from globalloader.runtime.pool import WorkerPool, raised_again
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.resume import Progress, Resume, past_the_end
 from globalloader.torch.tensors import accelerator_available, pin, torch
-from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec
+from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec, seed_datapipe
 
 if TYPE_CHECKING:
     from globalloader.dataset.plan import Timer
@@ -122,9 +116,7 @@ class InProcessIter(_BaseIter):
         resume = resume or Resume()
         dataset = self._dataset
         if self._datapipe:
-            rng = torch.Generator()
-            rng.manual_seed(_draw_seed(loader.generator))
-            dataset = torch.utils.data.graph_settings.apply_random_seed(dataset, rng)
+            dataset = seed_datapipe(dataset, _draw_seed(loader.generator))
             torch.utils.data.graph_settings.apply_sharding(dataset, 1, 0)
         self._start_pass(loader)  # the sampler first, then the base seed: torch's order
         self._base_seed = _draw_seed(loader.generator)  # drawn as torch does, so the RNG streams match
@@ -269,7 +261,7 @@ class WorkerIter(_BaseIter):
             else:
                 self._progress.done = True
                 if not self._persistent:
-                    self._shutdown_workers()
+                    self.close()
                 raise StopIteration
             if self._received in self._ready:
                 number = self._received
@@ -326,16 +318,14 @@ class WorkerIter(_BaseIter):
                 traceback.clear_frames(exc.__traceback__.tb_next)
             raise
 
-    def _shutdown_workers(self) -> None:
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         """Stop the workers now (also what `del` of the iterator does)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-
-    close = _shutdown_workers
-
-    def __del__(self) -> None:
-        self._shutdown_workers()
 
 
 def _spec(loader: LoaderSettings, dataset: Any) -> WorkerSpec:
