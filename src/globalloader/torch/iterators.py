@@ -42,9 +42,10 @@ def _draw_seed(generator: Any) -> int:
 
 
 class _BaseIter:
-    """What both iterators share: the sampler walk, the loop's clock, counting, the length warning, pinning."""
+    """What both iterators share: the pass's seeds and sampler walk, the loop's clock, counting, the
+    length warning, pinning."""
 
-    def __init__(self, loader: LoaderSettings, progress: Progress) -> None:
+    def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume) -> None:
         # No reference to the loader: dropping a loader and its iterator must stop the workers at once.
         self._index_sampler = loader._index_sampler
         self._uses_workers = loader.num_workers > 0
@@ -56,6 +57,14 @@ class _BaseIter:
         self._pin = loader.pin_memory and accelerator_available()
         self._pin_device = loader.pin_memory_device
         self._datapipe = isinstance(loader.dataset, torch.utils.data.IterDataPipe)
+        # torch's order of draws: a datapipe's shared seed, the sampler's, then the base seed
+        self._shared_seed = _draw_seed(loader.generator) if self._datapipe else None
+        self._start_pass(loader)
+        if resume.fresh_workers:  # drawn as torch does, so the RNG streams match
+            self._base_seed = _draw_seed(loader.generator)
+            resume.check_drawn(self._base_seed)
+        else:  # persistent workers past their first pass: they keep the seed they were started with
+            self._base_seed = resume.base_seed  # type: ignore[assignment] # checked by check_state
 
     def _start_pass(self, loader: LoaderSettings) -> None:
         self._sampler_iter = iter(self._index_sampler)
@@ -112,18 +121,14 @@ class InProcessIter(_BaseIter):
     """num_workers=0: samples are loaded in the calling thread, when a batch is asked for."""
 
     def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume | None = None) -> None:
-        super().__init__(loader, progress)
         resume = resume or Resume()
+        super().__init__(loader, progress, resume)
         dataset = self._dataset
         if self._datapipe:
-            dataset = seed_datapipe(dataset, _draw_seed(loader.generator))
+            dataset = seed_datapipe(dataset, self._shared_seed)
             torch.utils.data.graph_settings.apply_sharding(dataset, 1, 0)
-        self._start_pass(loader)  # the sampler first, then the base seed: torch's order
-        self._base_seed = _draw_seed(loader.generator)  # drawn as torch does, so the RNG streams match
-        resume.check_drawn(self._base_seed)
         progress.base_seed = self._base_seed
-        default = torch.utils.data.default_collate
-        self._fetch = Fetcher(_spec(loader, dataset), dataset, default_collate=default)
+        self._fetch = Fetcher(_spec(loader, dataset), dataset, default_collate=torch.utils.data.default_collate)
         for taken in range(resume.skip):
             try:
                 self._next_batch(fetch=self._iterable)
@@ -154,8 +159,8 @@ class WorkerIter(_BaseIter):
     _pool: WorkerPool | None = None  # None once shut down
 
     def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume | None = None) -> None:
-        super().__init__(loader, progress)
         resume = resume or Resume()
+        super().__init__(loader, progress, resume)
         self._num_workers = loader.num_workers
         self._prefetch = (loader.prefetch_factor or 2) * loader.num_workers
         self._in_order = loader.in_order
@@ -163,15 +168,8 @@ class WorkerIter(_BaseIter):
         self._persistent = loader.persistent_workers
         spec = _spec(loader, loader.dataset)
         self._default_collate = spec.collate_fn is None and self._auto_collation
-        shared_seed = _draw_seed(loader.generator) if self._datapipe else None
-        self._start_pass(loader)  # the sampler first, then the base seed: torch's order
-        if resume.fresh_workers:
-            self._base_seed = _draw_seed(loader.generator)
-            resume.check_drawn(self._base_seed)
-        else:  # persistent workers past their first pass: they keep the seed they were started with
-            self._base_seed = resume.base_seed  # type: ignore[assignment] # checked by check_state
         context = loader.multiprocessing_context or torch.multiprocessing.get_context()
-        body = TorchBody(spec, self._base_seed, shared_seed, resume.workers)
+        body = TorchBody(spec, self._base_seed, self._shared_seed, resume.workers)
         self._pool = WorkerPool(
             body, self._num_workers, context, self._timeout, name="DataLoader worker", setting="DataLoader(timeout=)"
         )
