@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 import ray
@@ -27,7 +28,7 @@ _TAKE_POLL_S = 5.0
 RPC_GRACE_S = 60.0  # beyond its own wait, how long a call to the batch queue may take
 
 
-class ShufflingDataset:
+class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
     """Globally shuffled batches for one data-parallel trainer, a new order every epoch.
 
     Every rank constructs one with the same arguments and its own `rank`. Rank 0 plans the
@@ -237,9 +238,6 @@ class ShufflingDataset:
             ),
         )
 
-    def _done(self, epoch: int) -> None:
-        self._queue.done.remote(self.rank, epoch)  # fire and forget: only frees memory sooner
-
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: the epoch and how many of its batches were consumed."""
         if self._active is not None and not self._active.finished:
@@ -275,15 +273,12 @@ class ShufflingDataset:
             ray.kill(self._queue)
             self._queue = None
 
-    def __enter__(self) -> Self:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
         return (
-            f"ShufflingDataset({self.name!r}, rank {self.rank}/{self.spec.num_trainers}, "
+            f"{type(self).__name__}({self.name!r}, rank {self.rank}/{self.spec.num_trainers}, "
             f"{len(self.spec.files)} parts, {self.total_rows} rows, {len(self)} batches of "
             f"{self.spec.batch_size} per epoch)"
         )
@@ -345,9 +340,8 @@ class _EpochIterator:
             stats["pulled_outputs"] = self._fetcher.pulled
             stats["pulled_bytes"] = self._fetcher.pulled_bytes
             stats["epoch_s"] = time.perf_counter() - self._started
-            self._fetcher.close()
-            self._current = {}
-            self._owner._done(self.epoch)
+            self.close()
+            self._owner._queue.done.remote(self._owner.rank, self.epoch)  # fire and forget: frees memory sooner
 
     def close(self) -> None:
         self._fetcher.close()

@@ -104,18 +104,15 @@ def _split_reducers(num_trainers: int, num_batches: int, num_reducers: int) -> t
     Reducers are ordered round by round (trainer 0's first, trainer 1's first, ...) so that,
     submitted in this order, every trainer's first batches are ready early.
     """
-    ranks, runs = [], []
+    reducers = []  # ((round, trainer), (first batch, stop))
     for t in range(num_trainers):
         count = len(range(t, num_reducers, num_trainers))
         bounds = (np.arange(count + 1) * num_batches) // count
-        for j in range(count):
-            if bounds[j + 1] > bounds[j]:
-                ranks.append((j, t))
-                runs.append((bounds[j], bounds[j + 1]))
-    order = sorted(range(len(ranks)), key=lambda i: ranks[i])
+        reducers += [((j, t), (bounds[j], bounds[j + 1])) for j in range(count) if bounds[j + 1] > bounds[j]]
+    reducers.sort(key=lambda reducer: reducer[0])
     return (
-        np.array([ranks[i][1] for i in order], np.int64),
-        np.array([runs[i] for i in order], np.int64).reshape(-1, 2),
+        np.array([t for (_, t), _ in reducers], np.int64),
+        np.array([run for _, run in reducers], np.int64).reshape(-1, 2),
     )
 
 

@@ -169,8 +169,9 @@ class OutputPrefetcher:
         return False
 
 
-def _poll_wait(deadline: float | None) -> float:
-    return _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+def _poll_wait(deadline: float | None, poll: float = _POLL_S) -> float:
+    """How long one wait may last: `poll`, or less to end at `deadline`."""
+    return poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
 
 
 def ask_queue(
@@ -186,9 +187,8 @@ def ask_queue(
     "error" is a StateError (`refused` + payload); a queue that is gone, a stop or the deadline
     passing is a WorkerError (`gone`, or `late(why)`); a slow or unreachable queue is asked again."""
     while True:
-        wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
         try:
-            status, payload = call(wait)
+            status, payload = call(_poll_wait(deadline, poll))
         except rex.GetTimeoutError:
             status, payload = "wait", "the batch queue does not answer"
         except rex.ActorUnavailableError:  # unreachable for now (a busy or failing node): ask again

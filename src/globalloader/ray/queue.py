@@ -2,9 +2,9 @@
 
 One named actor per shuffle job, created by rank 0 on its node (Ray ends an actor with the
 process that created it, so it lives exactly as long as rank 0's process) and found by name by
-the other ranks. It never touches row data: its scheduler
-submits each epoch's map/reduce tasks, and trainers ask it for the object refs of their
-reducer outputs, then fetch the data straight from the object store.
+the other ranks. It never touches row data: its scheduler submits each epoch's map/reduce
+tasks, and trainers ask it for the object refs of their reducer outputs, then fetch the data
+straight from the object store.
 
 Pipelining and throttling: an epoch is *live* from its launch until every rank has moved past
 it (asked for a later epoch or finished it). When a rank asks for epoch e, epochs are launched
@@ -95,7 +95,6 @@ class BatchQueue:
             "batch_sizes": self._layout.batch_sizes[rank],
             "reducer_batches": self._layout.reducer_batches[self._layout.rank_reducers(rank)],
             "rows": int(self._layout.file_rows.sum()),
-            "dropped": self._layout.dropped,
         }
 
     def finished(self) -> bool:

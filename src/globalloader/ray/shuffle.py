@@ -2,14 +2,13 @@
 
 `submit_map` and `submit_reduce` start the tasks (the scheduler decides when); each task also
 returns a tiny value that tells the scheduler it has ended without fetching any data. A map
-task reads one part (`reader`) whole and sends each reducer the rows `layout.scatter_table` gave it,
-picked by a seeded permutation (one `np.take` per column, no per-row Python). Rows for the
-reducers that run on one node travel in one object, sliced by each reducer: an object per
-reducer costs Ray a few milliseconds each, more than copying its rows. A reducer places
-the rows it receives at seeded random positions (rows viewed as fixed-size records)
-and returns one dict of columns holding a run of its trainer's batches, so trainers slice
-batches out of it without copying. Rows are gathered and placed as single fixed-size records,
-so a row costs one copy whatever its width.
+task reads one part (`reader`) whole and sends each reducer the rows `layout.scatter_table` gave
+it, picked by a seeded permutation; the rows for the reducers of one node travel in one object
+that each slices (an object per reducer costs Ray a few milliseconds each, more than copying
+its rows). A reducer places the rows it receives at seeded random positions and returns one
+dict of columns holding a run of its trainer's batches, which trainers slice without copying.
+Rows are gathered and placed as single fixed-size records: one copy per row whatever its
+width, no per-row Python.
 """
 
 from __future__ import annotations

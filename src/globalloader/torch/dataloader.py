@@ -3,16 +3,10 @@
 The constructor, attributes, `len()`, samplers, seeding, worker contract and iterator semantics
 are torch's (see `iterators` and `worker`); what differs is underneath: batches come back from
 workers through shared memory in one copy (no pickled queue, no per-batch file descriptors), and
-the default collate stacks samples straight into that memory. On top:
-
-- `state_dict()` / `load_state_dict()`: resume a pass exactly where it stopped: the same order,
-  and the same values drawn from `torch`, `random` and `numpy` in workers (see `resume`);
-  map-style datasets skip the delivered batches without loading them;
-- `stats()` and `report()`: a Loader's per-stage figures (fetch, collate, transport per
-  worker, the loop's wait and its own time), from the same `execution.stats`;
-- `set_epoch(epoch)`: passed on to a sampler that has one (DistributedSampler);
-- `share=True`: feed the job from the machine's global loader server (`globalloader.Loader`),
-  for map-style datasets with a `fingerprint`.
+the default collate stacks samples straight into that memory. On top: exact mid-pass resume
+(`state_dict()` / `load_state_dict()`, see `resume`), a Loader's per-stage figures (`stats()`,
+`report()`), `set_epoch()` passed on to a sampler that has one, and `share=True`: the job fed by
+the machine's global loader server.
 """
 
 from __future__ import annotations
@@ -58,16 +52,6 @@ class DataLoader(Generic[T_co]):
     server; map-style datasets with a `fingerprint` attribute, batch_size/shuffle/drop_last/
     collate_fn/num_workers/timeout only) and `server` (its socket path; default: the user's own).
     """
-
-    dataset: Any
-    batch_size: int | None
-    num_workers: int
-    pin_memory: bool
-    drop_last: bool
-    timeout: float
-    sampler: Any
-    prefetch_factor: int | None
-    _iterator: Any
 
     def __init__(
         self,
@@ -174,7 +158,7 @@ class DataLoader(Generic[T_co]):
         self.persistent_workers = persistent_workers
         self._dataset_kind_iterable = iterable
         self._IterableDataset_len_called: int | None = None
-        self._iterator = None
+        self._iterator: Any = None
         self._progress: Progress | None = None  # of the current pass (state_dict)
         self.statistics = LoaderStats()  # every pass's stages and loop clock, for stats() and report()
         self._resume: tuple[Resume, dict[str, Any]] | None = None  # (how, state) for the next iter()

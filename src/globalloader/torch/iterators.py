@@ -1,22 +1,16 @@
 """The iterators `DataLoader.__iter__` returns: in the main process, or over a worker pool.
 
 Both follow torch's iterator contract: each pass draws a base seed from the loader's generator
-(or torch's global RNG) and then iterates the loader's sampler or batch sampler in the main
-process; a sample's error is raised for its own batch and the pass can go on; an iterable
-dataset's length, once asked for, warns when more batches come than it announced.
+(or torch's global RNG), then walks the sampler or batch sampler in the main process; a sample's
+error is raised for its own batch and the pass can go on; an iterable dataset's length, once
+asked for, warns when more batches come than it announced. With workers, task `i` goes to worker
+`i mod num_workers` (skipping exhausted ones), `prefetch_factor` tasks per worker are in flight,
+and batches come in task order (or as they come with `in_order=False`).
 
-With workers, task `i` goes to worker `i mod num_workers` (skipping workers whose iterable is
-exhausted), `prefetch_factor` tasks per worker are in flight, and batches are yielded in task
-order (or as they come with `in_order=False`).
-
-Each iterator times the loop as a Loader's run does (`execution.stats`, the DataLoader's
-`statistics`): per batch, the seconds `next()` waited and the seconds the loop spent between two
-`next()` calls; the stages of each batch (fetch, collate, transport) come from the worker that
-loaded it, or are timed in place without workers.
-
-Each iterator records in its `Progress` what `torch.resume` needs to resume the pass exactly,
-and starts from a `Resume`: map-style datasets skip taken batches without loading them, iterable
-ones load and drop them (the only way to advance them).
+Each iterator times the loop as a Loader's run does (`execution.stats`: the wait in `next()`, the
+loop's own time, each batch's stages), records in its `Progress` what `torch.resume` needs to
+resume the pass exactly, and starts from a `Resume`: map-style datasets skip taken batches
+without loading them, iterable ones load and drop them (the only way to advance them).
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from globalloader.runtime.pool import WorkerPool, raised_again
 from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.resume import Progress, Resume, past_the_end
 from globalloader.torch.tensors import accelerator_available, pin, torch
-from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec
+from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec, seed_datapipe
 
 if TYPE_CHECKING:
     from globalloader.dataset.plan import Timer
@@ -48,9 +42,10 @@ def _draw_seed(generator: Any) -> int:
 
 
 class _BaseIter:
-    """What both iterators share: the sampler walk, the loop's clock, counting, the length warning, pinning."""
+    """What both iterators share: the pass's seeds and sampler walk, the loop's clock, counting, the
+    length warning, pinning."""
 
-    def __init__(self, loader: LoaderSettings, progress: Progress) -> None:
+    def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume) -> None:
         # No reference to the loader: dropping a loader and its iterator must stop the workers at once.
         self._index_sampler = loader._index_sampler
         self._uses_workers = loader.num_workers > 0
@@ -62,6 +57,14 @@ class _BaseIter:
         self._pin = loader.pin_memory and accelerator_available()
         self._pin_device = loader.pin_memory_device
         self._datapipe = isinstance(loader.dataset, torch.utils.data.IterDataPipe)
+        # torch's order of draws: a datapipe's shared seed, the sampler's, then the base seed
+        self._shared_seed = _draw_seed(loader.generator) if self._datapipe else None
+        self._start_pass(loader)
+        if resume.fresh_workers:  # drawn as torch does, so the RNG streams match
+            self._base_seed = _draw_seed(loader.generator)
+            resume.check_drawn(self._base_seed)
+        else:  # persistent workers past their first pass: they keep the seed they were started with
+            self._base_seed = resume.base_seed  # type: ignore[assignment] # checked by check_state
 
     def _start_pass(self, loader: LoaderSettings) -> None:
         self._sampler_iter = iter(self._index_sampler)
@@ -118,20 +121,14 @@ class InProcessIter(_BaseIter):
     """num_workers=0: samples are loaded in the calling thread, when a batch is asked for."""
 
     def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume | None = None) -> None:
-        super().__init__(loader, progress)
         resume = resume or Resume()
+        super().__init__(loader, progress, resume)
         dataset = self._dataset
         if self._datapipe:
-            rng = torch.Generator()
-            rng.manual_seed(_draw_seed(loader.generator))
-            dataset = torch.utils.data.graph_settings.apply_random_seed(dataset, rng)
+            dataset = seed_datapipe(dataset, self._shared_seed)
             torch.utils.data.graph_settings.apply_sharding(dataset, 1, 0)
-        self._start_pass(loader)  # the sampler first, then the base seed: torch's order
-        self._base_seed = _draw_seed(loader.generator)  # drawn as torch does, so the RNG streams match
-        resume.check_drawn(self._base_seed)
         progress.base_seed = self._base_seed
-        default = torch.utils.data.default_collate
-        self._fetch = Fetcher(_spec(loader, dataset), dataset, default_collate=default)
+        self._fetch = Fetcher(_spec(loader, dataset), dataset, default_collate=torch.utils.data.default_collate)
         for taken in range(resume.skip):
             try:
                 self._next_batch(fetch=self._iterable)
@@ -162,8 +159,8 @@ class WorkerIter(_BaseIter):
     _pool: WorkerPool | None = None  # None once shut down
 
     def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume | None = None) -> None:
-        super().__init__(loader, progress)
         resume = resume or Resume()
+        super().__init__(loader, progress, resume)
         self._num_workers = loader.num_workers
         self._prefetch = (loader.prefetch_factor or 2) * loader.num_workers
         self._in_order = loader.in_order
@@ -171,15 +168,8 @@ class WorkerIter(_BaseIter):
         self._persistent = loader.persistent_workers
         spec = _spec(loader, loader.dataset)
         self._default_collate = spec.collate_fn is None and self._auto_collation
-        shared_seed = _draw_seed(loader.generator) if self._datapipe else None
-        self._start_pass(loader)  # the sampler first, then the base seed: torch's order
-        if resume.fresh_workers:
-            self._base_seed = _draw_seed(loader.generator)
-            resume.check_drawn(self._base_seed)
-        else:  # persistent workers past their first pass: they keep the seed they were started with
-            self._base_seed = resume.base_seed  # type: ignore[assignment] # checked by check_state
         context = loader.multiprocessing_context or torch.multiprocessing.get_context()
-        body = TorchBody(spec, self._base_seed, shared_seed, resume.workers)
+        body = TorchBody(spec, self._base_seed, self._shared_seed, resume.workers)
         self._pool = WorkerPool(
             body, self._num_workers, context, self._timeout, name="DataLoader worker", setting="DataLoader(timeout=)"
         )
@@ -269,7 +259,7 @@ class WorkerIter(_BaseIter):
             else:
                 self._progress.done = True
                 if not self._persistent:
-                    self._shutdown_workers()
+                    self.close()
                 raise StopIteration
             if self._received in self._ready:
                 number = self._received
@@ -326,16 +316,14 @@ class WorkerIter(_BaseIter):
                 traceback.clear_frames(exc.__traceback__.tb_next)
             raise
 
-    def _shutdown_workers(self) -> None:
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         """Stop the workers now (also what `del` of the iterator does)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-
-    close = _shutdown_workers
-
-    def __del__(self) -> None:
-        self._shutdown_workers()
 
 
 def _spec(loader: LoaderSettings, dataset: Any) -> WorkerSpec:

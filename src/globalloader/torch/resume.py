@@ -66,14 +66,7 @@ class Resume(NamedTuple):
 class Progress:
     """Where one pass stands, kept by the DataLoader (not the iterator, which may be dropped)."""
 
-    __slots__ = (
-        "base_seed",
-        "batches",
-        "done",
-        "fresh_workers",
-        "snapshot",
-        "workers",
-    )
+    __slots__ = ("base_seed", "batches", "done", "fresh_workers", "snapshot", "workers")
 
     def __init__(self, snapshot: dict[str, Any]) -> None:
         self.snapshot = snapshot  # RNG states the pass started from (`rng_snapshot`)
@@ -94,21 +87,16 @@ def past_the_end(skip: int, taken: int) -> StateError:
     )
 
 
-def _samplers(loader: LoaderSettings) -> list[Any]:
-    """The loader's sampler objects (batch sampler first), for their generators and epochs."""
-    found: list[Any] = []
-    for obj in (loader.batch_sampler, loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
-        if obj is not None and all(obj is not f for f in found):
-            found.append(obj)
-    return found
-
-
 def _sampler_generators(loader: LoaderSettings) -> list[tuple[str | None, Any]]:
-    """Per sampler: (kind, generator); kind "own", "loader" (the loader's generator), "shared" (an
-    earlier sampler's) or None (no torch Generator). Each generator is recorded once."""
+    """Per sampler object (batch sampler first, each once): (kind, generator); kind "own", "loader"
+    (the loader's generator), "shared" (an earlier sampler's) or None (no torch Generator)."""
+    samplers: list[Any] = []
+    for obj in (loader.batch_sampler, loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if obj is not None and all(obj is not s for s in samplers):
+            samplers.append(obj)
     seen: list[Any] = []
     found: list[tuple[str | None, Any]] = []
-    for sampler in _samplers(loader):
+    for sampler in samplers:
         generator = getattr(sampler, "generator", None)
         if not isinstance(generator, torch.Generator):
             found.append((None, None))

@@ -50,8 +50,6 @@ def pin(batch: Any, device: str = "") -> Any:
     """Pin every tensor of a batch; objects with their own `pin_memory()` method pin themselves."""
     if isinstance(batch, torch.Tensor):
         return batch.pin_memory(device) if device else batch.pin_memory()
-    if isinstance(batch, (str, bytes)):
-        return batch
     if isinstance(batch, dict):
         return _rebuild(batch, {k: pin(v, device) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):

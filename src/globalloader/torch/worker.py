@@ -2,19 +2,17 @@
 
 A worker gets its copy of the dataset once, at start; then, for each task (an index batch of a
 map-style dataset, or "next batch" of an iterable one) it fetches, collates and writes the batch
-into a shared-memory segment, sending back a message of a few hundred bytes.
+into a shared-memory segment, sending back a message of a few hundred bytes with the seconds it
+waited for the task and its time per stage (`fetch`, `collate`, `transport`: the figures a
+Loader's workers send, `execution.stats`; three clock reads per batch, none per sample).
 
 What a dataset sees is what torch documents: `torch.utils.data.get_worker_info()` gives the
 worker's id, count, seed and dataset copy; `torch`, `random` and `numpy` are seeded from the
 iterator's base seed and the worker id; `worker_init_fn(worker_id)` runs once, after seeding.
 For resume, a worker of a map-style dataset reports the state of those three RNGs after each task
 (the state its next task starts from), and one started to resume a pass puts back the state it
-is given before its first task.
-Each batch's reply carries its time per stage (`fetch`: the dataset's samples, `collate`,
-`transport`: writing it to shared memory) and the seconds the worker waited for the task, the
-figures a Loader's workers send (`execution.stats`): three clock reads per batch, none per sample.
-The process itself (start, death, timeout, parent death, one intra-op thread) is
-`runtime.WorkerPool`'s; this module is only the body it runs.
+is given before its first task. The process itself (start, death, timeout, parent death, one
+intra-op thread) is `runtime.WorkerPool`'s; this module is only the body it runs.
 """
 
 from __future__ import annotations
@@ -87,7 +85,7 @@ class TorchBody:
         self.dataset = spec.dataset
         self.datapipe = isinstance(self.dataset, torch.utils.data.IterDataPipe)
         if self.datapipe:
-            self.dataset = _seed_datapipe(self.dataset, self.shared_seed)
+            self.dataset = seed_datapipe(self.dataset, self.shared_seed)
         torch.utils.data._utils.worker._worker_info = torch.utils.data._utils.worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset
         )
@@ -117,7 +115,7 @@ class TorchBody:
         op, generation, number, payload = message
         if op == "reset":  # persistent workers, next pass
             if self.datapipe:
-                self.dataset = _seed_datapipe(self.dataset, payload)
+                self.dataset = seed_datapipe(self.dataset, payload)
             try:
                 self.fetch = Fetcher(self.spec, self.dataset)
                 self.setup_error = None
@@ -183,8 +181,8 @@ class Fetcher:
         return batch
 
 
-def _seed_datapipe(dataset: Any, shared_seed: int | None) -> Any:
-    """Seed a datapipe's random operations the same way in every worker (torch's shared seed)."""
+def seed_datapipe(dataset: Any, shared_seed: int | None) -> Any:
+    """Seed a datapipe's random operations from `shared_seed`, the same in every worker (torch's shared seed)."""
     rng = torch.Generator()
     rng.manual_seed(shared_seed if shared_seed is not None else 0)
     return torch.utils.data.graph_settings.apply_random_seed(dataset, rng)
