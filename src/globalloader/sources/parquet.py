@@ -16,11 +16,12 @@ import numpy as np
 from globalloader import _extras, storage
 from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files
-from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
+from globalloader.sources._arrow_values import exact_columns_with_nulls, is_bytes, is_exact, is_text, to_python
 from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable, split_batch
 from globalloader.sources._row_layout import VALUE, Layout, Step, Unpacker
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
+from globalloader.storage._fork import ProcessLocal
 
 _Decoded = tuple[Unpacker | None, list[Step]]  # (row -> packed numbers, steps)
 _GATHER_ROWS = 8192
@@ -35,15 +36,15 @@ def _kind(arrow_type: Any) -> str:
     for kind, test in (
         ("integer", pa.types.is_integer),
         ("float", pa.types.is_floating),
-        ("text", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
-        ("bytes", lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)),
+        ("text", is_text),
+        ("bytes", is_bytes),
     ):
         if test(arrow_type):
             return kind
     return str(arrow_type)
 
 
-class Parquet:
+class Parquet(ProcessLocal):
     """Rows of one or more Parquet files, addressable by global row index.
 
     `paths`: a str with brace patterns or globs, or a list of them; local or fsspec URLs.
@@ -89,7 +90,7 @@ class Parquet:
         storage_options: dict[str, Any] | None = None,
         cache_limit: int | str | None = None,
     ) -> None:
-        self._pq = _extras.require("pyarrow.parquet", "parquet")
+        self._reset()
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ArgumentError(f"columns must be a list of str or None, got {columns!r}")
         cached_row_groups = check_int(cached_row_groups, "cached_row_groups", 1)
@@ -97,7 +98,6 @@ class Parquet:
         self.files: list[str] = _files.expand_urls(paths, "paths", self.store)
         self.columns: list[str] | None = list(columns) if columns is not None else None
         self.cached_row_groups = cached_row_groups
-        self._reset_handles()
         with ThreadPoolExecutor(min(max(1, threads), len(self.files))) as pool:
             stats = list(pool.map(self.store.stat, self.files))
             handles = list(pool.map(self._checked_file, range(len(self.files))))
@@ -136,7 +136,10 @@ class Parquet:
             ],
         )
 
-    def _reset_handles(self) -> None:
+    _PROCESS_ONLY = ("_pq", "_local", "_groups", "_gather")
+
+    def _reset(self) -> None:
+        self._pq = _extras.require("pyarrow.parquet", "parquet")
         # One ParquetFile per thread and file: a ParquetFile must not be read from two threads
         # at once, and a lock would serialize decoding, the expensive part in thread mode.
         self._local = threading.local()
@@ -147,17 +150,6 @@ class Parquet:
     def _after_fork(self) -> None:
         # Decoded row groups stay valid in the child; only the open files must not be shared.
         self._local = threading.local()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_pq", "_local", "_groups", "_gather"):
-            state.pop(name)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._pq = _extras.require("pyarrow.parquet", "parquet")
-        self._reset_handles()
 
     def _file(self, f: int) -> Any:
         handles = getattr(self._local, "handles", None)

@@ -22,13 +22,14 @@ from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files, _tar_index
 from globalloader.sources._tar_format import split_key, walk
 from globalloader.sources.base import check_index, fingerprint_of
+from globalloader.storage._fork import ProcessLocal
 
 _STREAM_BUFFER = 1024 * 1024
 _READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
 REMOTE_INDEX_THREADS = 16  # sidecars of remote shards read at once (each a small request)
 
 
-class TarShards:
+class TarShards(ProcessLocal):
     """Records from tar shards in the WebDataset layout, addressable by global index.
 
     Members are grouped into samples as `webdataset` groups them: the key is the member path up
@@ -99,25 +100,18 @@ class TarShards:
         self.scanned = 0  # shards whose index had to be built by a scan (not read from cache)
         self.sidecars = 0  # shards whose index came from their sidecar
         self._crcs: list[int | None] = [None] * len(self.shards)  # CRC-32 a sidecar gave, checked on read
-        self._crc_checked: set[int] = set()  # shards whose CRC this process compared
         self.kept_shards = 0  # remote shards kept whole per process (see keep_blocks)
         self._len = 0
         self._indexed = False
+        self._reset()
+
+    _PROCESS_ONLY = ("_lock", "_crc_checked", "_whole", "_touched")
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
+        self._crc_checked: set[int] = set()  # shards whose CRC this process compared
         self._whole: OrderedDict[int, bytes] = OrderedDict()  # remote shards read whole, LRU
         self._touched: OrderedDict[int, int] = OrderedDict()  # samples read ranged per recent shard, LRU
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_lock"], state["_whole"], state["_touched"], state["_crc_checked"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._crc_checked = set()
-        self._whole = OrderedDict()
-        self._touched = OrderedDict()
 
     @property
     def block_starts(self) -> np.ndarray:

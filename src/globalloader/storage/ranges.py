@@ -13,9 +13,9 @@ from typing import IO, Any
 
 from globalloader.errors import SourceError
 from globalloader.storage import retry
-from globalloader.storage._fork import reset_in_forked_children
+from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
 from globalloader.storage._fs import LOCAL_SCHEMES, scheme_of
-from globalloader.storage.cache import CachedFile
+from globalloader.storage.cache import CachedFile, pread_upto
 from globalloader.storage.store import FileStat, Store
 
 # Cache entries a reader keeps open (each pins its entry against eviction): whole shards are read
@@ -23,7 +23,7 @@ from globalloader.storage.store import FileStat, Store
 _CACHED_OPEN = {True: 16, False: 2}
 
 
-class RangeReader:
+class RangeReader(ProcessLocal):
     """Ranged reads from many files, handles opened lazily and kept per process.
 
     Local files: one descriptor per file, opened on first use and read with `os.pread`, which
@@ -36,25 +36,19 @@ class RangeReader:
     version a source was built on, so the cache key and the change check use them.
     """
 
+    _PROCESS_ONLY = ("_pid", "_fds", "_entries", "_lock")
+
     def __init__(self, store: Store | None = None, max_open: int = 256, *, whole: bool = True) -> None:
         self.store = store if store is not None else Store()
         self.max_open, self.whole = max_open, whole
         self._stats: dict[str, FileStat] = {}
         self._reset()
-        reset_in_forked_children(self)
 
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._fds: dict[str, int] = {}
         self._entries: OrderedDict[tuple[str, int], CachedFile] = OrderedDict()
         self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"store": self.store, "max_open": self.max_open, "whole": self.whole, "_stats": self._stats}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
         reset_in_forked_children(self)
 
     def expect(self, url: str, stat: FileStat) -> None:
@@ -236,15 +230,6 @@ def _pread_full(fd: int, length: int, start: int, url: str) -> bytes:
         data = os.pread(fd, length, start)
         if len(data) == length or not data:
             return data
-        # Linux caps one read near 2 GiB; loop for huge members, stop at the end of the file.
-        parts = [data]
-        got = len(data)
-        while got < length:
-            more = os.pread(fd, length - got, start + got)
-            if not more:
-                break
-            parts.append(more)
-            got += len(more)
-        return b"".join(parts)
+        return data + pread_upto(fd, length - len(data), start + len(data))  # Linux caps a read near 2 GiB
     except OSError as exc:
         raise SourceError(f"cannot read {url} at offset {start}: {exc.strerror}") from None
