@@ -202,9 +202,9 @@ class Sidecar(NamedTuple):
     """What a sidecar says about one shard: its index if usable (`problem` says why not), and
     whether the shard's ETag already proved it describes these very bytes (`verified`)."""
 
-    shard_index: ShardIndex | None
-    verified: bool
-    problem: str
+    shard_index: ShardIndex | None = None
+    verified: bool = False
+    problem: str = ""
 
 
 def proves_content(st: FileStat) -> bool:
@@ -235,26 +235,23 @@ def read_sidecar(data: bytes, url: str, st: FileStat) -> Sidecar:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             index, meta = _from_npz(z)
     except (OSError, KeyError, ValueError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
-        return Sidecar(None, False, f"corrupt index sidecar {name} ({type(exc).__name__}: {exc})")
+        return Sidecar(problem=f"corrupt index sidecar {name} ({type(exc).__name__}: {exc})")
     if meta.get("format") != _SIDECAR_FORMAT or meta.get("version") != _SIDECAR_VERSION:
-        return Sidecar(
-            None,
-            False,
-            f"index sidecar {name} is of an unknown format {meta.get('format')!r} version {meta.get('version')!r}",
-        )
+        version = f"format {meta.get('format')!r} version {meta.get('version')!r}"
+        return Sidecar(problem=f"index sidecar {name} is of an unknown {version}")
     if meta.get("size") != st.size or not isinstance(index.crc32, int):
         return Sidecar(
-            None, False, f"stale index sidecar {name}: made for {meta.get('size')} bytes, the shard has {st.size}"
+            problem=f"stale index sidecar {name}: made for {meta.get('size')} bytes, the shard has {st.size}"
         )
     etag = _MD5_ETAG.match(st.version)
     if etag is not None and etag.group(1).lower() != str(meta.get("md5", "")).lower():
         return Sidecar(
-            None, False, f"stale index sidecar {name}: made for MD5 {meta.get('md5')}, the shard's ETag is {st.version}"
+            problem=f"stale index sidecar {name}: made for MD5 {meta.get('md5')}, the shard's ETag is {st.version}"
         )
     problem = _inconsistency(index, st.size)
     if problem:
-        return Sidecar(None, False, f"corrupt index sidecar {name}: {problem}")
-    return Sidecar(index, etag is not None, "")
+        return Sidecar(problem=f"corrupt index sidecar {name}: {problem}")
+    return Sidecar(index, etag is not None)
 
 
 def _inconsistency(index: ShardIndex, size: int) -> str:

@@ -1,11 +1,7 @@
 """ArrowCopy: a local memory-mapped Arrow copy of a Parquet source, where every row is cheap.
 
 Parquet compresses whole row groups, so reading one random row decodes its whole group: an exact
-global shuffle over Parquet pays a group decode per row. The copy is written once as an
-uncompressed Arrow IPC file, one record batch per row group laid out for reads by row
-(`_row_layout`), and memory-mapped: a row is then a bisect and two or three reads from the page
-cache. It is named by the source's files, their sizes and versions, so every epoch, run and job on
-the machine reuses it, and a changed file gets a new copy.
+global shuffle over Parquet pays a group decode per row. The copy pays it once per machine.
 """
 
 from __future__ import annotations

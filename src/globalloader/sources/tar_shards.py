@@ -141,19 +141,11 @@ class TarShards(ProcessLocal):
             except OSError:  # a read-only cache costs a scan per construction, not a failure
                 folder = None
             indexes = []
-            with (
-                ThreadPoolExecutor(self._index_threads()) as pool,
-                tqdm(
-                    total=len(self.shards),
-                    desc="indexing tar shards",
-                    unit="shard",
-                    delay=2.0,
-                    disable=None,
-                    leave=False,
-                ) as bar,
-            ):
-                jobs = pool.map(lambda i: self._index_one(i, folder), range(len(self.shards)))
-                for index, how in jobs:
+            bar = tqdm(
+                total=len(self.shards), desc="indexing tar shards", unit="shard", delay=2.0, disable=None, leave=False
+            )
+            with ThreadPoolExecutor(self._index_threads()) as pool, bar:
+                for index, how in pool.map(lambda i: self._index_one(i, folder), range(len(self.shards))):
                     indexes.append(index)
                     self.scanned += how == "scan"
                     self.sidecars += how == "sidecar"
