@@ -94,7 +94,10 @@ def walk(read_at: Callable[[int, int], bytes], url: str, size: int | None) -> It
             if "path" in fields:
                 name = fields["path"]
             if "size" in fields and typeflag not in _NO_DATA:
-                member_size = _int_field(fields["size"], url, offset)
+                try:
+                    member_size = int(fields["size"])
+                except ValueError:
+                    raise SourceError(f"corrupt tar {url}: bad pax size at offset {offset}") from None
             long_name, pax = None, {}
             if typeflag == _SPARSE:
                 raise SourceError(f"unsupported sparse member {name!r} in {url} at offset {offset}")
@@ -150,13 +153,6 @@ def _parse_pax(data: bytes, url: str, offset: int) -> dict[str, str]:
         fields[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         pos += length
     return fields
-
-
-def _int_field(text: str, url: str, offset: int) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise SourceError(f"corrupt tar {url}: bad pax size at offset {offset}") from None
 
 
 def _read_exact(read_at: Callable[[int, int], bytes], offset: int, length: int, url: str) -> bytes:

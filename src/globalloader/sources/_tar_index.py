@@ -8,10 +8,9 @@ concurrent jobs indexing the same shard never see a half-written index.
 
 A sidecar (`<shard>.idx`, written by TarWriter beside each shard) holds the same index plus the
 shard's size, MD5 and CRC-32, so a remote shard is planned from one small request instead of a
-download of the whole shard. `sidecar_index` accepts it only for a shard of that size, and
-refuses it when the shard's ETag is an MD5 that differs; the CRC-32 is then compared with the
-bytes the machine cache downloads (`ShardIndex.crc32`), so a shard rewritten in place is an
-error, never wrong members.
+download of the whole shard; `read_sidecar` says when it is trusted, and its CRC-32 is compared
+with the bytes the machine cache downloads: a shard rewritten in place is an error, never wrong
+members.
 """
 
 from __future__ import annotations

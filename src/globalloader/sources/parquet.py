@@ -128,13 +128,8 @@ class Parquet(ProcessLocal):
         self.int_columns_as_float: frozenset[str] = exact_columns_with_nulls(metas, self.columns)
         self._check_same_columns([handle.schema_arrow for handle in handles])
         self.columnar: bool = self._gatherable([handle.schema_arrow for handle in handles])
-        self.fingerprint: str = fingerprint_of(
-            "Parquet",
-            [
-                f"columns={self.columns}",
-                *(f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats, strict=True)),
-            ],
-        )
+        versions = (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats, strict=True))
+        self.fingerprint: str = fingerprint_of("Parquet", [f"columns={self.columns}", *versions])
 
     _PROCESS_ONLY = ("_pq", "_local", "_groups", "_gather")
 
@@ -162,8 +157,7 @@ class Parquet(ProcessLocal):
             try:
                 # Remote files by cached blocks: a footer and a few columns download only those.
                 stat = recorded[f] if recorded else None
-                remote = bool(storage.scheme_of(url))
-                source = storage.open_read(self.store, url, stat, whole=False) if remote else url
+                source = storage.open_read(self.store, url, stat, whole=False) if storage.scheme_of(url) else url
                 handle = self._pq.ParquetFile(source)
             except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
                 raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
@@ -229,17 +223,16 @@ class Parquet(ProcessLocal):
         """The records at `indices`, in that order: rows are read group by group, in row order
         within each, so a task pays one cache lookup per row group, not one per row."""
         idx = check_indices(indices, self._len, self)
-        groups = np.searchsorted(self.block_starts, idx, side="right") - 1
-        order = np.lexsort((idx, groups))
+        order = np.argsort(idx, kind="stable")  # rows in order are row groups in order
+        rows = idx[order]
+        groups = np.searchsorted(self.block_starts, rows, side="right") - 1
         out: list[Any] = [None] * len(idx)
-        sorted_groups = groups[order]
-        cuts = np.flatnonzero(np.diff(sorted_groups)) + 1
-        for part in np.split(np.arange(len(idx)), cuts):
+        for part in np.split(np.arange(len(idx)), np.flatnonzero(np.diff(groups)) + 1):
             if not len(part):
                 continue
-            group = int(sorted_groups[part[0]])
+            group = int(groups[part[0]])
             decoded, start = self._group(group), self._group_start[group]
-            for k, index in zip(order[part].tolist(), idx[order[part]].tolist(), strict=True):
+            for k, index in zip(order[part].tolist(), rows[part].tolist(), strict=True):
                 out[k] = self._record(decoded, group, index - start)
         return out
 

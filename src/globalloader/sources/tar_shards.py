@@ -39,12 +39,11 @@ class TarShards(ProcessLocal):
     dict `webdataset.WebDataset(url)` yields without decoding.
 
     `urls`: a str with brace patterns (`shard-{000000..000127}.tar`, `{a,b}`) or globs, or a list
-    of them; local paths or any fsspec URL. Each shard is indexed once by a header scan; the
-    index is cached under `index_dir` (default: the globalloader cache folder) keyed by the
-    shard's location, size and mtime/ETag, and reused by later constructions (`scanned` counts
-    the shards this instance had to scan). The index is built on the first `len()` or `[i]`
-    (or `build_index()`), so `iter_records()` alone never needs it. Reads are ranged:
-    `os.pread` on descriptors kept open per process for local shards.
+    of them; local paths or any fsspec URL. Each shard is indexed once by a header scan, on the
+    first `len()` or `[i]` (or `build_index()`; `iter_records()` alone never needs it); the index
+    is cached under `index_dir` (default: the globalloader cache folder) keyed by the shard's
+    location, size and mtime/ETag, and reused by later constructions (`scanned` counts the
+    shards this instance had to scan).
 
     Remote shards (`s3://`, `gs://`, ...; `storage_options=` go to fsspec) are downloaded whole,
     once per machine, into the machine-wide cache (`cache_limit=`, see `globalloader.storage`)
@@ -94,9 +93,8 @@ class TarShards(ProcessLocal):
         self._stats = self.store.stats(self.shards, self._threads)  # a listing answered them: no request
         for url, st in zip(self.shards, self._stats, strict=True):
             self._reader.expect(url, st)
-        self.fingerprint: str = fingerprint_of(
-            "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
-        )
+        versions = (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
+        self.fingerprint: str = fingerprint_of("TarShards", versions)
         self.scanned = 0  # shards whose index had to be built by a scan (not read from cache)
         self.sidecars = 0  # shards whose index came from their sidecar
         self._crcs: list[int | None] = [None] * len(self.shards)  # CRC-32 a sidecar gave, checked on read
@@ -121,12 +119,10 @@ class TarShards(ProcessLocal):
         return np.array(self._shard_start[:-1], dtype=np.int64)
 
     def keep_blocks(self, count: int) -> None:
-        """Keep up to `count` remote shards whole in memory, per process. A windowed shuffle reads
-        its window's shards in random order: a shard is read whole once a few of its samples were
-        read while it was among the recently read shards, instead of one request per sample. Any
-        order that reads a shard's samples far apart (a plain shuffle over many shards, with the
-        same source object) still reads sample by sample. Local shards are always read sample by
-        sample (the page cache keeps them)."""
+        """Keep up to `count` remote shards whole in memory, per process: a windowed shuffle reads
+        its window's shards in random order, so a shard is read whole once a few of its samples
+        were read while it was among the recently read shards, instead of one request per sample.
+        Local and machine-cached shards are read sample by sample."""
         self.kept_shards = max(self.kept_shards, int(count))
 
     def build_index(self) -> None:

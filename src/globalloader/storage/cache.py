@@ -18,8 +18,7 @@ every process and job of the user. Properties, each relied on elsewhere:
   limit until they are closed.
 - A full disk first evicts what it can, then is a CacheFullError naming the folder.
 - Machine-wide counters (bytes downloaded, hits, misses, size, entries) live in the folder's
-  `stats` record (see `cache_stats`); entries are added and removed while holding its lock, so
-  its size and entry count follow the folder without walking it.
+  `stats` record (see `cache_stats`).
 """
 
 from __future__ import annotations

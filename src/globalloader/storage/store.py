@@ -26,7 +26,7 @@ from typing import IO, Any, NamedTuple
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.storage import retry
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
-from globalloader.storage._fs import LOCAL_SCHEMES, S3_SCHEMES, filesystem, read_s3_if_match, scheme_of
+from globalloader.storage._fs import LOCAL_SCHEMES, S3_SCHEMES, filesystem, local_errors, read_s3_if_match, scheme_of
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
 from globalloader.storage.prefetch import Prefetcher
 
@@ -81,8 +81,7 @@ class Store(ProcessLocal):
         self._wanted: dict[str, FileStat] = {}
         self._fetched: set[tuple[str, FileStat]] = set()  # prefetched by this process: not asked again
         self._cache: ObjectCache | None = None
-        known: dict[str, tuple[float, FileStat]] = getattr(self, "_infos", {}) if keep_infos else {}
-        self._infos = dict(known)
+        self._infos: dict[str, tuple[float, FileStat]] = dict(self._infos) if keep_infos else {}
         self._lock = threading.Lock()
         reset_in_forked_children(self)
 
@@ -289,12 +288,8 @@ def _changed(url: str, how: str) -> SourceError:
 
 
 def _local_stat(url: str) -> FileStat:
-    try:
+    with local_errors(url, "stat"):
         st = os.stat(url)
-    except FileNotFoundError:
-        raise SourceError(f"file not found: {url}") from None
-    except OSError as exc:
-        raise SourceError(f"cannot stat {url}: {exc.strerror}") from None
     if not os.path.isfile(url):
         raise SourceError(f"not a regular file: {url}")
     return FileStat(st.st_size, str(st.st_mtime_ns))
