@@ -41,6 +41,7 @@ _SIDECAR_VERSION = 1
 _MD5_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')  # an S3 ETag of a one-part upload: the MD5
 _SCAN_BLOCK_LOCAL = 64 * 1024
 _SCAN_BLOCK_REMOTE = 1024 * 1024
+_NPZ_ERRORS = (OSError, KeyError, ValueError, EOFError, zlib.error, zipfile.BadZipFile)  # an unreadable .npz
 
 
 class ShardIndex(NamedTuple):
@@ -68,7 +69,7 @@ def load(path: pathlib.Path) -> ShardIndex | None:
     try:
         with np.load(path, allow_pickle=False) as z:
             index, _ = _from_npz(z)
-    except (OSError, KeyError, ValueError, EOFError, zlib.error, zipfile.BadZipFile):
+    except _NPZ_ERRORS:
         return None
     if index.members.ndim != 2 or len(index.key_start) != len(index.member_start):
         return None
@@ -233,7 +234,7 @@ def read_sidecar(data: bytes, url: str, st: FileStat) -> Sidecar:
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             index, meta = _from_npz(z)
-    except (OSError, KeyError, ValueError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
+    except _NPZ_ERRORS as exc:
         return Sidecar(problem=f"corrupt index sidecar {name} ({type(exc).__name__}: {exc})")
     if meta.get("format") != _SIDECAR_FORMAT or meta.get("version") != _SIDECAR_VERSION:
         version = f"format {meta.get('format')!r} version {meta.get('version')!r}"

@@ -401,7 +401,8 @@ def _records(stream: IO[bytes], url: str) -> Iterator[dict[str, Any]]:
 
 
 class _ForwardReader:
-    """`read_at` over a sequential stream: moves forward by seeking or by reading and dropping."""
+    """`read_at` over a buffered stream (its reads are short only at its end): moves forward by
+    reading and dropping."""
 
     def __init__(self, stream: IO[bytes], url: str) -> None:
         self._stream, self._url, self._pos = stream, url, 0
@@ -409,15 +410,9 @@ class _ForwardReader:
     def read_at(self, offset: int, length: int) -> bytes:
         if offset != self._pos:
             self._skip(offset)
-        parts, got = [], 0
-        while got < length:
-            chunk = self._stream.read(length - got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        self._pos += got
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        data = self._stream.read(length)
+        self._pos += len(data)
+        return data
 
     def _skip(self, offset: int) -> None:
         while self._pos < offset:
