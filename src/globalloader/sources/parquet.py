@@ -274,15 +274,12 @@ class Parquet(ProcessLocal):
         cached = self._groups.get(key)
         if cached is None:
             cached = self._groups[key] = decode(group)
-            while len(self._groups) > self.cached_row_groups:
-                try:
+            with contextlib.suppress(KeyError):  # another thread evicted it first
+                while len(self._groups) > self.cached_row_groups:
                     self._groups.popitem(last=False)
-                except KeyError:  # another thread evicted it first
-                    break
-            return cached
-        # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
-        with contextlib.suppress(KeyError):
-            self._groups.move_to_end(key)
+        else:
+            with contextlib.suppress(KeyError):  # another thread evicted it meanwhile: the local copy is fine
+                self._groups.move_to_end(key)
         return cached
 
     def _record(self, decoded: _Decoded, group: int, row: int) -> dict[str, Any]:
