@@ -163,8 +163,7 @@ def _read_exact(read_at: Callable[[int, int], bytes], offset: int, length: int, 
 
 
 def _cstring(field: bytes) -> bytes:
-    end = field.find(b"\0")
-    return field if end < 0 else field[:end]
+    return field.partition(b"\0")[0]
 
 
 def _decode(raw: bytes) -> str:
