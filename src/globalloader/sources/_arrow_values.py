@@ -23,6 +23,29 @@ def is_exact(kind: Any) -> bool:
     return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind))
 
 
+def is_text(kind: Any) -> bool:
+    """String types, with 32- or 64-bit offsets."""
+    pa = _extras.require("pyarrow", "parquet")
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind))
+
+
+def is_bytes(kind: Any) -> bool:
+    """Binary types, with 32- or 64-bit offsets."""
+    pa = _extras.require("pyarrow", "parquet")
+    return bool(pa.types.is_binary(kind) or pa.types.is_large_binary(kind))
+
+
+def offsets_dtype(kind: Any) -> np.dtype[Any]:
+    """The dtype of a text or bytes type's value offsets: int64 for the large types, else int32."""
+    pa = _extras.require("pyarrow", "parquet")
+    return np.dtype("<i8" if pa.types.is_large_string(kind) or pa.types.is_large_binary(kind) else "<i4")
+
+
+def first_offset(column: Any) -> int:
+    """Where a text or bytes array's first value starts in its data buffer."""
+    return int(np.frombuffer(column.buffers()[1], offsets_dtype(column.type), count=column.offset + 1)[-1])
+
+
 def is_list(kind: Any) -> bool:
     """The list types whose rows become NumPy arrays."""
     pa = _extras.require("pyarrow", "parquet")

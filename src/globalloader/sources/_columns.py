@@ -21,7 +21,7 @@ import numpy as np
 
 from globalloader import _extras
 from globalloader.errors import ArgumentError
-from globalloader.sources._arrow_values import as_float64, to_numpy
+from globalloader.sources._arrow_values import as_float64, is_bytes, is_text, to_numpy
 
 Rows = slice | np.ndarray  # rows of one block: a run, or positions
 _SLICES = 64  # rows read in order in fewer runs than this are read as slices
@@ -35,12 +35,7 @@ def gatherable(kind: Any, as_float: bool) -> bool:
         return True
     if pa.types.is_integer(kind):
         return not pa.types.is_uint64(kind)
-    return bool(
-        pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or pa.types.is_binary(kind)
-        or pa.types.is_large_binary(kind)
-    )
+    return is_text(kind) or is_bytes(kind)
 
 
 def batch_dtype(kind: np.dtype[Any]) -> np.dtype[Any]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from globalloader import _extras
 from globalloader.errors import SourceError
+from globalloader.sources._arrow_values import first_offset
 from globalloader.sources._columns import BlockIndex, Origins, batch_dtype, keys_of
 from globalloader.sources._row_layout import BYTES, TEXT, VALUE, Layout
 
@@ -58,10 +59,8 @@ class MappedColumns:
                 at = self._records_at[b] = packed.buffers()[1].address - base + packed.offset * self._width
                 inside &= at >= 0 and at + batch.num_rows * self._width <= len(mapped)
             for slot, column in zip(texts, batch.columns, strict=False):  # the kept columns come first
-                _, offsets, data = column.buffers()
-                large = self._pa.types.is_large_string(column.type) or self._pa.types.is_large_binary(column.type)
-                first = int(np.frombuffer(offsets, np.int64 if large else np.int32, count=column.offset + 1)[-1])
-                at = self._data_at[slot][b] = (data.address - base + first) if data is not None else 0
+                data = column.buffers()[2]
+                at = self._data_at[slot][b] = (data.address - base + first_offset(column)) if data is not None else 0
                 inside &= data is None or 0 <= at <= len(mapped)
         if not inside:
             raise SourceError(f"{where} is damaged: its columns do not lie in the file; delete it to rebuild it")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from globalloader import _extras
-from globalloader.sources._arrow_values import as_float64, is_exact, is_list, to_numpy, to_python, unreadable
+from globalloader.sources import _arrow_values as arrow
 
 PACKED = "globalloader.packed_rows"  # the packed column's name (the last column of the copy)
 LAYOUT_KEY = b"globalloader.layout"  # schema metadata: the Layout as JSON
@@ -54,21 +54,14 @@ class Layout:
         pa = _extras.require("pyarrow", "parquet")
         columns, slot = [], 0
         for name, kind in zip(names, types, strict=True):
-            texts = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            if not spans and (texts or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
-                columns.append((name, GETTER, -1, ""))
-                continue
-            if name in as_float:
+            if name in as_float:  # integer and boolean columns only
                 columns.append((name, VALUE, slot, "<f8"))
                 slot += 1
-            elif pa.types.is_floating(kind) or is_exact(kind):
+            elif pa.types.is_floating(kind) or arrow.is_exact(kind):
                 columns.append((name, VALUE, slot, np.dtype(kind.to_pandas_dtype()).newbyteorder("<").str))
                 slot += 1
-            elif pa.types.is_string(kind) or pa.types.is_binary(kind):  # spans fit their 32-bit offsets
-                columns.append((name, TEXT if pa.types.is_string(kind) else BYTES, slot, "<i4"))
-                slot += 2
-            elif pa.types.is_large_string(kind) or pa.types.is_large_binary(kind):
-                columns.append((name, TEXT if pa.types.is_large_string(kind) else BYTES, slot, "<i8"))
+            elif spans and (arrow.is_text(kind) or arrow.is_bytes(kind)):  # spans as wide as the column's offsets
+                columns.append((name, TEXT if arrow.is_text(kind) else BYTES, slot, arrow.offsets_dtype(kind).str))
                 slot += 2
             else:
                 columns.append((name, GETTER, -1, ""))
@@ -163,16 +156,14 @@ def _values(column: Any, name: str, dtype: np.dtype[Any]) -> np.ndarray:
     """A number column as `Parquet` reads it (nulls NaN, integers with nulls as float64)."""
     pa = _extras.require("pyarrow", "parquet")
     if dtype.kind == "f" and not pa.types.is_floating(column.type):
-        return as_float64(column, name)
-    return np.asarray(to_numpy(column), dtype=dtype)
+        return arrow.as_float64(column, name)
+    return np.asarray(arrow.to_numpy(column), dtype=dtype)
 
 
 def _spans(column: Any) -> tuple[np.ndarray, np.ndarray]:
     """Where each value lies in the column's data, counted from its first value; -1 for nulls."""
-    pa = _extras.require("pyarrow", "parquet")
-    large = pa.types.is_large_string(column.type) or pa.types.is_large_binary(column.type)
     n, offset = len(column), column.offset
-    ends = np.frombuffer(column.buffers()[1], np.int64 if large else np.int32, count=offset + n + 1)[offset:]
+    ends = np.frombuffer(column.buffers()[1], arrow.offsets_dtype(column.type), count=offset + n + 1)[offset:]
     ends = ends.astype(np.int64) - int(ends[0]) if n else np.zeros(1, np.int64)
     starts = ends[:-1].copy()
     if column.null_count:
@@ -182,27 +173,24 @@ def _spans(column: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def _data(column: Any) -> memoryview:
     """A text or bytes column's data from its first value on (what `_spans` counts from)."""
-    pa = _extras.require("pyarrow", "parquet")
-    large = pa.types.is_large_string(column.type) or pa.types.is_large_binary(column.type)
-    _, offsets, data = column.buffers()
+    data = column.buffers()[2]
     if data is None or not len(column):
         return memoryview(b"")
-    first = int(np.frombuffer(offsets, np.int64 if large else np.int32, count=column.offset + 1)[column.offset])
-    return memoryview(data)[first:]
+    return memoryview(data)[arrow.first_offset(column) :]
 
 
 def _getter(column: Any, decoded: OrderedDict[tuple[int, str], list[Any]], key: tuple[int, str]) -> Getter:
     """Columns that stay Arrow: lists of numbers as read-only views of the mapped items (as
     Parquet's are views), lists whose values depend on the whole row group decoded per group,
     everything else through Arrow's scalars (what `to_pylist` gives, one row at a time)."""
-    if is_list(column.type):
+    if arrow.is_list(column.type):
         return _number_lists(column) or _by_row_group(column, decoded, key)
 
     def get(row: int) -> Any:
         try:
             return column[row].as_py()
         except ValueError as exc:
-            raise unreadable(key[1], exc) from None
+            raise arrow.unreadable(key[1], exc) from None
 
     return get
 
@@ -236,7 +224,7 @@ def _by_row_group(column: Any, decoded: OrderedDict[tuple[int, str], list[Any]],
     def get(row: int) -> Any:
         values = decoded.get(key)
         if values is None:
-            values = decoded[key] = to_python(chunked, key[1])
+            values = decoded[key] = arrow.to_python(chunked, key[1])
             while len(decoded) > _DECODED_COLUMNS:
                 with contextlib.suppress(KeyError):  # another thread evicted it first
                     decoded.popitem(last=False)

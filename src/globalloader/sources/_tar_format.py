@@ -94,7 +94,10 @@ def walk(read_at: Callable[[int, int], bytes], url: str, size: int | None) -> It
             if "path" in fields:
                 name = fields["path"]
             if "size" in fields and typeflag not in _NO_DATA:
-                member_size = _int_field(fields["size"], url, offset)
+                try:
+                    member_size = int(fields["size"])
+                except ValueError:
+                    raise SourceError(f"corrupt tar {url}: bad pax size at offset {offset}") from None
             long_name, pax = None, {}
             if typeflag == _SPARSE:
                 raise SourceError(f"unsupported sparse member {name!r} in {url} at offset {offset}")
@@ -152,13 +155,6 @@ def _parse_pax(data: bytes, url: str, offset: int) -> dict[str, str]:
     return fields
 
 
-def _int_field(text: str, url: str, offset: int) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise SourceError(f"corrupt tar {url}: bad pax size at offset {offset}") from None
-
-
 def _read_exact(read_at: Callable[[int, int], bytes], offset: int, length: int, url: str) -> bytes:
     data = read_at(offset, length)
     if len(data) != length:
@@ -167,8 +163,7 @@ def _read_exact(read_at: Callable[[int, int], bytes], offset: int, length: int, 
 
 
 def _cstring(field: bytes) -> bytes:
-    end = field.find(b"\0")
-    return field if end < 0 else field[:end]
+    return field.partition(b"\0")[0]
 
 
 def _decode(raw: bytes) -> str:

@@ -8,10 +8,9 @@ concurrent jobs indexing the same shard never see a half-written index.
 
 A sidecar (`<shard>.idx`, written by TarWriter beside each shard) holds the same index plus the
 shard's size, MD5 and CRC-32, so a remote shard is planned from one small request instead of a
-download of the whole shard. `sidecar_index` accepts it only for a shard of that size, and
-refuses it when the shard's ETag is an MD5 that differs; the CRC-32 is then compared with the
-bytes the machine cache downloads (`ShardIndex.crc32`), so a shard rewritten in place is an
-error, never wrong members.
+download of the whole shard; `read_sidecar` says when it is trusted, and its CRC-32 is compared
+with the bytes the machine cache downloads: a shard rewritten in place is an error, never wrong
+members.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ _SIDECAR_VERSION = 1
 _MD5_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')  # an S3 ETag of a one-part upload: the MD5
 _SCAN_BLOCK_LOCAL = 64 * 1024
 _SCAN_BLOCK_REMOTE = 1024 * 1024
+_NPZ_ERRORS = (OSError, KeyError, ValueError, EOFError, zlib.error, zipfile.BadZipFile)  # an unreadable .npz
 
 
 class ShardIndex(NamedTuple):
@@ -69,7 +69,7 @@ def load(path: pathlib.Path) -> ShardIndex | None:
     try:
         with np.load(path, allow_pickle=False) as z:
             index, _ = _from_npz(z)
-    except (OSError, KeyError, ValueError, EOFError, zlib.error, zipfile.BadZipFile):
+    except _NPZ_ERRORS:
         return None
     if index.members.ndim != 2 or len(index.key_start) != len(index.member_start):
         return None
@@ -202,9 +202,9 @@ class Sidecar(NamedTuple):
     """What a sidecar says about one shard: its index if usable (`problem` says why not), and
     whether the shard's ETag already proved it describes these very bytes (`verified`)."""
 
-    shard_index: ShardIndex | None
-    verified: bool
-    problem: str
+    shard_index: ShardIndex | None = None
+    verified: bool = False
+    problem: str = ""
 
 
 def proves_content(st: FileStat) -> bool:
@@ -234,27 +234,24 @@ def read_sidecar(data: bytes, url: str, st: FileStat) -> Sidecar:
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             index, meta = _from_npz(z)
-    except (OSError, KeyError, ValueError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
-        return Sidecar(None, False, f"corrupt index sidecar {name} ({type(exc).__name__}: {exc})")
+    except _NPZ_ERRORS as exc:
+        return Sidecar(problem=f"corrupt index sidecar {name} ({type(exc).__name__}: {exc})")
     if meta.get("format") != _SIDECAR_FORMAT or meta.get("version") != _SIDECAR_VERSION:
-        return Sidecar(
-            None,
-            False,
-            f"index sidecar {name} is of an unknown format {meta.get('format')!r} version {meta.get('version')!r}",
-        )
+        version = f"format {meta.get('format')!r} version {meta.get('version')!r}"
+        return Sidecar(problem=f"index sidecar {name} is of an unknown {version}")
     if meta.get("size") != st.size or not isinstance(index.crc32, int):
         return Sidecar(
-            None, False, f"stale index sidecar {name}: made for {meta.get('size')} bytes, the shard has {st.size}"
+            problem=f"stale index sidecar {name}: made for {meta.get('size')} bytes, the shard has {st.size}"
         )
     etag = _MD5_ETAG.match(st.version)
     if etag is not None and etag.group(1).lower() != str(meta.get("md5", "")).lower():
         return Sidecar(
-            None, False, f"stale index sidecar {name}: made for MD5 {meta.get('md5')}, the shard's ETag is {st.version}"
+            problem=f"stale index sidecar {name}: made for MD5 {meta.get('md5')}, the shard's ETag is {st.version}"
         )
     problem = _inconsistency(index, st.size)
     if problem:
-        return Sidecar(None, False, f"corrupt index sidecar {name}: {problem}")
-    return Sidecar(index, etag is not None, "")
+        return Sidecar(problem=f"corrupt index sidecar {name}: {problem}")
+    return Sidecar(index, etag is not None)
 
 
 def _inconsistency(index: ShardIndex, size: int) -> str:

@@ -1,11 +1,7 @@
 """ArrowCopy: a local memory-mapped Arrow copy of a Parquet source, where every row is cheap.
 
 Parquet compresses whole row groups, so reading one random row decodes its whole group: an exact
-global shuffle over Parquet pays a group decode per row. The copy is written once as an
-uncompressed Arrow IPC file, one record batch per row group laid out for reads by row
-(`_row_layout`), and memory-mapped: a row is then a bisect and two or three reads from the page
-cache. It is named by the source's files, their sizes and versions, so every epoch, run and job on
-the machine reuses it, and a changed file gets a new copy.
+global shuffle over Parquet pays a group decode per row. The copy pays it once per machine.
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ import os
 import pathlib
 import threading
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -32,7 +27,8 @@ from globalloader.sources._columns import check_columnar
 from globalloader.sources._mapped_columns import MappedColumns
 from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
 from globalloader.sources.base import ArrowBlocks, Blocks, capable, check_index, check_indices, fingerprint_of
-from globalloader.storage.cache import host_tag
+from globalloader.storage._fork import ProcessLocal
+from globalloader.storage.cache import crc32_upto, host_tag
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
 _META_KEY = b"globalloader.arrow_copy"
@@ -47,7 +43,7 @@ class _Block(NamedTuple):
     steps: list[Step]  # how to build a record from them
 
 
-class ArrowCopy:
+class ArrowCopy(ProcessLocal):
     """The records of a `Parquet` source, read from a local memory-mapped Arrow copy.
 
     Made by `gl.Parquet(paths).local_copy(folder)` (or `ArrowCopy(parquet, folder)`). Records are
@@ -71,7 +67,7 @@ class ArrowCopy:
     def __init__(
         self, source: Any, folder: str | os.PathLike[str] | None = None, *, progress: bool | None = None
     ) -> None:
-        self._pa = _extras.require("pyarrow", "parquet")
+        self._reset()
         if not (capable(source, Blocks) and capable(source, ArrowBlocks)):
             raise ArgumentError(f"ArrowCopy copies a gl.Parquet source, got {type(source).__name__}")
         if folder is not None and not isinstance(folder, (str, os.PathLike)):
@@ -93,7 +89,6 @@ class ArrowCopy:
         base = pathlib.Path(folder) if folder is not None else _paths.cache_dir("arrow-copy")
         self.path = base / f"parquet-{where}-{self._content}.arrow"
         self.built = False  # whether this construction wrote the copy (False: reused one)
-        self._reset()
         if not self._open(verify=True):
             self._build(source, progress)
             self.built = True
@@ -101,7 +96,10 @@ class ArrowCopy:
                 raise SourceError(f"the Arrow copy {self.path} just written cannot be read back; delete it and retry")
 
     # -- process state --------------------------------------------------------------------------
+    _PROCESS_ONLY = ("_pa", "_reader", "_map", "_blocks", "_mapped", "_decoded", "_lock")
+
     def _reset(self) -> None:
+        self._pa = _extras.require("pyarrow", "parquet")
         self._reader: Any = None
         self._map: Any = None  # the mapped file the reader reads
         self._blocks: dict[int, _Block] = {}
@@ -114,17 +112,6 @@ class ArrowCopy:
         # The mapping and the views into it stay valid in the child; a lock another thread held
         # at the fork would never be released there.
         self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_pa", "_reader", "_map", "_blocks", "_mapped", "_decoded", "_lock"):
-            state.pop(name)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._pa = _extras.require("pyarrow", "parquet")
-        self._reset()
 
     # -- the file ---------------------------------------------------------------------------------
     def _expected_metadata(self) -> bytes:
@@ -163,7 +150,7 @@ class ArrowCopy:
                 expected = sidecar.read(64).strip()  # bytes: a damaged sidecar need not be text
         except OSError:
             return False
-        return f"{_crc32(fd):08x}".encode() == expected
+        return f"{crc32_upto(fd, os.fstat(fd).st_size):08x}".encode() == expected
 
     def _build(self, source: Any, progress: bool | None) -> None:
         folder = self.path.parent
@@ -180,7 +167,7 @@ class ArrowCopy:
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)  # the rename must never publish data still in flight
-                checksum = f"{_crc32(fd):08x}"
+                checksum = f"{crc32_upto(fd, os.fstat(fd).st_size):08x}"
             finally:
                 os.close(fd)
             crc_tmp.write_text(checksum)  # the checksum goes first: a copy is never without one
@@ -348,15 +335,6 @@ def _check_types(first: list[tuple[str, Any]], names: list[str], columns: list[A
                 f"{file}: column {name!r} is {column.type}, other files have {first_name!r} as {first_type}; "
                 "an Arrow copy needs one schema: select columns or rewrite the files with one type"
             )
-
-
-def _crc32(fd: int) -> int:
-    """CRC-32 of a whole open file, read in 16 MiB pieces (zlib's CRC runs at GB/s)."""
-    crc, offset = 0, 0
-    while piece := os.pread(fd, 16 << 20, offset):
-        crc = zlib.crc32(piece, crc)
-        offset += len(piece)
-    return crc
 
 
 def _hash(parts: list[str]) -> str:

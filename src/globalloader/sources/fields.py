@@ -23,32 +23,18 @@ IMAGE_OUTPUTS = ("numpy", "pil", None)
 _BYTES = (bytes, bytearray, memoryview)
 
 
-def _text(data: Any) -> str:
-    return bytes(data).decode("utf-8")
-
-
-def _json(data: Any) -> Any:
-    return json.loads(bytes(data))
-
-
-def _int(data: Any) -> int:
-    return int(bytes(data).decode("ascii").strip())
-
-
-def _npy(data: Any) -> np.ndarray:
-    # allow_pickle=False: an .npy member holding Python objects is refused, never unpickled.
-    return np.load(io.BytesIO(bytes(data)), allow_pickle=False)
-
-
-# Extension -> (what it is, for the error message; how to decode its bytes).
+_TEXT = ("utf-8 text", lambda data: bytes(data).decode("utf-8"))
+_INT = ("an int", lambda data: int(bytes(data).decode("ascii").strip()))
+# Extension -> (what it is, for the error message; how to decode its bytes). An .npy member
+# holding Python objects is refused (allow_pickle=False), never unpickled.
 _DECODERS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "txt": ("utf-8 text", _text),
-    "text": ("utf-8 text", _text),
-    "json": ("JSON", _json),
-    "cls": ("an int", _int),
-    "cls2": ("an int", _int),
-    "index": ("an int", _int),
-    "npy": ("a .npy array", _npy),
+    "txt": _TEXT,
+    "text": _TEXT,
+    "json": ("JSON", lambda data: json.loads(bytes(data))),
+    "cls": _INT,
+    "cls2": _INT,
+    "index": _INT,
+    "npy": ("a .npy array", lambda data: np.load(io.BytesIO(bytes(data)), allow_pickle=False)),
 }
 
 

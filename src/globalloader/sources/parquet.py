@@ -16,11 +16,12 @@ import numpy as np
 from globalloader import _extras, storage
 from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files
-from globalloader.sources._arrow_values import exact_columns_with_nulls, is_exact, to_python
+from globalloader.sources._arrow_values import exact_columns_with_nulls, is_bytes, is_exact, is_text, to_python
 from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable, split_batch
 from globalloader.sources._row_layout import VALUE, Layout, Step, Unpacker
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
+from globalloader.storage._fork import ProcessLocal
 
 _Decoded = tuple[Unpacker | None, list[Step]]  # (row -> packed numbers, steps)
 _GATHER_ROWS = 8192
@@ -35,15 +36,15 @@ def _kind(arrow_type: Any) -> str:
     for kind, test in (
         ("integer", pa.types.is_integer),
         ("float", pa.types.is_floating),
-        ("text", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
-        ("bytes", lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)),
+        ("text", is_text),
+        ("bytes", is_bytes),
     ):
         if test(arrow_type):
             return kind
     return str(arrow_type)
 
 
-class Parquet:
+class Parquet(ProcessLocal):
     """Rows of one or more Parquet files, addressable by global row index.
 
     `paths`: a str with brace patterns or globs, or a list of them; local or fsspec URLs.
@@ -89,7 +90,7 @@ class Parquet:
         storage_options: dict[str, Any] | None = None,
         cache_limit: int | str | None = None,
     ) -> None:
-        self._pq = _extras.require("pyarrow.parquet", "parquet")
+        self._reset()
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ArgumentError(f"columns must be a list of str or None, got {columns!r}")
         cached_row_groups = check_int(cached_row_groups, "cached_row_groups", 1)
@@ -97,7 +98,6 @@ class Parquet:
         self.files: list[str] = _files.expand_urls(paths, "paths", self.store)
         self.columns: list[str] | None = list(columns) if columns is not None else None
         self.cached_row_groups = cached_row_groups
-        self._reset_handles()
         with ThreadPoolExecutor(min(max(1, threads), len(self.files))) as pool:
             stats = list(pool.map(self.store.stat, self.files))
             handles = list(pool.map(self._checked_file, range(len(self.files))))
@@ -128,15 +128,13 @@ class Parquet:
         self.int_columns_as_float: frozenset[str] = exact_columns_with_nulls(metas, self.columns)
         self._check_same_columns([handle.schema_arrow for handle in handles])
         self.columnar: bool = self._gatherable([handle.schema_arrow for handle in handles])
-        self.fingerprint: str = fingerprint_of(
-            "Parquet",
-            [
-                f"columns={self.columns}",
-                *(f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats, strict=True)),
-            ],
-        )
+        versions = (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.files, stats, strict=True))
+        self.fingerprint: str = fingerprint_of("Parquet", [f"columns={self.columns}", *versions])
 
-    def _reset_handles(self) -> None:
+    _PROCESS_ONLY = ("_pq", "_local", "_groups", "_gather")
+
+    def _reset(self) -> None:
+        self._pq = _extras.require("pyarrow.parquet", "parquet")
         # One ParquetFile per thread and file: a ParquetFile must not be read from two threads
         # at once, and a lock would serialize decoding, the expensive part in thread mode.
         self._local = threading.local()
@@ -147,17 +145,6 @@ class Parquet:
     def _after_fork(self) -> None:
         # Decoded row groups stay valid in the child; only the open files must not be shared.
         self._local = threading.local()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_pq", "_local", "_groups", "_gather"):
-            state.pop(name)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._pq = _extras.require("pyarrow.parquet", "parquet")
-        self._reset_handles()
 
     def _file(self, f: int) -> Any:
         handles = getattr(self._local, "handles", None)
@@ -170,8 +157,7 @@ class Parquet:
             try:
                 # Remote files by cached blocks: a footer and a few columns download only those.
                 stat = recorded[f] if recorded else None
-                remote = bool(storage.scheme_of(url))
-                source = storage.open_read(self.store, url, stat, whole=False) if remote else url
+                source = storage.open_read(self.store, url, stat, whole=False) if storage.scheme_of(url) else url
                 handle = self._pq.ParquetFile(source)
             except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
                 raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
@@ -237,17 +223,16 @@ class Parquet:
         """The records at `indices`, in that order: rows are read group by group, in row order
         within each, so a task pays one cache lookup per row group, not one per row."""
         idx = check_indices(indices, self._len, self)
-        groups = np.searchsorted(self.block_starts, idx, side="right") - 1
-        order = np.lexsort((idx, groups))
+        order = np.argsort(idx, kind="stable")  # rows in order are row groups in order
+        rows = idx[order]
+        groups = np.searchsorted(self.block_starts, rows, side="right") - 1
         out: list[Any] = [None] * len(idx)
-        sorted_groups = groups[order]
-        cuts = np.flatnonzero(np.diff(sorted_groups)) + 1
-        for part in np.split(np.arange(len(idx)), cuts):
+        for part in np.split(np.arange(len(idx)), np.flatnonzero(np.diff(groups)) + 1):
             if not len(part):
                 continue
-            group = int(sorted_groups[part[0]])
+            group = int(groups[part[0]])
             decoded, start = self._group(group), self._group_start[group]
-            for k, index in zip(order[part].tolist(), idx[order[part]].tolist(), strict=True):
+            for k, index in zip(order[part].tolist(), rows[part].tolist(), strict=True):
                 out[k] = self._record(decoded, group, index - start)
         return out
 
@@ -289,15 +274,12 @@ class Parquet:
         cached = self._groups.get(key)
         if cached is None:
             cached = self._groups[key] = decode(group)
-            while len(self._groups) > self.cached_row_groups:
-                try:
+            with contextlib.suppress(KeyError):  # another thread evicted it first
+                while len(self._groups) > self.cached_row_groups:
                     self._groups.popitem(last=False)
-                except KeyError:  # another thread evicted it first
-                    break
-            return cached
-        # Another thread may have evicted it meanwhile (KeyError); the local copy is fine.
-        with contextlib.suppress(KeyError):
-            self._groups.move_to_end(key)
+        else:
+            with contextlib.suppress(KeyError):  # another thread evicted it meanwhile: the local copy is fine
+                self._groups.move_to_end(key)
         return cached
 
     def _record(self, decoded: _Decoded, group: int, row: int) -> dict[str, Any]:

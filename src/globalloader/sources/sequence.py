@@ -49,8 +49,7 @@ class SequenceSource:
                     f"from_sequence: the items cannot be pickled ({type(exc).__name__}: {exc}), so their content "
                     "cannot be fingerprinted; give the data a name: from_sequence(seq, key='my-data-v1')"
                 ) from None
-            else:
-                self._fingerprint = f"sequence:{hashlib.sha256(blob).hexdigest()[:32]}"
+            self._fingerprint = f"sequence:{hashlib.sha256(blob).hexdigest()[:32]}"
         return self._fingerprint
 
     def __repr__(self) -> str:

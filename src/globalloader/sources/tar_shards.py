@@ -22,13 +22,14 @@ from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files, _tar_index
 from globalloader.sources._tar_format import split_key, walk
 from globalloader.sources.base import check_index, fingerprint_of
+from globalloader.storage._fork import ProcessLocal
 
 _STREAM_BUFFER = 1024 * 1024
 _READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
 REMOTE_INDEX_THREADS = 16  # sidecars of remote shards read at once (each a small request)
 
 
-class TarShards:
+class TarShards(ProcessLocal):
     """Records from tar shards in the WebDataset layout, addressable by global index.
 
     Members are grouped into samples as `webdataset` groups them: the key is the member path up
@@ -38,12 +39,11 @@ class TarShards:
     dict `webdataset.WebDataset(url)` yields without decoding.
 
     `urls`: a str with brace patterns (`shard-{000000..000127}.tar`, `{a,b}`) or globs, or a list
-    of them; local paths or any fsspec URL. Each shard is indexed once by a header scan; the
-    index is cached under `index_dir` (default: the globalloader cache folder) keyed by the
-    shard's location, size and mtime/ETag, and reused by later constructions (`scanned` counts
-    the shards this instance had to scan). The index is built on the first `len()` or `[i]`
-    (or `build_index()`), so `iter_records()` alone never needs it. Reads are ranged:
-    `os.pread` on descriptors kept open per process for local shards.
+    of them; local paths or any fsspec URL. Each shard is indexed once by a header scan, on the
+    first `len()` or `[i]` (or `build_index()`; `iter_records()` alone never needs it); the index
+    is cached under `index_dir` (default: the globalloader cache folder) keyed by the shard's
+    location, size and mtime/ETag, and reused by later constructions (`scanned` counts the
+    shards this instance had to scan).
 
     Remote shards (`s3://`, `gs://`, ...; `storage_options=` go to fsspec) are downloaded whole,
     once per machine, into the machine-wide cache (`cache_limit=`, see `globalloader.storage`)
@@ -93,31 +93,23 @@ class TarShards:
         self._stats = self.store.stats(self.shards, self._threads)  # a listing answered them: no request
         for url, st in zip(self.shards, self._stats, strict=True):
             self._reader.expect(url, st)
-        self.fingerprint: str = fingerprint_of(
-            "TarShards", (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
-        )
+        versions = (f"{u}\t{s.size}\t{s.version}" for u, s in zip(self.shards, self._stats, strict=True))
+        self.fingerprint: str = fingerprint_of("TarShards", versions)
         self.scanned = 0  # shards whose index had to be built by a scan (not read from cache)
         self.sidecars = 0  # shards whose index came from their sidecar
         self._crcs: list[int | None] = [None] * len(self.shards)  # CRC-32 a sidecar gave, checked on read
-        self._crc_checked: set[int] = set()  # shards whose CRC this process compared
         self.kept_shards = 0  # remote shards kept whole per process (see keep_blocks)
         self._len = 0
         self._indexed = False
+        self._reset()
+
+    _PROCESS_ONLY = ("_lock", "_crc_checked", "_whole", "_touched")
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
+        self._crc_checked: set[int] = set()  # shards whose CRC this process compared
         self._whole: OrderedDict[int, bytes] = OrderedDict()  # remote shards read whole, LRU
         self._touched: OrderedDict[int, int] = OrderedDict()  # samples read ranged per recent shard, LRU
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_lock"], state["_whole"], state["_touched"], state["_crc_checked"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._crc_checked = set()
-        self._whole = OrderedDict()
-        self._touched = OrderedDict()
 
     @property
     def block_starts(self) -> np.ndarray:
@@ -127,12 +119,10 @@ class TarShards:
         return np.array(self._shard_start[:-1], dtype=np.int64)
 
     def keep_blocks(self, count: int) -> None:
-        """Keep up to `count` remote shards whole in memory, per process. A windowed shuffle reads
-        its window's shards in random order: a shard is read whole once a few of its samples were
-        read while it was among the recently read shards, instead of one request per sample. Any
-        order that reads a shard's samples far apart (a plain shuffle over many shards, with the
-        same source object) still reads sample by sample. Local shards are always read sample by
-        sample (the page cache keeps them)."""
+        """Keep up to `count` remote shards whole in memory, per process: a windowed shuffle reads
+        its window's shards in random order, so a shard is read whole once a few of its samples
+        were read while it was among the recently read shards, instead of one request per sample.
+        Local and machine-cached shards are read sample by sample."""
         self.kept_shards = max(self.kept_shards, int(count))
 
     def build_index(self) -> None:
@@ -147,19 +137,11 @@ class TarShards:
             except OSError:  # a read-only cache costs a scan per construction, not a failure
                 folder = None
             indexes = []
-            with (
-                ThreadPoolExecutor(self._index_threads()) as pool,
-                tqdm(
-                    total=len(self.shards),
-                    desc="indexing tar shards",
-                    unit="shard",
-                    delay=2.0,
-                    disable=None,
-                    leave=False,
-                ) as bar,
-            ):
-                jobs = pool.map(lambda i: self._index_one(i, folder), range(len(self.shards)))
-                for index, how in jobs:
+            bar = tqdm(
+                total=len(self.shards), desc="indexing tar shards", unit="shard", delay=2.0, disable=None, leave=False
+            )
+            with ThreadPoolExecutor(self._index_threads()) as pool, bar:
+                for index, how in pool.map(lambda i: self._index_one(i, folder), range(len(self.shards))):
                     indexes.append(index)
                     self.scanned += how == "scan"
                     self.sidecars += how == "sidecar"
@@ -419,7 +401,8 @@ def _records(stream: IO[bytes], url: str) -> Iterator[dict[str, Any]]:
 
 
 class _ForwardReader:
-    """`read_at` over a sequential stream: moves forward by seeking or by reading and dropping."""
+    """`read_at` over a buffered stream (its reads are short only at its end): moves forward by
+    reading and dropping."""
 
     def __init__(self, stream: IO[bytes], url: str) -> None:
         self._stream, self._url, self._pos = stream, url, 0
@@ -427,15 +410,9 @@ class _ForwardReader:
     def read_at(self, offset: int, length: int) -> bytes:
         if offset != self._pos:
             self._skip(offset)
-        parts, got = [], 0
-        while got < length:
-            chunk = self._stream.read(length - got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        self._pos += got
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        data = self._stream.read(length)
+        self._pos += len(data)
+        return data
 
     def _skip(self, offset: int) -> None:
         while self._pos < offset:

@@ -134,9 +134,9 @@ class TarWriter:
         self._tar.close()
         self._file.close()
         if self.index:
-            digest = self._file
+            written = self._file
             sidecar = _tar_index.sidecar_bytes(
-                self._members.finish(), digest.length, digest.md5.hexdigest(), digest.crc
+                self._members.finish(), written.length, written.md5.hexdigest(), written.crc
             )
             with self.store.open_write(_tar_index.sidecar_url(self.paths[-1])) as out:
                 out.write(sidecar)

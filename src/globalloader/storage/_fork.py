@@ -23,3 +23,21 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ProcessLocal:
+    """Base of objects pickled to worker processes: `_reset()` makes the per-process state
+    (handles, locks, caches) named in `_PROCESS_ONLY`, which is never pickled; an unpickled copy
+    calls `_reset()` to make its own."""
+
+    _PROCESS_ONLY: tuple[str, ...] = ()
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._PROCESS_ONLY}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()

@@ -14,12 +14,14 @@ first request does not parse them again.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from globalloader import _extras
@@ -74,6 +76,17 @@ def scheme_of(url: str) -> str:
     """The URL's scheme, or "" for a local path."""
     head, sep, _ = url.partition("://")
     return head if sep and "/" not in head else ""
+
+
+@contextlib.contextmanager
+def local_errors(url: str, what: str = "open") -> Iterator[None]:
+    """An OSError of the block, on local file `url`, as the SourceError naming it."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise SourceError(f"file not found: {url}") from None
+    except OSError as exc:
+        raise SourceError(f"cannot {what} {url}: {exc.strerror}") from None
 
 
 def is_transient(exc: BaseException) -> bool:

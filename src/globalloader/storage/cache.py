@@ -18,13 +18,13 @@ every process and job of the user. Properties, each relied on elsewhere:
   limit until they are closed.
 - A full disk first evicts what it can, then is a CacheFullError naming the folder.
 - Machine-wide counters (bytes downloaded, hits, misses, size, entries) live in the folder's
-  `stats` record (see `cache_stats`); entries are added and removed while holding its lock, so
-  its size and entry count follow the folder without walking it.
+  `stats` record (see `cache_stats`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -98,6 +98,31 @@ class Entry(NamedTuple):
         return hashlib.sha256(ident).hexdigest()[:40]
 
 
+def pread_upto(fd: int, length: int, start: int) -> bytes:
+    """`length` bytes at `start`, fewer only at the end of the file (one `os.pread` returns at
+    most about 2 GiB on Linux)."""
+    data = os.pread(fd, length, start)
+    if len(data) == length or not data:
+        return data
+    parts, got = [data], len(data)
+    while got < length:
+        more = os.pread(fd, length - got, start + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def crc32_upto(fd: int, end: int) -> int:
+    """CRC-32 of bytes [0, end) of an open file (fewer at its end), read in 16 MiB pieces."""
+    crc = offset = 0
+    while offset < end and (piece := os.pread(fd, min(16 << 20, end - offset), offset)):
+        crc = zlib.crc32(piece, crc)
+        offset += len(piece)
+    return crc
+
+
 class CachedFile:
     """An open cache entry: ranged reads with `pread`, under a shared lock until `close()`."""
 
@@ -106,14 +131,10 @@ class CachedFile:
 
     def pread(self, start: int, length: int) -> bytes:
         length = max(0, min(length, self.length - start))
-        parts, got = [], 0
-        while got < length:
-            data = os.pread(self.fd, length - got, start + got)
-            if not data:
-                raise StorageError(f"cache entry {self.path} ended at {start + got}, expected {self.length} bytes")
-            parts.append(data)
-            got += len(data)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        data = pread_upto(self.fd, length, start)
+        if len(data) != length:
+            raise StorageError(f"cache entry {self.path} ended at {start + len(data)}, expected {self.length} bytes")
+        return data
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -222,14 +243,7 @@ class ObjectCache:
         ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         if ident in _verified:
             return length, crc
-        running, offset = 0, 0
-        while offset < length:
-            data = os.pread(fd, min(16 << 20, length - offset), offset)
-            if not data:
-                return None
-            running = zlib.crc32(data, running)
-            offset += len(data)
-        if running != crc:
+        if crc32_upto(fd, length) != crc:
             return None
         with _verified_lock:
             _verified.add(ident)
@@ -257,20 +271,19 @@ class ObjectCache:
     def _write(self, path: pathlib.Path, entry: Entry, download: Callable[[Callable[[bytes], None]], None]) -> None:
         for last_try in (False, True):
             try:
-                self._write_once(path, download)
-                return
+                return self._write_once(path, download)
             except OSError as exc:
-                if exc.errno not in (28, 122) or last_try:  # ENOSPC, EDQUOT
-                    if exc.errno in (28, 122):
-                        raise CacheFullError(
-                            f"no space left in the object cache {self.root} for {entry.url}: {exc.strerror}; "
-                            f"free disk space, lower {LIMIT_ENV} or point GLOBALLOADER_CACHE_DIR elsewhere"
-                        ) from None
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
+                if last_try:
+                    raise CacheFullError(
+                        f"no space left in the object cache {self.root} for {entry.url}: {exc.strerror}; "
+                        f"free disk space, lower {LIMIT_ENV} or point GLOBALLOADER_CACHE_DIR elsewhere"
+                    ) from None
                 self.evict(keep_free=entry.size)
 
     def _write_once(self, path: pathlib.Path, download: Callable[[Callable[[bytes], None]], None]) -> None:
-        tmp = path.with_name(f"{path.name}.{_TMP_TAG}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp = path.with_name(f"{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         crc = length = 0
         try:
             with open(tmp, "wb", buffering=_WRITE_CHUNK) as out:
@@ -327,14 +340,13 @@ class ObjectCache:
         return freed
 
     def _remove_dead_temporaries(self) -> None:
-        host = host_tag()
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
             for item in it:
                 parts = item.name.split(".")
                 if len(parts) != 4 or parts[3] != "tmp":
                     continue
                 owner_host, _, pid = parts[1].rpartition("-")
-                if owner_host == host and pid.isdigit() and not alive(int(pid)):
+                if owner_host == _HOST and pid.isdigit() and not alive(int(pid)):
                     with contextlib.suppress(OSError):
                         os.unlink(item.path)
 
@@ -382,18 +394,9 @@ class ObjectCache:
             return True
 
 
-def host_tag(host: str | None = None) -> str:
-    """This machine's name (or `host`) with letters and digits only: one field of a file name."""
-    host = socket.gethostname() if host is None else host
-    return re.sub(r"[^A-Za-z0-9]", "_", host)
+def host_tag() -> str:
+    """This machine's name with letters and digits only: one field of a file name."""
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())
 
 
-_TMP_TAG = f"{host_tag()}-{os.getpid()}"
-
-
-def _refresh_tmp_tag() -> None:
-    global _TMP_TAG
-    _TMP_TAG = f"{host_tag()}-{os.getpid()}"
-
-
-os.register_at_fork(after_in_child=_refresh_tmp_tag)
+_HOST = host_tag()  # with the pid, names whose temporary files they are (see evict)

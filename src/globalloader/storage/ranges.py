@@ -13,9 +13,9 @@ from typing import IO, Any
 
 from globalloader.errors import SourceError
 from globalloader.storage import retry
-from globalloader.storage._fork import reset_in_forked_children
-from globalloader.storage._fs import LOCAL_SCHEMES, scheme_of
-from globalloader.storage.cache import CachedFile
+from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
+from globalloader.storage._fs import LOCAL_SCHEMES, local_errors, scheme_of
+from globalloader.storage.cache import CachedFile, pread_upto
 from globalloader.storage.store import FileStat, Store
 
 # Cache entries a reader keeps open (each pins its entry against eviction): whole shards are read
@@ -23,38 +23,31 @@ from globalloader.storage.store import FileStat, Store
 _CACHED_OPEN = {True: 16, False: 2}
 
 
-class RangeReader:
+class RangeReader(ProcessLocal):
     """Ranged reads from many files, handles opened lazily and kept per process.
 
-    Local files: one descriptor per file, opened on first use and read with `os.pread`, which
-    needs no seek and is safe from many threads at once. Descriptors are never pickled, and a
-    forked child drops the ones it inherited (an at-fork hook, so reads pay no pid check) and
-    reopens its own. At most `max_open` descriptors stay open; reads from further files open
-    and close each time. Remote objects: through `store`'s machine cache, whole (`whole=True`,
-    for shards read end to end) or by blocks, up to 16 (whole) or 2 (blocks) entries kept open;
-    objects the cache does not hold, one retried ranged request per read. `expect(url, stat)` records the size and
-    version a source was built on, so the cache key and the change check use them.
+    Local files: one descriptor per file, read with `os.pread` (no seek, safe from many threads);
+    at most `max_open` stay open, reads from further files open and close each time. Remote
+    objects: through `store`'s machine cache, whole (`whole=True`, for shards read end to end) or
+    by blocks; objects the cache does not hold, one retried ranged request per read.
+    `expect(url, stat)` records the size and version a source was built on, so the cache key and
+    the change check use them. Handles are never pickled; a forked child drops the inherited ones
+    (an at-fork hook, so reads pay no pid check) and opens its own.
     """
+
+    _PROCESS_ONLY = ("_pid", "_fds", "_entries", "_lock")
 
     def __init__(self, store: Store | None = None, max_open: int = 256, *, whole: bool = True) -> None:
         self.store = store if store is not None else Store()
         self.max_open, self.whole = max_open, whole
         self._stats: dict[str, FileStat] = {}
         self._reset()
-        reset_in_forked_children(self)
 
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._fds: dict[str, int] = {}
         self._entries: OrderedDict[tuple[str, int], CachedFile] = OrderedDict()
         self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"store": self.store, "max_open": self.max_open, "whole": self.whole, "_stats": self._stats}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
         reset_in_forked_children(self)
 
     def expect(self, url: str, stat: FileStat) -> None:
@@ -129,7 +122,8 @@ class RangeReader:
     def _read_local_cold(self, url: str, start: int, length: int) -> bytes:
         # Open outside the lock; the lock only decides whether the descriptor is kept (a thread
         # that lost the race closes its own). Kept descriptors are closed only by close().
-        fd = _open_fd(url)
+        with local_errors(url):
+            fd = os.open(url, os.O_RDONLY)
         with self._lock:
             kept = self._fds.get(url)
             if kept is None and len(self._fds) < self.max_open:
@@ -168,12 +162,8 @@ def open_read(store: Store, url: str, stat: FileStat | None = None, *, whole: bo
     machine cache whole (`whole=True`, unless large) or by blocks, other URLs by retried ranged
     reads."""
     if not scheme_of(url):
-        try:
+        with local_errors(url):
             return open(url, "rb")
-        except FileNotFoundError:
-            raise SourceError(f"file not found: {url}") from None
-        except OSError as exc:
-            raise SourceError(f"cannot open {url}: {exc.strerror}") from None
     if scheme_of(url) in LOCAL_SCHEMES:
         fs, path = store.filesystem(url)
         return retry.call(lambda: fs.open(path, "rb"), url, "open", store.retry_policy)
@@ -222,29 +212,11 @@ class RangeFile(io.RawIOBase):
         super().close()
 
 
-def _open_fd(url: str) -> int:
-    try:
-        return os.open(url, os.O_RDONLY)
-    except FileNotFoundError:
-        raise SourceError(f"file not found: {url}") from None
-    except OSError as exc:
-        raise SourceError(f"cannot open {url}: {exc.strerror}") from None
-
-
 def _pread_full(fd: int, length: int, start: int, url: str) -> bytes:
     try:
         data = os.pread(fd, length, start)
         if len(data) == length or not data:
             return data
-        # Linux caps one read near 2 GiB; loop for huge members, stop at the end of the file.
-        parts = [data]
-        got = len(data)
-        while got < length:
-            more = os.pread(fd, length - got, start + got)
-            if not more:
-                break
-            parts.append(more)
-            got += len(more)
-        return b"".join(parts)
+        return data + pread_upto(fd, length - len(data), start + len(data))  # Linux caps a read near 2 GiB
     except OSError as exc:
         raise SourceError(f"cannot read {url} at offset {start}: {exc.strerror}") from None

@@ -25,8 +25,8 @@ from typing import IO, Any, NamedTuple
 
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.storage import retry
-from globalloader.storage._fork import reset_in_forked_children
-from globalloader.storage._fs import LOCAL_SCHEMES, S3_SCHEMES, filesystem, read_s3_if_match, scheme_of
+from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
+from globalloader.storage._fs import LOCAL_SCHEMES, S3_SCHEMES, filesystem, local_errors, read_s3_if_match, scheme_of
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
 from globalloader.storage.prefetch import Prefetcher
 
@@ -43,11 +43,13 @@ class FileStat(NamedTuple):
     version: str
 
 
-class Store:
+class Store(ProcessLocal):
     """URLs -> bytes for one source: `storage_options` go to fsspec (endpoint, key, secret,
     anon, ...); `cache_limit` (bytes or "20GB"; default $GLOBALLOADER_CACHE_LIMIT, else 20 GB)
     bounds the machine cache; `cache=False` reads remote objects without it. `block_size`: the
     bytes per cached block of a large object, and per request of a download."""
+
+    _PROCESS_ONLY = ("_cache", "_infos", "_lock", "_prefetcher", "_wanted", "_fetched")
 
     def __init__(
         self,
@@ -68,7 +70,6 @@ class Store:
         self.retry_policy = retry_policy
         self.block_size = parse_size(block_size, "block_size")
         self._reset()
-        reset_in_forked_children(self)
 
     def _after_fork(self) -> None:
         # The prefetch threads and a lock held at the fork stay in the parent; the sizes and
@@ -80,17 +81,8 @@ class Store:
         self._wanted: dict[str, FileStat] = {}
         self._fetched: set[tuple[str, FileStat]] = set()  # prefetched by this process: not asked again
         self._cache: ObjectCache | None = None
-        known: dict[str, tuple[float, FileStat]] = getattr(self, "_infos", {}) if keep_infos else {}
-        self._infos = dict(known)
+        self._infos: dict[str, tuple[float, FileStat]] = dict(self._infos) if keep_infos else {}
         self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        process_only = ("_cache", "_infos", "_lock", "_prefetcher", "_wanted", "_fetched")
-        return {k: v for k, v in self.__dict__.items() if k not in process_only}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
         reset_in_forked_children(self)
 
     @property
@@ -130,8 +122,7 @@ class Store:
         info = retry.call(lambda: fs.info(path), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
-        version = next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), "")
-        stat = FileStat(int(info["size"]), version)
+        stat = _file_stat(info)
         with self._lock:
             self._infos[url] = (now, stat)
         return stat
@@ -172,8 +163,7 @@ class Store:
         now, out = time.monotonic(), {}
         for name, info in listing.items():
             if info.get("type", "file") == "file" and info.get("size") is not None:
-                version = next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), "")
-                out[fs.unstrip_protocol(name)] = FileStat(int(info["size"]), version)
+                out[fs.unstrip_protocol(name)] = _file_stat(info)
         with self._lock:
             self._infos.update((url, (now, stat)) for url, stat in out.items())
         return out
@@ -287,18 +277,19 @@ class _Upload(io.BufferedWriter):
                 os.unlink(self._tmp.name)
 
 
+def _file_stat(info: dict[str, Any]) -> FileStat:
+    """Size and version from an fsspec `info()` (or detailed listing) entry."""
+    return FileStat(int(info["size"]), next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), ""))
+
+
 def _changed(url: str, how: str) -> SourceError:
     """The error of a read that finds the object no longer the version its source was made from."""
     return SourceError(f"{url} changed since the source was made ({how}); construct the source again")
 
 
 def _local_stat(url: str) -> FileStat:
-    try:
+    with local_errors(url, "stat"):
         st = os.stat(url)
-    except FileNotFoundError:
-        raise SourceError(f"file not found: {url}") from None
-    except OSError as exc:
-        raise SourceError(f"cannot stat {url}: {exc.strerror}") from None
     if not os.path.isfile(url):
         raise SourceError(f"not a regular file: {url}")
     return FileStat(st.st_size, str(st.st_mtime_ns))
