@@ -46,6 +46,18 @@ _DESCRIPTORS = (
     types.GetSetDescriptorType,
     types.MemberDescriptorType,
 )
+# What a code object is besides its bytecode and constants (co_consts is walked on its own).
+_CODE_ATTRS = (
+    "co_name",
+    "co_argcount",
+    "co_posonlyargcount",
+    "co_kwonlyargcount",
+    "co_flags",
+    "co_names",
+    "co_varnames",
+    "co_freevars",
+    "co_cellvars",
+)
 _REDUCE_PARTS = ("constructor", "arguments", "state", "items", "entries", "state setter")
 KEY_LENGTH = 32  # hex digits of SHA-256 kept: 128 bits
 
@@ -304,22 +316,7 @@ class _Walk:
                         self.child(f"{name}.{attr}", getattr(value, attr))
 
     def code(self, code: types.CodeType) -> None:
-        self.put(
-            "code",
-            repr(
-                (
-                    code.co_name,
-                    code.co_argcount,
-                    code.co_posonlyargcount,
-                    code.co_kwonlyargcount,
-                    code.co_flags,
-                    code.co_names,
-                    code.co_varnames,
-                    code.co_freevars,
-                    code.co_cellvars,
-                )
-            ),
-        )
+        self.put("code", repr(tuple(getattr(code, attr) for attr in _CODE_ATTRS)))
         self.put("bytecode", code.co_code)
         self.put("exception table", getattr(code, "co_exceptiontable", b""))
         self.child(f"constants of {code.co_name}", code.co_consts)

@@ -28,12 +28,6 @@ class Builder(Protocol):
     def add_tail(self, op: TailOp, name: str) -> None: ...
 
 
-class Operator(Protocol):
-    def attach(self, plan: Builder) -> None: ...
-
-    def describe(self) -> tuple[object, ...]: ...
-
-
 class RecordOp(Protocol):
     """A per-sample operator. `apply` returns the new value, or for an `expands` operator the
     list of values (none to drop the sample, several to make more)."""
