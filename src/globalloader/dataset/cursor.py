@@ -47,12 +47,11 @@ class Cursor:
         self.tasks = None if plan.is_stream else self._count_tasks()
 
     def _count_tasks(self) -> int:
-        if self.left is None:
-            total = self.order.num_tasks()
-            assert total is not None, "a random-access chain knows its length"
-            return total
-        n, batch = len(self.left), self.plan.batch
-        return batch.count(n) if batch is not None else -(-n // self.plan.task_size)
+        if self.left is not None:
+            return self.plan.tasks_for(len(self.left))
+        total = self.order.num_tasks()
+        assert total is not None, "a random-access chain knows its length"
+        return total
 
     def indices(self, task: int) -> np.ndarray | None:
         """Source indices of `task` (None: the task's own positions, mapped by whoever runs it)."""

@@ -88,11 +88,6 @@ def digest(*parts: Any) -> str:
     return fingerprint(parts)
 
 
-def fn_fingerprint(fn: Any) -> str:
-    """A key that changes when the function's code or anything it reads changes."""
-    return fingerprint(fn, f"function {_name(fn)!r}")
-
-
 class _Opaque(Exception):
     """Internal: the value at `path` has state that cannot be seen."""
 

@@ -144,10 +144,7 @@ class EpochOrder:
         self.length = len(remaining) if shard is None else remaining.share(shard.rank, shard.world_size, uneven)
 
     def num_tasks(self) -> int | None:
-        if self.length is None:
-            return None
-        batch = self.plan.batch
-        return batch.count(self.length) if batch is not None else -(-self.length // self.plan.task_size)
+        return None if self.length is None else self.plan.tasks_for(self.length)
 
     def task_items(self, task: int) -> npt.NDArray[np.int64] | None:
         """Source indices of task `task`; None for a whole epoch (the worker maps them itself)."""
@@ -358,10 +355,10 @@ def _rank_world(state: dict[str, Any]) -> tuple[int, int, str]:
     value = state.get("shard", [0, 1, "none"])
     try:
         rank, world, uneven = int(value[0]), int(value[1]), str(value[2])
+        if not 0 <= rank < world or uneven not in UNEVEN_POLICIES:
+            raise ValueError("rank or uneven out of range")
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise StateError(f"state dict field 'shard' must be [rank, world_size, uneven], got {value!r:.100}") from exc
-    if not 0 <= rank < world or uneven not in UNEVEN_POLICIES:
-        raise StateError(f"state dict field 'shard' must be [rank, world_size, uneven], got {value!r:.100}")
     return rank, world, uneven
 
 

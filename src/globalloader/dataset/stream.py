@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from globalloader._seeding import BUFFER_SHUFFLE, generator
-from globalloader.dataset.fingerprint import digest, fn_fingerprint
+from globalloader.dataset.fingerprint import digest, fingerprint
 from globalloader.errors import ArgumentError, check_int
 from globalloader.sampling.sharding import ShardArgs, shard_length
 from globalloader.sources.base import RecordStream
@@ -58,7 +58,7 @@ class StreamSource:
         if isinstance(fp, str):
             return fp
         if inspect.isfunction(self.iterable):
-            return fn_fingerprint(self.iterable)
+            return fingerprint(self.iterable, f"function {self.iterable.__qualname__!r}")
         return digest(type(self.iterable).__qualname__, self.length())
 
 

@@ -25,10 +25,8 @@ follows as the pool holds samples of the job's set. Consequences that shape the 
 - A job joining mid-epoch makes the others re-draw where its set cuts their cells; a job
   leaving never merges them (the follow rule would prefer the part the leaver had loaded).
 - Only draws made since the job's own epoch began may be followed, so epochs stay independent.
-- A fresh draw makes a sample followable, loaded or not: `loaded` decides nothing; `evicted`
-  ends a sample's followability and its warmth.
-- A job that starts an epoch while sharing draws it from the sampler's stream, not its seed,
-  so a job re-run with the same seed cannot make the others' epochs repeat.
+- A fresh draw makes a sample followable, loaded or not; `evicted` ends its followability and
+  its warmth (see `JointSampler` for why an order drawn while sharing is not its seed's).
 
 Cost per request is O(1) amortised (a few list, dict and bytearray lookups): each follow-log
 entry and each fresh-list element is passed at most once per epoch. Drawing an order (epoch
