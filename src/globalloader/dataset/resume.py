@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -139,7 +140,7 @@ class EpochOrder:
                 remaining.consume(step)
             else:
                 sources = plan.map_positions(remaining.positions(np.arange(len(remaining))), epoch, self._ops)
-                remaining.drop(_without(sources, step.indices))
+                remaining.drop(without(sources, step.indices))
         shard = self._shard
         self.length = len(remaining) if shard is None else remaining.share(shard.rank, shard.world_size, uneven)
 
@@ -372,7 +373,7 @@ def _indices(value: Any, field: str, bound: int | None = None) -> list[int]:
     return arr.tolist()
 
 
-def _without(sources: npt.NDArray[np.int64], taken: tuple[int, ...]) -> npt.NDArray[np.bool_]:
+def without(sources: npt.NDArray[np.int64], taken: Sequence[int]) -> npt.NDArray[np.bool_]:
     """Flags keeping `sources` minus `taken` as multisets (earliest occurrences go first)."""
     keep = np.ones(len(sources), dtype=bool)
     if not taken or not len(sources):
