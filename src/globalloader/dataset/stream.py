@@ -9,6 +9,7 @@ records (without running any map) before it continues. The buffer shuffle is see
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -144,10 +145,7 @@ class StreamReader:
             records = op.apply(records, epoch, length)
             length = op.length(length)
         self._records = records
-        self.taken = 0
-        for _ in range(skip):
-            if self.take(1) == []:
-                break
+        self.taken = sum(1 for _ in itertools.islice(records, skip))  # replayed, never mapped
 
     def take(self, count: int) -> list[Any]:
         """Up to `count` next records; fewer (maybe none) at the end of the epoch."""
