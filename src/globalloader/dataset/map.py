@@ -52,7 +52,8 @@ def describe_fn(
 
 @dataclass(frozen=True)
 class MapOp:
-    """One `map` in a chain; `position` numbers the maps so two random maps get distinct streams."""
+    """One `map` in a chain (and the base of filter and flat_map); `apply`'s `position` numbers
+    the maps so two random maps get distinct streams."""
 
     fn: Callable[..., Any]
     name: str
