@@ -134,26 +134,20 @@ class Dataset:
         disk `cache`) raises FingerprintError; `key="decode-v2"` then names the map instead: a
         promise that maps with equal keys produce equal outputs (change it when `fn` changes).
         """
-        if not callable(fn):
-            raise ArgumentError(f"map: fn must be callable, got {type(fn).__name__}")
-        _check_key("map", key)
-        op = MapOp(fn, bool(shared), name or _name(fn), key)
+        _check_fn("map", "fn", fn, key)
+        op = MapOp(fn, name or _name(fn), key, bool(shared))
         if op.shared and op.random:
             raise ArgumentError(f"map {op.name!r}: shared=True needs a deterministic fn (it takes rng)")
         return self._then(op)
 
     def filter(self, predicate: Callable[..., Any], name: str | None = None, key: str | None = None) -> Dataset:
         """Keep the samples for which `predicate(x)` (or `predicate(x, rng=...)`) is true."""
-        if not callable(predicate):
-            raise ArgumentError(f"filter: predicate must be callable, got {type(predicate).__name__}")
-        _check_key("filter", key)
+        _check_fn("filter", "predicate", predicate, key)
         return self._then(FilterOp(predicate, name or _name(predicate), key))
 
     def flat_map(self, fn: Callable[..., Any], name: str | None = None, key: str | None = None) -> Dataset:
         """Replace each sample by the records `fn(x)` returns (any number, in order)."""
-        if not callable(fn):
-            raise ArgumentError(f"flat_map: fn must be callable, got {type(fn).__name__}")
-        _check_key("flat_map", key)
+        _check_fn("flat_map", "fn", fn, key)
         return self._then(FlatMapOp(fn, name or _name(fn), key))
 
     def cache(self, path: str | os.PathLike[str] | None = None, key: str | None = None) -> Dataset:
@@ -225,6 +219,12 @@ class Dataset:
         ops = " -> ".join(type(op).__name__ for op in self._ops)
         source = self.source.describe() if isinstance(self.source, Combined) else type(self.source).__name__
         return f"Dataset({source}{' -> ' + ops if ops else ''})"
+
+
+def _check_fn(method: str, arg: str, fn: object, key: object) -> None:
+    if not callable(fn):
+        raise ArgumentError(f"{method}: {arg} must be callable, got {type(fn).__name__}")
+    _check_key(method, key)
 
 
 def _check_key(method: str, key: object) -> None:

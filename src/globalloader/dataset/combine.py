@@ -13,6 +13,7 @@ until every part was read once.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -91,11 +92,8 @@ class Combined:
 
     @cached_property
     def offsets(self) -> list[int]:
-        """Where each part's source indices start in the combined index space."""
-        out = [0]
-        for plan in self.plans:
-            out.append(out[-1] + plan.source_length)
-        return out
+        """Where each part's source indices start in the combined index space (and where they end)."""
+        return list(itertools.accumulate((plan.source_length for plan in self.plans), initial=0))
 
     def __len__(self) -> int:
         n = self.part_lengths

@@ -11,14 +11,14 @@ a position (the consumed samples, then the epoch's order without them).
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from globalloader.dataset.plan import Plan
-from globalloader.dataset.resume import Position, epoch_order
+from globalloader.dataset.resume import Position, epoch_order, without
 from globalloader.dataset.tail import NEED, Tail
 
 END = object()  # `Cursor.next`: the epoch has no more items
@@ -47,12 +47,11 @@ class Cursor:
         self.tasks = None if plan.is_stream else self._count_tasks()
 
     def _count_tasks(self) -> int:
-        if self.left is None:
-            total = self.order.num_tasks()
-            assert total is not None, "a random-access chain knows its length"
-            return total
-        n, batch = len(self.left), self.plan.batch
-        return batch.count(n) if batch is not None else -(-n // self.plan.task_size)
+        if self.left is not None:
+            return self.plan.tasks_for(len(self.left))
+        total = self.order.num_tasks()
+        assert total is not None, "a random-access chain knows its length"
+        return total
 
     def indices(self, task: int) -> np.ndarray | None:
         """Source indices of `task` (None: the task's own positions, mapped by whoever runs it)."""
@@ -149,12 +148,4 @@ class Cursor:
 
 def _remaining(all_indices: np.ndarray, consumed: list[int]) -> np.ndarray:
     """`all_indices` minus `consumed` as multisets, order kept (pad duplicates count twice)."""
-    if not consumed:  # every epoch start: no per-index Python work
-        return all_indices
-    left = Counter(consumed)
-    keep = np.ones(len(all_indices), dtype=bool)
-    for pos, index in enumerate(all_indices.tolist()):
-        if left[index]:
-            left[index] -= 1
-            keep[pos] = False
-    return all_indices[keep]
+    return all_indices[without(all_indices, consumed)] if consumed else all_indices

@@ -46,6 +46,18 @@ _DESCRIPTORS = (
     types.GetSetDescriptorType,
     types.MemberDescriptorType,
 )
+# What a code object is besides its bytecode and constants (co_consts is walked on its own).
+_CODE_ATTRS = (
+    "co_name",
+    "co_argcount",
+    "co_posonlyargcount",
+    "co_kwonlyargcount",
+    "co_flags",
+    "co_names",
+    "co_varnames",
+    "co_freevars",
+    "co_cellvars",
+)
 _REDUCE_PARTS = ("constructor", "arguments", "state", "items", "entries", "state setter")
 KEY_LENGTH = 32  # hex digits of SHA-256 kept: 128 bits
 
@@ -74,11 +86,6 @@ def fingerprint(value: Any, what: str = "a value", fix: str = "", strict: bool =
 def digest(*parts: Any) -> str:
     """The strict key of `parts` (strings, numbers, arrays, nested containers of them...)."""
     return fingerprint(parts)
-
-
-def fn_fingerprint(fn: Any) -> str:
-    """A key that changes when the function's code or anything it reads changes."""
-    return fingerprint(fn, f"function {_name(fn)!r}")
 
 
 class _Opaque(Exception):
@@ -304,22 +311,7 @@ class _Walk:
                         self.child(f"{name}.{attr}", getattr(value, attr))
 
     def code(self, code: types.CodeType) -> None:
-        self.put(
-            "code",
-            repr(
-                (
-                    code.co_name,
-                    code.co_argcount,
-                    code.co_posonlyargcount,
-                    code.co_kwonlyargcount,
-                    code.co_flags,
-                    code.co_names,
-                    code.co_varnames,
-                    code.co_freevars,
-                    code.co_cellvars,
-                )
-            ),
-        )
+        self.put("code", repr(tuple(getattr(code, attr) for attr in _CODE_ATTRS)))
         self.put("bytecode", code.co_code)
         self.put("exception table", getattr(code, "co_exceptiontable", b""))
         self.child(f"constants of {code.co_name}", code.co_consts)

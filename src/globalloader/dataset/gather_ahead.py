@@ -44,11 +44,8 @@ class GatherAhead:
         self.tasks = tasks
         self._local = threading.local()
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"tasks": self.tasks}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["tasks"])  # type: ignore[misc]
+    def __reduce__(self) -> tuple[type[GatherAhead], tuple[int]]:
+        return GatherAhead, (self.tasks,)  # a copy starts with no thread's batches
 
     def read(self, plan: Plan, epoch: int, task: int) -> dict[str, Any]:
         """Task `task`'s batch: kept from an earlier gather, or gathered now with the tasks this

@@ -52,14 +52,16 @@ def describe_fn(
 
 @dataclass(frozen=True)
 class MapOp:
-    """One `map` in a chain; `position` numbers the maps so two random maps get distinct streams."""
+    """One `map` in a chain (and the base of filter and flat_map); `apply`'s `position` numbers
+    the maps so two random maps get distinct streams."""
 
     fn: Callable[..., Any]
-    shared: bool
     name: str
     key: str | None = None
+    shared: bool = False
     random: bool = field(init=False)
     expands: bool = field(default=False, init=False)
+    method: ClassVar[str] = "map"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "random", takes_rng(self.fn))
@@ -68,7 +70,7 @@ class MapOp:
         plan.add_record(self)
 
     def identity(self, strict: bool = True) -> str:
-        return describe_fn("map", self.fn, self.name, self.key, strict, self.shared)
+        return describe_fn(self.method, self.fn, self.name, self.key, strict, self.shared)
 
     def apply(self, value: Any, seed: int, epoch: int, index: int, position: int, *sub: int) -> Any:
         if self.random:
@@ -76,30 +78,14 @@ class MapOp:
         return self.fn(value)
 
     def describe(self) -> tuple[object, ...]:
-        return ("map", self.name)
+        return (self.method, self.name)
 
 
 @dataclass(frozen=True)
-class ExpandingOp:
-    """What filter and flat_map share: a user function that may take `rng`, run per sample in
-    the workers, whose sample may become no record or several (`expand`)."""
+class ExpandingOp(MapOp):
+    """What filter and flat_map share: a map whose sample may become no record or several (`expand`)."""
 
-    fn: Callable[..., Any]
-    name: str
-    key: str | None = None
-    shared: bool = field(default=False, init=False)
     expands: bool = field(default=True, init=False)
-    random: bool = field(init=False)
-    method: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "random", takes_rng(self.fn))
-
-    def attach(self, plan: Builder) -> None:
-        plan.add_record(self)
-
-    def identity(self, strict: bool = True) -> str:
-        return describe_fn(self.method, self.fn, self.name, self.key, strict)
 
     def apply(self, value: Any, seed: int, epoch: int, index: int, position: int, *sub: int) -> list[Any]:
         out = self.fn(value, rng=generator(seed, epoch, index, position, *sub)) if self.random else self.fn(value)
@@ -107,6 +93,3 @@ class ExpandingOp:
 
     def expand(self, value: Any, out: Any) -> list[Any]:
         raise NotImplementedError
-
-    def describe(self) -> tuple[object, ...]:
-        return (self.method, self.name)

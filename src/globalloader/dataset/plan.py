@@ -38,7 +38,6 @@ CHUNK = 32  # samples per task when the chain has no batch: enough to amortize t
 GROUPED_CHUNK = 128  # samples per task feeding a tail: records are small (tokens), tasks many
 
 Timer = dict[str, list[float]]  # stage name -> [items, busy seconds]
-Group = tuple[int, list[Any]]  # a sample's index and the records it made (filter, flat_map)
 
 
 @dataclass
@@ -113,9 +112,6 @@ class Plan:
             self.cache.bind(self._cache_key())
 
     # -- operators join (see dataset.operator) ---------------------------------------------------
-    def set_root(self, seed: int) -> None:
-        assert seed == self.seed, "the root seed is read before operators attach"
-
     def stream_seed(self, kind: str) -> int:
         """The seed of the next random operator of `kind` without an explicit one."""
         k = self._streams[kind]
@@ -272,10 +268,11 @@ class Plan:
         return GROUPED_CHUNK if self.grouped else CHUNK
 
     def num_tasks(self) -> int | None:
-        n = self.samples
-        if n is None:
-            return None
-        return self.batch.count(n) if self.batch is not None else -(-n // self.task_size)
+        return None if self.samples is None else self.tasks_for(self.samples)
+
+    def tasks_for(self, samples: int) -> int:
+        """Tasks that `samples` samples make (batches, or chunks of `task_size`)."""
+        return self.batch.count(samples) if self.batch is not None else -(-samples // self.task_size)
 
     def items_per_epoch(self) -> int | None:
         """What one epoch yields: batches for a batched chain, else samples (None: not known

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -139,15 +140,12 @@ class EpochOrder:
                 remaining.consume(step)
             else:
                 sources = plan.map_positions(remaining.positions(np.arange(len(remaining))), epoch, self._ops)
-                remaining.drop(_without(sources, step.indices))
+                remaining.drop(without(sources, step.indices))
         shard = self._shard
         self.length = len(remaining) if shard is None else remaining.share(shard.rank, shard.world_size, uneven)
 
     def num_tasks(self) -> int | None:
-        if self.length is None:
-            return None
-        batch = self.plan.batch
-        return batch.count(self.length) if batch is not None else -(-self.length // self.plan.task_size)
+        return None if self.length is None else self.plan.tasks_for(self.length)
 
     def task_items(self, task: int) -> npt.NDArray[np.int64] | None:
         """Source indices of task `task`; None for a whole epoch (the worker maps them itself)."""
@@ -358,10 +356,10 @@ def _rank_world(state: dict[str, Any]) -> tuple[int, int, str]:
     value = state.get("shard", [0, 1, "none"])
     try:
         rank, world, uneven = int(value[0]), int(value[1]), str(value[2])
+        if not 0 <= rank < world or uneven not in UNEVEN_POLICIES:
+            raise ValueError("rank or uneven out of range")
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise StateError(f"state dict field 'shard' must be [rank, world_size, uneven], got {value!r:.100}") from exc
-    if not 0 <= rank < world or uneven not in UNEVEN_POLICIES:
-        raise StateError(f"state dict field 'shard' must be [rank, world_size, uneven], got {value!r:.100}")
     return rank, world, uneven
 
 
@@ -375,7 +373,7 @@ def _indices(value: Any, field: str, bound: int | None = None) -> list[int]:
     return arr.tolist()
 
 
-def _without(sources: npt.NDArray[np.int64], taken: tuple[int, ...]) -> npt.NDArray[np.bool_]:
+def without(sources: npt.NDArray[np.int64], taken: Sequence[int]) -> npt.NDArray[np.bool_]:
     """Flags keeping `sources` minus `taken` as multisets (earliest occurrences go first)."""
     keep = np.ones(len(sources), dtype=bool)
     if not taken or not len(sources):

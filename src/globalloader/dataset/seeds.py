@@ -39,7 +39,7 @@ class SeedOp:
         object.__setattr__(self, "seed", check_int(self.seed, "seed: seed"))
 
     def attach(self, plan: Builder) -> None:
-        plan.set_root(self.seed)
+        """Nothing to join: the plan reads the root seed before any operator attaches."""
 
     def describe(self) -> tuple[object, ...]:
         return ("seed", self.seed)

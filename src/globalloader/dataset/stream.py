@@ -9,12 +9,13 @@ records (without running any map) before it continues. The buffer shuffle is see
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from globalloader._seeding import BUFFER_SHUFFLE, generator
-from globalloader.dataset.fingerprint import digest, fn_fingerprint
+from globalloader.dataset.fingerprint import digest, fingerprint
 from globalloader.errors import ArgumentError, check_int
 from globalloader.sampling.sharding import ShardArgs, shard_length
 from globalloader.sources.base import RecordStream
@@ -58,7 +59,7 @@ class StreamSource:
         if isinstance(fp, str):
             return fp
         if inspect.isfunction(self.iterable):
-            return fn_fingerprint(self.iterable)
+            return fingerprint(self.iterable, f"function {self.iterable.__qualname__!r}")
         return digest(type(self.iterable).__qualname__, self.length())
 
 
@@ -144,10 +145,7 @@ class StreamReader:
             records = op.apply(records, epoch, length)
             length = op.length(length)
         self._records = records
-        self.taken = 0
-        for _ in range(skip):
-            if self.take(1) == []:
-                break
+        self.taken = sum(1 for _ in itertools.islice(records, skip))  # replayed, never mapped
 
     def take(self, count: int) -> list[Any]:
         """Up to `count` next records; fewer (maybe none) at the end of the epoch."""

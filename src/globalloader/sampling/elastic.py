@@ -13,6 +13,7 @@ an int64 array of the remaining positions (O(n) time and memory when the state i
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +35,7 @@ class Layer:
 
     def to_json(self) -> dict[str, Any]:
         """Counts run-length encoded ([[count, ranks], ...]): ranks in lockstep cost one pair."""
-        runs: list[list[int]] = []
-        for c in self.counts:
-            if runs and runs[-1][0] == c:
-                runs[-1][1] += 1
-            else:
-                runs.append([c, 1])
+        runs = [[c, len(list(same))] for c, same in itertools.groupby(self.counts)]
         return {"world": self.world, "counts": runs, "uneven": self.uneven}
 
     @classmethod

@@ -25,10 +25,8 @@ follows as the pool holds samples of the job's set. Consequences that shape the 
 - A job joining mid-epoch makes the others re-draw where its set cuts their cells; a job
   leaving never merges them (the follow rule would prefer the part the leaver had loaded).
 - Only draws made since the job's own epoch began may be followed, so epochs stay independent.
-- A fresh draw makes a sample followable, loaded or not: `loaded` decides nothing; `evicted`
-  ends a sample's followability and its warmth.
-- A job that starts an epoch while sharing draws it from the sampler's stream, not its seed,
-  so a job re-run with the same seed cannot make the others' epochs repeat.
+- A fresh draw makes a sample followable, loaded or not; `evicted` ends its followability and
+  its warmth (see `JointSampler` for why an order drawn while sharing is not its seed's).
 
 Cost per request is O(1) amortised (a few list, dict and bytearray lookups): each follow-log
 entry and each fresh-list element is passed at most once per epoch. Drawing an order (epoch
@@ -47,6 +45,7 @@ import operator
 import zlib
 from array import array
 from collections.abc import Hashable, Sequence
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,56 +62,42 @@ _LOG_SLACK = 4096
 _MAX_INDEX = 2**31 - 2
 
 
+@dataclass(slots=True, eq=False)
 class _Cell:
     """One cell of a job's current epoch: its elements in uniform order and its follow log."""
 
-    __slots__ = ("fresh", "log", "next_fresh", "next_log")
-
-    def __init__(self, fresh: array[int]) -> None:
-        self.fresh = fresh  # the cell's elements, uniformly shuffled; seen ones are skipped
-        self.next_fresh = 0
-        self.log: list[tuple[int, int]] = []  # (load sequence number, index), oldest first
-        self.next_log = 0  # entries before it are followed or stale for this epoch
+    fresh: array[int]  # the cell's elements, uniformly shuffled; seen ones are skipped
+    next_fresh: int = 0
+    log: list[tuple[int, int]] = field(default_factory=list)  # (load sequence number, index), oldest first
+    next_log: int = 0  # entries before it are followed or stale for this epoch
 
 
+@dataclass(slots=True, eq=False)  # by identity: regions hold jobs in tuples
 class _Job:
     """Everything the sampler keeps for one job."""
 
-    __slots__ = (
-        "base",
-        "cell",
-        "cells",
-        "checksum",
-        "epoch",
-        "followed",
-        "indices",
-        "labels",
-        "layout",
-        "length",
-        "name",
-        "pos",
-        "seed",
-        "seeded",
-        "seen",
-    )
+    name: Hashable
+    indices: np.ndarray  # sorted unique int64
+    seed: int
+    universe: InitVar[int]
+    checksum: int = field(init=False)
+    seen: bytearray = field(init=False)  # 1 for every index seen this epoch
+    cell: array[int] = field(init=False)  # cell id of each unseen index of the set
+    epoch: int = 0
+    cells: list[_Cell] = field(default_factory=list)
+    labels: array[int] | None = None  # cell label of each request; None with one cell
+    pos: int = 0  # requests served from the current arrangement
+    length: int = 0  # requests the current arrangement holds
+    base: int = 0  # requests served before the current arrangement
+    followed: int = 0
+    seeded: bool = False  # whether the current arrangement is the plain shuffle of its seed
+    # (regions version, whether no other job wants any of its indices), cached per version
+    layout: tuple[int, bool] = (-1, True)
 
-    def __init__(self, name: Hashable, indices: np.ndarray, seed: int, universe: int) -> None:
-        self.name = name
-        self.indices = indices  # sorted unique int64
-        self.checksum = zlib.crc32(indices.astype("<i8").tobytes())
-        self.seed = seed
-        self.epoch = 0
-        self.seen = bytearray(universe)  # 1 for every index seen this epoch
-        self.cell = array("i", bytes(4 * universe))  # cell id of each unseen index of the set
-        self.cells: list[_Cell] = []
-        self.labels: array[int] | None = None  # cell label of each request; None with one cell
-        self.pos = 0  # requests served from the current arrangement
-        self.length = 0  # requests the current arrangement holds
-        self.base = 0  # requests served before the current arrangement
-        self.followed = 0
-        self.seeded = False  # whether the current arrangement is the plain shuffle of its seed
-        # (regions version, whether no other job wants any of its indices), cached per version
-        self.layout: tuple[int, bool] = (-1, True)
+    def __post_init__(self, universe: int) -> None:
+        self.checksum = zlib.crc32(self.indices.astype("<i8").tobytes())
+        self.seen = bytearray(universe)
+        self.cell = array("i", bytes(4 * universe))
 
 
 class JointSampler:
@@ -475,22 +460,21 @@ class JointSampler:
         cut = int(_combine(old, region).max()) + 1 > np.count_nonzero(np.bincount(old))
         if not cut and not (j.seeded and not self._alone(j)):
             return
-        live = self._live
-        entries = sorted(
-            (seq, index)
-            for cell in j.cells
-            for seq, index in cell.log[cell.next_log :]
-            if not j.seen[index] and live.get(index) == seq
-        )
+        entries = sorted(entry for cell in j.cells for entry in _followable(cell, j.seen, self._live))
         self._redraw(j, rest)
         cells, cell_ids = j.cells, j.cell
         for entry in entries:
             cells[cell_ids[entry[1]]].log.append(entry)
 
 
+def _followable(cell: _Cell, seen: bytearray, live: dict[int, int]) -> list[tuple[int, int]]:
+    """The cell's log entries a request can still follow (not passed, not seen, not evicted)."""
+    return [(seq, index) for seq, index in cell.log[cell.next_log :] if not seen[index] and live.get(index) == seq]
+
+
 def _compact(cell: _Cell, seen: bytearray, live: dict[int, int]) -> None:
-    """Drop the log entries no request can follow any more (passed, seen or evicted)."""
-    cell.log = [(seq, index) for seq, index in cell.log[cell.next_log :] if not seen[index] and live.get(index) == seq]
+    """Drop the log entries no request can follow any more."""
+    cell.log = _followable(cell, seen, live)
     cell.next_log = 0
 
 
