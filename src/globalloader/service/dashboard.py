@@ -45,10 +45,13 @@ _STATIC = {  # path -> (file in web/, content type)
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
     "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
 }
-_CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-)
+_HEADERS = {  # on every answer
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+}
 
 
 class History:
@@ -209,12 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
             )
             return
         if given is not None and url.path == "/":  # keep the token in a cookie, not in the address bar
-            self.send_response(HTTPStatus.SEE_OTHER)
-            self.send_header("Location", "/")
-            self.send_header("Set-Cookie", self.server.cookie())
-            self._common_headers()
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+            self._send(HTTPStatus.SEE_OTHER, headers={"Location": "/", "Set-Cookie": self.server.cookie()})
             return
         if url.path == "/api/status":
             self._send(HTTPStatus.OK, json.dumps(self.server.history.snapshot()).encode(), "application/json")
@@ -228,25 +226,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
 
     def _refuse_write(self) -> None:
-        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
-        self.send_header("Allow", "GET")
-        self._common_headers()
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+        self._send(HTTPStatus.METHOD_NOT_ALLOWED, headers={"Allow": "GET"})
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_write  # the dashboard is read-only
 
-    def _common_headers(self) -> None:
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("Referrer-Policy", "no-referrer")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Security-Policy", _CSP)
-
-    def _send(self, code: HTTPStatus, body: bytes, content_type: str) -> None:
+    def _send(
+        self, code: HTTPStatus, body: bytes = b"", content_type: str = "", headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self._common_headers()
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        for name, value in {**(headers or {}), "Content-Length": str(len(body)), **_HEADERS}.items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 

@@ -34,11 +34,7 @@ SERVER_GAUGES = (
 SERVER_COUNTERS = (
     ("globalloader_requests", "Samples the jobs asked for", ("requests",)),
     ("globalloader_decodes", "Samples the decode workers loaded", ("decodes",)),
-    (
-        "globalloader_decodes_saved",
-        "Samples served without a decode of their own",
-        ("decodes_saved",),
-    ),
+    ("globalloader_decodes_saved", "Samples served without a decode of their own", ("decodes_saved",)),
     ("globalloader_decode_seconds", "Seconds decode workers spent loading, summed over workers", ("decode_s",)),
     ("globalloader_decode_worker_restarts", "Decode workers replaced after they died", ("worker_restarts",)),
     (

@@ -26,7 +26,7 @@ from typing import Any
 from globalloader.errors import GlobalLoaderError, ServerStartError
 from globalloader.service import launcher, protocol
 from globalloader.service.connections import Connection, Connections, log
-from globalloader.service.decoder import DecoderPool, Events
+from globalloader.service.decoder import DecoderPool
 from globalloader.service.scheduler import Scheduler
 from globalloader.storage.cache import ObjectCache, default_root
 from globalloader.transport import arena
@@ -50,13 +50,12 @@ class Server:
             raise
         self._running = True
         self.started = time.time()
-        self.scheduler = Scheduler(self.io, self.arena.name, memory, self._start_decoders(workers))
-
-    def _start_decoders(self, workers: int) -> Callable[[Events], DecoderPool]:
-        def start(events: Events) -> DecoderPool:
-            return DecoderPool(workers, self.arena.name, events, self._register_pipe, self.io.unregister)
-
-        return start
+        self.scheduler = Scheduler(
+            self.io,
+            self.arena.name,
+            memory,
+            lambda events: DecoderPool(workers, self.arena.name, events, self._register_pipe, self.io.unregister),
+        )
 
     def _register_pipe(self, conn: Any, callback: Callable[[], None]) -> None:
         self._selector.register(conn, selectors.EVENT_READ, lambda _: callback())
