@@ -70,7 +70,7 @@ class InlinePool:
 class ThreadPool:
     """mode="thread": one thread per worker; results are passed by reference (no copies)."""
 
-    def __init__(self, plan: Plan, skip_errors: bool, workers: int, timeout: float = 300.0) -> None:
+    def __init__(self, plan: Plan, skip_errors: bool, workers: int, timeout: float) -> None:
         self._timeout = timeout
         self._inbox: list[queue.SimpleQueue[Task | None]] = [queue.SimpleQueue() for _ in range(workers)]
         # a result, or the exception a task raised with its traceback text

@@ -55,7 +55,7 @@ _HEADERS = {  # on every answer
 
 
 class History:
-    """The server's status over the last `window` seconds, polled every `interval` seconds.
+    """The server's status over the last WINDOW_S seconds, polled every POLL_S seconds.
 
     Each point has the jobs' own figures (samples/s, waiting share, followed share) and the
     server's rates between two polls (pool hits and evictions, decodes saved, decode workers'
@@ -63,9 +63,9 @@ class History:
     server that stops answering, or a new server in its place, is an event, never a crash.
     """
 
-    def __init__(self, fetch: Callable[[], dict[str, Any]], interval: float = POLL_S, window: float = WINDOW_S) -> None:
-        self._fetch, self.interval = fetch, interval
-        self._points: deque[dict[str, Any]] = deque(maxlen=max(2, int(window / interval) + 1))
+    def __init__(self, fetch: Callable[[], dict[str, Any]]) -> None:
+        self._fetch, self.interval = fetch, POLL_S
+        self._points: deque[dict[str, Any]] = deque(maxlen=int(WINDOW_S / POLL_S) + 1)
         self._events: deque[tuple[float, str]] = deque(maxlen=50)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -247,7 +247,7 @@ class Dashboard(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, socket_path: Path, port: int = DEFAULT_PORT, interval: float = POLL_S) -> None:
+    def __init__(self, socket_path: Path, port: int = DEFAULT_PORT) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ArgumentError(f"--port must be 0 (any free port) to 65535, got {port!r}")
         require("prometheus_client", "service")  # /metrics needs it: say so now, not at the first scrape
@@ -264,7 +264,7 @@ class Dashboard(ThreadingHTTPServer):
         except OSError as exc:
             raise ArgumentError(f"--port {port}: cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}") from exc
         self.port = self.server_address[1]
-        self.history = History(self.fetch, interval)
+        self.history = History(self.fetch)
 
     def fetch(self) -> dict[str, Any]:
         return launcher.status(self.socket_path, timeout=5.0)
@@ -294,9 +294,9 @@ class Dashboard(ThreadingHTTPServer):
         return any(hmac.compare_digest(c.encode(), expected) for c in candidates)
 
 
-def serve(socket_path: Path, port: int = DEFAULT_PORT, interval: float = POLL_S) -> None:
+def serve(socket_path: Path, port: int = DEFAULT_PORT) -> None:
     """Run the dashboard until Ctrl-C; prints its address (with the token) first."""
-    dashboard = Dashboard(socket_path, port, interval)
+    dashboard = Dashboard(socket_path, port)
     dashboard.history.start()
     print(f"globalloader dashboard for {socket_path}: {dashboard.url}", flush=True)
     print(f"  metrics: http://127.0.0.1:{dashboard.port}/metrics (Authorization: Bearer <token>)", flush=True)

@@ -121,14 +121,8 @@ class Scheduler:
             group = Group(info["prefix_fp"], info["prefix"], JointSampler())  # fresh stream: see JointSampler
             self.groups[group.fingerprint] = group
         timeout = float(info.get("timeout") or 300.0)
-        job = Job(
-            self._next_job,
-            conn,
-            str(info.get("name") or f"job-{self._next_job}"),
-            group,
-            timeout=timeout if timeout > 0 else 300.0,
-            seed=int(info.get("seed", 0)),
-        )
+        name = str(info.get("name") or f"job-{self._next_job}")
+        job = Job(self._next_job, conn, name, group, timeout if timeout > 0 else 300.0, int(info.get("seed", 0)))
         self._next_job += 1
         conn.job = job
         self.jobs[job.id] = job

@@ -153,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", default="2G", help="buffer pool size in /dev/shm, e.g. 512M, 4G")
     parser.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 2), help="decode workers")
     parser.add_argument(
-        "--socket",
-        default=None,
-        help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)",
+        "--socket", help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)"
     )
     parser.add_argument(
         "--idle-exit", type=float, default=0.0, help="exit after this many seconds with no jobs (0: never)"
@@ -169,15 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ServerStartError(f"--idle-exit must be a number of seconds >= 0 (0: never), got {args.idle_exit}")
     lock = launcher.own_socket(path)
     if lock is None:
-        print(f"globalloader server: another server owns {path}; exiting", file=sys.stderr, flush=True)
+        log(f"another server owns {path}; exiting")
         return launcher.LOST_RACE
     launcher.clear_leftovers(path)
     server = Server(path, memory, args.workers, args.idle_exit)
-    print(
-        f"globalloader server: pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers",
-        file=sys.stderr,
-        flush=True,
-    )
+    log(f"pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers")
     server.serve_forever()
     return 0
 

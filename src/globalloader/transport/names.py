@@ -32,7 +32,7 @@ def free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def list_names(prefix: str = PREFIX) -> list[str]:
+def list_names(prefix: str) -> list[str]:
     """Shared-memory names starting with `prefix` (Linux only; elsewhere empty)."""
     try:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
