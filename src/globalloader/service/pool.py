@@ -69,7 +69,7 @@ class BufferPool(Generic[K]):
         self._starts = [0]  # free blocks, sorted by offset
         self._sizes = {0: capacity}
         self.used = 0
-        self.counters: Counter[str] = Counter()  # hits, misses, evictions, loads
+        self.counters: Counter[str] = Counter()  # hits, evictions, loads
 
     # -- lookups -----------------------------------------------------------------------------
     def get(self, key: K) -> Entry | None:
