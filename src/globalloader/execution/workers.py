@@ -2,10 +2,8 @@
 
 All pools share one protocol: `submit(worker, task)` queues a task on one worker and
 `result(worker)` returns that worker's next result, in submission order. The Loader assigns tasks
-round-robin, so reading results worker by worker yields them in task order.
-
-Process workers are started once and live across epochs; `runtime.WorkerPool` owns their life
-(death, timeout, shared memory, stop, parent death) and this module gives them their body.
+round-robin, so reading results worker by worker yields them in task order. Process workers live
+across epochs; `runtime.WorkerPool` owns their life and this module gives them their body.
 """
 
 from __future__ import annotations
@@ -42,12 +40,14 @@ class Result(NamedTuple):
     idle: float  # seconds the worker waited for this task
 
 
-def _run(plan: Plan, task: Task, skip_errors: bool, timer: Timer, deferred: bool = False) -> Any:
+def _run(plan: Plan, task: Task, skip_errors: bool, idle: float = 0.0, deferred: bool = False) -> Result:
     items = task.items  # None: the task's own indices, which the plan computes
     if task.arena is not None:  # global loader tickets: read the shared prefix's output in place
         memory = attach(task.arena)  # items without an offset are computed here from scratch
         items = [(i, MISSING if offset is None else memory.read(offset, layout)) for i, offset, layout in items]
-    return plan.run_task(task.epoch, task.number, items, skip_errors, timer, task.first_map, deferred)
+    timer: Timer = {}
+    res = plan.run_task(task.epoch, task.number, items, skip_errors, timer, task.first_map, deferred)
+    return Result(task.number, res.output, res.skipped, timer, idle)
 
 
 class InlinePool:
@@ -61,10 +61,7 @@ class InlinePool:
         self._tasks.append(task)
 
     def result(self, worker: int) -> Result:
-        task = self._tasks.popleft()
-        timer: Timer = {}
-        res = _run(self._plan, task, self._skip, timer)
-        return Result(task.number, res.output, res.skipped, timer, 0.0)
+        return _run(self._plan, self._tasks.popleft(), self._skip)
 
     def close(self) -> None:
         self._tasks.clear()
@@ -73,7 +70,7 @@ class InlinePool:
 class ThreadPool:
     """mode="thread": one thread per worker; results are passed by reference (no copies)."""
 
-    def __init__(self, plan: Plan, skip_errors: bool, workers: int, timeout: float = 300.0) -> None:
+    def __init__(self, plan: Plan, skip_errors: bool, workers: int, timeout: float) -> None:
         self._timeout = timeout
         self._inbox: list[queue.SimpleQueue[Task | None]] = [queue.SimpleQueue() for _ in range(workers)]
         # a result, or the exception a task raised with its traceback text
@@ -93,11 +90,8 @@ class ThreadPool:
             task = self._inbox[w].get()
             if task is None:
                 return
-            idle = time.perf_counter() - t0
-            timer: Timer = {}
             try:
-                res = _run(plan, task, skip_errors, timer)
-                self._outbox[w].put(Result(task.number, res.output, res.skipped, timer, idle))
+                self._outbox[w].put(_run(plan, task, skip_errors, time.perf_counter() - t0))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 self._outbox[w].put((exc, traceback.format_exc()))
 
@@ -140,13 +134,12 @@ class _TaskBody:
 
     def run(self, worker: Worker, task: Task) -> None:
         idle = time.perf_counter() - self._idle_since
-        timer: Timer = {}
         try:
-            res = _run(cast(Plan, self._plan), task, self._skip, timer, deferred=True)
+            res = _run(cast(Plan, self._plan), task, self._skip, idle, deferred=True)
             t1 = time.perf_counter()
-            payload = None if res.output is None else worker.pack(res.output)
-            timer["transport"] = [1, time.perf_counter() - t1]
-            worker.send(Result(task.number, payload, res.skipped, timer, idle))
+            res = res._replace(output=None if res.output is None else worker.pack(res.output))
+            res.timer["transport"] = [1, time.perf_counter() - t1]
+            worker.send(res)
         except Exception as exc:  # noqa: BLE001 - whatever the chain raised is sent back to the consumer
             worker.send(failure(exc, TransformError))
         self._idle_since = time.perf_counter()

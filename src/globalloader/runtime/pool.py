@@ -1,13 +1,11 @@
 """One pool of worker processes, whatever they run: the Loader's tasks, the DataLoader drop-in's
 batches, the shared server's decodes.
 
-A pool owns everything about a worker's life, so a fix to it reaches every front door at once:
-the start (a duplex pipe per worker; the body object is handed over once), death (noticed through
-the process's pidfd at once, raised as one `WorkerError` naming the pid and the signal or exit code),
-timeout (one `LoaderTimeoutError`), shared memory (batches a worker writes come back through
-`transport.segments`; names the consumer released travel back with that worker's next message),
-stop (politely, then killed after a grace period) and parent death (a worker unlinks its
-leftovers and exits as soon as its owner dies, even while its task is stuck).
+A pool owns a worker's whole life, so a fix reaches every front door at once: start (a duplex
+pipe each), death (seen at once through its pidfd: one `WorkerError` naming pid and signal or
+exit code), timeout (`LoaderTimeoutError`), shared memory (`transport.segments`; released names
+go back with the worker's next message), stop (politely, then killed) and parent death (the
+worker unlinks its leftovers and exits, even while its task is stuck).
 
 What a worker does is its *body*: `setup(worker)` once in the worker process, then
 `run(worker, message)` for every message, replying through `worker.send`.
@@ -216,18 +214,12 @@ class WorkerPool:
         conn = self.conns[w]
         if not conn.poll():  # the common case when results are ahead: no selector, no deadline
             self._wait([w], doing)
-        return self._read(w, doing)
-
-    def read(self, w: int, doing: str = "") -> Any:
-        """Worker `w`'s next reply when its pipe is known to be readable (an event loop's
-        selector said so): no poll, no deadline. A pipe that is readable because the worker
-        died raises WorkerError."""
-        return self._read(w, doing)
+        return self.read(w, doing)
 
     def receive_any(self, doing: str = "") -> tuple[int, Any]:
         """(worker, reply) for the next reply of any worker not told to stop."""
         w = self._wait([w for w in range(len(self.conns)) if w not in self.stopped], doing)
-        return w, self._read(w, doing)
+        return w, self.read(w, doing)
 
     def _wait(self, workers: list[int], doing: str) -> int:
         """The first of `workers` with a reply; WorkerError if one ends first, LoaderTimeoutError
@@ -253,7 +245,9 @@ class WorkerPool:
                     f"raise {self._setting} if the work is this slow"
                 )
 
-    def _read(self, w: int, doing: str) -> Any:
+    def read(self, w: int, doing: str = "") -> Any:
+        """Worker `w`'s next reply when its pipe is known to be readable (an event loop's selector
+        said so): no poll, no deadline; WorkerError if it is readable because the worker died."""
         try:
             return pickle.loads(self.conns[w].recv_bytes())
         except (EOFError, OSError):

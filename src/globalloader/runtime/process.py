@@ -3,6 +3,7 @@ tuning a worker does first. (Whether a pid is alive: `globalloader._pids`.)"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import signal
 import sys
@@ -15,12 +16,10 @@ def tune_allocator() -> None:
     decoded image costs page faults and zeroing: ~0.7 ms of a ~1.6 ms decode + to-array here.
     Raising the thresholds lets workers reuse the same pages sample after sample.
     """
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the default allocator is fine, only slower
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc: the default allocator is fine, only slower
 
 
 def single_threaded_torch() -> None:

@@ -4,8 +4,7 @@ A reader thread turns the socket into an inbox (a list of messages per read: the
 round of tickets as one frame) and a heartbeat thread tells the server the job's progress. Every
 wait has a deadline: `get(timeout)` raises ServerGoneError as soon as the connection closes or
 the server's process is gone, and LoaderTimeoutError when nothing arrives in time from a server
-that is alive but stuck. A server that is merely slow to answer (a long
-load, a busy machine) is not taken for dead.
+that is alive but stuck; one merely slow to answer (a long load, a busy machine) is not dead.
 """
 
 from __future__ import annotations
@@ -25,18 +24,14 @@ from globalloader.service.launcher import connect, ensure_server
 
 
 class Client:
-    def __init__(
-        self, path: str | Path, start: bool = True, memory: str | int | None = None, workers: int | None = None
-    ) -> None:
+    def __init__(self, path: str | Path, memory: str | int | None = None) -> None:
+        """Connect to the server at `path`, started first (with `memory`) unless one answers."""
         self.path = Path(path)
-        if start:
-            ensure_server(self.path, memory, workers)
+        ensure_server(self.path, memory)
         try:
             self.sock, self.server_pid = connect(self.path)
         except OSError as exc:
-            raise (ServerStartError if start else ServerGoneError)(
-                f"no globalloader server answers at {self.path}"
-            ) from exc
+            raise ServerStartError(f"no globalloader server answers at {self.path}") from exc
         self._inbox: queue.SimpleQueue[list[tuple]] = queue.SimpleQueue()
         self._taken: deque[tuple] = deque()  # messages of the last lists taken from the inbox, in order
         self._send_lock = threading.Lock()
@@ -79,7 +74,7 @@ class Client:
         except OSError as exc:
             raise ServerGoneError(f"the globalloader server at {self.path} is gone: {exc}") from exc
 
-    def get(self, timeout: float, waiting_for: str = "an answer") -> tuple:
+    def get(self, timeout: float, waiting_for: str) -> tuple:
         """The next message within `timeout` seconds (<= 0: no deadline).
 
         Raises the error the server reported, ServerGoneError if it closed or died, and
@@ -121,11 +116,9 @@ class Client:
     def close(self) -> None:
         if self._closed.is_set():
             return
-        try:
+        with contextlib.suppress(ServerGoneError):
             self.send("heartbeat", self.progress)  # the last progress, for `status`
             self.send("bye")
-        except ServerGoneError:
-            pass
         self._closed.set()
         with contextlib.suppress(OSError):
             self.sock.close()

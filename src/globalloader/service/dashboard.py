@@ -45,14 +45,17 @@ _STATIC = {  # path -> (file in web/, content type)
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
     "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
 }
-_CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-)
+_HEADERS = {  # on every answer
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+}
 
 
 class History:
-    """The server's status over the last `window` seconds, polled every `interval` seconds.
+    """The server's status over the last WINDOW_S seconds, polled every POLL_S seconds.
 
     Each point has the jobs' own figures (samples/s, waiting share, followed share) and the
     server's rates between two polls (pool hits and evictions, decodes saved, decode workers'
@@ -60,9 +63,9 @@ class History:
     server that stops answering, or a new server in its place, is an event, never a crash.
     """
 
-    def __init__(self, fetch: Callable[[], dict[str, Any]], interval: float = POLL_S, window: float = WINDOW_S) -> None:
-        self._fetch, self.interval = fetch, interval
-        self._points: deque[dict[str, Any]] = deque(maxlen=max(2, int(window / interval) + 1))
+    def __init__(self, fetch: Callable[[], dict[str, Any]]) -> None:
+        self._fetch, self.interval = fetch, POLL_S
+        self._points: deque[dict[str, Any]] = deque(maxlen=int(WINDOW_S / POLL_S) + 1)
         self._events: deque[tuple[float, str]] = deque(maxlen=50)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -209,12 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
             )
             return
         if given is not None and url.path == "/":  # keep the token in a cookie, not in the address bar
-            self.send_response(HTTPStatus.SEE_OTHER)
-            self.send_header("Location", "/")
-            self.send_header("Set-Cookie", self.server.cookie())
-            self._common_headers()
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+            self._send(HTTPStatus.SEE_OTHER, headers={"Location": "/", "Set-Cookie": self.server.cookie()})
             return
         if url.path == "/api/status":
             self._send(HTTPStatus.OK, json.dumps(self.server.history.snapshot()).encode(), "application/json")
@@ -228,25 +226,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
 
     def _refuse_write(self) -> None:
-        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
-        self.send_header("Allow", "GET")
-        self._common_headers()
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+        self._send(HTTPStatus.METHOD_NOT_ALLOWED, headers={"Allow": "GET"})
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_write  # the dashboard is read-only
 
-    def _common_headers(self) -> None:
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("Referrer-Policy", "no-referrer")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Security-Policy", _CSP)
-
-    def _send(self, code: HTTPStatus, body: bytes, content_type: str) -> None:
+    def _send(
+        self, code: HTTPStatus, body: bytes = b"", content_type: str = "", headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self._common_headers()
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        for name, value in {**(headers or {}), "Content-Length": str(len(body)), **_HEADERS}.items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
@@ -256,7 +247,7 @@ class Dashboard(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, socket_path: Path, port: int = DEFAULT_PORT, interval: float = POLL_S) -> None:
+    def __init__(self, socket_path: Path, port: int = DEFAULT_PORT) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ArgumentError(f"--port must be 0 (any free port) to 65535, got {port!r}")
         require("prometheus_client", "service")  # /metrics needs it: say so now, not at the first scrape
@@ -273,7 +264,7 @@ class Dashboard(ThreadingHTTPServer):
         except OSError as exc:
             raise ArgumentError(f"--port {port}: cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}") from exc
         self.port = self.server_address[1]
-        self.history = History(self.fetch, interval)
+        self.history = History(self.fetch)
 
     def fetch(self) -> dict[str, Any]:
         return launcher.status(self.socket_path, timeout=5.0)
@@ -303,9 +294,9 @@ class Dashboard(ThreadingHTTPServer):
         return any(hmac.compare_digest(c.encode(), expected) for c in candidates)
 
 
-def serve(socket_path: Path, port: int = DEFAULT_PORT, interval: float = POLL_S) -> None:
+def serve(socket_path: Path, port: int = DEFAULT_PORT) -> None:
     """Run the dashboard until Ctrl-C; prints its address (with the token) first."""
-    dashboard = Dashboard(socket_path, port, interval)
+    dashboard = Dashboard(socket_path, port)
     dashboard.history.start()
     print(f"globalloader dashboard for {socket_path}: {dashboard.url}", flush=True)
     print(f"  metrics: http://127.0.0.1:{dashboard.port}/metrics (Authorization: Bearer <token>)", flush=True)

@@ -50,12 +50,10 @@ def _run_prefix(prefix: Any, index: int) -> Any:
     """The shared prefix's sample, with a failure named as the job will see it."""
     try:
         return prefix.prefix_sample(index)
-    except GlobalLoaderError:
+    except (GlobalLoaderError, MemoryError):
         raise
     except ImportError as exc:  # a module the shared maps need is not importable here
         raise SharedPrefixError(f"the server cannot import what the shared maps need: {exc}") from exc
-    except MemoryError:
-        raise
     except Exception as exc:  # raised by the source's own read, not by a map
         raise SourceError(f"reading sample {index} failed: {type(exc).__name__}: {exc}") from exc
 
@@ -152,21 +150,18 @@ class DecodeBody:
             self._done(("failed", fp, index, error_name(exc), str(exc)))
             return
         if guess is not None and layout[0] <= guess[1]:
-            memory.write(guess[0], placed)  # the usual case: no round trip to the server
-            self._done(("done", fp, index, layout, time.perf_counter() - t0))
-            return
-        self._reply(conn)  # what is done goes first: the server may need it to make room
-        with self.lock:
-            conn.send(("reserve", fp, index, layout[0]))
-        while True:
-            reply = conn.receive()
-            if reply[0] in ("at", "abort"):
-                break
-            backlog.append(reply)
-        if reply[0] == "abort":
-            self._done(("failed", fp, index, reply[1], reply[2]))
-            return
-        memory.write(reply[1], placed)
+            offset = guess[0]  # the usual case: no round trip to the server
+        else:
+            self._reply(conn)  # what is done goes first: the server may need it to make room
+            with self.lock:
+                conn.send(("reserve", fp, index, layout[0]))
+            while (reply := conn.receive())[0] not in ("at", "abort"):
+                backlog.append(reply)
+            if reply[0] == "abort":
+                self._done(("failed", fp, index, reply[1], reply[2]))
+                return
+            offset = reply[1]
+        memory.write(offset, placed)
         self._done(("done", fp, index, layout, time.perf_counter() - t0))
 
 
@@ -218,8 +213,7 @@ class DecoderPool:
         self._space_progress = time.monotonic()  # last time pool space was granted or released
         self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
         self._sent = 0  # loads sent so far (their order)
-        # Every load in flight by key, beside its worker's own `loads` (`_start` and `_end` keep
-        # both): the scheduler asks `room` and `loading` for each sample it draws.
+        # Every load in flight by key, beside its worker's own `loads` (`_start` and `_end` keep both).
         self._loading: dict[Key, _Worker] = {}
         self.decode_s = 0.0
         self.restarts = 0
@@ -233,9 +227,6 @@ class DecoderPool:
         worker = _Worker(slot)
         self._register(self._processes.conns[slot], lambda: self._message(worker))
         return worker
-
-    def _why(self, worker: _Worker) -> str:
-        return self._processes.exited(worker.slot) or "closed its pipe"
 
     def room(self) -> bool:
         """Whether the server should draw more samples now: while fewer than LOADS_PER_WORKER
@@ -262,14 +253,10 @@ class DecoderPool:
                 return False
         return True
 
-    def loading(self, key: Key) -> bool:
-        """Whether a worker is loading `key` now (a second load of it must not start)."""
-        return key in self._loading
-
     def load(self, fp: str, index: int, timeout: float, attempts: int = 0) -> None:
         """Start loading sample `index` of prefix `fp`; `timeout` bounds how long it may run."""
         prefix = self._events.prefix_of(fp)
-        if prefix is None or self.loading((fp, index)):  # its jobs left; or it is on its way
+        if prefix is None or (fp, index) in self._loading:  # its jobs left; or it is on its way
             return
         worker = min(self._workers, key=lambda w: len(w.loads))
         # Reserve the largest size this chain produced so far, so the worker can write without
@@ -282,14 +269,10 @@ class DecoderPool:
             offset = self.pool.reserve((fp, index), size)
         self._sent += 1
         self._start(worker, Load((fp, index), time.monotonic() + timeout, timeout, attempts, self._sent))
-        try:
-            if fp not in worker.prefixes:
-                self._send(worker)  # the loads queued before it, in order
-                self._processes.send(worker.slot, ("prefix", fp, prefix))
-                worker.prefixes.add(fp)
-        except WorkerError:  # it died since we last looked: its replacement takes this load too
-            self._replace(worker, self._why(worker))
-            return
+        if fp not in worker.prefixes:  # after the loads queued before it, in order
+            if not (self._send(worker) and self._tell(worker, ("prefix", fp, prefix))):
+                return  # it died since we last looked: its replacement takes this load too
+            worker.prefixes.add(fp)
         worker.unsent.append((fp, index, None if offset is None else (offset, size), self._sent))
 
     def send(self) -> None:
@@ -298,16 +281,15 @@ class DecoderPool:
         message (and answers them in one)."""
         for worker in list(self._workers):
             if worker.unsent:
-                try:
-                    self._send(worker)
-                except WorkerError:
-                    self._replace(worker, self._why(worker))
+                self._send(worker)
 
-    def _send(self, worker: _Worker) -> None:
+    def _send(self, worker: _Worker) -> bool:
         unsent, worker.unsent = worker.unsent, []
         for k in range(0, len(unsent), GROUP):
             group = unsent[k : k + GROUP]
-            self._processes.send(worker.slot, ("load", *group[0]) if len(group) == 1 else ("loads", group))
+            if not self._tell(worker, ("load", *group[0]) if len(group) == 1 else ("loads", group)):
+                return False
+        return True
 
     def _start(self, worker: _Worker, load: Load) -> None:
         worker.loads[load.key] = load
@@ -325,19 +307,17 @@ class DecoderPool:
         if prefix is None:
             return
         worker = min(self._workers, key=lambda w: len(w.loads))
-        try:
-            if fp not in worker.prefixes:
-                self._processes.send(worker.slot, ("prefix", fp, prefix))
-                worker.prefixes.add(fp)
-            self._processes.send(worker.slot, ("prefetch", fp, indices))
-        except WorkerError:  # it died since we last looked: the loads fetch what they need themselves
-            self._replace(worker, self._why(worker))
+        if fp not in worker.prefixes:  # a worker that died meanwhile is replaced: the loads fetch themselves
+            if not self._tell(worker, ("prefix", fp, prefix)):
+                return
+            worker.prefixes.add(fp)
+        self._tell(worker, ("prefetch", fp, indices))
 
     def _message(self, worker: _Worker) -> None:
         try:
             msg = self._processes.read(worker.slot)  # the server's selector saw its pipe readable
         except WorkerError:
-            self._replace(worker, self._why(worker))
+            self._replace(worker)
             return
         try:
             for reply in msg[1] if msg[0] == "replies" else (msg,):
@@ -421,15 +401,12 @@ class DecoderPool:
                 self._processes.kill(worker.slot)  # before its space is given back: it must not write there
                 self._end(worker, load.key)
                 self._abort_reservation(load.key)
-                self._events.failed(
-                    load.key[0],
-                    load.key[1],
-                    "LoaderTimeoutError",
-                    (
-                        f"sample {load.key[1]}: the shared prefix ran for more than {load.timeout:.0f} s on it "
-                        "(Loader(timeout=)); its decode worker was restarted"
-                    ),
+                fp, index = load.key
+                message = (
+                    f"sample {index}: the shared prefix ran for more than {load.timeout:.0f} s on it "
+                    "(Loader(timeout=)); its decode worker was restarted"
                 )
+                self._events.failed(fp, index, "LoaderTimeoutError", message)
                 self._replace(worker, "was killed after a load passed its deadline", blamed=True)
         if self._waiting_space and now - self._space_progress > STALL_S:
             self._fail_stalled()
@@ -438,39 +415,35 @@ class DecoderPool:
         """Nothing was released for STALL_S while a load waits for room: every job holds what it
         has and waits for more, which no release will ever bring. Fail that load loudly."""
         worker, _fp, index, nbytes = self._waiting_space.popleft()
-        capacity = self.pool.capacity
-        self._tell(
-            worker,
-            (
-                "abort",
-                "PoolTooSmallError",
-                (
-                    f"the server's memory pool is too small: its {capacity:,} bytes are all held by the jobs' batches "
-                    f"in progress and sample {index} ({nbytes:,} bytes) found no room for {STALL_S:.0f} s; start the "
-                    "server with more --memory (at least batch size x sample bytes x jobs, times prefetch + 1)"
-                ),
-            ),
+        message = (
+            f"the server's memory pool is too small: its {self.pool.capacity:,} bytes are all held by the jobs' "
+            f"batches in progress and sample {index} ({nbytes:,} bytes) found no room for {STALL_S:.0f} s; start the "
+            "server with more --memory (at least batch size x sample bytes x jobs, times prefetch + 1)"
         )
+        self._tell(worker, ("abort", "PoolTooSmallError", message))
         self._space_progress = time.monotonic()
 
-    def _tell(self, worker: _Worker, msg: tuple) -> None:
-        """Answer a worker mid-load; one that died meanwhile is replaced (its loads retried)."""
+    def _tell(self, worker: _Worker, msg: tuple) -> bool:
+        """Send a worker `msg`; False if it died meanwhile, and was replaced (its loads retried)."""
         try:
             self._processes.send(worker.slot, msg)
         except WorkerError:
-            self._replace(worker, self._why(worker))
+            self._replace(worker)
+            return False
+        return True
 
     def _started(self, worker: _Worker) -> Load | None:
         """The load `worker` started last, from its mark in shared memory, if still in flight."""
         started = self._running[worker.slot]
         return next((load for load in worker.loads.values() if load.order == started), None)
 
-    def _replace(self, worker: _Worker, why: str, blamed: bool = False) -> None:
+    def _replace(self, worker: _Worker, why: str | None = None, blamed: bool = False) -> None:
         """A decode worker died: start another and give it the dead one's loads again. Only the
         load it was running counts an attempt (the others waited behind it), unless `blamed`
         (that one has already failed) or it is not known (then every one counts)."""
         if worker not in self._workers:
             return
+        why = why or self._processes.exited(worker.slot) or "closed its pipe"
         running = None if blamed else self._started(worker)
         self._workers.remove(worker)
         self._unregister(self._processes.conns[worker.slot])
@@ -486,15 +459,8 @@ class DecoderPool:
             ran = not blamed and (running is None or load is running)  # it may have killed the worker
             attempts = load.attempts + int(ran)
             if attempts >= MAX_ATTEMPTS:
-                self._events.failed(
-                    fp,
-                    index,
-                    "WorkerError",
-                    (
-                        f"sample {index}: the server's decode worker {why} while loading it, "
-                        f"{MAX_ATTEMPTS} times in a row; see the server log"
-                    ),
-                )
+                message = f"sample {index}: the server's decode worker {why} while loading it, {MAX_ATTEMPTS} times"
+                self._events.failed(fp, index, "WorkerError", message + " in a row; see the server log")
             else:
                 self.load(fp, index, load.timeout, attempts)
 

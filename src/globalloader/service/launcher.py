@@ -45,15 +45,11 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def lock_path(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
-
-
 def own_socket(path: Path) -> int | None:
     """Take the exclusive lock that makes this process the server of `path`: its fd (held until
     the process exits), or None if another server holds it."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -91,9 +87,7 @@ def is_running(path: Path) -> bool:
         return False
 
 
-def ensure_server(
-    path: Path, memory: str | int | None = None, workers: int | None = None, timeout: float = 30.0
-) -> None:
+def ensure_server(path: Path, memory: str | int | None = None, timeout: float = 30.0) -> None:
     """Start a detached server at `path` unless one answers already; wait until one answers.
 
     Several jobs may do this at once: each starts a candidate, one candidate wins the socket's
@@ -107,8 +101,6 @@ def ensure_server(
     cmd += ["--idle-exit", os.environ.get("GLOBALLOADER_IDLE_EXIT", str(IDLE_EXIT_S))]
     if memory is not None:
         cmd += ["--memory", str(memory)]
-    if workers is not None:
-        cmd += ["--workers", str(workers)]
     log_path = protocol.runtime_dir() / "server.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(

@@ -34,11 +34,7 @@ SERVER_GAUGES = (
 SERVER_COUNTERS = (
     ("globalloader_requests", "Samples the jobs asked for", ("requests",)),
     ("globalloader_decodes", "Samples the decode workers loaded", ("decodes",)),
-    (
-        "globalloader_decodes_saved",
-        "Samples served without a decode of their own",
-        ("decodes_saved",),
-    ),
+    ("globalloader_decodes_saved", "Samples served without a decode of their own", ("decodes_saved",)),
     ("globalloader_decode_seconds", "Seconds decode workers spent loading, summed over workers", ("decode_s",)),
     ("globalloader_decode_worker_restarts", "Decode workers replaced after they died", ("worker_restarts",)),
     (
@@ -101,23 +97,19 @@ class StatusCollector:
             return
         status = {**status, "pool": {"hits": 0, "evictions": 0, **status.get("pool", {})}}  # counted from the first
         jobs = status.get("jobs", [])
-        for name, help_text, path in SERVER_GAUGES:
-            value = float(len(jobs)) if not path else _field(status, path)
-            if value is not None:
-                yield core.GaugeMetricFamily(name, help_text, value=value)
-        for name, help_text, path in SERVER_COUNTERS:
-            value = _field(status, path)
-            if value is not None:
-                yield core.CounterMetricFamily(name, help_text, value=value)
-        families = [(core.GaugeMetricFamily, spec) for spec in JOB_GAUGES]
-        families += [(core.CounterMetricFamily, spec) for spec in JOB_COUNTERS]
-        for family_type, (name, help_text, key) in families:
-            family = family_type(name, help_text, labels=JOB_LABELS)
-            for job in jobs:
-                value = _field(job, (key,))
+        for kind, specs in ((core.GaugeMetricFamily, SERVER_GAUGES), (core.CounterMetricFamily, SERVER_COUNTERS)):
+            for name, help_text, path in specs:
+                value = float(len(jobs)) if not path else _field(status, path)  # no path: the job count
                 if value is not None:
-                    family.add_metric([str(job["name"]), str(job["pid"])], value)
-            yield family
+                    yield kind(name, help_text, value=value)
+        for kind, job_specs in ((core.GaugeMetricFamily, JOB_GAUGES), (core.CounterMetricFamily, JOB_COUNTERS)):
+            for name, help_text, key in job_specs:
+                family = kind(name, help_text, labels=JOB_LABELS)
+                for job in jobs:
+                    value = _field(job, (key,))
+                    if value is not None:
+                        family.add_metric([str(job["name"]), str(job["pid"])], value)
+                yield family
         yield from self._cache(core, status.get("cache"))
 
     @staticmethod

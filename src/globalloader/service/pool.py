@@ -1,18 +1,17 @@
 """The buffer pool: one shared-memory arena of decoded samples, reference counted, with an LRU tier.
 
 A sample is written into the arena once (by a server worker) and read in place by every job that
-takes it. Each job holding a sample holds a reference; when the last one is released the sample
-moves to the second tier, unreferenced samples that stay readable (a later request is a hit)
-until their space is needed. That tier is two LRU lists: samples no job still wants this epoch,
-evicted first, and samples some job still wants (the joint sampler's advice: it keeps followable
-samples in memory longer than plain LRU does). A sample is filed when it becomes unreferenced;
-whether a job wants it changes otherwise only when jobs come, go or start an epoch, and the
-server then calls `refile`. A referenced or still-loading sample is never evicted, and
-the arena never grows past its capacity: a reservation that cannot fit yet waits (returns None)
-until releases make room.
+takes it, each holding a reference. When the last one is released the sample stays readable (a
+later request is a hit) in an LRU tier until its space is needed. That tier is two LRU lists:
+samples no job still wants this epoch, evicted first, and samples some job still wants (the joint
+sampler's advice: followable samples stay longer than under plain LRU). A sample is filed when it
+becomes unreferenced; whether a job wants it changes otherwise only when jobs come, go or start an
+epoch, and the server then calls `refile`. A referenced or loading sample is never evicted, and the
+arena never grows past its capacity: a reservation that cannot fit yet returns None until releases
+make room.
 
-This object is the server's bookkeeping and runs in the server's main thread only; the bytes are
-written and read by other processes through `globalloader.service.arena`.
+Bookkeeping only, in the server's main thread; the bytes are written and read by other processes
+through `transport.arena`.
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ class BufferPool(Generic[K]):
         self._starts = [0]  # free blocks, sorted by offset
         self._sizes = {0: capacity}
         self.used = 0
-        self.counters: Counter[str] = Counter()  # hits, misses, evictions, loads
+        self.counters: Counter[str] = Counter()  # hits, evictions, loads
 
     # -- lookups -----------------------------------------------------------------------------
     def get(self, key: K) -> Entry | None:

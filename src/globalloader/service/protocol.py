@@ -77,16 +77,11 @@ def default_socket() -> Path:
     return Path(explicit) if explicit else runtime_dir() / "server.sock"
 
 
-def peer(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process at the other end of a Unix socket."""
+def check_peer(sock: socket.socket, what: str) -> int:
+    """The pid of the process at the other end of a Unix socket, after checking it runs as this
+    user (else ProtocolError)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
-    return pid, uid
-
-
-def check_peer(sock: socket.socket, what: str) -> int:
-    """The peer's pid, after checking it runs as this user (else ProtocolError)."""
-    pid, uid = peer(sock)
     if uid != os.getuid():
         raise ProtocolError(
             f"the {what} (pid {pid}) runs as uid {uid}, not as this user ({os.getuid()}): "

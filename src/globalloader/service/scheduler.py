@@ -101,7 +101,8 @@ class Scheduler:
         self.decoders = start_decoders(self)
 
     def handle(self, conn: Connection, msg: tuple) -> None:
-        """Run a job's message (`hello` first; the connection I/O checked the order)."""
+        """Run a job's message (`hello` first; the connection I/O checked the order, so every
+        other message's `conn.job` is set)."""
         handler = getattr(self, f"_on_{msg[0]}", None)
         if handler is None:
             raise ProtocolError(f"{msg[0]!r} is not a request")
@@ -120,14 +121,8 @@ class Scheduler:
             group = Group(info["prefix_fp"], info["prefix"], JointSampler())  # fresh stream: see JointSampler
             self.groups[group.fingerprint] = group
         timeout = float(info.get("timeout") or 300.0)
-        job = Job(
-            self._next_job,
-            conn,
-            str(info.get("name") or f"job-{self._next_job}"),
-            group,
-            timeout=timeout if timeout > 0 else 300.0,
-            seed=int(info.get("seed", 0)),
-        )
+        name = str(info.get("name") or f"job-{self._next_job}")
+        job = Job(self._next_job, conn, name, group, timeout if timeout > 0 else 300.0, int(info.get("seed", 0)))
         self._next_job += 1
         conn.job = job
         self.jobs[job.id] = job
@@ -137,8 +132,7 @@ class Scheduler:
 
     def _on_run(self, conn: Connection, run: int, epoch: int, indices: Any) -> None:
         """A new pass: whatever the job held or awaited from earlier passes is let go."""
-        job: Job | None = conn.job
-        assert job is not None
+        job: Job = conn.job
         indices = np.asarray(indices)
         if indices.ndim != 1 or indices.dtype.kind not in "iu":
             raise ProtocolError("'run' needs a 1-d integer array of indices")
@@ -172,8 +166,7 @@ class Scheduler:
             self.decoders.retry_reservations()
 
     def _on_want(self, conn: Connection, run: int, count: int) -> None:
-        job: Job | None = conn.job
-        assert job is not None
+        job: Job = conn.job
         count = int(count)
         if run == job.run and job.open and count > 0:
             job.wanted += count
@@ -182,8 +175,7 @@ class Scheduler:
                 job.group.asking[job.id] = job
 
     def _on_release(self, conn: Connection, run: int, indices: Any) -> None:
-        job: Job | None = conn.job
-        assert job is not None
+        job: Job = conn.job
         if run != job.run or not job.open:
             return  # that pass's references went when it ended
         fp = job.group.fingerprint
@@ -192,8 +184,7 @@ class Scheduler:
         self.decoders.retry_reservations()
 
     def _on_end(self, conn: Connection, run: int) -> None:
-        job: Job | None = conn.job
-        assert job is not None
+        job: Job = conn.job
         if run == job.run:
             self._forget_pass(job)
             job.open = False  # what is still on its way to the job belongs to no live pass
@@ -211,12 +202,9 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------------------------
     def _pump(self, job: Job) -> None:
-        """Draw as many indices as the job asked for and deliver or load each. (A client never
-        asks for more than its set: it knows when its epoch ends.)
-
-        Draws are made only while the decoders have room for another load
-        (`DecoderPool.room`); the rest of the request waits among its group's `asking` jobs.
-        (See `draw`.)"""
+        """Draw as many indices as the job asked for (never more than its set: a client knows
+        when its epoch ends) and deliver or load each, while the decoders have room
+        (`DecoderPool.room`; see `draw`); the rest of the request waits among its group's `asking`."""
         group, sampler = job.group, job.group.sampler
         group.asking.pop(job.id, None)
         drawn = job.drawn

@@ -26,7 +26,7 @@ from typing import Any
 from globalloader.errors import GlobalLoaderError, ServerStartError
 from globalloader.service import launcher, protocol
 from globalloader.service.connections import Connection, Connections, log
-from globalloader.service.decoder import DecoderPool, Events
+from globalloader.service.decoder import DecoderPool
 from globalloader.service.scheduler import Scheduler
 from globalloader.storage.cache import ObjectCache, default_root
 from globalloader.transport import arena
@@ -50,13 +50,12 @@ class Server:
             raise
         self._running = True
         self.started = time.time()
-        self.scheduler = Scheduler(self.io, self.arena.name, memory, self._start_decoders(workers))
-
-    def _start_decoders(self, workers: int) -> Callable[[Events], DecoderPool]:
-        def start(events: Events) -> DecoderPool:
-            return DecoderPool(workers, self.arena.name, events, self._register_pipe, self.io.unregister)
-
-        return start
+        self.scheduler = Scheduler(
+            self.io,
+            self.arena.name,
+            memory,
+            lambda events: DecoderPool(workers, self.arena.name, events, self._register_pipe, self.io.unregister),
+        )
 
     def _register_pipe(self, conn: Any, callback: Callable[[], None]) -> None:
         self._selector.register(conn, selectors.EVENT_READ, lambda _: callback())
@@ -154,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", default="2G", help="buffer pool size in /dev/shm, e.g. 512M, 4G")
     parser.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 2), help="decode workers")
     parser.add_argument(
-        "--socket",
-        default=None,
-        help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)",
+        "--socket", help="socket path (default: $GLOBALLOADER_SOCKET, else server.sock in the user's runtime folder)"
     )
     parser.add_argument(
         "--idle-exit", type=float, default=0.0, help="exit after this many seconds with no jobs (0: never)"
@@ -170,15 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ServerStartError(f"--idle-exit must be a number of seconds >= 0 (0: never), got {args.idle_exit}")
     lock = launcher.own_socket(path)
     if lock is None:
-        print(f"globalloader server: another server owns {path}; exiting", file=sys.stderr, flush=True)
+        log(f"another server owns {path}; exiting")
         return launcher.LOST_RACE
     launcher.clear_leftovers(path)
     server = Server(path, memory, args.workers, args.idle_exit)
-    print(
-        f"globalloader server: pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers",
-        file=sys.stderr,
-        flush=True,
-    )
+    log(f"pid {os.getpid()}, socket {path}, pool {args.memory}, {args.workers} workers")
     server.serve_forever()
     return 0
 

@@ -1,14 +1,12 @@
 """The shared-memory arena behind the server's buffer pool, as every process maps it.
 
 The server creates one POSIX shared-memory segment of the pool's size; its decode workers write
-samples into it and clients' workers read them in place, as NumPy views (zero copy). Offsets and
-layouts come from the server's `BufferPool`; the layout is the codec's, so a sample is described
-exactly like a batch.
+samples into it and clients' workers read them in place, as NumPy views (zero copy). Offsets come
+from the server's `BufferPool`; layouts are the codec's, so a sample is described like a batch.
 """
 
 from __future__ import annotations
 
-import _posixshmem
 import contextlib
 import mmap
 import os
@@ -18,7 +16,7 @@ import numpy as np
 
 from globalloader.errors import ServerGoneError, ServerStartError
 from globalloader.transport.codec import copy_arrays, decode_tree, encode_tree
-from globalloader.transport.names import PREFIX, SHM_DIR, free_bytes, unlink
+from globalloader.transport.names import PREFIX, SHM_DIR, create_mapping, free_bytes, map_existing, unlink
 
 POOL_PREFIX = PREFIX + "pool-"  # + the server's pid
 
@@ -29,10 +27,6 @@ class Arena:
     def __init__(self, name: str, mapping: mmap.mmap, owner: bool) -> None:
         self.name, self.mapping, self._owner = name, mapping, owner
         self._bytes = np.frombuffer(mapping, np.uint8)
-
-    @property
-    def capacity(self) -> int:
-        return len(self.mapping)
 
     def write(self, offset: int, placed: list[tuple[int, np.ndarray]]) -> None:
         """Copy a sample's arrays (from `encode`) to `offset`."""
@@ -65,11 +59,8 @@ def encode(sample: Any) -> tuple[tuple[int, Any], list[tuple[int, np.ndarray]]]:
 
 
 def create(capacity: int) -> Arena:
-    """A new arena for this server process (`gl-pool-<pid>`), its memory reserved up front.
-
-    Reserving (not just sizing) the segment makes a /dev/shm too small for the pool fail here, with
-    an error naming /dev/shm and --memory, instead of killing a decode worker with SIGBUS later.
-    """
+    """A new arena for this server process (`gl-pool-<pid>`), its memory reserved up front: a
+    /dev/shm too small for the pool fails here, naming /dev/shm and --memory, not with a SIGBUS later."""
     name = f"{POOL_PREFIX}{os.getpid()}"
     free = free_bytes()
     if free is not None and capacity > free:
@@ -78,18 +69,13 @@ def create(capacity: int) -> Arena:
             f"start the server with a smaller --memory, or enlarge {SHM_DIR} (Docker: --shm-size)"
         )
     unlink(name)
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.posix_fallocate(fd, 0, capacity)
-        mapping = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+        mapping = create_mapping(name, capacity)
     except OSError as exc:
-        unlink(name)
         raise ServerStartError(
             f"cannot reserve a {capacity:,}-byte pool in {SHM_DIR}: {exc.strerror or exc}; "
             "start the server with a smaller --memory"
         ) from exc
-    finally:
-        os.close(fd)
     return Arena(name, mapping, owner=True)
 
 
@@ -98,12 +84,8 @@ def attach(name: str) -> Arena:
     arena = _attached.get(name)
     if arena is None:
         try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+            mapping = map_existing(name)
         except FileNotFoundError as exc:
             raise ServerGoneError(f"the global loader's memory pool {name!r} is gone (server stopped)") from exc
-        try:
-            mapping = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
         arena = _attached[name] = Arena(name, mapping, owner=False)
     return arena

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from globalloader._extras import require
 from globalloader.dataset.collate import Stacked
 
 ALIGN = 64  # cache-line alignment of every array
@@ -67,14 +68,8 @@ def decode_tree(node: tuple, base: np.ndarray) -> Any:
         descr = _DTYPES[dtype] = np.dtype(dtype)
     view = np.ndarray(shape, descr, buffer=base, offset=offset)
     if tag == _TENSOR:
-        return _torch().from_numpy(view)
+        return require("torch", "torch").from_numpy(view)
     return view
-
-
-def _torch() -> Any:
-    from globalloader._extras import require
-
-    return require("torch", "torch")
 
 
 _SCALARS = frozenset({str, int, float, bool, bytes, type(None)})  # leaves, checked first

@@ -1,5 +1,6 @@
-"""Names of POSIX shared memory: the "gl-" prefix every segment and pool starts with, unlinking,
-leftovers of crashed processes (and of process groups killed whole), and the free space of /dev/shm.
+"""Names of POSIX shared memory: the "gl-" prefix every segment and pool starts with, creating,
+mapping and unlinking them, leftovers of crashed processes (and of process groups killed whole),
+and the free space of /dev/shm.
 
 Names are created with `_posixshmem` directly rather than `multiprocessing.shared_memory`, whose
 resource tracker registers segments a process merely attaches to and unlinks them (with
@@ -9,6 +10,7 @@ warnings) when that process exits. POSIX only.
 from __future__ import annotations
 
 import _posixshmem
+import mmap
 import os
 import time
 
@@ -30,7 +32,7 @@ def free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def list_names(prefix: str = PREFIX) -> list[str]:
+def list_names(prefix: str) -> list[str]:
     """Shared-memory names starting with `prefix` (Linux only; elsewhere empty)."""
     try:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
@@ -49,14 +51,12 @@ def remove_leftovers(prefix: str) -> int:
 
 
 def remove_orphans(prefix: str = PREFIX, min_age_s: float = ORPHAN_AGE_S) -> int:
-    """Unlink the names `<prefix><pid>...` of dead owners; return how many. By default the batch
-    segments (`gl-<owner pid>-...`) of owners that died with their workers: a SIGKILL of a whole
-    process group leaves no watchdog to clean up, and each such crash would keep a few batches of
-    /dev/shm for good.
+    """Unlink the names `<prefix><pid>...` of dead owners; return how many. A SIGKILL of a whole
+    process group leaves no watchdog to clean up its batch segments (`gl-<owner pid>-...`).
 
-    A name is an orphan when no process with its pid runs, this user owns it, and it was last
-    written more than `min_age_s` ago: the age keeps safe a job whose pid this process cannot see
-    (another pid namespace sharing /dev/shm), whose batches are read within seconds.
+    An orphan's pid runs no process, this user owns it, and it was last written more than
+    `min_age_s` ago: the age keeps safe a job whose pid this process cannot see (another pid
+    namespace sharing /dev/shm), whose batches are read within seconds.
     """
     removed, now, uid = 0, time.time(), os.geteuid()
     for name in list_names(prefix):
@@ -75,6 +75,35 @@ def remove_orphans(prefix: str = PREFIX, min_age_s: float = ORPHAN_AGE_S) -> int
 def check_prefix(prefix: str) -> None:
     if not isinstance(prefix, str) or not prefix or "/" in prefix or "\0" in prefix:
         raise ArgumentError(f"prefix: {prefix!r} must be a non-empty str without '/', e.g. 'gl-1234-0-'")
+
+
+def create_mapping(name: str, capacity: int, flags: int = mmap.MAP_SHARED) -> mmap.mmap:
+    """Create `name` (FileExistsError if it exists) with `capacity` bytes reserved up front, and map it.
+
+    Reserving (not just sizing) makes a full tmpfs fail here, with an OSError, instead of killing
+    the first writer with SIGBUS later; the name is unlinked again on any failure after creation.
+    """
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, capacity)
+        else:  # not Linux: sized only
+            os.ftruncate(fd, capacity)
+        return mmap.mmap(fd, capacity, flags=flags)
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def map_existing(name: str, flags: int = mmap.MAP_SHARED) -> mmap.mmap:
+    """Map the whole of the existing `name` (FileNotFoundError if it is gone)."""
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, flags=flags)
+    finally:
+        os.close(fd)
 
 
 def unlink(name: str) -> bool:

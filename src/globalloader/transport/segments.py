@@ -18,47 +18,39 @@ Lifecycle of a segment (one segment holds all arrays of one batch):
 
 A name created but never mapped (its message unread) is unlinked by `BatchWriter.close`, or, if
 the writer was killed, by `remove_leftovers(prefix)`.
-
-Arrays are laid out by `transport.codec`; names are made and removed through `transport.names`.
 """
 
 from __future__ import annotations
 
-import _posixshmem
 import contextlib
 import mmap
-import os
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from globalloader.errors import ArgumentError, SharedMemoryError
 from globalloader.transport.codec import copy_arrays, decode_tree, encode_tree
-from globalloader.transport.names import SHM_DIR, check_prefix, unlink
+from globalloader.transport.names import SHM_DIR, check_prefix, create_mapping, map_existing, unlink
 
 _MIN_CAPACITY = 1 << 20  # small batches share one size class, so segments are rarely replaced
 _GROWTH = 1.25  # head room so batches a little bigger than the last one reuse the segment
 # Pre-fault pages when mapping, so steady-state reads and writes take no page faults.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
-# What a worker sends for one batch, a few hundred bytes whatever the batch size:
-# (segment name or None when the batch has no arrays, encoded tree, retired segment names).
-# `retired` names segments the writer has destroyed, so the reader can drop its mappings.
-# A plain tuple, not a NamedTuple: its class would cost ~3 us per message to pickle and unpickle.
+# What a worker sends for one batch, a few hundred bytes whatever the batch size: (segment name or
+# None when the batch has no arrays, encoded tree, names of segments the writer destroyed, whose
+# mappings the reader drops). A plain tuple: a NamedTuple costs ~3 us per message to pickle and unpickle.
 BatchMessage = tuple[str | None, tuple, tuple[str, ...]]
 
 
-class _Segment:
+class _Segment(NamedTuple):
     """One shared-memory segment as the writer sees it."""
 
-    __slots__ = ("capacity", "mapping", "name")
-
-    def __init__(self, name: str, capacity: int, mapping: mmap.mmap) -> None:
-        self.name = name
-        self.capacity = capacity
-        self.mapping = mapping
+    name: str
+    capacity: int
+    mapping: mmap.mmap
 
 
 class BatchWriter:
@@ -161,27 +153,14 @@ class BatchWriter:
             name = f"{self.prefix}{self._counter}"
             self._counter += 1
             try:
-                fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                return _Segment(name, capacity, create_mapping(name, capacity, _MAP_FLAGS))
             except FileExistsError:
                 continue  # a leftover of an earlier writer with this prefix: skip its name
-            break
-        try:
-            try:
-                if hasattr(os, "posix_fallocate"):
-                    # Reserve the memory now: a full tmpfs fails here, not with SIGBUS later.
-                    os.posix_fallocate(fd, 0, capacity)
-                else:
-                    os.ftruncate(fd, capacity)
             except OSError as exc:
-                unlink(name)
                 raise SharedMemoryError(
                     f"cannot allocate {capacity} bytes of shared memory for segment {name!r}: "
                     f"{exc}; free space in {SHM_DIR}, or use fewer workers or less prefetch"
                 ) from exc
-            mapping = mmap.mmap(fd, capacity, flags=_MAP_FLAGS)
-        finally:
-            os.close(fd)
-        return _Segment(name, capacity, mapping)
 
 
 class BatchReader:
@@ -245,16 +224,12 @@ class BatchReader:
 
     def _map(self, name: str) -> mmap.mmap:
         try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+            mapping = map_existing(name, _MAP_FLAGS)
         except FileNotFoundError as exc:
             raise SharedMemoryError(
                 f"shared-memory segment {name!r} is gone: its writer was closed, or "
                 f"remove_leftovers ran, before this batch was read"
             ) from exc
-        try:
-            mapping = mmap.mmap(fd, os.fstat(fd).st_size, flags=_MAP_FLAGS)
-        finally:
-            os.close(fd)
         # Mapped: the name is no longer needed, and without it nothing can leak.
         unlink(name)
         self._mappings[name] = mapping
