@@ -25,9 +25,9 @@ else:
 class TorchShufflingDataset(torch.utils.data.IterableDataset):
     """Globally shuffled batches as tensors, for one data-parallel PyTorch trainer.
 
-    Positional arguments and the keyword arguments besides the spec are those of
-    `ShufflingDataset` (see it for the row policy, errors and the batch queue's lifetime);
-    `dataset` is that shuffle, as NumPy batches. Spec:
+    Arguments up to `drop_last`, and the keyword arguments after the spec, are those of
+    `ShufflingDataset` (see it for the row policy, errors and the batch queue's lifetime).
+    Spec:
     - `feature_columns`: one column name (features keep the column's row shape) or a list of
       names (each column flattened per row, then concatenated along dim 1: shape (batch, F)).
     - `feature_types`: a torch dtype for all feature columns, or one per column (default: the
@@ -40,7 +40,16 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        *args: Any,
+        data: Any,
+        num_epochs: int,
+        num_trainers: int,
+        batch_size: int,
+        rank: int,
+        num_reducers: int | None = None,
+        max_concurrent_epochs: int = 2,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
         feature_columns: str | Sequence[str],
         feature_types: Any = None,
         label_column: str | None = None,
@@ -70,8 +79,20 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):
         self._single = single
         self._features = list(zip(names, types, strict=True))
         self._label = (label_column, label_type)
-        kwargs.setdefault("columns", names + ([label_column] if label_column and label_column not in names else []))
-        self.dataset = ShufflingDataset(*args, **kwargs)
+        columns = names + ([label_column] if label_column and label_column not in names else [])
+        kwargs.setdefault("columns", columns)
+        self.dataset = ShufflingDataset(
+            data,
+            num_epochs,
+            num_trainers,
+            batch_size,
+            rank,
+            num_reducers,
+            max_concurrent_epochs,
+            seed,
+            drop_last,
+            **kwargs,
+        )
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.dataset:
