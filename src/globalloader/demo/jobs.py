@@ -288,8 +288,7 @@ class _Server:
         from globalloader.service import launcher
 
         self.socket, self._log = folder / "server.sock", folder / "server.log"
-        cmd = [sys.executable, "-m", "globalloader.service.server", "--socket", str(self.socket)]
-        cmd += ["--memory", str(memory), "--workers", str(workers)]
+        cmd = launcher.server_command(self.socket, memory, workers)
         with open(self._log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + 30

@@ -87,6 +87,16 @@ def is_running(path: Path) -> bool:
         return False
 
 
+def server_command(path: Path, memory: str | int | None = None, workers: int | None = None) -> list[str]:
+    """The command that runs a server at `path` (the server's defaults where None)."""
+    cmd = [sys.executable, "-m", "globalloader.service.server", "--socket", str(path)]
+    if memory is not None:
+        cmd += ["--memory", str(memory)]
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
+    return cmd
+
+
 def ensure_server(path: Path, memory: str | int | None = None, timeout: float = 30.0) -> None:
     """Start a detached server at `path` unless one answers already; wait until one answers.
 
@@ -97,10 +107,7 @@ def ensure_server(path: Path, memory: str | int | None = None, timeout: float = 
         return
     if memory is not None:
         parse_size(memory)  # a bad size is the caller's error, reported here, not in a log
-    cmd = [sys.executable, "-m", "globalloader.service.server", "--socket", str(path)]
-    cmd += ["--idle-exit", os.environ.get("GLOBALLOADER_IDLE_EXIT", str(IDLE_EXIT_S))]
-    if memory is not None:
-        cmd += ["--memory", str(memory)]
+    cmd = [*server_command(path, memory), "--idle-exit", os.environ.get("GLOBALLOADER_IDLE_EXIT", str(IDLE_EXIT_S))]
     log_path = protocol.runtime_dir() / "server.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(

@@ -130,10 +130,12 @@ class TarShards(ProcessLocal):
         with self._lock:
             if self._indexed:
                 return
-            wanted = _paths.cache_dir("tar-index", create=False) if self._index_dir is None else self._index_dir
-            folder: pathlib.Path | None = pathlib.Path(wanted)
+            wanted = pathlib.Path(
+                _paths.cache_dir("tar-index", create=False) if self._index_dir is None else self._index_dir
+            )
+            folder: pathlib.Path | None = wanted
             try:
-                pathlib.Path(wanted).mkdir(parents=True, exist_ok=True)
+                wanted.mkdir(parents=True, exist_ok=True)
             except OSError:  # a read-only cache costs a scan per construction, not a failure
                 folder = None
             indexes = []

@@ -214,9 +214,6 @@ class RangeFile(io.RawIOBase):
 
 def _pread_full(fd: int, length: int, start: int, url: str) -> bytes:
     try:
-        data = os.pread(fd, length, start)
-        if len(data) == length or not data:
-            return data
-        return data + pread_upto(fd, length - len(data), start + len(data))  # Linux caps a read near 2 GiB
+        return pread_upto(fd, length, start)
     except OSError as exc:
         raise SourceError(f"cannot read {url} at offset {start}: {exc.strerror}") from None
