@@ -289,6 +289,10 @@ def damaged_tars() -> dict[str, tuple[bytes, str]]:
             resized(bin0.offset_data - 512, bin1.offset_data + 512 - bin0.offset_data - 100),
             rf"corrupt tar {{url}}: a zero block at offset {bin1.offset_data + 512} ends the archive",
         ),
+        "size past the end of any file": (
+            patch_header(shard, bin0.offset_data - 512, 124, b"\x80" + (1 << 80).to_bytes(11, "big")),  # base-256
+            rf"truncated tar {{url}}: member 's0.bin' at offset {bin0.offset_data - 512} needs {1 << 80} bytes",
+        ),
         "cut at a header": (shard[: bin3.offset], rf"truncated tar {{url}}: the file ends at byte {bin3.offset},"),
         "cut in a member": (
             shard[: bin3.offset_data + 100],

@@ -25,6 +25,7 @@ from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
 
 _STREAM_BUFFER = 1024 * 1024
+_LARGEST_READ = 256 << 20  # bytes asked of a stream at once
 _READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
 REMOTE_INDEX_THREADS = 16  # sidecars of remote shards read at once (each a small request)
 
@@ -420,9 +421,12 @@ class _ForwardReader:
         return self._read(length)
 
     def _read(self, length: int) -> bytes:
-        if not length:
-            return b""
-        data = self._stream.read(length)
+        # By pieces: a damaged size field may ask for more than memory holds, or than read() takes.
+        pieces = []
+        while length > 0 and (piece := self._stream.read(min(length, _LARGEST_READ))):
+            pieces.append(piece)
+            length -= len(piece)
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         self._last, self._last_at = data, self._pos
         self._pos += len(data)
         return data
