@@ -10,9 +10,9 @@ checks cost little: the checksum is in the header, the bytes after the marker ar
 padding at most, and the tail of each member's data is read with the next header's block.
 
 A header whose size grew by exactly the members after it makes a valid archive of other
-content. The walker finds it when the last member taken in lies within the tail of the data
-(16 KiB: text, class and JSON fields): a tar stored as a member never ends so. Past that, or
-over the first block of the marker, only a checksum of the shard's bytes tells the two apart
+content. The walker finds it when the last member taken in lies within the last `_TAIL` bytes
+of the data (text, class and JSON fields do): a tar stored as a member never ends so. Past that,
+or over the first block of the marker, only a checksum of the shard's bytes tells the two apart
 (the CRC-32 in an index sidecar).
 
 Names are decoded the way `tarfile` decodes them (ustar prefix, GNU long names, pax
