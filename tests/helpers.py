@@ -230,6 +230,94 @@ def strictly_equal(a: object, b: object) -> bool:
     return type(a) is type(b) and a == b
 
 
+def patch_header(tar: bytes, header: int, at: int, field: bytes) -> bytes:
+    """`tar` with `field` written at byte `at` of the header at offset `header`, and that header's
+    checksum made right again, as a writer that wrote a wrong field would have made it."""
+    blob = bytearray(tar)
+    blob[header + at : header + at + len(field)] = field
+    blob[header + 148 : header + 156] = b" " * 8
+    blob[header + 148 : header + 156] = b"%06o\0 " % sum(blob[header : header + 512])
+    return bytes(blob)
+
+
+def damaged_tars() -> dict[str, tuple[bytes, str]]:
+    """Tar shards damaged in each way a reader must refuse, each made from a real writer's output
+    (webdataset's TarWriter, or tarfile's pax format with a size record), with the start of the
+    SourceError every read path raises (a regular expression; `{url}` stands for the shard)."""
+    import io
+    import tarfile
+
+    import webdataset as wds
+
+    out = io.BytesIO()
+    with wds.TarWriter(out) as writer:  # pax headers (fractional mtimes) before every member
+        for i in range(6):
+            writer.write({"__key__": f"s{i}", "bin": bytes(1500), "txt": f"t{i}"})
+    shard = out.getvalue()
+    with tarfile.open(fileobj=io.BytesIO(shard)) as tar:
+        members = tar.getmembers()  # .offset: a member's first header (its pax header), .offset_data
+    bin0, txt0, bin1, bin3 = members[0], members[1], members[2], members[6]
+    end = members[-1].offset_data + 512  # the end-of-archive marker (every member here has < 512 bytes of .txt)
+
+    def resized(header: int, size: int) -> bytes:
+        return patch_header(shard, header, 124, b"%011o\0" % size)
+
+    flipped = bytearray(shard)
+    flipped[bin3.offset_data - 512 + 3] ^= 0x55
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(6):
+            info = tarfile.TarInfo(f"s{i}.bin")
+            info.size, info.pax_headers = 1500, {"size": "1500"}
+            tar.addfile(info, io.BytesIO(bytes(range(250)) * 6))
+    paxed = out.getvalue()
+    pax_header = 512 + 512  # s0.bin's own header, after its pax header and the block of its records
+    swallowed = (
+        rf"corrupt tar {{url}}: the size in the header at offset {bin0.offset_data - 512} takes in "
+        rf"the member whose header is at offset {txt0.offset_data - 512}"
+    )
+    return {
+        "size smaller, over zero bytes": (
+            resized(bin0.offset_data - 512, 100),
+            rf"corrupt tar {{url}}: a zero block at offset {bin0.offset_data + 512} ends the archive",
+        ),
+        "size larger, over the next member": (
+            resized(bin0.offset_data - 512, bin1.offset - bin0.offset_data - 100),  # its end: bin1's
+            swallowed,
+        ),
+        "size larger, into the next data": (
+            resized(bin0.offset_data - 512, bin1.offset_data + 512 - bin0.offset_data - 100),
+            rf"corrupt tar {{url}}: a zero block at offset {bin1.offset_data + 512} ends the archive",
+        ),
+        "size past the end of any file": (
+            patch_header(shard, bin0.offset_data - 512, 124, b"\x80" + (1 << 80).to_bytes(11, "big")),  # base-256
+            rf"truncated tar {{url}}: member 's0.bin' at offset {bin0.offset_data - 512} needs {1 << 80} bytes",
+        ),
+        "cut at a header": (shard[: bin3.offset], rf"truncated tar {{url}}: the file ends at byte {bin3.offset},"),
+        "cut in a member": (
+            shard[: bin3.offset_data + 100],
+            rf"truncated tar {{url}}: member 's3.bin' at offset {bin3.offset_data - 512} needs 1500 bytes",
+        ),
+        "cut in the end marker": (
+            shard[: end + 512],
+            rf"truncated tar {{url}}: the file ends at byte {end + 512}, inside the end-of-archive marker",
+        ),
+        "two archives joined": (shard + shard, rf"corrupt tar {{url}}: a zero block at offset {end} ends the archive"),
+        "bad checksum in the middle": (
+            bytes(flipped),
+            rf"corrupt tar {{url}}: bad header checksum at offset {bin3.offset_data - 512}",
+        ),
+        "negative pax size": (
+            paxed.replace(b"size=1500", b"size=-150", 1),
+            rf"corrupt tar {{url}}: bad pax size '-150' for the member at offset {pax_header}",
+        ),
+        "non-numeric pax size": (
+            paxed.replace(b"size=1500", b"size=15x0", 1),
+            rf"corrupt tar {{url}}: bad pax size '15x0' for the member at offset {pax_header}",
+        ),
+    }
+
+
 def every_arrow_type(n: int) -> Any:
     """Columns of every kind Parquet and its Arrow copy read their own way, with nulls where they
     change the rules."""

@@ -9,6 +9,7 @@ import pytest
 
 from globalloader.errors import SourceError
 from globalloader.sources._tar_format import Member, split_key, walk
+from helpers import patch_header
 
 
 def _tar(members: list[tuple[str, bytes]], fmt: int = tarfile.PAX_FORMAT) -> bytes:
@@ -81,9 +82,31 @@ def test_partial_header_and_empty_file() -> None:
         _walk(b"")
 
 
-def test_missing_end_marker_is_tolerated() -> None:
-    blob = _tar([("a.txt", b"x")])
-    assert [m.name for m in _walk(blob[:1024])] == ["a.txt"]
+@pytest.mark.parametrize("size_known", [True, False])
+def test_a_missing_end_marker_is_truncation(size_known: bool) -> None:
+    """tarfile takes the end of the file for the end of the archive, so a shard cut at a header
+    loses its tail without a word; every real writer ends an archive with two zero blocks."""
+    blob = _tar([("a.txt", b"x"), ("b.txt", b"y")])
+    with pytest.raises(SourceError, match=r"truncated tar mem\.tar: the file ends at byte 1024, where the next header"):
+        _walk(blob[:1024], size_known)
+    with pytest.raises(SourceError, match=r"truncated tar mem\.tar: the file ends at byte 2560, inside the end-of-arc"):
+        _walk(blob[: 2048 + 512], size_known)
+    assert [m.name for m in _walk(blob[: 2048 + 1024], size_known)] == ["a.txt", "b.txt"]
+
+
+@pytest.mark.parametrize(("fmt", "what"), [(tarfile.GNU_FORMAT, "GNU long name"), (tarfile.PAX_FORMAT, "pax record")])
+def test_a_name_header_whose_size_takes_in_the_next_header(fmt: int, what: str) -> None:
+    blob = _tar([("d/" + "n" * 200 + ".txt", b"x"), ("b.txt", b"y")], fmt)
+    grown = patch_header(blob, 0, 124, b"%011o\0" % (512 + 512))  # its data and the member's own header
+    with pytest.raises(SourceError, match=f"corrupt tar mem.tar: bad {what} at offset 0"):
+        _walk(grown)
+
+
+@pytest.mark.parametrize("field", [b"-0000000001\0", b"+0000000001\0", b"0000000009\0\0", b"00000_00001\0"])
+def test_a_size_field_that_is_not_octal_digits(field: bytes) -> None:
+    blob = patch_header(_tar([("a.txt", b"x")], tarfile.USTAR_FORMAT), 0, 124, field)
+    with pytest.raises(SourceError, match=r"corrupt tar mem\.tar: bad size field .* at offset 0"):
+        _walk(blob)
 
 
 def test_garbage_is_not_a_tar() -> None:

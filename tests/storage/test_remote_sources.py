@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -18,8 +19,9 @@ import pytest
 import globalloader as gl
 from globalloader import storage
 from globalloader.demo.s3 import write_shards
+from globalloader.errors import SourceError
 from globalloader.sources import Parquet, TarShards
-from helpers import Server, check_resume
+from helpers import Server, check_resume, damaged_tars
 
 
 @pytest.mark.parametrize("window", [None, 2])
@@ -30,6 +32,28 @@ def test_resume_over_s3_shards_is_exact_with_process_workers(s3: dict[str, Any],
     full = check_resume(lambda: gl.Loader(ds, workers=2), at=4)
     keys = [k for batch in full for k in batch["__key__"]]
     assert sorted(keys) == [f"s{i:05d}" for i in range(30)] and keys != sorted(keys)
+
+
+@pytest.mark.parametrize(
+    "case", ["size smaller, over zero bytes", "size larger, over the next member", "cut at a header"]
+)
+def test_a_damaged_shard_over_s3_is_an_error_on_every_read_path(
+    s3: dict[str, Any], tmp_path: pathlib.Path, case: str
+) -> None:
+    """Indexed from the machine cache's copy, indexed by ranged requests (cache=False), streamed:
+    each refuses the shard, naming it and the offset, and no index of it is kept."""
+    data, message = damaged_tars()[case]
+    url = f"s3://{s3['bucket']}/shard-000.tar"
+    with storage.Store(s3["options"]).open_write(url) as out:
+        out.write(data)
+    match = message.replace("{url}", re.escape(url))
+    for cache in (True, False):
+        src = TarShards(url, storage_options=s3["options"], cache=cache, index_dir=tmp_path / "index")
+        with pytest.raises(SourceError, match=match):
+            src[0]
+        with pytest.raises(SourceError, match=match):
+            list(src.iter_records())
+    assert not list((tmp_path / "index").glob("*.npz"))
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from globalloader.errors import SourceError
 from globalloader.sources._tar_format import split_key, walk
 from globalloader.storage import FileStat, cache_key
 
-_VERSION = 1
+_VERSION = 2  # 2: built by the walker that checks each member's end and the end-of-archive marker
 SIDECAR_SUFFIX = ".idx"
 SIDECAR_MAX = 64 << 20  # bytes: a larger `.idx` is not an index this module wrote
 _SIDECAR_FORMAT = "globalloader-tar-index"

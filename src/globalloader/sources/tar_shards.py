@@ -25,6 +25,7 @@ from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
 
 _STREAM_BUFFER = 1024 * 1024
+_LARGEST_READ = 256 << 20  # bytes asked of a stream at once
 _READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
 REMOTE_INDEX_THREADS = 16  # sidecars of remote shards read at once (each a small request)
 
@@ -61,9 +62,10 @@ class TarShards(ProcessLocal):
     hold (`memory://`, `cache=False`) are then read whole after their first few samples and each
     worker process keeps `2 * w` of them in memory (`keep_blocks`).
 
-    Errors: a missing shard raises SourceError at construction; a truncated or corrupt tar
-    (named with the byte offset) raises SourceError when indexed or streamed; an index outside
-    [0, len) raises SampleIndexError.
+    Errors: a missing shard raises SourceError at construction; a truncated or corrupt tar (cut
+    short, or a member that does not end where the next header begins; see `_tar_format`)
+    raises SourceError naming the byte offset when indexed or streamed, and no index of it is
+    kept; an index outside [0, len) raises SampleIndexError.
     Thread-safe for reads; safe to pickle to, or fork into, worker processes. The index lives in
     memory (about 16 bytes per sample plus 24 per member) and travels with a pickled source.
     """
@@ -366,9 +368,7 @@ def _stream_shard(store: storage.Store, url: str, stat: storage.FileStat | None)
             return
         try:
             with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
-                yield from _records(stream, url)  # type: ignore[arg-type]
-                while stream.read(_STREAM_BUFFER):  # past the tar's end marker: the CRC is checked at the end
-                    pass
+                yield from _records(stream, url)  # type: ignore[arg-type]  # read to the end: CRC checked
         except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
             raise SourceError(f"cannot read gzip tar shard {url}: {exc}") from exc
 
@@ -404,23 +404,36 @@ def _records(stream: IO[bytes], url: str) -> Iterator[dict[str, Any]]:
 
 class _ForwardReader:
     """`read_at` over a buffered stream (its reads are short only at its end): moves forward by
-    reading and dropping."""
+    reading and dropping, and keeps its last read, from which `walk` reads the tail of a member's
+    data again after the caller read that data."""
 
     def __init__(self, stream: IO[bytes], url: str) -> None:
         self._stream, self._url, self._pos = stream, url, 0
+        self._last, self._last_at = b"", 0  # the bytes of the last read, and where they started
 
     def read_at(self, offset: int, length: int) -> bytes:
+        if offset < self._pos:
+            assert offset >= self._last_at, "walk reads again only within the last read"
+            kept = self._last[offset - self._last_at : offset - self._last_at + length]
+            return kept + self._read(length - len(kept))
         if offset != self._pos:
             self._skip(offset)
-        data = self._stream.read(length)
+        return self._read(length)
+
+    def _read(self, length: int) -> bytes:
+        # By pieces: a damaged size field may ask for more than memory holds, or than read() takes.
+        pieces = []
+        while length > 0 and (piece := self._stream.read(min(length, _LARGEST_READ))):
+            pieces.append(piece)
+            length -= len(piece)
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        self._last, self._last_at = data, self._pos
         self._pos += len(data)
         return data
 
     def _skip(self, offset: int) -> None:
         while self._pos < offset:
-            chunk = self._stream.read(min(offset - self._pos, _STREAM_BUFFER))
-            if not chunk:
+            if not self._read(min(offset - self._pos, _STREAM_BUFFER)):
                 raise SourceError(
                     f"truncated tar {self._url}: the file ends at byte {self._pos}, before offset {offset}"
                 )
-            self._pos += len(chunk)
