@@ -77,20 +77,25 @@ def cache_dir(*parts: str, create: bool = True) -> pathlib.Path:
                 "point GLOBALLOADER_CACHE_DIR at a writable folder"
             ) from None
     for folder in folders:
-        if create or os.path.lexists(folder):
+        # Without `create`, a missing folder or a file in its place is the caller's to make or fail on.
+        if create or (os.path.lexists(folder) and not os.path.isfile(folder)):
             check_folder(folder, follow=folder == root)
     return path
 
 
 def make_folder(path: pathlib.Path) -> None:
-    """Create folder `path` with `folder_mode()` (its missing parents as `mkdir -p` does) unless
-    it exists; check it with `check_folder` before use."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.mkdir(mode=folder_mode())
-    except FileExistsError:
-        return
-    os.chmod(path, folder_mode())  # exactly: the umask may have taken the group's bits
+    """Create folder `path`, and its missing parents, with `folder_mode()` unless they exist;
+    check it with `check_folder` before use."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=folder_mode())
+        except FileExistsError:
+            continue
+        os.chmod(folder, folder_mode())  # exactly: the umask may have taken the group's bits
 
 
 def check_folder(path: pathlib.Path, follow: bool = False) -> None:

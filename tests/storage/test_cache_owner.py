@@ -21,7 +21,7 @@ from globalloader.errors import ArgumentError, StorageError
 from globalloader.storage.cache import STATS_NAME, Entry, ObjectCache
 
 OTHER = 65534  # nobody
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
 
 
 def _entry_bytes(data: bytes) -> bytes:
@@ -53,6 +53,7 @@ def _plant(folder: pathlib.Path, name: str, data: bytes, uid: int = OTHER, gid: 
     return path
 
 
+@as_root
 @pytest.mark.parametrize("how", ["objects folder of another user", "base folder of another user", "world-writable"])
 def test_a_folder_another_user_could_write_is_refused_not_read(
     remote: dict[str, Any], isolated_cache: pathlib.Path, how: str
@@ -74,6 +75,7 @@ def test_a_folder_another_user_could_write_is_refused_not_read(
         _read(remote)
 
 
+@as_root
 @pytest.mark.parametrize("how", ["owner", "mode"])
 def test_a_file_in_the_folder_another_user_could_write_is_refused(
     remote: dict[str, Any], isolated_cache: pathlib.Path, how: str
@@ -139,6 +141,7 @@ def test_what_the_cache_makes_is_private(remote: dict[str, Any], isolated_cache:
     assert stat.S_IMODE(isolated_cache.stat().st_mode) == 0o700
 
 
+@as_root
 @pytest.mark.usefixtures("umask_zero")
 def test_a_group_shared_cache_is_opt_in_and_checks_other_members_entries(
     remote: dict[str, Any], isolated_cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch

@@ -135,7 +135,7 @@ class TarShards(ProcessLocal):
             )
             folder: pathlib.Path | None = wanted
             try:
-                wanted.mkdir(parents=True, exist_ok=True)
+                _paths.make_folder(wanted)  # private, as the cache folder it is in
             except OSError:  # a read-only cache costs a scan per construction, not a failure
                 folder = None
             indexes = []
