@@ -107,7 +107,7 @@ def check_folder(path: pathlib.Path, follow: bool = False) -> None:
         st = os.stat(path)
     why = untrusted(st)
     if why:
-        raise refusal(path, why)
+        raise _refusal(path, why, "folder")
     if not stat.S_ISDIR(st.st_mode):
         raise StorageError(f"the cache folder {path} is not a folder; point GLOBALLOADER_CACHE_DIR at a folder")
 
@@ -149,13 +149,13 @@ def open_file(path: os.PathLike[str] | str, flags: int, create_mode: int | None 
                 fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise refusal(path, "is a symbolic link") from None
+            raise _refusal(path, "is a symbolic link", "file") from None
         raise
     st = os.fstat(fd)
     why = untrusted(st)
     if why:
         os.close(fd)
-        raise refusal(path, why)
+        raise _refusal(path, why, "file")
     return fd, st
 
 
@@ -167,19 +167,21 @@ def create_file(path: os.PathLike[str] | str, flags: int, mode: int) -> int:
     return fd
 
 
-def refusal(path: os.PathLike[str] | str, why: str) -> StorageError:
-    """The error that refuses a cache file or folder another user could have written."""
+def _refusal(path: os.PathLike[str] | str, why: str, kind: str) -> StorageError:
+    """The error that refuses a cache `kind` ("file" or "folder") another user could have written."""
     if shared_with_group():
         fix = (
-            "a cache shared with a group must belong to that group (chgrp), be writable by it and not by "
-            "every user (chmod 2770); or unset GLOBALLOADER_CACHE_SHARED and use a folder of your own"
+            f"a cache shared with a group must belong to one of your groups and be writable by it and not by "
+            f"every user (chgrp, chmod 2770 for folders, 640 for files); or unset {SHARED_ENV} and use a folder "
+            "of your own"
         )
     else:
         fix = (
-            "point GLOBALLOADER_CACHE_DIR at a folder of your own (only you can write it), remove the file, "
-            "or set GLOBALLOADER_CACHE_SHARED=group for a cache shared with your group"
+            "point GLOBALLOADER_CACHE_DIR at a folder of your own (only you can write it)"
+            + (", or remove the file (the cache makes it again)" if kind == "file" else "")
+            + f", or set {SHARED_ENV}=group for a cache shared with your group"
         )
-    return StorageError(f"refusing the cache's {path}: it {why}, so another user could decide what is read; {fix}")
+    return StorageError(f"refusing the cache {kind} {path}: it {why}, so another user could decide what is read; {fix}")
 
 
 def build_once(

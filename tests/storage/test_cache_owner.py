@@ -71,7 +71,10 @@ def test_a_folder_another_user_could_write_is_refused_not_read(
     else:
         os.chown(objects / remote["name"], 0, 0)
         os.chmod(objects, 0o777)
-    with pytest.raises(StorageError, match=rf"refusing the cache's {refused}: .*GLOBALLOADER_CACHE_DIR"):
+    with pytest.raises(
+        StorageError,
+        match=rf"refusing the cache folder {refused}: .*point GLOBALLOADER_CACHE_DIR at a folder of your own",
+    ):
         _read(remote)
 
 
@@ -85,7 +88,9 @@ def test_a_file_in_the_folder_another_user_could_write_is_refused(
     if how == "mode":
         os.chown(planted, 0, 0)
         os.chmod(planted, 0o666)
-    with pytest.raises(StorageError, match=rf"refusing the cache's {planted}: it (belongs to uid {OTHER}|is writable)"):
+    with pytest.raises(
+        StorageError, match=rf"refusing the cache file {planted}: it (belongs to uid {OTHER}|is writable)"
+    ):
         _read(remote)
 
 
@@ -94,7 +99,7 @@ def test_a_planted_stats_link_is_never_written_through(remote: dict[str, Any], t
     victim.write_bytes(b"the user's own file")
     objects = ObjectCache().root
     (objects / STATS_NAME).symlink_to(victim)
-    with pytest.raises(StorageError, match=rf"refusing the cache's {objects / STATS_NAME}: it is a symbolic link"):
+    with pytest.raises(StorageError, match=rf"refusing the cache file {objects / STATS_NAME}: it is a symbolic link"):
         _read(remote)
     assert victim.read_bytes() == b"the user's own file"
 
@@ -110,7 +115,7 @@ def test_a_planted_entry_or_lock_link_is_never_followed(
     if name == "lock":
         target.unlink()  # a lock opened through the link would create the file there
     link.symlink_to(target)
-    with pytest.raises(StorageError, match=rf"refusing the cache's {link}: it is a symbolic link"):
+    with pytest.raises(StorageError, match=rf"refusing the cache file {link}: it is a symbolic link"):
         _read(remote)
     assert target.exists() == (name == "entry")
 
@@ -173,7 +178,7 @@ def test_a_group_shared_cache_is_opt_in_and_checks_other_members_entries(
     for uid, gid, mode in ((OTHER, OTHER, 0o640), (0, 0, 0o646)):
         os.chown(entry, uid, gid)
         os.chmod(entry, mode)
-        with pytest.raises(StorageError, match=rf"refusing the cache's {entry}: .*chmod 2770"):
+        with pytest.raises(StorageError, match=rf"refusing the cache file {entry}: .*one of your groups"):
             _read(remote)
 
 

@@ -230,7 +230,10 @@ class ObjectCache:
                     self._unlink(path, st)
                 os.close(fd)
                 return None
-            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))  # least recently used = oldest access
+            # Least recently used = oldest access. Only an entry's owner may set its times: another
+            # member's entry in a cache shared with the group keeps its owner's last access.
+            with contextlib.suppress(PermissionError):
+                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)

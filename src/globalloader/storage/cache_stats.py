@@ -13,8 +13,8 @@ process stopped (SIGSTOP, a debugger) or hung while it holds the lock never bloc
 read. Changes made while the lock is busy are deferred, kept by the process and added to the
 record by its next update that gets the lock (which then does not wait: one try per update until
 the lock is free again), or when it exits (within EXIT_WAIT). Only the deferred changes of a
-process that ends before the lock is free are lost; a lost change of size or entries is repaired
-by the next walk of the folder (`globalloader cache info`).
+process that ends before the lock is free, or is killed, are lost; a lost change of size or
+entries is repaired by the next walk of the folder (`globalloader cache info`).
 """
 
 from __future__ import annotations
