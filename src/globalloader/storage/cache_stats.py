@@ -37,7 +37,7 @@ from globalloader.storage._fork import reset_in_forked_children
 FIELDS = ("downloaded_bytes", "hits", "misses", "bytes", "entries")
 LOCK_TIMEOUT = 30.0  # seconds `read` waits; the lock is held for a few system calls at a time
 BUSY_WAIT = 0.05  # seconds an update waits for the lock before it defers its changes
-EXIT_WAIT = 1.0  # seconds a process ending waits for the lock to write what it deferred
+EXIT_WAIT = 0.5  # seconds a process ending waits for the lock to write what it deferred
 _RECORD = struct.Struct("<4s5Q")
 _CRC = struct.Struct("<I")
 _MAGIC = b"GLS1"
