@@ -135,7 +135,7 @@ class TarShards(ProcessLocal):
             )
             folder: pathlib.Path | None = wanted
             try:
-                _paths.make_folder(wanted)  # private, as the cache folder it is in
+                _paths.make_folder(wanted)  # made as the cache folders are: private unless shared
             except OSError:  # a read-only cache costs a scan per construction, not a failure
                 folder = None
             indexes = []
