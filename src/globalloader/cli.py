@@ -20,7 +20,8 @@ _ENVIRONMENT = """environment variables:
                           new random one per start, e.g. for a Prometheus scrape config
   GLOBALLOADER_CACHE_DIR  where tar indexes, disk caches, downloaded objects and the demo's
                           images are kept (default: $XDG_CACHE_HOME/globalloader, else
-                          ~/.cache/globalloader)
+                          ~/.cache/globalloader); it must be the user's own
+  GLOBALLOADER_CACHE_SHARED  group: share that folder with its group (default: private)
   GLOBALLOADER_CACHE_LIMIT  size limit of the downloaded objects, e.g. 50GB (default: 20GB)"""
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -132,6 +133,57 @@ def test_kill_9_mid_update_never_corrupts_the_record(tmp_path: pathlib.Path) -> 
     assert cache.stats.read(timeout=5) == counts
     cache.open(SHARED, lambda write: write(b"s" * 100)).close()
     assert cache.stats.read()["hits"] == counts["hits"] + 1
+
+
+_READ_THROUGH_THE_CACHE = """
+import sys
+from contextlib import closing
+from globalloader.storage.cache import Entry, ObjectCache
+cache = ObjectCache(sys.argv[1])
+for i in range(3):
+    entry = Entry(f"s3://bucket/other-{i}.bin", 50, "v1")
+    with closing(cache.open(entry, lambda write: write(b"o" * 50))) as f:
+        assert f.pread(0, 50) == b"o" * 50
+print("read", flush=True)
+sys.stdin.readline()  # exits when told
+"""
+
+
+def test_a_stopped_process_holding_the_counters_lock_never_fails_a_read(tmp_path: pathlib.Path) -> None:
+    """Counters are best-effort: a busy lock defers a process's changes (written by its next
+    update that gets the lock, or when it exits), it never blocks or fails a read."""
+    root = tmp_path / "objects"
+    cache = ObjectCache(root)
+    cache.open(SHARED, lambda write: write(b"s" * 100)).close()
+    before = cache.stats.read()
+    holder = _run(_HOLD_THE_LOCK, root)
+    holder.send_signal(signal.SIGSTOP)
+    other = None
+    try:
+        for i in range(5):  # hits and misses, in this process and in another one
+            with closing(cache.open(SHARED, lambda write: write(b"s" * 100))) as f:
+                assert f.pread(0, 100) == b"s" * 100
+            with closing(cache.open(Entry(f"s3://b/{i}", 10, "v"), lambda write, i=i: write(bytes([i]) * 10))) as f:
+                assert f.pread(0, 10) == bytes([i]) * 10
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        other = subprocess.Popen(
+            [sys.executable, "-c", _READ_THROUGH_THE_CACHE, str(root)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert other.stdout is not None and other.stdout.readline() == b"read\n"
+    finally:
+        holder.send_signal(signal.SIGKILL)  # the lock is free again
+        holder.wait(10)
+        if other is not None:
+            other.communicate(b"exit\n", timeout=60)
+    assert other.returncode == 0  # it wrote its deferred changes as it ended
+    cache.open(SHARED, lambda write: write(b"s" * 100)).close()  # this process writes its own now
+    after = cache.stats.read()
+    assert after["hits"] == before["hits"] + 6 and after["misses"] == before["misses"] + 5 + 3
+    assert after["downloaded_bytes"] == before["downloaded_bytes"] + 5 * 10 + 3 * 50
+    assert (after["bytes"], after["entries"]) == _scan(cache)
 
 
 def test_a_child_forked_during_an_update_does_not_keep_the_lock(tmp_path: pathlib.Path) -> None:

@@ -138,13 +138,13 @@ class Server:
 def _object_cache_status() -> dict[str, Any] | None:
     """The machine's object cache (bytes downloaded, hits, size...) when its folder exists: one
     read of its counters' record, never a walk of the folder."""
-    root = default_root(create=False)
-    if not root.is_dir():
-        return None
     try:
+        root = default_root(create=False)
+        if not root.is_dir():
+            return None
         return dict(ObjectCache(root).status())
-    except GlobalLoaderError as exc:  # a locked record or a bad GLOBALLOADER_CACHE_LIMIT
-        return {"dir": str(root), "error": str(exc)}
+    except GlobalLoaderError as exc:  # a locked record, a bad GLOBALLOADER_CACHE_LIMIT, a folder refused
+        return {"error": str(exc)}
 
 
 def main(argv: list[str] | None = None) -> int:

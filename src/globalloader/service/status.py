@@ -62,7 +62,7 @@ def _object_cache(cache: Any) -> str:
     if not isinstance(cache, dict):
         return ""
     if "error" in cache:
-        return f"\nobject cache {cache['dir']}: {cache['error']}"
+        return f"\nobject cache: {cache['error']}"  # the error names the folder or file
     return (
         f"\nobject cache {_mib(cache['bytes'])} / {_mib(cache['limit'])} in {cache['entries']:,} entries: "
         f"{_mib(cache['downloaded_bytes'])} downloaded ({cache['misses']:,} downloads), {cache['hits']:,} hits"

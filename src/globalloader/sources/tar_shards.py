@@ -137,7 +137,7 @@ class TarShards(ProcessLocal):
             )
             folder: pathlib.Path | None = wanted
             try:
-                wanted.mkdir(parents=True, exist_ok=True)
+                _paths.make_folder(wanted)  # made as the cache folders are: private unless shared
             except OSError:  # a read-only cache costs a scan per construction, not a failure
                 folder = None
             indexes = []

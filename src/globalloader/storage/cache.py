@@ -18,7 +18,10 @@ every process and job of the user. Properties, each relied on elsewhere:
   limit until they are closed.
 - A full disk first evicts what it can, then is a CacheFullError naming the folder.
 - Machine-wide counters (bytes downloaded, hits, misses, size, entries) live in the folder's
-  `stats` record (see `cache_stats`).
+  `stats` record (see `cache_stats`): best-effort, a busy lock never delays a read.
+- Only this user can have written the folder and its files (`_paths.untrusted`, checked at every
+  open; files are opened without following links), unless the user opted into a cache shared
+  with its group: then an entry another user wrote has its CRC-32 checked at every open.
 """
 
 from __future__ import annotations
@@ -158,9 +161,12 @@ class ObjectCache:
         self._locks = self.root / "locks"
         self.stats = CacheStats(self.root / STATS_NAME, self._scan)
         try:
-            self._locks.mkdir(parents=True, exist_ok=True)
+            _paths.make_folder(self.root)
+            _paths.make_folder(self._locks)
         except OSError as exc:
             raise StorageError(f"cannot create the object cache {self.root}: {exc.strerror}") from None
+        _paths.check_folder(self.root, follow=root is not None)  # a folder the caller named may be a link
+        _paths.check_folder(self._locks)
 
     def open(self, entry: Entry, download: Callable[[Callable[[bytes], None]], None]) -> CachedFile:
         """The entry, opened under a shared lock; downloaded first if missing or damaged.
@@ -199,7 +205,7 @@ class ObjectCache:
     def recount(self) -> dict[str, int]:
         """The counters, with size and entries counted again from the folder (one walk; for
         the command line, which also repairs figures of entries deleted by hand)."""
-        with self.stats.update() as record:
+        with self.stats.locked() as record:
             record["bytes"], record["entries"] = self._scan()
             return dict(record)
 
@@ -209,7 +215,7 @@ class ObjectCache:
 
     def _open_existing(self, path: pathlib.Path) -> CachedFile | None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _paths.open_file(path, os.O_RDONLY)[0]
         except FileNotFoundError:
             return None
         try:
@@ -224,7 +230,10 @@ class ObjectCache:
                     self._unlink(path, st)
                 os.close(fd)
                 return None
-            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))  # least recently used = oldest access
+            # Least recently used = oldest access. Only an entry's owner may set its times: another
+            # member's entry in a cache shared with the group keeps its owner's last access.
+            with contextlib.suppress(PermissionError):
+                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -241,22 +250,26 @@ class ObjectCache:
         if magic != _MAGIC or length != st.st_size - _TRAILER.size:
             return None
         ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        if ident in _verified:
+        # Only this user's entries are remembered: another user's (a cache shared with the group)
+        # is checked at every open.
+        ours = st.st_uid == os.geteuid()
+        if ours and ident in _verified:
             return length, crc
         if crc32_upto(fd, length) != crc:
             return None
-        with _verified_lock:
-            _verified.add(ident)
+        if ours:
+            with _verified_lock:
+                _verified.add(ident)
         return length, crc
 
     @contextlib.contextmanager
     def _download_lock(self, path: pathlib.Path, entry: Entry) -> Iterator[None]:
         lock_path = self._locks / f"{path.name}.lock"
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:  # read-only is enough for flock: a lock file made by another member of a shared cache
+            fd = _paths.open_file(lock_path, os.O_RDONLY, _paths.file_mode())[0]
         except FileNotFoundError:  # the folder was removed under us (rm -rf of the cache)
-            self._locks.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            _paths.make_folder(self._locks)
+            fd = _paths.open_file(lock_path, os.O_RDONLY, _paths.file_mode())[0]
         try:
             waited_for = (
                 f"another process to download {entry.url} into the cache {self.root}; "
@@ -286,7 +299,7 @@ class ObjectCache:
         tmp = path.with_name(f"{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         crc = length = 0
         try:
-            with open(tmp, "wb", buffering=_WRITE_CHUNK) as out:
+            with open(_paths.create_file(tmp, os.O_WRONLY, _paths.file_mode()), "wb", buffering=_WRITE_CHUNK) as out:
 
                 def write(chunk: bytes) -> None:
                     nonlocal crc, length
@@ -298,11 +311,11 @@ class ObjectCache:
                 out.write(_TRAILER.pack(_MAGIC, crc, length))
             with self.stats.update() as record:
                 with contextlib.suppress(FileNotFoundError):
-                    old = os.stat(path)  # a damaged entry nobody could delete: replaced
+                    old = os.lstat(path)  # a damaged entry nobody could delete: replaced
                     record["bytes"] -= old.st_size
                     record["entries"] -= 1
                 os.replace(tmp, path)
-                st = os.stat(path)  # its CRC was just computed from the bytes written: no read back
+                st = os.lstat(path)  # its CRC was just computed from the bytes written: no read back
                 record["bytes"] += st.st_size
                 record["entries"] += 1
                 record["misses"] += 1
@@ -365,8 +378,8 @@ class ObjectCache:
     def _remove_unused(self, path: pathlib.Path) -> bool:
         """Unlink `path` unless a reader holds it (its shared lock makes ours fail at once)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:  # gone, or a link (not an entry of ours)
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -383,7 +396,7 @@ class ObjectCache:
         entry renamed into its place since), and count it out of the record."""
         with self.stats.update() as record:
             try:
-                now = os.stat(path)
+                now = os.lstat(path)
                 if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                     return False
                 path.unlink()

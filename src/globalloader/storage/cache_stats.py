@@ -7,6 +7,14 @@ removes an entry while it holds the lock, so the figures follow the folder witho
 The record is written in place by one `pwrite` and carries a CRC-32: a process killed mid-update
 leaves the previous record; a torn or damaged one is detected and started again (counters from
 zero, as after a restart; size and entries from one walk of the folder).
+
+The counters are best-effort: an update never waits for the lock longer than BUSY_WAIT, so a
+process stopped (SIGSTOP, a debugger) or hung while it holds the lock never blocks or fails a
+read. Changes made while the lock is busy are deferred, kept by the process and added to the
+record by its next update that gets the lock (which then does not wait: one try per update until
+the lock is free again), or when it exits (within EXIT_WAIT). Only the deferred changes of a
+process that ends before the lock is free, or is killed, are lost; a lost change of size or
+entries is repaired by the next walk of the folder (`globalloader cache info`).
 """
 
 from __future__ import annotations
@@ -16,14 +24,20 @@ import fcntl
 import os
 import pathlib
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from multiprocessing import util as _mp_util
 
+from globalloader import _paths
 from globalloader.errors import StorageError
+from globalloader.storage._fork import reset_in_forked_children
 
 FIELDS = ("downloaded_bytes", "hits", "misses", "bytes", "entries")
-LOCK_TIMEOUT = 30.0  # seconds; the lock is held for a few system calls at a time
+LOCK_TIMEOUT = 30.0  # seconds `read` waits; the lock is held for a few system calls at a time
+BUSY_WAIT = 0.05  # seconds an update waits for the lock before it defers its changes
+EXIT_WAIT = 0.5  # seconds a process ending waits for the lock to write what it deferred
 _RECORD = struct.Struct("<4s5Q")
 _CRC = struct.Struct("<I")
 _MAGIC = b"GLS1"
@@ -36,56 +50,147 @@ class CacheStats:
         self.path, self._scan = path, scan
 
     @contextlib.contextmanager
-    def update(self, timeout: float = LOCK_TIMEOUT) -> Iterator[dict[str, int]]:
-        """The record, locked for the block: change its values to update it (written when the
-        block ends without an exception). Changes of the folder's entries belong inside."""
+    def update(self) -> Iterator[dict[str, int]]:
+        """The record for the block: change its values to update it (written when the block ends
+        without an exception). Changes of the folder's entries belong inside. When the lock is
+        busy (see the module doc) the block gets zeros instead, and its changes are deferred."""
         fd = self._open()
         try:
-            lock_exclusive(
-                fd, timeout, f"the lock of the cache's counters {self.path}; a process holding it is stopped or hung"
-            )
-            record = _unpack(os.pread(fd, _RECORD.size + _CRC.size, 0))
-            before = dict(record) if record is not None else None
-            if record is None:
-                size, count = self._scan()
-                record = dict.fromkeys(FIELDS, 0) | {"bytes": size, "entries": count}
-            yield record
-            if record != before:
-                os.pwrite(fd, _pack(record), 0)
+            if not _try_lock(fd, 0.0 if _DEFERRED.has(self.path) else BUSY_WAIT):
+                changes = dict.fromkeys(FIELDS, 0)
+                yield changes
+                _DEFERRED.add(self, changes)
+                return
+            with self._locked_record(fd) as record:
+                yield record
         finally:
             # Unlock explicitly: a child forked by another thread meanwhile holds a copy of the
             # descriptor, and a flock lasts until every copy is closed or one unlocks it.
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    @contextlib.contextmanager
+    def _locked_record(self, fd: int) -> Iterator[dict[str, int]]:
+        """The record of `fd` (locked), with this process's deferred changes added."""
+        record = _unpack(os.pread(fd, _RECORD.size + _CRC.size, 0))
+        before = dict(record) if record is not None else None
+        deferred = _DEFERRED.take(self.path)
+        if record is None:
+            size, count = self._scan()
+            record = dict.fromkeys(FIELDS, 0) | {"bytes": size, "entries": count}
+            deferred |= {"bytes": 0, "entries": 0}  # the walk has counted them
+        for field, change in deferred.items():
+            record[field] += change
+        try:
+            yield record
+        except BaseException:
+            _DEFERRED.add(self, deferred)  # not written: kept for the next update
+            raise
+        if record != before:
+            os.pwrite(fd, _pack(record), 0)
+
+    def write_deferred(self, timeout: float) -> None:
+        """Add this process's deferred changes to the record if the lock is free within `timeout`."""
+        with contextlib.suppress(StorageError), self.locked(timeout):
+            pass
+
+    @contextlib.contextmanager
+    def locked(self, timeout: float = LOCK_TIMEOUT) -> Iterator[dict[str, int]]:
+        """The record for the block, like `update` but waiting for the lock up to `timeout` seconds
+        (else a StorageError): to read it, or to set values rather than add to them."""
+        fd = self._open()
+        try:
+            lock_exclusive(
+                fd, timeout, f"the lock of the cache's counters {self.path}; a process holding it is stopped or hung"
+            )
+            with self._locked_record(fd) as record:
+                yield record
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
     def read(self, timeout: float = LOCK_TIMEOUT) -> dict[str, int]:
-        with self.update(timeout) as record:
+        with self.locked(timeout) as record:
             return dict(record)
 
     def _open(self) -> int:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        mode = _paths.file_mode(group_writes=True)  # every process of the cache writes it in place
         try:
             try:
-                return os.open(self.path, flags, 0o600)
+                return _paths.open_file(self.path, os.O_RDWR, mode)[0]
             except FileNotFoundError:  # the folder was removed under us (rm -rf of the cache)
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                return os.open(self.path, flags, 0o600)
+                _paths.make_folder(self.path.parent)
+                return _paths.open_file(self.path, os.O_RDWR, mode)[0]
         except OSError as exc:
             raise StorageError(f"cannot open the cache's counters {self.path}: {exc.strerror}") from None
+
+
+class _Deferred:
+    """The changes this process could not write because the lock was busy, per record; written
+    by its next update, or when it exits."""
+
+    def __init__(self) -> None:
+        self._after_fork()
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
+        self._changes: dict[pathlib.Path, dict[str, int]] = {}  # the parent writes its own
+        self._records: dict[pathlib.Path, CacheStats] = {}  # to write them at exit
+        self._at_exit = False
+
+    def has(self, path: pathlib.Path) -> bool:
+        return path in self._changes
+
+    def add(self, stats: CacheStats, changes: dict[str, int]) -> None:
+        if not any(changes.values()):
+            return
+        with self._lock:
+            kept = self._changes.setdefault(stats.path, dict.fromkeys(FIELDS, 0))
+            for field, change in changes.items():
+                kept[field] += change
+            self._records[stats.path] = stats
+            if not self._at_exit:
+                # multiprocessing's exit hook, which worker processes run too (they end with
+                # os._exit, which skips atexit).
+                _mp_util.Finalize(self, _write_all_deferred, exitpriority=0)
+                self._at_exit = True
+
+    def take(self, path: pathlib.Path) -> dict[str, int]:
+        with self._lock:
+            return self._changes.pop(path, {})
+
+    def records(self) -> list[CacheStats]:
+        with self._lock:
+            return [self._records[path] for path in self._changes]
+
+
+def _write_all_deferred() -> None:
+    for stats in _DEFERRED.records():
+        stats.write_deferred(EXIT_WAIT)
+
+
+_DEFERRED = _Deferred()
+reset_in_forked_children(_DEFERRED)
 
 
 def lock_exclusive(fd: int, timeout: float, waited_for: str, pause_max: float = 0.01) -> None:
     """flock `fd` exclusively within `timeout` seconds (polling with a growing pause), else a
     StorageError saying what was `waited_for`: a lock held by a stopped process is never a hang."""
+    if not _try_lock(fd, timeout, pause_max):
+        raise StorageError(f"waited {timeout:.0f} s for {waited_for}")
+
+
+def _try_lock(fd: int, timeout: float, pause_max: float = 0.01) -> bool:
+    """Whether `fd` was flocked exclusively within `timeout` seconds (one try when 0)."""
     deadline = time.monotonic() + timeout
     pause = 0.0005
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise StorageError(f"waited {timeout:.0f} s for {waited_for}") from None
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(pause)
             pause = min(pause_max, pause * 2)
 
