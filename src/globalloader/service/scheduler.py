@@ -327,6 +327,7 @@ class Scheduler:
         s = job.group.sampler.stats().get(job.id, {})
         requests = s.get("requests", 0)
         return {
+            "id": job.id,  # the server's number for it: two jobs may share a name and a pid (train, val)
             "name": job.name,
             "pid": job.conn.pid,
             "size": job.size,
