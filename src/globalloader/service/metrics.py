@@ -5,10 +5,10 @@ into metric families, so the numbers are the server's own at that moment and not
 between. Names and labels are stable (the table is in docs/observe.md); per-job metrics carry
 `job_name` and `pid` (not `job`, which Prometheus itself sets to the scrape job), and `job_id`,
 the server's number for the job, which makes every series unique by construction: two Loaders
-of one process (train and val) have the same pid and often the same name, and a scrape with a
-duplicate series is refused whole. Counters come
-from the server's running totals, so `rate()` gives per-second figures and a server restart
-shows as a counter reset, which Prometheus handles. A server that does not answer gives
+of one process (train and val) have the same pid and often the same name, and Prometheus
+refuses a whole scrape with a duplicate series. Counters come from the server's running
+totals, so `rate()` gives per-second figures and a server restart shows as a counter reset,
+which Prometheus handles. A server that does not answer gives
 `globalloader_server_up 0` and nothing else.
 """
 
