@@ -44,7 +44,7 @@ class Arena:
     def __init__(self, arena_id: ArenaId, mapping: mmap.mmap, owner: bool) -> None:
         self.id, self.name, self.mapping, self._owner = arena_id, arena_id.name, mapping, owner
         self._bytes = np.frombuffer(mapping, np.uint8)
-        self._holds = 0  # sessions of this process using it (`hold`)
+        self._holders = 0  # sessions of this process using it (`hold`)
 
     def write(self, offset: int, placed: list[tuple[int, np.ndarray]]) -> None:
         """Copy a sample's arrays (from `encode`) to `offset`."""
@@ -69,8 +69,8 @@ class Arena:
     def release(self) -> None:
         """A session that `hold` gave this arena is done with it: the last one unmaps it."""
         with _lock:
-            self._holds -= 1
-            if self._holds:
+            self._holders -= 1
+            if self._holders:
                 return
             self._forget()  # now, so that no `hold` finds it between here and the unmapping
         self.close()
@@ -136,7 +136,7 @@ def hold(arena_id: ArenaId) -> Arena:
     """`attach(arena_id)` for a session, which calls `release()` on the arena when it ends."""
     with _lock:
         arena, stale = _mapped(arena_id)
-        arena._holds += 1
+        arena._holders += 1
     if stale is not None:
         stale.close()
     return arena
@@ -155,4 +155,4 @@ def _mapped(arena_id: ArenaId) -> tuple[Arena, Arena | None]:
             f"the global loader's memory pool {arena_id.name!r} (inode {arena_id.inode}) is gone: its server stopped"
         ) from exc
     _attached[arena_id.name] = fresh = Arena(arena_id, mapping, owner=False)
-    return fresh, arena if arena is not None and not arena._holds else None
+    return fresh, arena if arena is not None and not arena._holders else None
