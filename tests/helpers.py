@@ -86,6 +86,21 @@ def pool_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("gl-pool-")}
 
 
+def shm_held(name: str) -> tuple[int, int]:
+    """(descriptors, mappings) this process has of the /dev/shm file `name`, unlinked or not."""
+    target = f"/dev/shm/{name}"
+
+    def same(path: str) -> bool:
+        return path.removesuffix(" (deleted)") == target
+
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed meanwhile
+            fds += same(os.readlink(f"/proc/self/fd/{fd}"))
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return fds, sum(1 for line in lines if len(line.split(maxsplit=5)) == 6 and same(line.split(maxsplit=5)[5]))
+
+
 def server_pid(path: Path) -> int | None:
     """The pid of the process listening at socket `path` (from the kernel, so it answers even for
     a server too stuck to reply), or None if nothing listens there."""

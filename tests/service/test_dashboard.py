@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import globalloader as gl
 from globalloader.service.dashboard import History
 from globalloader.service.launcher import status
 from globalloader.service.metrics import JOB_COUNTERS, JOB_GAUGES, SERVER_COUNTERS, SERVER_GAUGES, exposition
@@ -109,6 +111,10 @@ def metrics(board: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+def job_labels(job: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return (("job_id", str(job["id"])), ("job_name", job["name"]), ("pid", str(job["pid"])))
+
+
 def expected(report: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The metrics a status should give, read from the status by hand (names from docs/observe.md)."""
     pool = report["pool"]
@@ -132,7 +138,7 @@ def expected(report: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], .
         ("globalloader_pool_evictions_total", ()): pool.get("evictions", 0),
     }
     for job in report["jobs"]:
-        labels = (("job_name", job["name"]), ("pid", str(job["pid"])))
+        labels = job_labels(job)
         for name, _, key in JOB_GAUGES:
             out[(name, labels)] = job[key]
         for name, _, key in JOB_COUNTERS:
@@ -155,10 +161,9 @@ def test_metrics_are_the_status_numbers(server, dashboard, tmp_path: Path):
             if name.endswith("_total") and not labels:
                 high = expected(after)[(name, labels)]
                 assert low <= scraped[(name, labels)] <= high, (name, low, scraped[(name, labels)], high)
-        rates = [
-            scraped[("globalloader_job_samples_per_second", (("job_name", n), ("pid", str(j.pid))))]
-            for n, j in zip(("alpha", "beta"), jobs, strict=True)
-        ]
+        by_name = {job["name"]: job for job in before["jobs"]}
+        assert [by_name[n]["pid"] for n in ("alpha", "beta")] == [j.pid for j in jobs]
+        rates = [scraped[("globalloader_job_samples_per_second", job_labels(by_name[n]))] for n in ("alpha", "beta")]
         assert all(rate > 0 for rate in rates), rates
         # Both paused: nothing moves, and every number of a scrape is the status's own.
         for name in ("alpha", "beta"):
@@ -175,6 +180,32 @@ def test_metrics_are_the_status_numbers(server, dashboard, tmp_path: Path):
         for job in jobs:
             job.kill()
             job.wait()
+
+
+def test_two_loaders_of_one_process_with_one_name_are_two_series(server, dashboard):
+    """Train and val in one script, both with the default name: same name, same pid. A scrape
+    with a duplicate series is refused whole by Prometheus; each job has its own."""
+    ds = gl.Dataset(gl.from_sequence(list(range(20)))).map(np.asarray, shared=True).batch(5)
+    loaders = [gl.Loader(ds, share=True, server=str(server.socket)) for _ in range(2)]
+    try:
+        for loader in loaders:
+            next(iter(loader))
+        code, _, body = get(dashboard, "/metrics", {"Authorization": f"Bearer {dashboard.token}"})
+        jobs = status(server.socket)["jobs"]
+        polled = wait_for(lambda: (s := api(dashboard)) and len(s["status"]["jobs"]) == 2 and s, "a poll with both")
+    finally:
+        for loader in loaders:
+            loader.close()
+    assert code == 200 and len(jobs) == 2 and jobs[0]["name"] == jobs[1]["name"] and jobs[0]["pid"] == jobs[1]["pid"]
+    series = [
+        (sample.name, tuple(sorted(sample.labels.items())))
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    ]
+    assert len(series) == len(set(series)), sorted(s for s in series if series.count(s) > 1)
+    for name, _, _ in JOB_GAUGES:
+        assert {labels for n, labels in series if n == name} == {job_labels(job) for job in jobs}, name
+    assert len(polled["points"][-1]["jobs"]) == 2, polled["points"][-1]  # two lines in the charts too (same poll)
 
 
 def test_the_dashboard_goes_on_across_a_server_restart(server, dashboard):

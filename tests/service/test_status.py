@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -52,3 +53,26 @@ def test_status_prints_snapshots_when_piped(server):
         proc.wait()
     text = "".join(lines)
     assert "globalloader server" in text and "decodes saved" in text, text
+
+
+def test_job_names_are_shown_as_written_never_as_markup(server):
+    """A name is the user's text: `[/bold]` closing nothing once crashed the table (MarkupError)."""
+    names = ["x[/bold]y", "[red]alpha[/red]", "[link=http://example.com]z", "back\\[slash]"]
+    ds = gl.Dataset(gl.from_sequence(list(range(20)))).map(sample, shared=True).batch(5)
+    loaders = [gl.Loader(ds, share=True, server=str(server.socket), name=name) for name in names]
+    try:
+        for loader in loaders:
+            next(iter(loader))
+        shown = subprocess.run(
+            [sys.executable, "-m", "globalloader", "status", "--once", "--socket", str(server.socket)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+    finally:
+        for loader in loaders:
+            loader.close()
+    assert shown.returncode == 0, shown.stderr
+    rows = [line.split("│") for line in shown.stdout.splitlines() if line.startswith("│")]
+    assert sorted(row[1].strip() for row in rows) == sorted(names), shown.stdout

@@ -35,7 +35,7 @@ from globalloader.execution.run import UNAVAILABLE, EpochRun, Host
 from globalloader.execution.workers import Task
 from globalloader.service import protocol
 from globalloader.service.client import Client
-from globalloader.transport.arena import Arena, attach
+from globalloader.transport.arena import Arena, ArenaId, hold
 
 
 class SharedSession:
@@ -70,12 +70,13 @@ class SharedSession:
         try:
             self.client.send("hello", hello)
             msg = self.client.get(timeout, "its welcome")
+            self.job, self.arena_id = msg[1], ArenaId(*msg[2])
+            self.arena: Arena = hold(self.arena_id)
         except BaseException:
             self.client.close()
             raise
-        self.job, self.arena_name = msg[1], msg[2]
-        self.arena: Arena = attach(self.arena_name)
         self._runs = 0
+        self._closed = False
 
     def start_run(self, epoch: int, indices: np.ndarray) -> int:
         run, self._runs = self._runs, self._runs + 1
@@ -85,7 +86,12 @@ class SharedSession:
         return run
 
     def close(self) -> None:
+        """Leave the server and unmap its arena (see `Arena.close`: nothing this Loader handed
+        out is a view of it, so nothing a user kept loses its memory)."""
         self.client.close()
+        if not self._closed:
+            self._closed = True
+            self.arena.release()
 
 
 def _by_value_if_local(cloudpickle: Any, fn: Any) -> None:
@@ -214,7 +220,7 @@ class SharedRun(EpochRun):
                 return
             t = self._next_task
             self._next_task += 1
-            self._submit_task(Task(self.epoch, t, items, self.plan.split, self._session.arena_name))
+            self._submit_task(Task(self.epoch, t, items, self.plan.split, self._session.arena_id))
             self._in_flight.append(([i for i, _, _ in items], [i for i, o, _ in items if o is not None]))
 
     def _next(self) -> Any:

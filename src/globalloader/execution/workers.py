@@ -21,7 +21,7 @@ from globalloader.dataset.cache import MISSING
 from globalloader.dataset.plan import Plan, Timer
 from globalloader.errors import LoaderTimeoutError, TransformError
 from globalloader.runtime.pool import Worker, WorkerPool, failure, raised_again
-from globalloader.transport.arena import attach
+from globalloader.transport.arena import ArenaId, attach
 
 
 class Task(NamedTuple):
@@ -29,7 +29,7 @@ class Task(NamedTuple):
     number: int
     items: Any  # source indices (ndarray), (index, record) pairs (see Plan.run_task), or None: the task's own
     first_map: int | None = None  # items are (index, record) pairs whose records went through these maps
-    arena: str | None = None  # items are (index, offset, layout) tickets into this arena
+    arena: ArenaId | None = None  # items are (index, offset, layout) tickets into this arena
 
 
 class Result(NamedTuple):

@@ -120,15 +120,15 @@ class History:
         if latest is None or latest["pid"] != status["pid"]:
             verb = "started" if latest is not None else "answers"
             self._event(f"server pid {status['pid']} {verb} (up {status['uptime_s']:.0f} s)")
-            before: set[tuple[str, int]] = set()
+            before: set[tuple[int, str, int]] = set()
         else:
-            before = {(j["name"], j["pid"]) for j in latest["jobs"]}
+            before = {(j["id"], j["name"], j["pid"]) for j in latest["jobs"]}
             if self._down_since is not None:
                 self._event(f"server pid {status['pid']} answers again")
-        now = {(j["name"], j["pid"]) for j in status["jobs"]}
-        for name, pid in sorted(now - before):
+        now = {(j["id"], j["name"], j["pid"]) for j in status["jobs"]}
+        for _, name, pid in sorted(now - before):
             self._event(f"job {name!r} (pid {pid}) joined")
-        for name, pid in sorted(before - now):
+        for _, name, pid in sorted(before - now):
             self._event(f"job {name!r} (pid {pid}) left")
 
     def _event(self, text: str) -> None:
@@ -184,9 +184,10 @@ class History:
 
 
 def _job_key(job: dict[str, Any], jobs: list[dict[str, Any]]) -> str:
-    """A job's name in the charts; with its pid when another job has the same name."""
+    """A job's name in the charts; with its pid and the server's number for it when another job
+    has the same name (two Loaders of one process have the same pid too)."""
     same = sum(1 for other in jobs if other["name"] == job["name"])
-    return job["name"] if same == 1 else f"{job['name']} (pid {job['pid']})"
+    return job["name"] if same == 1 else f"{job['name']} (pid {job['pid']}, job {job['id']})"
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -71,14 +71,14 @@ def _prefetch(prefix: Any, indices: Any) -> None:
 class DecodeBody:
     """A decode worker's body (`runtime.WorkerPool`): the shared prefixes it was sent, and loads."""
 
-    def __init__(self, arena_name: str, running: Any) -> None:
-        self.arena_name = arena_name
+    def __init__(self, arena_id: arena.ArenaId, running: Any) -> None:
+        self.arena_id = arena_id
         # Per worker slot, the order number of the load it started last (shared memory, written
         # here, read by the server): which load of a group runs, whatever outcomes are held.
         self.running = running
 
     def setup(self, worker: Worker) -> None:
-        self.memory = arena.attach(self.arena_name)
+        self.memory = arena.attach(self.arena_id)
         self.prefixes: dict[str, Any] = {}
         self.backlog: deque[tuple] = deque()  # messages that arrived while waiting for an offset
         self.replies: list[tuple] = []  # outcomes of the loads of this message, sent together
@@ -201,7 +201,7 @@ class DecoderPool:
     def __init__(
         self,
         size: int,
-        arena_name: str,
+        arena_id: arena.ArenaId,
         events: Events,
         register: Callable[[Connection, Callable[[], None]], None],
         unregister: Callable[[Connection], None],
@@ -220,7 +220,7 @@ class DecoderPool:
         self.space_requests = 0  # loads whose worker had to ask for space (a round trip while it waits)
         context = mp.get_context("fork")
         self._running = context.RawArray("q", size)  # see DecodeBody.running
-        self._processes = WorkerPool(DecodeBody(arena_name, self._running), size, context, 0, name="decode worker")
+        self._processes = WorkerPool(DecodeBody(arena_id, self._running), size, context, 0, name="decode worker")
         self._workers = [self._watch(slot) for slot in range(size)]
 
     def _watch(self, slot: int) -> _Worker:

@@ -3,9 +3,12 @@
 A custom `prometheus_client` collector: each scrape asks the server for its status and turns it
 into metric families, so the numbers are the server's own at that moment and nothing is kept in
 between. Names and labels are stable (the table is in docs/observe.md); per-job metrics carry
-`job_name` and `pid` (not `job`, which Prometheus itself sets to the scrape job). Counters come
-from the server's running totals, so `rate()` gives per-second figures and a server restart
-shows as a counter reset, which Prometheus handles. A server that does not answer gives
+`job_name` and `pid` (not `job`, which Prometheus itself sets to the scrape job), and `job_id`,
+the server's number for the job, which makes every series unique by construction: two Loaders
+of one process (train and val) have the same pid and often the same name, and Prometheus
+refuses a whole scrape with a duplicate series. Counters come from the server's running
+totals, so `rate()` gives per-second figures and a server restart shows as a counter reset,
+which Prometheus handles. A server that does not answer gives
 `globalloader_server_up 0` and nothing else.
 """
 
@@ -18,7 +21,7 @@ from typing import Any
 from globalloader._extras import require
 from globalloader.errors import GlobalLoaderError
 
-JOB_LABELS = ("job_name", "pid")
+JOB_LABELS = ("job_name", "pid", "job_id")
 
 # (name, help, where in the status): counters get `_total` from prometheus_client.
 SERVER_GAUGES = (
@@ -108,7 +111,7 @@ class StatusCollector:
                 for job in jobs:
                     value = _field(job, (key,))
                     if value is not None:
-                        family.add_metric([str(job["name"]), str(job["pid"])], value)
+                        family.add_metric([str(job["name"]), str(job["pid"]), str(job["id"])], value)
                 yield family
         yield from self._cache(core, status.get("cache"))
 

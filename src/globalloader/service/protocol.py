@@ -47,7 +47,7 @@ MESSAGES: dict[str, tuple[str, ...]] = {
     "status": (),  # a one-shot connection: answered with "status", then closed
     "stop": (),
     # Server to client:
-    "welcome": ("job", "arena", "capacity"),
+    "welcome": ("job", "arena", "capacity"),  # arena: its (name, inode), see transport.arena
     "ticket": ("run", "seq", "index", "offset", "layout"),  # sample `index` is at `offset`
     "failed": ("run", "seq", "index", "error", "message"),  # it could not be loaded
     "error": ("error", "message"),  # the request failed; the connection ends

@@ -28,6 +28,7 @@ from globalloader.sampling.joint import JointSampler
 from globalloader.service.connections import Connection, Connections, log
 from globalloader.service.decoder import DecoderPool, Events
 from globalloader.service.pool import BufferPool
+from globalloader.transport.arena import ArenaId
 
 
 @dataclass
@@ -86,11 +87,11 @@ class Scheduler:
     """The jobs and groups of a server, their requests and the loads that answer them."""
 
     def __init__(
-        self, io: Connections, arena_name: str, capacity: int, start_decoders: Callable[[Events], DecoderPool]
+        self, io: Connections, arena_id: ArenaId, capacity: int, start_decoders: Callable[[Events], DecoderPool]
     ) -> None:
-        """`capacity`: the arena's bytes; `start_decoders` makes the decode workers that report
-        to this scheduler."""
-        self.io, self.arena_name = io, arena_name
+        """`arena_id`: what clients map (transport.arena); `capacity`: its bytes; `start_decoders`
+        makes the decode workers that report to this scheduler."""
+        self.io, self.arena_id = io, arena_id
         self.pool: BufferPool = BufferPool(capacity, on_evict=self._evicted, wanted=self._wanted)
         self.groups: dict[str, Group] = {}
         self.jobs: dict[int, Job] = {}
@@ -128,7 +129,7 @@ class Scheduler:
         self.jobs[job.id] = job
         group.jobs[job.id] = job
         self.finished = [f for f in self.finished if f["pid"] != conn.pid]
-        self.io.send(conn, "welcome", job.id, self.arena_name, self.pool.capacity)
+        self.io.send(conn, "welcome", job.id, tuple(self.arena_id), self.pool.capacity)
 
     def _on_run(self, conn: Connection, run: int, epoch: int, indices: Any) -> None:
         """A new pass: whatever the job held or awaited from earlier passes is let go."""
@@ -326,6 +327,7 @@ class Scheduler:
         s = job.group.sampler.stats().get(job.id, {})
         requests = s.get("requests", 0)
         return {
+            "id": job.id,  # the server's number for it: two jobs may share a name and a pid (train, val)
             "name": job.name,
             "pid": job.conn.pid,
             "size": job.size,

@@ -52,9 +52,9 @@ class Server:
         self.started = time.time()
         self.scheduler = Scheduler(
             self.io,
-            self.arena.name,
+            self.arena.id,
             memory,
-            lambda events: DecoderPool(workers, self.arena.name, events, self._register_pipe, self.io.unregister),
+            lambda events: DecoderPool(workers, self.arena.id, events, self._register_pipe, self.io.unregister),
         )
 
     def _register_pipe(self, conn: Any, callback: Callable[[], None]) -> None:

@@ -4,6 +4,9 @@ Progress is what each job has consumed (yielded to its training loop) this epoch
 asked the server for ahead of time. Jobs that ended stay in the table, marked "left", until
 they are among the server's 20 most recent. On a terminal the table refreshes in place; piped,
 a new snapshot is printed every interval, so `status | tee log` records something.
+
+Everything in the table is text, never rich markup: a job's name is whatever its user chose
+(`Loader(name="x[/bold]y")`), and so is a cache folder's path.
 """
 
 from __future__ import annotations
@@ -73,12 +76,13 @@ def render(status: dict[str, Any]) -> Any:
     """A rich renderable of one status snapshot."""
     rich_table = require("rich.table", "service")
     rich_console = require("rich.console", "service")
+    text = require("rich.text", "service").Text
     table = rich_table.Table(title=f"globalloader server (pid {status['pid']}, up {status['uptime_s']:.0f} s)")
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("job", "state") else "right")
     for row in rows(status):
-        table.add_row(*row)
-    return rich_console.Group(table, summary(status))
+        table.add_row(*map(text, row))
+    return rich_console.Group(table, text(summary(status)))
 
 
 def watch(path: Path, interval: float = 1.0, once: bool = False) -> None:

@@ -10,9 +10,11 @@ warnings) when that process exits. POSIX only.
 from __future__ import annotations
 
 import _posixshmem
+import errno
 import mmap
 import os
 import time
+from typing import NamedTuple
 
 from globalloader._pids import alive
 from globalloader.errors import ArgumentError
@@ -77,7 +79,16 @@ def check_prefix(prefix: str) -> None:
         raise ArgumentError(f"prefix: {prefix!r} must be a non-empty str without '/', e.g. 'gl-1234-0-'")
 
 
-def create_mapping(name: str, capacity: int, flags: int = mmap.MAP_SHARED) -> mmap.mmap:
+class Mapped(NamedTuple):
+    """A mapping and the inode of the file it maps: what the file is, where its name only says
+    where it is (a name can be unlinked and made again by another owner; the inode of a file a
+    process maps stays that file's)."""
+
+    mapping: mmap.mmap
+    inode: int
+
+
+def create_mapping(name: str, capacity: int, flags: int = mmap.MAP_SHARED) -> Mapped:
     """Create `name` (FileExistsError if it exists) with `capacity` bytes reserved up front, and map it.
 
     Reserving (not just sizing) makes a full tmpfs fail here, with an OSError, instead of killing
@@ -89,7 +100,7 @@ def create_mapping(name: str, capacity: int, flags: int = mmap.MAP_SHARED) -> mm
             os.posix_fallocate(fd, 0, capacity)
         else:  # not Linux: sized only
             os.ftruncate(fd, capacity)
-        return mmap.mmap(fd, capacity, flags=flags)
+        return Mapped(mmap.mmap(fd, capacity, flags=flags), os.fstat(fd).st_ino)
     except BaseException:
         unlink(name)
         raise
@@ -97,11 +108,15 @@ def create_mapping(name: str, capacity: int, flags: int = mmap.MAP_SHARED) -> mm
         os.close(fd)
 
 
-def map_existing(name: str, flags: int = mmap.MAP_SHARED) -> mmap.mmap:
-    """Map the whole of the existing `name` (FileNotFoundError if it is gone)."""
+def map_existing(name: str, flags: int = mmap.MAP_SHARED, inode: int | None = None) -> mmap.mmap:
+    """Map the whole of the existing `name`: FileNotFoundError if it is gone, or if `inode` is
+    given and `name` now is another file (its owner unlinked it and a new one took the name)."""
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size, flags=flags)
+        st = os.fstat(fd)
+        if inode is not None and st.st_ino != inode:
+            raise FileNotFoundError(errno.ENOENT, f"{SHM_DIR}/{name} is another file than inode {inode} now")
+        return mmap.mmap(fd, st.st_size, flags=flags)
     finally:
         os.close(fd)
 

@@ -153,7 +153,7 @@ class BatchWriter:
             name = f"{self.prefix}{self._counter}"
             self._counter += 1
             try:
-                return _Segment(name, capacity, create_mapping(name, capacity, _MAP_FLAGS))
+                return _Segment(name, capacity, create_mapping(name, capacity, _MAP_FLAGS).mapping)
             except FileExistsError:
                 continue  # a leftover of an earlier writer with this prefix: skip its name
             except OSError as exc:
