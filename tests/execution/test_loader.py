@@ -177,6 +177,31 @@ def test_skip_drops_a_sample_that_cannot_be_pickled_and_keeps_the_rest_whole():
     assert shm_names() == set()
 
 
+def stream_records():
+    return ({"__key__": f"s{i}", "label": i} for i in range(10))
+
+
+def lock_on_3_in_place(r):
+    r["label"] *= 10  # in place: running the map twice on a stream's record would be wrong
+    if r["label"] == 30:
+        r["lock"] = threading.Lock()
+    return r
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_stream_record_that_cannot_be_pickled_is_named_and_not_run_twice_to_skip_it(on_error: str):
+    ds = gl.Dataset.stream(stream_records).map(lock_on_3_in_place)
+    with (
+        gl.Loader(ds, workers=2, on_error=on_error) as loader,
+        pytest.raises(
+            TransformError,
+            match=r"the stream's records through the maps 'lock_on_3_in_place' returned, for task 0 of epoch 0, a "
+            r"value a worker process cannot send: TypeError: cannot pickle '_thread.lock'",
+        ),
+    ):
+        list(loader)
+
+
 def lock_in_batch(batch):
     return {**batch, "lock": threading.Lock()}
 

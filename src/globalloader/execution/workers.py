@@ -140,22 +140,31 @@ class _TaskBody:
         try:
             try:
                 _send(worker, _run(plan, task, self._skip, idle, deferred=True))
-            except UNPICKLABLE:
-                # A value cannot leave this process: the task runs again checking each sample, so
-                # the error names the sample and the map that made it (or, with on_error="skip",
-                # the sample is skipped as for any failure of its own). Maps run twice, only here.
+            except UNPICKLABLE as exc:
+                if plan.is_stream and task.arena is None:  # a stream's records are not read twice
+                    names = ", ".join(repr(m.name) for m in plan.maps)
+                    made_by = "the stream's records" + (f" through the maps {names}" if names else "")
+                    raise _unsendable(plan, task, exc, made_by) from None
+                # The task runs again checking each sample, so the error names the sample and the
+                # map that made it (or, with on_error="skip", the sample is skipped as for any
+                # failure of its own). Its maps run twice, only here: its records are read again.
                 res = _run(plan, task, self._skip, idle, deferred=True, sendable=True)
                 try:
                     _send(worker, res)
                 except UNPICKLABLE as exc:  # every sample pickles: the batch itself does not
                     made_by = f"map {plan.batch_maps[-1].name!r}" if plan.batch_maps else "the batch's collate"
-                    raise TransformError(
-                        f"{made_by} returned, for batch {task.number} of epoch {task.epoch}, a value a worker "
-                        f"process cannot send: {type(exc).__name__}: {exc}; return picklable values"
-                    ) from None
+                    raise _unsendable(plan, task, exc, made_by) from None
         except Exception as exc:  # noqa: BLE001 - whatever the chain raised is sent back to the consumer
             worker.send(failure(exc, TransformError))
         self._idle_since = time.perf_counter()
+
+
+def _unsendable(plan: Plan, task: Task, exc: BaseException, made_by: str) -> TransformError:
+    what = "batch" if plan.batch is not None else "task"
+    return TransformError(
+        f"{made_by} returned, for {what} {task.number} of epoch {task.epoch}, a value a worker process cannot "
+        f"send: {type(exc).__name__}: {exc}; return picklable values (arrays, numbers, str and containers of them)"
+    )
 
 
 def _send(worker: Worker, res: Result) -> None:
