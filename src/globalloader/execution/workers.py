@@ -138,9 +138,10 @@ class _TaskBody:
         idle = time.perf_counter() - self._idle_since
         plan = cast(Plan, self._plan)
         try:
+            res = _run(plan, task, self._skip, idle, deferred=True)
             try:
-                _send(worker, _run(plan, task, self._skip, idle, deferred=True))
-            except UNPICKLABLE as exc:
+                _send(worker, res)
+            except UNPICKLABLE as exc:  # pickle's error: the source's or a map's are raised by _run
                 if plan.is_stream and task.arena is None:  # a stream's records are not read twice
                     names = ", ".join(repr(m.name) for m in plan.maps)
                     made_by = "the stream's records" + (f" through the maps {names}" if names else "")
