@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -23,7 +24,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, WeightedRandomSam
 
 import globalloader as gl
 import globalloader.torch as gt
-from globalloader.errors import ArgumentError, StateError
+from globalloader.errors import ArgumentError, StateError, TransformError
 from helpers import Server, check_resume
 
 TorchLoader = torch.utils.data.DataLoader
@@ -403,6 +404,34 @@ def test_a_bad_sample_fails_its_batch_and_the_pass_goes_on(workers):
     with pytest.raises(KeyError, match="sample 3 is broken"):
         next(it)
     assert next(it).tolist() == [4, 5]
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+class Unsendable(torch.utils.data.Dataset):
+    """Sample 3 holds a lock; every sample a tensor large enough to travel in shared memory."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        return {"x": torch.full((256, 256), i), "lock": threading.Lock() if i == 3 else None}
+
+
+def as_list(samples: list) -> list:
+    return samples
+
+
+def test_a_batch_that_cannot_be_pickled_is_named_and_the_pass_goes_on():
+    it = iter(gt.DataLoader(Unsendable(), batch_size=2, num_workers=2, collate_fn=as_list))
+    assert [int(s["x"][0, 0]) for s in next(it)] == [0, 1]
+    with pytest.raises(
+        TransformError,
+        match=r"the batch of Unsendable \(index \[2, 3\]\) \(its samples or collate_fn's output\) cannot be sent "
+        r"from worker 1 to the loop: TypeError: cannot pickle '_thread.lock'",
+    ):
+        next(it)
+    assert [int(s["x"][0, 0]) for s in next(it)] == [4, 5]
     with pytest.raises(StopIteration):
         next(it)
 

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -127,6 +128,92 @@ def test_skip_drops_bad_samples_counts_them_and_warns():
         assert loader.stats()["skipped"] == 1
     labels = sorted(int(x) for b in batches for x in b["label"])
     assert labels == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+
+
+# What each value is made by, and what pickle says of it
+UNSENDABLE = {
+    "lambda": (lambda: lambda: 0, "AttributeError: Can't pickle local object"),
+    "lock": (threading.Lock, "TypeError: cannot pickle '_thread.lock'"),
+}
+
+
+def unsendable_on_3(make):
+    def unsendable_on_3(r):
+        return {**r, "extra": make() if r["label"] == 3 else 0}
+
+    return unsendable_on_3
+
+
+@pytest.mark.parametrize("value", sorted(UNSENDABLE))
+@pytest.mark.parametrize("batch", [4, None])
+def test_a_map_returning_what_cannot_be_pickled_names_the_map_and_the_sample(value: str, batch: int | None):
+    make, cause = UNSENDABLE[value]
+    ds = gl.Dataset(records(10)).map(unsendable_on_3(make))
+    ds = ds.batch(batch) if batch else ds
+    with (
+        gl.Loader(ds, workers=2) as loader,
+        pytest.raises(
+            TransformError,
+            match=rf"map 'unsendable_on_3' returned, for sample index 3 \(key 's3'\), a value a worker process "
+            rf"cannot send: {cause}",
+        ),
+    ):
+        list(loader)
+
+
+def test_skip_drops_a_sample_that_cannot_be_pickled_and_keeps_the_rest_whole():
+    """An unpicklable value is its sample's own map's fault: skipped like an exception, in a batch
+    large enough for shared memory (whose segment the failed reply gives back), epoch after epoch."""
+    big = [{"__key__": f"s{i}", "pixels": np.full((256, 256, 3), i, np.uint8), "label": i} for i in range(12)]
+    ds = gl.Dataset(big).map(unsendable_on_3(threading.Lock)).batch(4)
+    with gl.Loader(ds, workers=2, on_error="skip") as loader:
+        for epoch in range(2):
+            with pytest.warns(UserWarning, match="skipped 1 bad sample.*index 3.*cannot send"):
+                batches = list(loader)
+            assert loader.stats()["skipped"] == epoch + 1
+            labels = [int(x) for b in batches for x in b["label"]]
+            assert labels == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11]
+            assert all((b["pixels"] == b["label"][:, None, None, None]).all() for b in batches)
+    assert shm_names() == set()
+
+
+def stream_records():
+    return ({"__key__": f"s{i}", "label": i} for i in range(10))
+
+
+def lock_on_3_in_place(r):
+    r["label"] *= 10  # in place: running the map twice on a stream's record would be wrong
+    if r["label"] == 30:
+        r["lock"] = threading.Lock()
+    return r
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_stream_record_that_cannot_be_pickled_is_named_and_not_run_twice_to_skip_it(on_error: str):
+    ds = gl.Dataset.stream(stream_records).map(lock_on_3_in_place)
+    with (
+        gl.Loader(ds, workers=2, on_error=on_error) as loader,
+        pytest.raises(
+            TransformError,
+            match=r"the stream's records through the maps 'lock_on_3_in_place' returned, for task 0 of epoch 0, a "
+            r"value a worker process cannot send: TypeError: cannot pickle '_thread.lock'",
+        ),
+    ):
+        list(loader)
+
+
+def lock_in_batch(batch):
+    return {**batch, "lock": threading.Lock()}
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_batch_map_returning_what_cannot_be_pickled_is_named(on_error: str):
+    ds = gl.Dataset(records(8)).batch(4).map(lock_in_batch)
+    with (
+        gl.Loader(ds, workers=2, on_error=on_error) as loader,
+        pytest.raises(TransformError, match=r"map 'lock_in_batch' returned, for batch 0 of epoch 0, a value"),
+    ):
+        list(loader)
 
 
 def test_stats_name_every_stage():

@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from PIL import Image
 
 import globalloader as gl
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, StorageError
 from globalloader.execution.report import INPUT_BOUND, diagnose
 from globalloader.execution.timeline import MAX_BUCKETS, StepTimeline
 
@@ -134,3 +135,76 @@ def test_waits_land_in_their_log_bins():
     assert h[0] == 1 and h[-1] == 1 and sum(h) == 5
     assert h[1 + 3] == 1  # 2 us: the 4th bin of the first decade (10**-5.7 < 2e-6 <= 10**-5.6)
     assert h[1 + 10 * 4 + 6] == 2  # 50 ms: 10**-1.4 < 0.05 <= 10**-1.3
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 1 MiB tmpfs (tests run as root, where a chmod 0555 folder does not stop writes)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.fixture
+def finished():
+    """A Loader that ran a few steps without workers: something to report on."""
+    with run(fast_decode, step_s=0.0, workers=0) as loader:
+        yield loader
+
+
+def fill(folder: Path) -> None:
+    """Write zeros into `folder` until its disk is full."""
+
+    def forever(filler) -> None:
+        while True:
+            filler.write(b"\0" * 4096)
+
+    with open(folder / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
+        forever(filler)
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [
+        (lambda tmp: tmp / "folder.html", "is a folder"),
+        (lambda tmp: tmp / ("r" * 300 + ".html"), "cannot name a file: File name too long"),
+        (lambda tmp: f"{tmp}/r\0.html", "without NUL characters"),
+        (lambda tmp: 5, "must be a str or os.PathLike .*got 5"),
+    ],
+    ids=["folder", "300-characters", "nul", "int"],
+)
+def test_a_path_that_cannot_be_a_report_is_an_argument_error(tmp_path: Path, finished: gl.Loader, path, match: str):
+    (tmp_path / "folder.html").mkdir()
+    with pytest.raises(ArgumentError, match=match):
+        finished.report(path(tmp_path))
+    assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == ["folder.html"], "nothing is written"
+
+
+def test_a_read_only_folder_is_a_storage_error_naming_the_path(small_disk: Path, finished: gl.Loader):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    with pytest.raises(StorageError, match=rf"report: cannot write '{small_disk}/r\.html': Read-only file system"):
+        finished.report(small_disk / "r.html")
+    assert list(small_disk.iterdir()) == []
+
+
+def test_a_full_disk_keeps_the_previous_report_whole(small_disk: Path, finished: gl.Loader):
+    before = finished.report(small_disk / "r.html").read_bytes()
+    fill(small_disk)
+    with pytest.raises(StorageError, match=rf"report: cannot write '{small_disk}/r\.html': No space left"):
+        finished.report(small_disk / "r.html")
+    assert (small_disk / "r.html").read_bytes() == before, "a failed write leaves the old page whole"
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "r.html"], "no temporary file is left"
+
+
+def test_stage_names_are_drawn_as_text_not_mathtext(tmp_path: Path):
+    ds = gl.Dataset(gl.from_sequence(list(range(16)))).map(fast_decode, name="$\\frac{a}{$ cost $x$").batch(4)
+    with gl.Loader(ds, workers=1) as loader:
+        for _ in loader:
+            pass
+        assert "$\\frac{a}{$ cost $x$" in loader.run_record().stages
+        page = loader.report(tmp_path / "r.html").read_text()
+    assert len(images(page)) == 3

@@ -267,6 +267,30 @@ def test_a_shared_map_that_hangs_times_out_and_the_server_goes_on(srv):
     assert status(srv.socket)["worker_restarts"] >= 1
 
 
+def lock_at_3(record):
+    return {**values(record), "lock": threading.Lock() if record == 3 else 0}
+
+
+def test_a_shared_map_returning_what_cannot_be_pickled_is_named_and_the_server_goes_on(srv):
+    with (
+        gl.Loader(chain(lock_at_3), share=True, server=str(srv.socket), timeout=30) as loader,
+        pytest.raises(
+            errors.TransformError,
+            match=r"map 'lock_at_3' returned, for sample index 3, a value the server's decode worker cannot send: "
+            r"TypeError: cannot pickle '_thread.lock'",
+        ),
+    ):
+        list(loader)
+    with (
+        gl.Loader(chain(lock_at_3), share=True, server=str(srv.socket), on_error="skip") as loader,
+        pytest.warns(UserWarning, match="skipped 1 bad sample"),
+    ):
+        assert sorted(indices(loader)) == [i for i in range(40) if i != 3]
+    with gl.Loader(chain(values), share=True, server=str(srv.socket)) as loader:
+        assert sorted(indices(loader)) == list(range(40))
+    assert status(srv.socket)["worker_restarts"] == 0, "no decode worker died"
+
+
 def test_a_hang_is_blamed_on_its_own_sample_not_on_the_one_before_it_in_its_group(srv, tmp_path):
     """A worker gets its loads two per message and answers them together, but a finished load's
     outcome waits at most HOLD_S for the rest of its group: the server hears of the sample loaded

@@ -10,6 +10,7 @@ runs a chain (the sequential iterator, the Loader's workers, the global loader's
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -336,19 +337,25 @@ class Plan:
         timer: Timer | None = None,
         first_map: int | None = None,
         deferred: bool = False,
+        sendable: bool = False,
     ) -> TaskResult:
         """Build task `task` from source indices (None: the task's own, `task_indices`), or from
         (index, record) pairs whose records already went through the first `first_map` maps
         (stream records; records served by the global loader: the shared prefix, possibly no map
         at all). `deferred`: leave the default collate's stacks for the shared-memory transport
-        to fill."""
+        to fill. `sendable`: a sample that cannot be pickled (to leave a worker process) is a
+        TransformError naming its last map, skipped as any other with `skip_errors`; it costs a
+        pickle per sample, so a process worker asks for it only once a task's output failed to."""
         timer = {} if timer is None else timer
         if self.is_stream or first_map is not None:
-            return self._build(epoch, task, items, True, first_map or 0, skip_errors, timer, deferred)
-        return self._read_task(epoch, task, items, skip_errors, timer, deferred)
+            return self._build(epoch, task, items, True, first_map or 0, skip_errors, timer, deferred, sendable)
+        return self._read_task(epoch, task, items, skip_errors, timer, deferred, sendable)
 
-    def _by_columns(self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool) -> TaskResult:
-        """The task's batch gathered by the source, column by column (`ColumnarReads`)."""
+    def _by_columns(
+        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
+    ) -> TaskResult:
+        """The task's batch gathered by the source, column by column (`ColumnarReads`); no
+        per-sample maps run, so there is no sample to check for `sendable`."""
         t0 = time.perf_counter()
         if items is None and self.gather_ahead is not None:
             batch = self.gather_ahead.read(self, epoch, task)
@@ -360,18 +367,22 @@ class Plan:
         _tick(timer, "read", t0, len(batch["__key__"]))
         return TaskResult(self._batch_maps(batch, epoch, task, timer))
 
-    def _by_read_many(self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool) -> TaskResult:
+    def _by_read_many(
+        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
+    ) -> TaskResult:
         """A source made of blocks reads a task's records block by block (`BatchReads`)."""
         t0 = time.perf_counter()
         indices = self.task_indices(epoch, task) if items is None else np.asarray(items, dtype=np.int64)
         pairs = list(zip(indices.tolist(), self.source.read_many(indices), strict=True))
         _tick(timer, "read", t0, len(pairs))
-        return self._build(epoch, task, pairs, True, 0, skip, timer, deferred)
+        return self._build(epoch, task, pairs, True, 0, skip, timer, deferred, sendable)
 
-    def _by_index(self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool) -> TaskResult:
+    def _by_index(
+        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
+    ) -> TaskResult:
         """Each sample read when it is built (`source[i]`, or the cache first)."""
         indices = self.task_indices(epoch, task) if items is None else items
-        return self._build(epoch, task, indices, False, 0, skip, timer, deferred)
+        return self._build(epoch, task, indices, False, 0, skip, timer, deferred, sendable)
 
     def _build(
         self,
@@ -383,6 +394,7 @@ class Plan:
         skip_errors: bool,
         timer: Timer,
         deferred: bool,
+        sendable: bool = False,
     ) -> TaskResult:
         """Samples from indices, or from (index, record) pairs whose records went through the
         first `first_map` maps; then the batch."""
@@ -401,9 +413,12 @@ class Plan:
                 try:
                     start = 0 if record is MISSING else first_map
                     if grouped:
-                        samples.append((index, self._records(epoch, index, record, timer, start)))
+                        sample: Any = (index, self._records(epoch, index, record, timer, start))
                     else:
-                        samples.append(self._sample(epoch, index, record, timer, start))
+                        sample = self._sample(epoch, index, record, timer, start)
+                    if sendable:
+                        self._check_sendable(sample, index)
+                    samples.append(sample)
                 except SAMPLE_ERRORS as exc:  # only a sample's own fault is skipped, never the machinery's
                     if not skip_errors:
                         raise
@@ -421,6 +436,18 @@ class Plan:
             _tick(timer, "collate", t0)
         result.output = self._batch_maps(batch, epoch, task, timer)
         return result
+
+    def _check_sendable(self, sample: Any, index: int) -> None:
+        """A TransformError naming the map that made `sample` unless it can be pickled."""
+        try:
+            pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - whatever pickle raises (TypeError, PicklingError, ...)
+            made_by = f"map {self.maps[-1].name!r}" if self.maps else "the source"
+            raise TransformError(
+                f"{made_by} returned, for sample {_record_key(sample, index)}, a value a worker process cannot "
+                f"send: {type(exc).__name__}: {exc}; return picklable values (arrays, numbers, str and "
+                "containers of them) or use Loader(mode='thread')"
+            ) from None
 
     def _batch_maps(self, batch: Any, epoch: int, task: int, timer: Timer) -> Any:
         for k, op in enumerate(self.batch_maps, start=len(self.maps)):

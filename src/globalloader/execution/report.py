@@ -13,16 +13,19 @@ that says nothing about whether the steady state keeps up.
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import html
 import io
 import math
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from globalloader._extras import require
-from globalloader.errors import ArgumentError
+from globalloader.errors import ArgumentError, StorageError
 from globalloader.execution.stats import LoaderStats
 from globalloader.execution.timeline import StepTimeline, wait_edges
 
@@ -100,21 +103,52 @@ def diagnose(record: RunRecord) -> str:
 
 
 def write(path: str | os.PathLike[str], record: RunRecord, title: str = "globalloader input report") -> Path:
-    """Write the report for `record` to `path` (tmp + rename); the path written."""
-    target = Path(os.fspath(path))
-    if target.suffix.lower() not in (".html", ".htm"):
-        raise ArgumentError(f"report: {str(target)!r} must end in .html (the report is one HTML page)")
-    if not target.parent.is_dir():
-        raise ArgumentError(f"report: the folder of {str(target)!r} does not exist")
-    page = render(record, title)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    """Write the report for `record` to `path`; the path written.
+
+    A bad path (not a path, a NUL, a folder, a name too long, no .html) is an ArgumentError; a
+    folder or disk that refuses the page (read-only, full) a StorageError naming the path. The
+    page goes to a temporary file first, synced and renamed over `path`, so a failed or
+    interrupted write leaves the old file, or none, never half a page."""
+    target = _target(path)
+    page = render(record, title).encode("utf-8")
+    tmp = target.with_name(f".gl-report.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # short: any name fits
     try:
-        with open(tmp, "w", encoding="utf-8") as out:
+        with open(tmp, "xb") as out:
             out.write(page)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # none there where the folder refused to make it
+            tmp.unlink()
+        if not isinstance(exc, OSError):
+            raise
+        if exc.errno in (errno.ENAMETOOLONG, errno.EISDIR):
+            raise ArgumentError(f"report: cannot write {str(target)!r}: {exc.strerror}") from None
+        raise StorageError(
+            f"report: cannot write {str(target)!r}: {exc.strerror}; free space there or choose another folder"
+        ) from None
+    return target
+
+
+def _target(path: object) -> Path:
+    """`path` as the report's Path, or an ArgumentError naming what is wrong with it."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError(f"report: the path must be a str or os.PathLike naming an .html file, got {path!r}")
+    name = os.fspath(path)
+    if not isinstance(name, str) or "\0" in name:
+        raise ArgumentError(f"report: the path {name!r} must be text without NUL characters")
+    target = Path(name)
+    if target.suffix.lower() not in (".html", ".htm"):
+        raise ArgumentError(f"report: {name!r} must end in .html (the report is one HTML page)")
+    try:
+        parent, folder = target.parent.is_dir(), target.is_dir()
+    except OSError as exc:  # a name longer than the file system allows
+        raise ArgumentError(f"report: {name!r} cannot name a file: {exc.strerror}") from None
+    if not parent:
+        raise ArgumentError(f"report: the folder of {name!r} does not exist")
+    if folder:
+        raise ArgumentError(f"report: {name!r} is a folder; name an .html file in it")
     return target
 
 
@@ -201,7 +235,9 @@ def _stages(figure: Any, record: RunRecord) -> str:
     fig = figure(figsize=(8, 3.6))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     names = sorted(record.stages, key=lambda k: record.stages[k])
-    left.barh([_STAGE_NAMES.get(n, n) for n in names], [record.stages[n] for n in names], color="#3b6fb6")
+    left.barh(range(len(names)), [record.stages[n] for n in names], color="#3b6fb6")
+    # Stage names are the user's map names: text, never mathtext or TeX (`$\frac{a}{$` would not draw).
+    left.set_yticks(range(len(names)), [_STAGE_NAMES.get(n, n) for n in names], parse_math=False, usetex=False)
     left.set_xlabel(f"worker seconds (summed over {max(record.workers, 1)})")
     left.set_title("workers", fontsize=10)
     right.barh(["waiting for data", "own work"], [t.wait_s, t.loop_s], color=["#c0504d", "#9bbb59"])

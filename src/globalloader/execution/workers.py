@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, cast
 from globalloader.dataset.cache import MISSING
 from globalloader.dataset.plan import Plan, Timer
 from globalloader.errors import LoaderTimeoutError, TransformError
-from globalloader.runtime.pool import Worker, WorkerPool, failure, raised_again
+from globalloader.runtime.pool import UNPICKLABLE, Worker, WorkerPool, failure, raised_again
 from globalloader.transport.arena import ArenaId, attach
 
 
@@ -40,13 +40,15 @@ class Result(NamedTuple):
     idle: float  # seconds the worker waited for this task
 
 
-def _run(plan: Plan, task: Task, skip_errors: bool, idle: float = 0.0, deferred: bool = False) -> Result:
+def _run(
+    plan: Plan, task: Task, skip_errors: bool, idle: float = 0.0, deferred: bool = False, sendable: bool = False
+) -> Result:
     items = task.items  # None: the task's own indices, which the plan computes
     if task.arena is not None:  # global loader tickets: read the shared prefix's output in place
         memory = attach(task.arena)  # items without an offset are computed here from scratch
         items = [(i, MISSING if offset is None else memory.read(offset, layout)) for i, offset, layout in items]
     timer: Timer = {}
-    res = plan.run_task(task.epoch, task.number, items, skip_errors, timer, task.first_map, deferred)
+    res = plan.run_task(task.epoch, task.number, items, skip_errors, timer, task.first_map, deferred, sendable)
     return Result(task.number, res.output, res.skipped, timer, idle)
 
 
@@ -134,15 +136,45 @@ class _TaskBody:
 
     def run(self, worker: Worker, task: Task) -> None:
         idle = time.perf_counter() - self._idle_since
+        plan = cast(Plan, self._plan)
         try:
-            res = _run(cast(Plan, self._plan), task, self._skip, idle, deferred=True)
-            t1 = time.perf_counter()
-            res = res._replace(output=None if res.output is None else worker.pack(res.output))
-            res.timer["transport"] = [1, time.perf_counter() - t1]
-            worker.send(res)
+            res = _run(plan, task, self._skip, idle, deferred=True)
+            try:
+                _send(worker, res)
+            except UNPICKLABLE as exc:  # pickle's error: the source's or a map's are raised by _run
+                if plan.is_stream and task.arena is None:  # a stream's records are not read twice
+                    names = ", ".join(repr(m.name) for m in plan.maps)
+                    made_by = "the stream's records" + (f" through the maps {names}" if names else "")
+                    raise _unsendable(plan, task, exc, made_by) from None
+                # The task runs again checking each sample, so the error names the sample and the
+                # map that made it (or, with on_error="skip", the sample is skipped as for any
+                # failure of its own). Its maps run twice, only here: its records are read again.
+                res = _run(plan, task, self._skip, idle, deferred=True, sendable=True)
+                try:
+                    _send(worker, res)
+                except UNPICKLABLE as exc:  # every sample pickles: the batch itself does not
+                    made_by = f"map {plan.batch_maps[-1].name!r}" if plan.batch_maps else "the batch's collate"
+                    raise _unsendable(plan, task, exc, made_by) from None
         except Exception as exc:  # noqa: BLE001 - whatever the chain raised is sent back to the consumer
             worker.send(failure(exc, TransformError))
         self._idle_since = time.perf_counter()
+
+
+def _unsendable(plan: Plan, task: Task, exc: BaseException, made_by: str) -> TransformError:
+    what = "batch" if plan.batch is not None else "task"
+    return TransformError(
+        f"{made_by} returned, for {what} {task.number} of epoch {task.epoch}, a value a worker process cannot "
+        f"send: {type(exc).__name__}: {exc}; return picklable values (arrays, numbers, str and containers of them)"
+    )
+
+
+def _send(worker: Worker, res: Result) -> None:
+    """Send a task's result, its output packed (arrays in shared memory); one of `UNPICKLABLE`,
+    with nothing sent, if a value in it cannot be pickled."""
+    t1 = time.perf_counter()
+    packed = None if res.output is None else worker.pack(res.output)
+    res.timer["transport"] = [1, time.perf_counter() - t1]
+    worker.send(res._replace(output=packed), packed)
 
 
 class ProcessPool:

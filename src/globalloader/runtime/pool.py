@@ -40,6 +40,9 @@ STOP_GRACE = 5.0  # seconds workers get to stop before they are killed
 # a loop that keeps many small batches alive holds no mapping (nor file descriptor) per batch.
 INLINE_BYTES = 64 << 10
 
+# What pickle raises for a value it cannot pickle: a lambda or local function, a lock, a generator.
+UNPICKLABLE = (pickle.PicklingError, TypeError, AttributeError)
+
 # A batch on its way to the consumer: (None, segment message) or ((encoded tree, array bytes), None).
 Packed = tuple[tuple[tuple, bytearray] | None, BatchMessage | None]
 
@@ -75,10 +78,18 @@ class Worker:
     def __init__(self, index: int, conn: Connection, writer: BatchWriter) -> None:
         self.index, self._conn, self.writer = index, conn, writer
 
-    def send(self, reply: Any) -> None:
+    def send(self, reply: Any, packed: Packed | None = None) -> None:
+        """Send `reply`. If it cannot be pickled, nothing is sent, `packed` (the batch it carries)
+        is taken back, and pickle's error is raised: one of `UNPICKLABLE`."""
         # plain pickle: torch registers reducers with multiprocessing's pickler that would move
         # tensors through file descriptors; here a reply is a few hundred bytes
-        self._conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:
+            if packed is not None and packed[1] is not None:
+                self.writer.take_back(packed[1])
+            raise
+        self._conn.send_bytes(data)
 
     def pack(self, batch: Any) -> Packed:
         """`batch` ready to send: its arrays in a shared-memory segment, or inline when small."""

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SharedPrefixError, SourceError, WorkerError
-from globalloader.runtime.pool import Worker, WorkerPool
+from globalloader.runtime.pool import UNPICKLABLE, Worker, WorkerPool
 from globalloader.service.pool import BufferPool
 from globalloader.service.protocol import STALL_S, error_name
 from globalloader.sources.base import Prefetching
@@ -113,10 +113,29 @@ class DecodeBody:
         """Send the outcomes gathered so far: one message for a group of loads."""
         with self.lock:
             replies, self.replies = self.replies, []
-            if len(replies) == 1:
-                conn.send(replies[0])
-            elif replies:
-                conn.send(("replies", replies))
+            if not replies:
+                return
+            try:
+                conn.send(replies[0] if len(replies) == 1 else ("replies", replies))
+            except UNPICKLABLE:  # a sample's layout holds a value pickle refuses: that load failed
+                replies = [self._sendable(reply) for reply in replies]
+                conn.send(replies[0] if len(replies) == 1 else ("replies", replies))
+
+    def _sendable(self, reply: tuple) -> tuple:
+        """`reply`, or the failure of its load if it cannot be pickled, naming the map that made it."""
+        try:
+            pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except UNPICKLABLE as exc:
+            _, fp, index, *_ = reply
+            prefix = self.prefixes[fp]
+            made_by = f"map {prefix.maps[prefix.split - 1].name!r}" if prefix.split else "the source"
+            message = (
+                f"{made_by} returned, for sample index {index}, a value the server's decode worker cannot "
+                f"send: {type(exc).__name__}: {exc}; return picklable values (arrays, numbers, str and "
+                "containers of them)"
+            )
+            return ("failed", fp, index, "TransformError", message)
+        return reply
 
     def _handle(self, conn: Worker, msg: tuple) -> None:
         if msg[0] == "loads":

@@ -18,14 +18,15 @@ intra-op thread) is `runtime.WorkerPool`'s; this module is only the body it runs
 from __future__ import annotations
 
 import random
+import reprlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from globalloader.errors import WorkerError
-from globalloader.runtime.pool import Worker, failure
+from globalloader.errors import TransformError, WorkerError
+from globalloader.runtime.pool import UNPICKLABLE, Worker, failure
 from globalloader.torch.collate import stack_collate
 from globalloader.torch.rng import RngReporter, set_process_rng
 from globalloader.torch.tensors import torch
@@ -108,7 +109,17 @@ class TorchBody:
 
     def run(self, worker: Worker, message: tuple[str, int, int, Any]) -> None:
         idle = time.perf_counter() - self.idle_since
-        worker.send(self._reply(worker, message, idle))
+        reply = self._reply(worker, message, idle)
+        try:
+            worker.send(reply, reply[3] if reply[2] == BATCH else None)
+        except UNPICKLABLE as exc:
+            at = "" if self.spec.iterable else f" (index {reprlib.repr(message[3])})"
+            unsendable = TransformError(
+                f"the batch of {type(self.dataset).__name__}{at} (its samples or collate_fn's output) cannot be "
+                f"sent from worker {worker.index} to the loop: {type(exc).__name__}: {exc}; return picklable "
+                "values (tensors, arrays, numbers, str) or use num_workers=0"
+            )
+            worker.send((*reply[:2], FAILED, (unsendable, ""), None, *reply[5:]))
         self.idle_since = time.perf_counter()
 
     def _reply(self, worker: Worker, message: tuple[str, int, int, Any], idle: float) -> Reply:

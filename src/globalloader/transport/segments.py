@@ -100,6 +100,14 @@ class BatchWriter:
         self._in_flight[segment.name] = segment
         return (segment.name, tree, retired)
 
+    def take_back(self, message: BatchMessage) -> None:
+        """Undo `write` for a message that was never sent: its segment is free again and the
+        names it retired go with the next message."""
+        name, _, retired = message
+        self._retired.extend(retired)
+        if name is not None:
+            self._add_free(self._in_flight.pop(name))
+
     def free(self, segment_names: Iterable[str]) -> None:
         """Make segments the consumer has released reusable for later batches."""
         if self._closed:
