@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from globalloader.errors import ServerGoneError
-from globalloader.transport import arena
+from globalloader.transport import arena, names
 from helpers import shm_held
 
 
@@ -46,14 +50,89 @@ def test_the_last_release_unmaps_and_a_kept_view_keeps_its_bytes():
     try:
         layout = write(owner, 5)
         train, val = arena.hold(owner.id), arena.hold(owner.id)
-        assert train is val and shm_held(owner.name) == (2, 2)  # the server's mapping and ours, each with its fd
+        # the server's mapping and ours, each with its fd, and the server's lock that says it lives
+        assert train is val and shm_held(owner.name) == (3, 2)
         train.release()
-        assert shm_held(owner.name) == (2, 2), "released while another session held it"
+        assert shm_held(owner.name) == (3, 2), "released while another session held it"
         kept = val.read(0, layout)["x"]  # a view a reader still holds
         val.release()
-        assert kept.tolist() == [5] * 4 and shm_held(owner.name) == (2, 2)  # not unmapped under it
+        assert kept.tolist() == [5] * 4 and shm_held(owner.name) == (3, 2)  # not unmapped under it
         del kept
-        assert shm_held(owner.name) == (1, 1)  # the view gone, our mapping and descriptor with it
+        assert shm_held(owner.name) == (2, 1)  # the view gone, our mapping and descriptor with it
     finally:
         owner.close()
     assert shm_held(owner.name) == (0, 0)
+
+
+_HOLDER = """
+import sys
+from globalloader.transport import names
+names.create_mapping(sys.argv[1], 1 << 12, hold=True)
+print("ready", flush=True)
+sys.stdin.read()  # until told to stop; then it dies without unlinking
+"""
+
+
+@pytest.fixture
+def live_holder():
+    """Start a process holding a pool name of our choosing, as a server of another PID namespace
+    does (its name says nothing about its pid here); yields a function taking the name."""
+    started: list[tuple[subprocess.Popen[str], str]] = []
+
+    def start(name: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        started.append((proc, name))
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n", "the holder did not start"
+        return proc
+
+    yield start
+    for proc, name in started:
+        proc.kill()
+        proc.communicate(timeout=10)
+        names.unlink(name)
+
+
+def test_the_sweep_keeps_a_pool_a_live_process_holds_whatever_pid_its_name_says(live_holder):
+    """A server's sweep at start (`remove_unheld`) goes by the pool's lock, not by the pid in its
+    name: a sidecar server in another PID namespace names its pool after a pid that is dead here
+    (or another process's), and its pool must survive; the pool of a server that died goes."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live, leftover = f"{arena.POOL_PREFIX}{dead.pid}", f"{arena.POOL_PREFIX}{dead.pid}-gone"
+    holder = live_holder(live)
+    names.create_mapping(leftover, 1 << 12)  # nobody holds it: a dead server's
+    assert names.remove_unheld(arena.POOL_PREFIX + str(dead.pid)) == 1
+    assert names.list_names(live) == [live]
+    holder.kill()  # the sidecar dies: its lock goes with it
+    holder.communicate(timeout=10)
+    assert names.remove_unheld(live) == 1 and names.list_names(live) == []
+
+
+def test_the_sweep_never_touches_another_users_pool():
+    name = f"{arena.POOL_PREFIX}0-other-user"
+    names.create_mapping(name, 1 << 12)
+    try:
+        if os.geteuid() == 0:  # only root can give a file to another user
+            os.chown(os.path.join(names.SHM_DIR, name), 65534, -1)
+            assert names.remove_unheld(name) == 0 and names.list_names(name) == [name]
+        else:
+            assert names.remove_unheld(name) == 1
+    finally:
+        names.unlink(name)
+
+
+def test_a_server_whose_pid_names_a_live_pool_makes_its_own(live_holder):
+    """Two servers of two PID namespaces with the same pid, alive together: the second never
+    takes or unlinks the first's pool, and each reads its own values."""
+    theirs = f"{arena.POOL_PREFIX}{os.getpid()}"
+    live_holder(theirs)
+    ours = arena.create(1 << 16)
+    try:
+        assert ours.name.startswith(theirs + "-") and names.list_names(theirs)[0] == theirs
+        layout = write(ours, 5)
+        assert arena.attach(ours.id).read(0, layout)["x"].tolist() == [5] * 4
+    finally:
+        ours.close()
+    assert names.list_names(ours.name) == [] and names.list_names(theirs)[0] == theirs

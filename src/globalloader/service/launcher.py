@@ -22,7 +22,7 @@ from globalloader._pids import alive
 from globalloader.errors import ArgumentError, ServerGoneError, ServerStartError, ServerTimeoutError
 from globalloader.service import protocol
 from globalloader.transport.arena import POOL_PREFIX
-from globalloader.transport.names import remove_orphans
+from globalloader.transport.names import remove_unheld
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 MIN_MEMORY = 16 << 10  # a pool smaller than 16 KiB holds nothing useful
@@ -62,7 +62,7 @@ def clear_leftovers(path: Path) -> None:
     """With the lock held: remove what crashed servers left (the socket file, their pools)."""
     if path.exists() or path.is_symlink():
         path.unlink()
-    remove_orphans(POOL_PREFIX, min_age_s=0.0)  # a pool lives as long as its server
+    remove_unheld(POOL_PREFIX)  # a pool lives as long as its server holds it
 
 
 def connect(path: Path, timeout: float = 2.0) -> tuple[socket.socket, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import secrets
 import threading
 from typing import Any, NamedTuple
 
@@ -23,9 +24,17 @@ import numpy as np
 
 from globalloader.errors import ServerGoneError, ServerStartError
 from globalloader.transport.codec import copy_arrays, decode_tree, encode_tree
-from globalloader.transport.names import PREFIX, SHM_DIR, create_mapping, free_bytes, map_existing, unlink
+from globalloader.transport.names import (
+    PREFIX,
+    SHM_DIR,
+    create_mapping,
+    free_bytes,
+    map_existing,
+    remove_unheld,
+    unlink,
+)
 
-POOL_PREFIX = PREFIX + "pool-"  # + the server's pid
+POOL_PREFIX = PREFIX + "pool-"  # + the server's pid (+ "-<random>" if a live server of another PID namespace has it)
 
 
 class ArenaId(NamedTuple):
@@ -41,8 +50,9 @@ os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock
 
 
 class Arena:
-    def __init__(self, arena_id: ArenaId, mapping: mmap.mmap, owner: bool) -> None:
-        self.id, self.name, self.mapping, self._owner = arena_id, arena_id.name, mapping, owner
+    def __init__(self, arena_id: ArenaId, mapping: mmap.mmap, holder: int | None = None) -> None:
+        # `holder`: the server's (the owner's) descriptor whose lock says the arena lives (`names.remove_unheld`)
+        self.id, self.name, self.mapping, self._holder = arena_id, arena_id.name, mapping, holder
         self._bytes = np.frombuffer(mapping, np.uint8)
         self._holders = 0  # sessions of this process using it (`hold`)
 
@@ -88,8 +98,10 @@ class Arena:
         mapping, self.mapping, self._bytes = self.mapping, None, None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # then only the views refer to it
             mapping.close()
-        if self._owner:
+        if self._holder is not None:
             unlink(self.name)
+            os.close(self._holder)
+            self._holder = None
 
 
 def encode(sample: Any) -> tuple[tuple[int, Any], list[tuple[int, np.ndarray]]]:
@@ -108,15 +120,19 @@ def create(capacity: int) -> Arena:
             f"--memory {capacity:,} bytes does not fit in {SHM_DIR} ({free:,} bytes free): "
             f"start the server with a smaller --memory, or enlarge {SHM_DIR} (Docker: --shm-size)"
         )
-    unlink(name)
+    remove_unheld(name)  # an earlier server's of this pid, dead
     try:
-        mapping, inode = create_mapping(name, capacity)
+        try:
+            mapped = create_mapping(name, capacity, hold=True)
+        except FileExistsError:  # a live server in another PID namespace sharing /dev/shm has this pid
+            name += f"-{secrets.token_hex(4)}"
+            mapped = create_mapping(name, capacity, hold=True)
     except OSError as exc:
         raise ServerStartError(
             f"cannot reserve a {capacity:,}-byte pool in {SHM_DIR}: {exc.strerror or exc}; "
             "start the server with a smaller --memory"
         ) from exc
-    return Arena(ArenaId(name, inode), mapping, owner=True)
+    return Arena(ArenaId(name, mapped.inode), mapped.mapping, holder=mapped.holder)
 
 
 def attach(arena_id: ArenaId) -> Arena:
@@ -154,5 +170,5 @@ def _mapped(arena_id: ArenaId) -> tuple[Arena, Arena | None]:
         raise ServerGoneError(
             f"the global loader's memory pool {arena_id.name!r} (inode {arena_id.inode}) is gone: its server stopped"
         ) from exc
-    _attached[arena_id.name] = fresh = Arena(arena_id, mapping, owner=False)
+    _attached[arena_id.name] = fresh = Arena(arena_id, mapping)
     return fresh, arena if arena is not None and not arena._holders else None

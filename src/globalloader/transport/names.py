@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _posixshmem
 import errno
+import fcntl
 import mmap
 import os
 import time
@@ -82,30 +83,67 @@ def check_prefix(prefix: str) -> None:
 class Mapped(NamedTuple):
     """A mapping and the inode of the file it maps: what the file is, where its name only says
     where it is (a name can be unlinked and made again by another owner; the inode of a file a
-    process maps stays that file's)."""
+    process maps stays that file's). `holder`: with `hold=True`, a descriptor whose shared flock
+    says the file's creator lives (close it, after unlinking, when done); else None."""
 
     mapping: mmap.mmap
     inode: int
+    holder: int | None = None
 
 
-def create_mapping(name: str, capacity: int, flags: int = mmap.MAP_SHARED) -> Mapped:
+def create_mapping(name: str, capacity: int, flags: int = mmap.MAP_SHARED, hold: bool = False) -> Mapped:
     """Create `name` (FileExistsError if it exists) with `capacity` bytes reserved up front, and map it.
 
     Reserving (not just sizing) makes a full tmpfs fail here, with an OSError, instead of killing
     the first writer with SIGBUS later; the name is unlinked again on any failure after creation.
+    `hold=True` keeps a shared flock on the file for as long as the returned `holder` (or a forked
+    copy of it) is open: what tells `remove_unheld` that its creator lives.
     """
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        if hold:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if os.fstat(fd).st_nlink == 0:  # a sweep took it between its creation and the lock
+                raise FileNotFoundError(errno.ENOENT, f"{SHM_DIR}/{name} was removed as it was made")
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, capacity)
         else:  # not Linux: sized only
             os.ftruncate(fd, capacity)
-        return Mapped(mmap.mmap(fd, capacity, flags=flags), os.fstat(fd).st_ino)
+        mapped = Mapped(mmap.mmap(fd, capacity, flags=flags), os.fstat(fd).st_ino, fd if hold else None)
     except BaseException:
         unlink(name)
-        raise
-    finally:
         os.close(fd)
+        raise
+    if not hold:
+        os.close(fd)
+    return mapped
+
+
+def remove_unheld(prefix: str) -> int:
+    """Unlink this user's names starting with `prefix` that no live process holds: what servers
+    that died left. A lock tells, not a pid: a server in another PID namespace sharing /dev/shm
+    has a pid this process cannot see, or one that here means another process."""
+    check_prefix(prefix)
+    return sum(_remove_if_unheld(name) for name in list_names(prefix))
+
+
+def _remove_if_unheld(name: str) -> bool:
+    """Unlink `name` if it is this user's and no process holds it, while this process holds its
+    lock: a creator between its creation and its lock then finds it gone (`create_mapping`)
+    rather than serving a file that has no name."""
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0o600)
+    except OSError:  # gone, or not ours to open
+        return False
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return unlink(name)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # and with it the lock
 
 
 def map_existing(name: str, flags: int = mmap.MAP_SHARED, inode: int | None = None) -> mmap.mmap:
