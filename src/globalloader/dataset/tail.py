@@ -59,7 +59,12 @@ class RecordStage:
         return self.count
 
     def restore(self, state: Any) -> None:
-        self.count = int(state)
+        if isinstance(state, bool) or not isinstance(state, int) or state < 0:
+            raise ValueError(f"an item count must be an int >= 0, got {state!r:.100}")
+        self.count = state
+
+    def held(self) -> list[Any]:
+        return []
 
 
 class Tail:
@@ -109,6 +114,15 @@ class Tail:
             for item in stage.flush():
                 self._push(k + 1, item)
         return True
+
+    def absorb(self, other: Tail) -> None:
+        """Take over what `other` (an old rank's tail, of another batch size or world) holds: its
+        outputs not yet yielded, then what its operators held, latest operator first (those
+        records are the oldest), fed to these operators, which go on filling them."""
+        self.out.extend(other.out)
+        for k in reversed(range(len(other.stages))):
+            for item in other.stages[k].held():
+                self._push(k, item)
 
     def _push(self, k: int, item: Any) -> None:
         if k == len(self.stages):
