@@ -317,21 +317,23 @@ def _elastic(plan: Plan, states: list[SavedState]) -> Position:
         step = Layer(world, tuple(counts), old_uneven)
         done = counts == shares
     rank, new_world = (0, 1) if shard is None else (shard.rank, shard.world_size)
-    tail = _handed_over(plan, epoch, states, rank, new_world) if plan.grouped else None
-    if done and not any(s.tail is not None and _holds(plan, epoch, s.tail) for s in states):
+    held = _handed_over(plan, epoch, states, rank, new_world) if plan.grouped else None
+    if done and (held is None or not held.holds()):
         return Position(epoch + 1)  # the old world had finished this epoch: the next one is whole
     same_world = (world, old_uneven) == ((1, "none") if shard is None else (shard.world_size, shard.uneven))
-    at = step.counts[0] if isinstance(step, Layer) and len(set(step.counts)) == 1 else None
-    if same_world and at is not None and (plan.batch is None or at % plan.task_size == 0) and len(states) == 1:
+    if same_world and len(states) == 1 and not plan.grouped and isinstance(step, Layer):
         # Another rank, or another batch size, of the same world in lockstep: every rank goes on
-        # in its own share (exactly as if it had been its own state) when all stand at the same
-        # whole batch; otherwise what remains is shared out afresh (below), by every rank alike.
-        task, offset = divmod(at, plan.task_size)
-        order = epoch_order(plan, epoch, base if base.steps else None)
-        _check_range(plan, order, task, offset)
-        return Position(epoch, task, offset, None, None, order.base)
+        # in its own share, exactly as if it had been its own state (and as the rank it came from
+        # does), when each stands at a whole batch or at the end of its share; otherwise what
+        # remains is shared out afresh (below), by every rank alike.
+        ended = [c == n for c, n in zip(step.counts, shares, strict=True)]
+        if plan.batch is None or all(e or c % plan.task_size == 0 for c, e in zip(step.counts, ended, strict=True)):
+            order = epoch_order(plan, epoch, base if base.steps else None)
+            task, offset = (order.num_tasks() or 0, 0) if ended[rank] else divmod(step.counts[rank], plan.task_size)
+            _check_range(plan, order, task, offset)
+            return Position(epoch, task, offset, None, None, order.base)
     order = epoch_order(plan, epoch, Base((*base.steps, step)), start)
-    return Position(epoch, 0, 0, None, tail, order.base)
+    return Position(epoch, 0, 0, None, None if held is None else held.state(), order.base)
 
 
 def _counts(plan: Plan, states: list[SavedState], shares: list[int]) -> list[int]:
@@ -357,22 +359,16 @@ def _steps_size(plan: Plan, state: SavedState) -> int:
     return plan.task_size if state.batch_size is None else state.batch_size
 
 
-def _holds(plan: Plan, epoch: int, tail: dict[str, Any]) -> bool:
-    """The tail state holds records not yet yielded (made, or held by its operators)."""
-    held = Tail(plan.tail, plan.seed, epoch, tail)
-    return bool(held.out) or any(stage.held() for stage in held.stages)
-
-
-def _handed_over(plan: Plan, epoch: int, states: list[SavedState], rank: int, world: int) -> dict[str, Any]:
-    """A tail state holding what old ranks rank, rank + world, ... held in their tails: the records
-    they made and had not yielded, and what their operators held (a partial packed row, a partial
-    batch, filling buckets), fed again to this chain's operators, which go on filling them: every
-    record the old world made is yielded once, in batches of this chain's size."""
+def _handed_over(plan: Plan, epoch: int, states: list[SavedState], rank: int, world: int) -> Tail:
+    """A tail holding what old ranks rank, rank + world, ... held in their tails: the records
+    they made and had not yielded, and what their operators held or had waiting (a partial packed
+    row, a partial batch, filling buckets), fed again to this chain's operators, which go on
+    filling them: every record the old world made is yielded once, in batches of this chain's size."""
     tail = Tail(plan.tail, plan.seed, epoch)
     for old_rank, state in enumerate(states):
         if old_rank % world == rank and state.tail is not None:
             tail.absorb(Tail(plan.tail, plan.seed, epoch, state.tail))
-    return tail.state()
+    return tail
 
 
 def _check_same_chain(plan: Plan, states: list[SavedState]) -> None:

@@ -146,12 +146,16 @@ def _tail(value: Any) -> dict[str, Any] | None:
     if (
         not isinstance(value, dict)
         or not isinstance(value.get("stages"), list)
+        or not isinstance(value.get("queues"), list)
+        or not all(isinstance(q, list) for q in value["queues"])
         or not isinstance(value.get("out"), list)
         or not isinstance(value.get("flushed"), bool)
+        or isinstance(value.get("flushed_stages"), bool)
+        or not isinstance(value.get("flushed_stages"), int)
     ):
         raise StateError(
-            "state dict field 'tail' must be the tail's state (a dict of its 'stages', 'out' and 'flushed'), "
-            f"got {value!r:.100}"
+            "state dict field 'tail' must be the tail's state (a dict of its 'stages', 'queues', 'out', "
+            f"'flushed' and 'flushed_stages'), got {value!r:.100}"
         )
     return value
 
