@@ -23,6 +23,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import globalloader as gl
+from globalloader.errors import StateError
 
 POLICIES = ("none", "pad", "drop")
 
@@ -170,3 +171,79 @@ def test_a_rank_that_ended_with_a_short_batch_counts_only_its_samples():
         it.load_state_dict(states)
         seen += [int(i) for b in it for i in np.asarray(b)]
     assert sorted(seen) == list(range(10))
+
+
+# -- hostile states: a mutated state loads to the model's continuation, or is a StateError
+
+
+def continuation(n: int, state: dict[str, Any], rank: int, world: int, exact: bool) -> list[int]:
+    """What the model says rank `rank` of `world` (batches of 2, uneven "none") yields after
+    loading `state` (`exact`: into the chain it was taken from)."""
+    epoch, size = state["epoch"], 2
+    order = [int(i) for b in gl.Dataset(list(range(n))).shuffle(5).batch(max(n, 1)).iterator(epoch=epoch) for i in b]
+    model = Model(list(range(n)))
+    for layer in state.get("base") or []:
+        model.world, model.uneven = layer["world"], layer["uneven"]
+        model.counts = [c for c, times in layer["counts"] for _ in range(times)]
+        model.new_world(world, "none")
+    if exact:
+        start = state["task"] * size
+    else:
+        _, old_world, old_uneven = state["shard"]
+        model.world, model.uneven = old_world, old_uneven
+        shares = [len(s) for s in model.shares()]
+        steps, old_size = state["task"], state["batch_size"]
+        model.counts = [min(m, steps * old_size) for m in shares]  # lockstep: as many batches
+        if model.counts == shares:  # the old world had finished: the next epoch, whole
+            return [int(i) for b in chain(n, rank, world, "none", size, False).iterator(epoch=epoch + 1) for i in b]
+        same = (old_world, old_uneven) == (world, "none")
+        if not (same and all(c % size == 0 or c == m for c, m in zip(model.counts, shares, strict=True))):
+            model.new_world(world, "none")
+        start = model.counts[rank] if model.world == world and model.counts != [0] * world else 0
+    mine = share(len(model.remaining), rank, world, "none")[start:]
+    return [order[model.remaining[p]] for p in mine]
+
+
+values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 25),
+    st.integers(min_value=1 << 62, max_value=1 << 80),
+    st.floats(allow_nan=True),
+    st.text(max_size=3),
+    st.lists(st.integers(-2, 25), max_size=4),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.sampled_from(
+        [[1, 3, "none"], [0, 2, "pad"], [2, 3, "drop"], [{"world": 2, "counts": [[1, 2]], "uneven": "none"}], []]
+    ),
+)
+FIELDS = ("fingerprint", "epoch", "task", "offset", "samples", "batch_size", "shard", "chain", "base", "consumed")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    field_name=st.sampled_from((*FIELDS, "tail", "extra")),
+    delete=st.booleans(),
+    value=values,
+    element=st.sampled_from([None, 0, 1, 2]),
+)
+def test_a_mutated_state_loads_to_the_models_continuation_or_is_refused(field_name, delete, value, element):
+    n = 20
+    it = chain(n, 1, 3, "none", 2, False).iterator(epoch=1)
+    next(it), next(it)
+    state = it.state_dict()
+    if delete and field_name in state:
+        del state[field_name]
+    elif element is not None and isinstance(state.get(field_name), list) and element < len(state[field_name]):
+        state[field_name] = [value if i == element else v for i, v in enumerate(state[field_name])]
+    else:
+        state[field_name] = value
+    for rank, world in ((1, 3), (0, 3), (0, 2)):
+        it = chain(n, rank, world, "none", 2, False).iterator(epoch=1)
+        exact = state.get("fingerprint") == it.state_dict()["fingerprint"]
+        try:
+            it.load_state_dict(state)
+        except StateError:
+            continue
+        got = [int(i) for b in it for i in b]
+        assert got == continuation(n, state, rank, world, exact), (field_name, state.get(field_name), rank, world)

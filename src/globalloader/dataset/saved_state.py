@@ -58,10 +58,10 @@ class SavedState:
     offset: int
     samples: int
     batch_size: int | None
-    rank: int = 0
-    world: int = 1
-    uneven: str = "none"
-    chain: dict[str, str] | None = None
+    rank: int
+    world: int
+    uneven: str
+    chain: dict[str, str]
     tail: dict[str, Any] | None = None
     base: Base | None = None
     consumed: tuple[int, ...] | None = None
@@ -96,13 +96,13 @@ class SavedState:
         first field at fault; `source_length` bounds the sample indices it names."""
         if not isinstance(state, dict):
             raise StateError(f"expected a state dict or the list of every rank's state dicts, got {state!r:.200}")
-        missing = [k for k in ("fingerprint", "epoch", "task", "offset", "samples") if k not in state]
+        missing = [k for k in _REQUIRED if k not in state]
         if missing:
             raise StateError(f"not a globalloader state dict (missing field {missing[0]!r}): {state!r:.200}")
         if not isinstance(state["fingerprint"], str):
             raise StateError(f"state dict field 'fingerprint' must be a str, got {state['fingerprint']!r:.100}")
-        batch_size = state.get("batch_size")
-        rank, world, uneven = _shard(state.get("shard", [0, 1, "none"]))
+        batch_size = state["batch_size"]
+        rank, world, uneven = _shard(state["shard"])
         return cls(
             fingerprint=state["fingerprint"],
             epoch=state_int(state["epoch"], "epoch"),
@@ -113,13 +113,16 @@ class SavedState:
             rank=rank,
             world=world,
             uneven=uneven,
-            chain=_chain(state.get("chain")),
+            chain=_chain(state["chain"]),
             tail=_tail(state.get("tail")),
             base=None if state.get("base") is None else Base.from_json(state["base"], source_length),
             consumed=None
             if state.get("consumed") is None
             else tuple(indices(state["consumed"], "consumed", source_length)),
         )
+
+
+_REQUIRED = ("fingerprint", "epoch", "task", "offset", "samples", "batch_size", "shard", "chain")
 
 
 def _shard(value: Any) -> tuple[int, int, str]:
@@ -132,9 +135,7 @@ def _shard(value: Any) -> tuple[int, int, str]:
     return state_int(value[0], "shard", 0, world - 1, "rank"), world, value[2]
 
 
-def _chain(value: Any) -> dict[str, str] | None:
-    if value is None:
-        return None
+def _chain(value: Any) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise StateError(f"state dict field 'chain' must map the chain's parts to digests, got {value!r:.100}")
     return value
