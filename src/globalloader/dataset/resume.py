@@ -1,9 +1,10 @@
 """The state dict of a pass over an epoch: what it holds, how a loaded one is checked, and how a
 state taken by any rank of any world size continues the epoch here (elastic resume).
 
-A state holds the position (epoch, task, offset), exact for this very chain; the chain's identity
-(`fingerprint`, and digested part by part in `chain`, so that a refusal names what differs); the
-rank and world size of its `shard` and how many samples of its share it consumed (`samples`).
+A state holds the position (epoch, task, offset), exact for this very chain, and the batch size
+it counts in; the chain's identity (`fingerprint`, and digested part by part in `chain`, so that
+a refusal names what differs); the rank and world size of its `shard` and how many samples of its
+share it consumed (`samples`). Its form is checked field by field first (`dataset.saved_state`).
 
 Loaded into the same chain at the same rank, it is the exact resume of before, after a range check.
 Loaded into another rank, world size or batch size, it goes through the epoch's global order (the
