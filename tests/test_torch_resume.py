@@ -342,6 +342,9 @@ def test_a_state_out_of_range_or_malformed_is_refused():
     for change, message in cases:
         with pytest.raises(StateError, match=message):
             make().load_state_dict({**state, **change})
+    for name in ("epoch", "process_rng", "workers", "base_seed"):  # a missing field, not a raw KeyError
+        with pytest.raises(StateError, match=f"the state has no field '{name}'"):
+            make().load_state_dict({k: v for k, v in state.items() if k != name})
     loader = make()
     loader.load_state_dict({**state, "base_seed": 5})  # well-formed, but not what its RNG states draw
     with pytest.raises(StateError, match=r"draw base seed \d+, but it recorded 5"):

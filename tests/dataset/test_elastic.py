@@ -457,3 +457,42 @@ def test_real_files_with_a_windowed_shuffle_continue_in_another_world(tmp_path, 
         assert got == remaining[rank::2]
         seen += got
     assert sorted(seen) == list(range(150))
+
+
+# -- pack resumed at another batch size: rows go on filling, batches keep their shape
+
+
+def long_docs(n: int) -> list[dict[str, Any]]:
+    """Documents of 0 to 40 tokens: one may fill several rows, and several batches, at once."""
+    return [{"tokens": np.arange((i * 11) % 41, dtype=np.int32) + 1000 * i} for i in range(n)]
+
+
+def packed(rank: int, world: int, size: int) -> gl.Dataset:
+    return gl.Dataset(long_docs(60)).shuffle(7).shard(rank, world, "none").pack(8, pad=-1).batch(size)
+
+
+@pytest.mark.parametrize(("old", "new"), [(1, 1), (2, 2), (2, 1), (3, 2)])
+@pytest.mark.parametrize("taken", [1, 2, 5])
+def test_pack_resumed_at_another_batch_size_keeps_the_batch_shape(old, new, taken):
+    """batch(2) -> batch(3): the row pack was filling, and the rows a partial batch held, go on
+    filling this chain's rows and batches (before, the partial row came out as a padded batch of
+    one row mid-epoch); every batch but each rank's last has the full shape, every token once."""
+    seen: Counter[int] = Counter()
+    states = []
+    for rank in range(old):
+        it = packed(rank, old, 2).iterator()
+        for _ in range(taken):
+            seen.update(tokens(next(it)))
+        states.append(it.state_dict())
+    for rank in range(new):
+        it = packed(rank, new, 3).iterator()
+        it.load_state_dict(states if old > 1 else states[0])
+        rest = list(it)
+        assert all(b["tokens"].shape == (3, 8) for b in rest[:-1]), [b["tokens"].shape for b in rest]
+        for b in rest:
+            seen.update(tokens(b))
+    assert seen == Counter(int(t) for d in long_docs(60) for t in d["tokens"])
+
+
+def tokens(batch: Any) -> list[int]:
+    return [int(t) for t in np.asarray(batch["tokens"]).ravel() if t != -1]

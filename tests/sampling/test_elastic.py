@@ -50,6 +50,12 @@ def test_layers_are_run_length_json_and_malformed_ones_are_refused():
     layer = Layer(64, (7,) * 60 + (8,) * 4, "pad")
     text = json.dumps(layer.to_json())
     assert len(text) < 60 and Layer.from_json(json.loads(text)) == layer
-    for bad in ({"world": 2, "counts": [[1, 3]], "uneven": "pad"}, {"world": 2}, {"world": 1, "counts": [[1, 1]]}):
+    huge = {"world": 10**12, "counts": [[0, 10**12]], "uneven": "none"}  # refused, never expanded
+    for bad in (
+        {"world": 2, "counts": [[1, 3]], "uneven": "pad"},
+        {"world": 2},
+        {"world": 1, "counts": [[1, 1]]},
+        huge,
+    ):
         with pytest.raises(StateError, match="'base'"):
             Layer.from_json(bad)

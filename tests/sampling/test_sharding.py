@@ -2,10 +2,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import globalloader as gl
+from globalloader.errors import ArgumentError
+from globalloader.sampling.sharding import MAX_WORLD_SIZE
 
 
 @given(
@@ -38,3 +41,9 @@ def test_every_index_once_across_ranks_and_workers(n, world, workers, batch, see
         assert set(seen) == set(range(n))
         assert sum(seen.values()) == (-(-n // world) * world if n else 0)
         assert not seen or max(seen.values()) - min(seen.values()) <= 1
+
+
+def test_a_world_beyond_the_bound_a_state_can_hold_is_refused():
+    assert len(gl.Dataset(list(range(4))).shard(MAX_WORLD_SIZE - 1, MAX_WORLD_SIZE, "none")) == 0
+    with pytest.raises(ArgumentError, match="world_size must be at most 1048576"):
+        gl.Dataset(list(range(4))).shard(0, MAX_WORLD_SIZE + 1)

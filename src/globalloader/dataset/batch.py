@@ -85,4 +85,9 @@ class BatchStage:
         return list(self.buffer)
 
     def restore(self, state: Any) -> None:
+        if len(state) >= self.op.size:
+            raise ValueError(f"a partial batch of {len(state)} samples, but batches hold {self.op.size}")
         self.buffer = list(state)
+
+    def held(self) -> list[Any]:
+        return list(self.buffer)

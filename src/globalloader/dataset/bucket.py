@@ -113,4 +113,11 @@ class BucketStage:
         return [list(b) for b in self.buckets]
 
     def restore(self, state: Any) -> None:
-        self.buckets = [list(b) for b in state]
+        buckets = [list(b) for b in state]
+        sizes = self.op.batch_sizes
+        if len(buckets) != len(sizes) or any(len(b) >= n for b, n in zip(buckets, sizes, strict=True)):
+            raise ValueError(f"buckets of {[len(b) for b in buckets]} records, but batches of {self.op.batch_sizes}")
+        self.buckets = buckets
+
+    def held(self) -> list[Any]:
+        return [item for bucket in self.buckets for item in bucket]

@@ -56,6 +56,11 @@ class Stage(Protocol):
 
     def restore(self, state: Any) -> None: ...
 
+    def held(self) -> list[Any]:
+        """What the stage holds, as the inputs it was fed: a chain of another world or batch size
+        feeds them to its own stage, which goes on filling its row, batch or bucket."""
+        ...
+
 
 class TailOp(Protocol):
     def stage(self, seed: int, epoch: int, position: int) -> Stage: ...

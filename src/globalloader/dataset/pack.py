@@ -127,5 +127,12 @@ class PackStage:
         return [p.copy() for p in self.pieces]
 
     def restore(self, state: Any) -> None:
-        self.pieces = [np.asarray(p) for p in state]
-        self.filled = sum(len(p) for p in self.pieces)
+        pieces = [np.asarray(p) for p in state]
+        if any(p.ndim != 1 or p.dtype.kind not in "iu" for p in pieces) or sum(map(len, pieces)) >= self.op.seq_len:
+            raise ValueError(f"a partial row must be 1-D integer pieces of fewer than {self.op.seq_len} tokens")
+        self.pieces, self.filled = pieces, sum(len(p) for p in pieces)
+
+    def held(self) -> list[Any]:
+        """The partial row's pieces, as documents (a piece is packed alone, as it was)."""
+        key = self.op.key
+        return [p.copy() if key is None else {key: p.copy()} for p in self.pieces]

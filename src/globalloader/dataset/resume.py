@@ -1,9 +1,10 @@
 """The state dict of a pass over an epoch: what it holds, how a loaded one is checked, and how a
 state taken by any rank of any world size continues the epoch here (elastic resume).
 
-A state holds the position (epoch, task, offset), exact for this very chain; the chain's identity
-(`fingerprint`, and digested part by part in `chain`, so that a refusal names what differs); the
-rank and world size of its `shard` and how many samples of its share it consumed (`samples`).
+A state holds the position (epoch, task, offset), exact for this very chain, and the batch size
+it counts in; the chain's identity (`fingerprint`, and digested part by part in `chain`, so that
+a refusal names what differs); the rank and world size of its `shard` and how many samples of its
+share it consumed (`samples`). Its form is checked field by field first (`dataset.saved_state`).
 
 Loaded into the same chain at the same rank, it is the exact resume of before, after a range check.
 Loaded into another rank, world size or batch size, it goes through the epoch's global order (the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,10 +28,11 @@ import numpy.typing as npt
 from globalloader.dataset.fingerprint import digest
 from globalloader.dataset.index_ops import Shard
 from globalloader.dataset.plan import Plan
+from globalloader.dataset.saved_state import Base, SavedState, Taken
 from globalloader.dataset.tail import Tail
 from globalloader.errors import StateError
 from globalloader.sampling.elastic import Layer, Remaining
-from globalloader.sampling.sharding import UNEVEN_POLICIES, shard_positions
+from globalloader.sampling.sharding import MAX_WORLD_SIZE, shard_positions
 
 _PART_NAMES = {
     "seed": "the root seed (seed())",
@@ -44,35 +45,6 @@ _PART_NAMES = {
 }
 _DIGESTS: weakref.WeakKeyDictionary[Plan, dict[str, str]] = weakref.WeakKeyDictionary()
 _ORDERS: weakref.WeakKeyDictionary[Plan, OrderedDict[tuple[int, Base | None], EpochOrder]] = weakref.WeakKeyDictionary()
-
-
-@dataclass(frozen=True)
-class Taken:
-    """Source indices consumed by ranks in shared mode (their order is not the seed's)."""
-
-    indices: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Base:
-    """What earlier worlds consumed of this epoch, in the order they did."""
-
-    steps: tuple[Layer | Taken, ...]
-
-    def to_json(self) -> list[Any]:
-        return [s.to_json() if isinstance(s, Layer) else {"taken": list(s.indices)} for s in self.steps]
-
-    @classmethod
-    def from_json(cls, value: Any) -> Base:
-        if not isinstance(value, list):
-            raise StateError(f"state dict field 'base' must be a list, got {type(value).__name__}")
-        steps: list[Layer | Taken] = []
-        for step in value:
-            if isinstance(step, dict) and "taken" in step:
-                steps.append(Taken(tuple(_indices(step["taken"], "base"))))
-            else:
-                steps.append(Layer.from_json(step))
-        return cls(tuple(steps))
 
 
 class Position(NamedTuple):
@@ -181,58 +153,102 @@ def epoch_order(plan: Plan, epoch: int, base: Base | None = None, after: EpochOr
 def make_state(plan: Plan, position: Position) -> dict[str, Any]:
     epoch, task, offset, consumed, tail, base = position
     _, shard = _shard(plan)
-    state: dict[str, Any] = {
-        "fingerprint": plan.resume_fingerprint,
-        "epoch": epoch,
-        "task": task,
-        "offset": offset,
-        "samples": task * plan.task_size + offset,
-        "shard": [0, 1, "none"] if shard is None else [shard.rank, shard.world_size, shard.uneven],
-        "chain": chain_digests(plan),
-    }
-    if tail is not None:
-        state["tail"] = tail
-    if base is not None:
-        state["base"] = base.to_json()
-    if consumed is not None:
-        state["consumed"] = [int(i) for i in consumed]
-    return state
+    rank, world, uneven = (0, 1, "none") if shard is None else (shard.rank, shard.world_size, shard.uneven)
+    samples = task * plan.task_size + offset
+    if not plan.is_stream:
+        share = epoch_order(plan, epoch, base).length
+        assert share is not None, "a random-access chain knows its length"
+        samples = _consumed(plan, task, offset, plan.task_size, share)
+    return SavedState(
+        fingerprint=plan.resume_fingerprint,
+        epoch=epoch,
+        task=task,
+        offset=offset,
+        samples=samples,
+        batch_size=_batch_size(plan),
+        rank=rank,
+        world=world,
+        uneven=uneven,
+        chain=dict(chain_digests(plan)),
+        tail=tail,
+        base=base,
+        consumed=None if consumed is None else tuple(int(i) for i in consumed),
+    ).to_json()
+
+
+def _batch_size(plan: Plan) -> int | None:
+    return None if plan.batch is None else plan.batch.size
+
+
+def _consumed(plan: Plan, task: int, offset: int, size: int, share: int, ended: bool = False) -> int:
+    """The samples of a rank's share of `share` consumed at position (task, offset), in tasks of
+    `size` (a batch size, or the unbatched task size): a short last batch counts the samples it
+    held, and the end of the share all of it (with drop_last the rest is dropped there, as at the
+    end of any epoch). StateError when the position lies beyond the share's end, unless `ended`
+    (another rank's share, which ended before that many steps)."""
+    drop_last = plan.batch is not None and plan.batch.drop_last
+    end = share // size if drop_last else -(-share // size)
+    beyond = task > end or (task == end and offset)
+    if (beyond and not ended) or (plan.batch is not None and offset):
+        raise StateError(
+            f"state dict fields 'task' = {task}, 'offset' = {offset} lie beyond the end of the rank's share "
+            f"({share} samples in tasks of {size})"
+        )
+    return share if task >= end else min(task * size + offset, share)
 
 
 def load_state(plan: Plan, state: Any) -> Position:
     """Where a state dict (or the list of every rank's) puts the next pass of `plan`; StateError
-    naming the field or the part of the chain at fault."""
-    states = state if isinstance(state, list) else [state]
-    if not states or not all(isinstance(s, dict) for s in states):
+    naming the field or the part of the chain at fault, before anything is built from it."""
+    raw = state if isinstance(state, list) else [state]
+    if not raw or len(raw) > MAX_WORLD_SIZE:
         raise StateError(f"expected a state dict or the list of every rank's state dicts, got {state!r:.200}")
+    bound = None if plan.is_stream else plan.source_length
+    states = [SavedState.from_json(s, bound) for s in raw]
     for s in states:
-        _check_fields(s)
-    if len(states) == 1 and states[0]["fingerprint"] == plan.resume_fingerprint:
+        _check_tail(plan, s)
+    if len(states) == 1 and states[0].fingerprint == plan.resume_fingerprint:
         return _exact(plan, states[0])
     return _elastic(plan, states)
 
 
-def _check_fields(state: dict[str, Any]) -> None:
-    missing = [k for k in ("fingerprint", "epoch", "task", "offset") if k not in state]
-    if missing:
-        raise StateError(f"not a globalloader state dict (missing {missing[0]!r}): {state!r:.200}")
-    for name in ("epoch", "task", "offset", "samples"):
-        value = state.get(name, 0)
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-            raise StateError(f"state dict field {name!r} must be an int >= 0, got {value!r:.100}")
+def _check_tail(plan: Plan, state: SavedState) -> None:
+    """A state holds its tail exactly when the chain has one and the pass had begun: a tail
+    missing from a begun state would drop the records it held."""
+    if state.tail is not None and not plan.grouped:
+        raise StateError("state dict was taken from a different chain (it has a 'tail', this chain's operators none)")
+    if state.tail is None and plan.grouped and state.started:
+        raise StateError(
+            "state dict field 'tail' is missing: this chain's tail operators (filter, flat_map, pack, "
+            "bucket_batch) hold records that the state must carry"
+        )
 
 
-def _exact(plan: Plan, state: dict[str, Any]) -> Position:
-    epoch, task, offset = int(state["epoch"]), int(state["task"]), int(state["offset"])
-    tail, consumed = state.get("tail"), state.get("consumed")
-    if (tail is not None) != plan.grouped and (tail is not None or task or offset):
-        raise StateError("state dict was taken from a different chain (its tail operators differ)")
-    base = None if state.get("base") is None else Base.from_json(state["base"])
-    if consumed is not None:
-        consumed = _indices(consumed, "consumed", plan.source_length)
-    elif not plan.is_stream:  # a stream's length is not known: its position is checked as it is read
-        _check_range(plan, epoch_order(plan, epoch, base), task, offset)
-    return Position(epoch, task, offset, consumed, tail, base)
+def _exact(plan: Plan, state: SavedState) -> Position:
+    epoch, task, offset, consumed = state.epoch, state.task, state.offset, state.consumed
+    if state.batch_size != _batch_size(plan):
+        raise StateError(
+            f"state dict field 'batch_size' = {state.batch_size} does not match the chain's ({_batch_size(plan)})"
+        )
+    if state.tail is not None:
+        Tail(plan.tail, plan.seed, epoch, state.tail)  # refuses a tail state that does not fit
+    if consumed is None and not plan.is_stream:  # a stream's length is not known: checked as it is read
+        order = epoch_order(plan, epoch, state.base)
+        _check_range(plan, order, task, offset)
+        assert order.length is not None, "a random-access chain knows its length"
+        if state.samples > order.length:  # the position alone resumes this very chain
+            raise StateError(
+                f"state dict field 'samples' = {state.samples} is beyond this rank's share ({order.length} samples)"
+            )
+    return Position(epoch, task, offset, None if consumed is None else list(consumed), state.tail, state.base)
+
+
+def _check_samples(state: SavedState, expected: int) -> None:
+    if state.samples != expected:
+        raise StateError(
+            f"state dict field 'samples' = {state.samples} does not match its position (task {state.task}, "
+            f"offset {state.offset}: {expected} samples of the rank's share); was the state edited?"
+        )
 
 
 def _check_range(plan: Plan, order: EpochOrder, task: int, offset: int) -> None:
@@ -252,7 +268,7 @@ def _check_range(plan: Plan, order: EpochOrder, task: int, offset: int) -> None:
         )
 
 
-def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Position:
+def _elastic(plan: Plan, states: list[SavedState]) -> Position:
     """A state (ranks in lockstep) or every rank's, from another rank, world or batch size."""
     if plan.is_stream:
         raise StateError(
@@ -264,113 +280,104 @@ def _elastic(plan: Plan, states: list[dict[str, Any]]) -> Position:
     if ops < len(plan.index_ops) - 1:
         after = ", ".join(str(op.describe()[0]) for op in plan.index_ops[ops + 1 :])
         raise StateError(f"elastic resume needs shard() to be the last index operator, but {after} follows it")
-    epochs = {int(s["epoch"]) for s in states}
-    bases = {repr(s.get("base")) for s in states}
-    worlds = {_rank_world(s)[1:] for s in states}
-    if len(epochs) > 1 or len(bases) > 1 or len(worlds) > 1:
+    if len({(s.epoch, s.base, s.world, s.uneven) for s in states}) > 1:
         raise StateError(
-            f"the states were taken at different points (epochs {sorted(epochs)}, shards {sorted(worlds)}): "
+            f"the states were taken at different points (epochs {sorted({s.epoch for s in states})}, "
+            f"shards {sorted({(s.world, s.uneven) for s in states})}): "
             "give the states every rank saved at the same checkpoint"
         )
-    epoch, (world, old_uneven) = epochs.pop(), worlds.pop()
-    base = Base(()) if states[0].get("base") is None else Base.from_json(states[0]["base"])
-    shared = [s.get("consumed") is not None for s in states]
+    epoch, world, old_uneven = states[0].epoch, states[0].world, states[0].uneven
+    base = states[0].base or Base(())
+    shared = [s.consumed is not None for s in states]
     if len(states) == 1 and world > 1 and (plan.grouped or shared[0]):
         why = "its records do not follow from sample positions" if plan.grouped else "it was fed in shared mode"
         raise StateError(
-            f"this chain's state from rank {_rank_world(states[0])[0]} of {world} cannot stand for the other ranks "
+            f"this chain's state from rank {states[0].rank} of {world} cannot stand for the other ranks "
             f"({why}): load the list of every rank's state"
         )
     if len(states) > 1:
-        ranks = sorted(_rank_world(s)[0] for s in states)
-        if ranks != list(range(world)):
+        ranks = sorted(s.rank for s in states)
+        if len(states) != world or ranks != list(range(world)):
             raise StateError(
                 f"got the states of ranks {ranks} of a world of {world}: load one state (ranks in lockstep) "
                 f"or the list of all {world}"
             )
-        states = sorted(states, key=lambda s: _rank_world(s)[0])
+        states = sorted(states, key=lambda s: s.rank)
     if any(shared) and not all(shared):
         raise StateError("the states mix shared mode (consumed sets) and local positions: give one run's states")
     start = epoch_order(plan, epoch, base)
     before = start.remaining  # what remained when the old world started
     assert before is not None
+    shares = [before.share(r, world, old_uneven) for r in range(world)]
     if all(shared):
-        taken = [i for s in states for i in _indices(s["consumed"], "consumed", plan.source_length)]
+        taken = [i for s in states for i in s.consumed or ()]
         step: Layer | Taken = Taken(tuple(taken))
-        done = len(taken) >= sum(before.share(r, world, old_uneven) for r in range(world))
+        done = len(taken) >= sum(shares)
     else:
-        samples = [int(s["samples"]) for s in states]
-        counts = samples * world if len(states) == 1 else samples
+        counts = _counts(plan, states, shares)
         step = Layer(world, tuple(counts), old_uneven)
-        done = all(c >= before.share(r, world, old_uneven) for r, c in enumerate(counts))
-    if done:  # the old world had finished this epoch: the next one is whole
-        return Position(epoch + 1)
+        done = counts == shares
+    rank, new_world = (0, 1) if shard is None else (shard.rank, shard.world_size)
+    held = _handed_over(plan, epoch, states, rank, new_world) if plan.grouped else None
+    if done and (held is None or not held.holds()):
+        return Position(epoch + 1)  # the old world had finished this epoch: the next one is whole
     same_world = (world, old_uneven) == ((1, "none") if shard is None else (shard.world_size, shard.uneven))
-    if same_world and isinstance(step, Layer) and len(states) == 1 and not plan.grouped:
-        # Another rank, or another batch size, of the same world in lockstep: this rank's own
-        # position in the same share (exactly as if it had been this rank's state), when it falls
-        # on a whole batch; otherwise what remains is shared out from here (below).
-        task, offset = divmod(step.counts[0], plan.task_size)
-        if plan.batch is None or not offset:
+    if same_world and len(states) == 1 and not plan.grouped and isinstance(step, Layer):
+        # Another rank, or another batch size, of the same world in lockstep: every rank goes on
+        # in its own share, exactly as if it had been its own state (and as the rank it came from
+        # does), when each stands at a whole batch or at the end of its share; otherwise what
+        # remains is shared out afresh (below), by every rank alike.
+        ended = [c == n for c, n in zip(step.counts, shares, strict=True)]
+        if plan.batch is None or all(e or c % plan.task_size == 0 for c, e in zip(step.counts, ended, strict=True)):
             order = epoch_order(plan, epoch, base if base.steps else None)
+            task, offset = (order.num_tasks() or 0, 0) if ended[rank] else divmod(step.counts[rank], plan.task_size)
             _check_range(plan, order, task, offset)
             return Position(epoch, task, offset, None, None, order.base)
-    order = epoch_order(plan, epoch, Base((*base.steps, step)), start)  # checks the counts against the shares
-    tail = None
-    if plan.grouped:
-        rank, new_world = (0, 1) if shard is None else (shard.rank, shard.world_size)
-        tail = _handed_over(plan, epoch, states, rank, new_world)
-    return Position(epoch, 0, 0, None, tail, order.base)
+    order = epoch_order(plan, epoch, Base((*base.steps, step)), start)
+    return Position(epoch, 0, 0, None, None if held is None else held.state(), order.base)
 
 
-def _handed_over(plan: Plan, epoch: int, states: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
-    """A fresh tail state whose pending outputs are what old ranks rank, rank + world, ... held in
-    their tails, flushed as at the end of an epoch (a short batch, a padded row; none with
-    drop_last): every record the old world made is yielded once."""
-    outputs: list[Any] = []
+def _counts(plan: Plan, states: list[SavedState], shares: list[int]) -> list[int]:
+    """The samples each old rank consumed of its share: its own state's `samples` (checked against
+    its position), or, for one state standing for ranks in lockstep, what each rank's share gives
+    after as many steps (batches of the state's batch size): ranks' shares may differ by one."""
+    for s in states:
+        _check_samples(s, _consumed(plan, s.task, s.offset, _steps_size(plan, s), shares[s.rank]))
+    if len(states) > 1:
+        return [s.samples for s in states]
+    s = states[0]
+    return [_consumed(plan, s.task, s.offset, _steps_size(plan, s), share, ended=True) for share in shares]
+
+
+def _steps_size(plan: Plan, state: SavedState) -> int:
+    """The size of the tasks `state`'s position counts in: its batch size (which may differ from
+    this chain's), or the unbatched task size."""
+    if (state.batch_size is None) != (plan.batch is None):
+        raise StateError(
+            f"state dict field 'batch_size' = {state.batch_size} does not fit this chain "
+            f"({'un' if plan.batch is None else ''}batched)"
+        )
+    return plan.task_size if state.batch_size is None else state.batch_size
+
+
+def _handed_over(plan: Plan, epoch: int, states: list[SavedState], rank: int, world: int) -> Tail:
+    """A tail holding what old ranks rank, rank + world, ... held in their tails: the records
+    they made and had not yielded, and what their operators held or had waiting (a partial packed
+    row, a partial batch, filling buckets), fed again to this chain's operators, which go on
+    filling them: every record the old world made is yielded once, in batches of this chain's size."""
+    tail = Tail(plan.tail, plan.seed, epoch)
     for old_rank, state in enumerate(states):
-        if old_rank % world == rank and state.get("tail") is not None:
-            held = Tail(plan.tail, plan.seed, epoch, state["tail"])
-            held.flush()
-            outputs.extend(held.out)
-    fresh = Tail(plan.tail, plan.seed, epoch).state()
-    return {**fresh, "out": outputs}
+        if old_rank % world == rank and state.tail is not None:
+            tail.absorb(Tail(plan.tail, plan.seed, epoch, state.tail))
+    return tail
 
 
-def _check_same_chain(plan: Plan, states: list[dict[str, Any]]) -> None:
+def _check_same_chain(plan: Plan, states: list[SavedState]) -> None:
     ours = chain_digests(plan)
     for state in states:
-        theirs = state.get("chain")
-        if not isinstance(theirs, dict):
-            raise StateError(
-                "state dict was taken from a different chain (source, operators, functions or values they read "
-                f"changed): fingerprint {state['fingerprint']} != {plan.resume_fingerprint}"
-            )
-        differ = [_PART_NAMES.get(k, k) for k in ours if theirs.get(k) != ours[k]]
+        differ = [_PART_NAMES.get(k, k) for k in ours if state.chain.get(k) != ours[k]]
         if differ:
             raise StateError(f"state dict was taken from a different chain: {'; '.join(differ)} differ")
-
-
-def _rank_world(state: dict[str, Any]) -> tuple[int, int, str]:
-    """The (rank, world size, uneven policy) of the shard a state was taken from."""
-    value = state.get("shard", [0, 1, "none"])
-    try:
-        rank, world, uneven = int(value[0]), int(value[1]), str(value[2])
-        if not 0 <= rank < world or uneven not in UNEVEN_POLICIES:
-            raise ValueError("rank or uneven out of range")
-    except (TypeError, ValueError, IndexError, KeyError) as exc:
-        raise StateError(f"state dict field 'shard' must be [rank, world_size, uneven], got {value!r:.100}") from exc
-    return rank, world, uneven
-
-
-def _indices(value: Any, field: str, bound: int | None = None) -> list[int]:
-    try:
-        arr = np.asarray(value, dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise StateError(f"state dict field {field!r} must be a list of sample indices: {exc}") from exc
-    if arr.size and (arr.min() < 0 or (bound is not None and arr.max() >= bound)):
-        raise StateError(f"state dict field {field!r} holds an index outside [0, {bound}) ")
-    return arr.tolist()
 
 
 def without(sources: npt.NDArray[np.int64], taken: Sequence[int]) -> npt.NDArray[np.bool_]:

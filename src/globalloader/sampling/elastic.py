@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from globalloader.errors import StateError
-from globalloader.sampling.sharding import UNEVEN_POLICIES, shard_length
+from globalloader.sampling.sharding import MAX_WORLD_SIZE, UNEVEN_POLICIES, shard_length
+
+_INT64_MAX = (1 << 63) - 1  # positions and counts are NumPy int64
 
 
 @dataclass(frozen=True)
@@ -40,14 +43,32 @@ class Layer:
 
     @classmethod
     def from_json(cls, value: Any) -> Layer:
-        try:
-            world, uneven = int(value["world"]), value["uneven"]
-            counts = tuple(int(c) for c, times in value["counts"] for _ in range(int(times)))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StateError(f"state dict field 'base' holds a malformed layer {value!r:.200}: {exc}") from exc
-        if world < 1 or len(counts) != world or min(counts) < 0 or uneven not in UNEVEN_POLICIES:
+        """A layer of a state dict's `base`, its world bounded and its runs checked before the
+        counts are expanded (a world of 10**12 ranks is refused, not allocated)."""
+        if not isinstance(value, dict) or value.get("uneven") not in UNEVEN_POLICIES:
             raise StateError(f"state dict field 'base' holds a malformed layer {value!r:.200}")
-        return cls(world, counts, uneven)
+        world = state_int(value.get("world"), "base", 1, MAX_WORLD_SIZE, "a layer's world")
+        runs = value.get("counts")
+        if not isinstance(runs, list) or not all(isinstance(r, (list, tuple)) and len(r) == 2 for r in runs):
+            raise StateError(
+                f"state dict field 'base' holds a layer whose counts are not [count, ranks]: {runs!r:.200}"
+            )
+        pairs = [
+            (state_int(c, "base", what="a count"), state_int(n, "base", 1, world, "a run of ranks")) for c, n in runs
+        ]
+        if sum(times for _, times in pairs) != world:
+            raise StateError(f"state dict field 'base' holds a layer whose counts do not cover its {world} ranks")
+        return cls(world, tuple(c for c, times in pairs for _ in range(times)), value["uneven"])
+
+
+def state_int(value: Any, field: str, low: int = 0, high: int = _INT64_MAX, what: str = "") -> int:
+    """An int in a state dict (a NumPy integer is one; a bool, float or str is not) in [low, high],
+    else a StateError naming the field (and `what` in it)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or not low <= int(value) <= high:
+        part = f"{field!r}: {what}" if what else repr(field)
+        bound = f">= {low}" if high == _INT64_MAX else f"in [{low}, {high}]"
+        raise StateError(f"state dict field {part} must be an int {bound}, got {value!r:.100}")
+    return int(value)
 
 
 class Remaining:

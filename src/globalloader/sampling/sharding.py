@@ -19,6 +19,9 @@ import numpy as np
 from globalloader.errors import ArgumentError, check_int
 
 UNEVEN_POLICIES = ("pad", "drop", "none")
+# The largest world a shard (and a state dict's layers) may name: an elastic resume keeps a count
+# per rank of each world, so a world is bounded before a state's counts are allocated.
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class ShardArgs:
 
     def __post_init__(self) -> None:
         world_size = check_int(self.world_size, "shard: world_size", 1)
+        if world_size > MAX_WORLD_SIZE:
+            raise ArgumentError(f"shard: world_size must be at most {MAX_WORLD_SIZE}, got {world_size}")
         rank = self.rank
         if isinstance(rank, bool) or not isinstance(rank, Integral) or not 0 <= rank < world_size:
             raise ArgumentError(f"shard: rank must be an int in [0, {world_size}), got {rank!r}")

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 STATE_KIND = "globalloader.torch.DataLoader"
 STATE_VERSION = 2
 _SEED_RANGE = (-(1 << 63), 1 << 64)  # torch's Generator takes any 64-bit seed
+# Every field `make_state` writes: a state without one is refused, never half read.
+_FIELDS = ("built", "epoch", "batches", "rng", "base_seed", "fresh_workers", "workers", "process_rng")
 
 
 class Resume(NamedTuple):
@@ -185,6 +187,9 @@ def check_state(loader: LoaderSettings, state: Any) -> Resume:
             f"load_state_dict: state version {state.get('version')!r}, this globalloader reads version "
             f"{STATE_VERSION}: the state was made by another version; start the pass over"
         )
+    missing = [k for k in _FIELDS if k not in state]
+    if missing:
+        raise StateError(f"load_state_dict: the state has no field {missing[0]!r}: it is damaged or was edited")
     theirs, ours = state.get("built"), built(loader)
     if not isinstance(theirs, dict):
         raise StateError("load_state_dict: the state does not say how its DataLoader was built ('built' missing)")
