@@ -70,8 +70,7 @@ class RangeReader(ProcessLocal):
     def read_remote(self, url: str, start: int, length: int) -> bytes:
         """`read` for a URL known to have a scheme."""
         if not self.store.cached(url):
-            expected = self._stats.get(url)
-            return self.store.read_range(url, start, start + length, expected.version if expected else "")
+            return self.store.read_range(url, start, start + length, self._stats.get(url))
         stat = self._stats.get(url) or self.store.stat(url)
         end = min(start + length, stat.size)
         if start >= end:
@@ -166,7 +165,7 @@ def open_read(store: Store, url: str, stat: FileStat | None = None, *, whole: bo
             return open(url, "rb")
     if scheme_of(url) in LOCAL_SCHEMES:
         fs, path = store.filesystem(url)
-        return retry.call(lambda: fs.open(path, "rb"), url, "open", store.retry_policy)
+        return retry.call(lambda _: fs.open(path, "rb"), url, "open", store.retry_policy)  # local: no deadline
     stat = stat or store.stat(url)
     reader = RangeReader(store, whole=whole)
     reader.expect(url, stat)

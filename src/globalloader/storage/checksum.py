@@ -1,0 +1,75 @@
+"""End-to-end checks of downloads: the bytes received against what the object is known to hold,
+so that bytes corrupted in transit are fetched again, never cached or served.
+
+What a whole object is checked against, every one that is known:
+- the MD5 its S3 ETag is: a plain 32-hex ETag (no "-N" of a multipart upload) of an object not
+  encrypted with KMS or a customer key (their ETags are no MD5), as the answer itself says;
+- a CRC-32 the project recorded when it wrote the object (a tar shard's `.idx` sidecar);
+- the store's own checksum of a whole-object answer (S3's `x-amz-checksum-*` headers), which the
+  S3 client verifies as it reads the body (botocore's FlexibleChecksumError).
+
+A range of an object (a block of a large Parquet file, one sample read without the cache) has no
+checksum of its own at the store: it is checked by TCP (and TLS on https) only. A mismatch is a
+`TransferCorrupted`, a transient fault: `storage.retry` fetches the bytes again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zlib
+
+_MD5_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')  # an S3 ETag of a one-part upload: the MD5
+# S3's server-side encryption whose ETags are not the MD5 of the object.
+_OPAQUE_ETAG_ENCRYPTION = frozenset({"aws:kms", "aws:kms:dsse"})
+
+
+class TransferCorrupted(Exception):
+    """Bytes received that do not match the object's checksum: corrupted in transit."""
+
+
+def etag_md5(etag: str) -> str | None:
+    """The MD5 (lowercase hex) an S3 ETag is, or None when it is not one (multipart, other
+    stores' versions)."""
+    match = _MD5_ETAG.match(etag)
+    return match.group(1).lower() if match else None
+
+
+def answer_md5(etag: str, encryption: str | None, customer_key: str | None) -> str | None:
+    """The MD5 an S3 GET answer vouches for: its ETag's, unless KMS or a customer key encrypts
+    the object (its ETag is then no MD5)."""
+    if encryption in _OPAQUE_ETAG_ENCRYPTION or customer_key:
+        return None
+    return etag_md5(etag)
+
+
+class Digest:
+    """The running MD5 and/or CRC-32 of a download, `check`ed once every byte was fed."""
+
+    def __init__(self, url: str, md5: str | None = None, crc32: int | None = None) -> None:
+        self.url, self.md5, self.crc32 = url, md5, crc32
+        self._md5 = hashlib.md5(usedforsecurity=False) if md5 is not None else None
+        self._crc = 0
+
+    @property
+    def known(self) -> bool:
+        """Whether there is anything to check against."""
+        return self.md5 is not None or self.crc32 is not None
+
+    def update(self, data: bytes) -> None:
+        if self._md5 is not None:
+            self._md5.update(data)
+        if self.crc32 is not None:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def check(self) -> None:
+        """A TransferCorrupted unless the bytes fed match every known checksum."""
+        if self._md5 is not None and self._md5.hexdigest() != self.md5:
+            raise TransferCorrupted(
+                f"the MD5 of the bytes received from {self.url} is {self._md5.hexdigest()}, its ETag says {self.md5}"
+            )
+        if self.crc32 is not None and self._crc != self.crc32:
+            raise TransferCorrupted(
+                f"the CRC-32 of the bytes received from {self.url} is {self._crc:#010x}, "
+                f"its index sidecar says {self.crc32:#010x}"
+            )
