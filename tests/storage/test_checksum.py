@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 
 from globalloader import storage
+from globalloader.storage import checksum
+from globalloader.demo.s3 import write_shards
 from globalloader.errors import RemoteReadError
+from globalloader.sources import TarShards
 
 _POLICY = storage.RetryPolicy(attempts=4, base=0.01, cap=0.02, deadline=30.0)
 
@@ -77,3 +80,37 @@ def test_a_transfer_corrupted_every_time_is_a_named_error_and_nothing_is_cached(
     with storage.open_read(store, url) as f, pytest.raises(RemoteReadError, match=failed):
         f.read()
     assert _cache_files(isolated_cache) == []  # no entry, no temporary file left
+
+
+def test_a_shard_whose_etag_is_no_md5_is_checked_against_its_sidecar_crc(
+    s3: dict[str, Any], isolated_cache: pathlib.Path
+) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=6, per_shard=3, index=True)
+    expected = {r["__key__"]: r["bin"] for r in TarShards(urls, storage_options=s3["options"], cache=False)}
+    # Upload the first shard again, same bytes, as a multipart upload: its ETag ("<hex>-1") is no
+    # MD5, so only its sidecar's CRC-32 can tell a corrupted transfer.
+    fs, path = storage.Store(s3["options"]).filesystem(urls[0])
+    bucket, key = path.split("/", 1)
+    body = fs.cat_file(path)
+    upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    part = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=body)
+    parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}
+    fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload=parts)
+    src = TarShards(urls, storage_options=s3["options"])
+    src.store.retry_policy = _POLICY
+    assert src.store.stat(urls[0]).version.endswith('-1"') and len(src) == len(expected)  # sidecars read
+    proxy = s3["proxy"]
+    proxy.no_checksums = True
+    proxy.corrupt["shard-000.tar"] = 2
+    assert {r["__key__"]: r["bin"] for r in src} == expected
+    assert (
+        src.sidecars == 1 and proxy.faults["corrupt"] == 2
+    )  # shard-000 indexed from its sidecar (shard-001 was indexed by the scan above)
+
+
+def test_only_an_etag_that_is_an_md5_is_taken_for_one() -> None:
+    md5 = "7b8c0097041de5d22d96344c3f3bef44"
+    assert checksum.answer_md5(f'"{md5.upper()}"', "AES256", None) == md5
+    assert checksum.answer_md5(f'"{md5}-3"', None, None) is None  # multipart
+    assert checksum.answer_md5(f'"{md5}"', "aws:kms", None) is None  # KMS: the ETag is no MD5
+    assert checksum.answer_md5(f'"{md5}"', None, "AES256") is None  # a customer's key: neither

@@ -212,16 +212,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 proxy.bytes_sent[path] += len(data)
 
     def _corrupted(self, path: str, data: bytes) -> bytes:
-        """`data` with its middle byte flipped, if `corrupt` still asks it for `path`."""
+        """`data` with one byte flipped, if `corrupt` still asks it for `path`: another byte each
+        time, as damage in transit is (the same wrong bytes twice are the object's own)."""
         proxy = self.server
         with proxy.lock:
             part = next((part for part, left in proxy.corrupt.items() if part in path and left > 0), None)
             if part is None:
                 return data
             proxy.corrupt[part] -= 1
+            at = proxy.faults["corrupt"] % len(data)
             proxy.faults["corrupt"] += 1
-        middle = len(data) // 2
-        return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+        return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
 
     def _trickle(self, data: bytes, pause: float) -> None:
         """Send `data` a byte at a time, `pause` seconds apart, until done or the client leaves."""

@@ -19,6 +19,8 @@ import hashlib
 import re
 import zlib
 
+from globalloader.errors import SourceError
+
 _MD5_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')  # an S3 ETag of a one-part upload: the MD5
 # S3's server-side encryption whose ETags are not the MD5 of the object.
 _OPAQUE_ETAG_ENCRYPTION = frozenset({"aws:kms", "aws:kms:dsse"})
@@ -44,17 +46,25 @@ def answer_md5(etag: str, encryption: str | None, customer_key: str | None) -> s
 
 
 class Digest:
-    """The running MD5 and/or CRC-32 of a download, `check`ed once every byte was fed."""
+    """The checks of the tries at one whole download: each try's running MD5 and/or CRC-32,
+    `check`ed once all its bytes were fed.
 
-    def __init__(self, url: str, md5: str | None = None, crc32: int | None = None) -> None:
-        self.url, self.md5, self.crc32 = url, md5, crc32
+    Corruption in transit is random: a try whose bytes are wrong is a TransferCorrupted (tried
+    again), but the same wrong bytes twice mean the object itself differs from its checksum (a
+    shard rewritten behind its sidecar, a store whose ETags are no MD5s): a SourceError at once,
+    naming where the CRC-32 was recorded (`recorded_in`) and what to do (`fix`).
+    """
+
+    def __init__(self, url: str, crc32: int | None = None, recorded_in: str = "", fix: str = "") -> None:
+        self.url, self.crc32, self.recorded_in, self.fix = url, crc32, recorded_in, fix
+        self._wrong: set[tuple[str, int]] = set()
+        self.restart(None)
+
+    def restart(self, md5: str | None) -> None:
+        """Start a try whose answers vouch for this MD5 (None: they vouch for none)."""
+        self.md5 = md5
         self._md5 = hashlib.md5(usedforsecurity=False) if md5 is not None else None
         self._crc = 0
-
-    @property
-    def known(self) -> bool:
-        """Whether there is anything to check against."""
-        return self.md5 is not None or self.crc32 is not None
 
     def update(self, data: bytes) -> None:
         if self._md5 is not None:
@@ -63,13 +73,20 @@ class Digest:
             self._crc = zlib.crc32(data, self._crc)
 
     def check(self) -> None:
-        """A TransferCorrupted unless the bytes fed match every known checksum."""
-        if self._md5 is not None and self._md5.hexdigest() != self.md5:
-            raise TransferCorrupted(
-                f"the MD5 of the bytes received from {self.url} is {self._md5.hexdigest()}, its ETag says {self.md5}"
+        """Nothing if the try's bytes match every known checksum; else a TransferCorrupted, or
+        a SourceError when an earlier try had the same wrong bytes."""
+        md5 = self._md5.hexdigest() if self._md5 is not None else ""
+        if self._md5 is not None and md5 != self.md5:
+            problem = f"the MD5 of the bytes received from {self.url} is {md5}, its ETag says {self.md5}"
+            again = "the store's ETag of it is no MD5 (an encrypted object?) or the object is damaged at the store"
+        elif self.crc32 is not None and self._crc != self.crc32:
+            problem = (
+                f"{self.url} does not match {self.recorded_in} (CRC-32 {self._crc:#010x}, recorded {self.crc32:#010x})"
             )
-        if self.crc32 is not None and self._crc != self.crc32:
-            raise TransferCorrupted(
-                f"the CRC-32 of the bytes received from {self.url} is {self._crc:#010x}, "
-                f"its index sidecar says {self.crc32:#010x}"
-            )
+            again = f"it was rewritten since; {self.fix}"
+        else:
+            return
+        if (md5, self._crc) in self._wrong:
+            raise SourceError(f"{problem}, twice: {again}")
+        self._wrong.add((md5, self._crc))
+        raise TransferCorrupted(problem)

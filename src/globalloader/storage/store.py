@@ -79,6 +79,10 @@ class Store(ProcessLocal):
         self.use_cache = bool(cache)
         self.retry_policy = retry_policy
         self.block_size = parse_size(block_size, "block_size")
+        # CRC-32 of whole objects known from where they were written (a tar shard's sidecar), by
+        # URL and version, with where and what to do: a setting, so worker processes check their
+        # downloads against them too.
+        self.crc32s: dict[tuple[str, FileStat], tuple[int, str, str]] = {}
         self._reset()
 
     def _after_fork(self) -> None:
@@ -199,6 +203,8 @@ class Store(ProcessLocal):
         what, version = f"read [{start}, {end}) of", stat.version if stat is not None else ""
         whole = stat is not None and start == 0 and end >= stat.size
 
+        digest = Digest(url)
+
         def get(seconds: float) -> S3Answer:
             if not (version.startswith('"') and scheme_of(url) in S3_SCHEMES):
                 return S3Answer(fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None)
@@ -206,7 +212,7 @@ class Store(ProcessLocal):
             if answer is None:
                 raise _changed(url, f"its ETag is no longer {version}")
             if whole and answer.md5 is not None:
-                digest = Digest(url, answer.md5)
+                digest.restart(answer.md5)
                 digest.update(answer.data)
                 digest.check()  # a mismatch is transient: this try is made again
             return answer
@@ -229,26 +235,32 @@ class Store(ProcessLocal):
             raise SourceError(f"{url} is larger than {limit} bytes")
         return data
 
-    def open_cached(self, url: str, stat: FileStat, block: int = -1, crc32: int | None = None) -> CachedFile:
+    def expect_crc32(self, url: str, stat: FileStat, crc32: int, recorded_in: str, fix: str) -> None:
+        """Check whole downloads of `url`, while it has `stat`, against this CRC-32, recorded
+        where the object was written (`recorded_in`, such as "its index sidecar <url>"); `fix`
+        says what to do when the object no longer matches it."""
+        self.crc32s[url, stat] = (crc32, recorded_in, fix)
+
+    def open_cached(self, url: str, stat: FileStat, block: int = -1) -> CachedFile:
         """The whole object (block -1) or one block of it, from the machine cache (downloaded
         there first if missing). A store whose object no longer has `stat` is a SourceError.
 
         A whole object is checked end to end before it enters the cache: a download in one
         request by `read_range`, one in several once assembled, against the MD5 its ETag vouches
-        for and the `crc32` the caller knows (a tar shard's sidecar); a mismatch downloads it
+        for and the CRC-32 `expect_crc32` was given; a mismatch downloads it
         again (a transient fault of `retry`). A block of a large object is not checked (no
         checksum of a range exists): TCP's and TLS's checks are all it has.
         """
         size = self.block_size
         entry = Entry(url, stat.size, stat.version, block, size if block >= 0 else 0)
+        digest = Digest(url, *self.crc32s.get((url, stat), ())) if block < 0 else None
 
         def download(write: Any) -> None:
             fresh = self.stat(url)
             if fresh != stat:
                 raise _changed(url, f"size {stat.size} -> {fresh.size}, version {stat.version!r} -> {fresh.version!r}")
             first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
-            several = block < 0 and end - first > size  # a whole object in several answers: checked together
-            digest: Digest | None = None
+            several = end - first > size  # a whole object in several answers: checked together
             for start in range(first, end, size):
                 stop = min(end, start + size)
                 answer = self._get(url, start, stop, stat)  # one answer of a whole object: its MD5 checked
@@ -256,8 +268,9 @@ class Store(ProcessLocal):
                     raise SourceError(
                         f"{url} returned {len(answer.data)} bytes for [{start}, {stop}): it changed while read"
                     )
-                if block < 0:
-                    digest = digest or Digest(url, answer.md5 if several else None, crc32)
+                if digest is not None:
+                    if start == first:
+                        digest.restart(answer.md5 if several else None)  # else _get checked its MD5
                     digest.update(answer.data)
                 write(answer.data)
             if digest is not None:
