@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from globalloader import storage
-from globalloader.storage import checksum
 from globalloader.demo.s3 import write_shards
 from globalloader.errors import RemoteReadError
 from globalloader.sources import TarShards
+from globalloader.storage import checksum
 
 _POLICY = storage.RetryPolicy(attempts=4, base=0.01, cap=0.02, deadline=30.0)
 
