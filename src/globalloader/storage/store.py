@@ -1,7 +1,8 @@
 """Store: how a source reaches its URLs (fsspec options, retries, the machine-wide cache).
 
 Local paths (no `scheme://`) use the os module. Remote objects are fetched through fsspec with
-every call retried by `storage.retry`; objects of object stores (any scheme but `file://`,
+every call retried by `storage.retry` and every whole download checked end to end
+(`storage.checksum`); objects of object stores (any scheme but `file://`,
 `memory://`) are read through the machine cache (`storage.cache`): whole when they are shards or
 files up to `whole_max` bytes, in fixed `block_size` blocks otherwise, so reading a Parquet
 footer and one column does not download the whole file. Uploads are written to a local
