@@ -199,20 +199,23 @@ class Store(ProcessLocal):
         return self._get(url, start, end, stat).data
 
     def _get(self, url: str, start: int, end: int, stat: FileStat | None) -> S3Answer:
-        """`read_range`, with the MD5 the answer vouches for when the store said (S3)."""
+        """`read_range`, with the MD5 the answer vouches for when the store said one (S3)."""
         fs, path = self.filesystem(url)
         what, version = f"read [{start}, {end}) of", stat.version if stat is not None else ""
-        whole = stat is not None and start == 0 and end >= stat.size
-
-        digest = Digest(url)
+        # The whole object in one answer: checked end to end.
+        digest = self._digest(url, stat) if stat is not None and start == 0 and end >= stat.size else None
+        whole = digest is not None
 
         def get(seconds: float) -> S3Answer:
             if not (version.startswith('"') and scheme_of(url) in S3_SCHEMES):
-                return S3Answer(fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None)
-            answer = read_s3_if_match(fs, path, start, end, version, whole=whole, timeout=seconds)
+                answer: S3Answer | None = S3Answer(
+                    fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None
+                )
+            else:
+                answer = read_s3_if_match(fs, path, start, end, version, whole=whole, timeout=seconds)
             if answer is None:
                 raise _changed(url, f"its ETag is no longer {version}")
-            if whole and answer.md5 is not None:
+            if digest is not None:
                 digest.restart(answer.md5)
                 digest.update(answer.data)
                 digest.check()  # a mismatch is transient: this try is made again
@@ -242,6 +245,10 @@ class Store(ProcessLocal):
         says what to do when the object no longer matches it."""
         self.crc32s[url, stat] = (crc32, recorded_in, fix)
 
+    def _digest(self, url: str, stat: FileStat) -> Digest:
+        """The checks of whole downloads of `url` at `stat` (see `storage.checksum`)."""
+        return Digest(url, *self.crc32s.get((url, stat), ()))
+
     def open_cached(self, url: str, stat: FileStat, block: int = -1) -> CachedFile:
         """The whole object (block -1) or one block of it, from the machine cache (downloaded
         there first if missing). A store whose object no longer has `stat` is a SourceError.
@@ -254,24 +261,25 @@ class Store(ProcessLocal):
         """
         size = self.block_size
         entry = Entry(url, stat.size, stat.version, block, size if block >= 0 else 0)
-        digest = Digest(url, *self.crc32s.get((url, stat), ())) if block < 0 else None
+        # A whole object in several answers is checked once assembled; in one, by `_get`.
+        several = block < 0 and stat.size > size
+        digest = self._digest(url, stat) if several else None
 
         def download(write: Any) -> None:
             fresh = self.stat(url)
             if fresh != stat:
                 raise _changed(url, f"size {stat.size} -> {fresh.size}, version {stat.version!r} -> {fresh.version!r}")
             first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
-            several = end - first > size  # a whole object in several answers: checked together
             for start in range(first, end, size):
                 stop = min(end, start + size)
-                answer = self._get(url, start, stop, stat)  # one answer of a whole object: its MD5 checked
+                answer = self._get(url, start, stop, stat)
                 if len(answer.data) != stop - start:
                     raise SourceError(
                         f"{url} returned {len(answer.data)} bytes for [{start}, {stop}): it changed while read"
                     )
                 if digest is not None:
                     if start == first:
-                        digest.restart(answer.md5 if several else None)  # else _get checked its MD5
+                        digest.restart(answer.md5)
                     digest.update(answer.data)
                 write(answer.data)
             if digest is not None:
