@@ -10,7 +10,8 @@ What a whole object is checked against, every one that is known:
 
 A range of an object (a block of a large Parquet file, one sample read without the cache) has no
 checksum of its own at the store: it is checked by TCP (and TLS on https) only. A mismatch is a
-`TransferCorrupted`, a transient fault: `storage.retry` fetches the bytes again.
+`TransferCorrupted`, a transient fault: `storage.retry` fetches the bytes again; the same wrong
+bytes twice are the object's own, a SourceError (see `Digest`).
 """
 
 from __future__ import annotations
