@@ -92,3 +92,24 @@ def test_backoff_grows_with_jitter_and_a_cap() -> None:
     means = [sum(run[n] for run in delays) / len(delays) for n in range(8)]
     assert means[0] < means[2] < means[3] and abs(means[7] - 1.0) < 0.2
     assert len({round(run[0], 6) for run in delays}) > 40  # jittered, not fixed
+
+
+# A server that sends the next byte before each read timeout: every try must end at its own
+# deadline (`grace` + its bytes at `min_rate`, set small here), then the retries decide.
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_trickling_answer_is_cut_and_named_too_slow(s3: dict[str, Any], cache: bool) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=4, per_shard=2)
+    proxy = s3["proxy"]
+    proxy.trickle["shard-000.tar"] = 0.02  # about 100 s for the shard, 0.02 s between two bytes
+    src = TarShards(urls, storage_options=s3["options"], cache=cache)
+    src.store.retry_policy = storage.RetryPolicy(attempts=2, base=0.01, cap=0.01, grace=0.5, min_rate=1e6)
+    with pytest.raises(RemoteReadError, match=r"shard-000\.tar: 2 attempt\(s\) .*too slow: no whole answer within"):
+        list(gl.Loader(gl.Dataset(src).batch(4), workers=0))
+    assert proxy.faults["trickle"] >= 2  # the trickle did happen
+
+
+def test_a_try_s_deadline_grows_with_its_bytes() -> None:
+    policy = storage.RetryPolicy(grace=2.0, min_rate=1000.0, deadline=60.0)
+    assert policy.attempt_deadline(0) == 2.0
+    assert policy.attempt_deadline(5000) == 7.0
+    assert policy.attempt_deadline(None) == 60.0  # a listing: the policy's deadline

@@ -1,6 +1,7 @@
 """A local S3-compatible server (moto's server mode on loopback) and an HTTP proxy in front of
 it that counts requests and bytes per key and can inject faults: latency, 503 SlowDown,
-connection resets (before a response or in the middle of its body), forced 403/404 per key.
+connection resets (before a response or in the middle of its body), forced 403/404 per key,
+bodies corrupted in transit or trickled a byte at a time.
 
 The demo's remote act, `benchmarks/remote.py` and the tests use it; it needs moto's server
 (the `test` extra). Not part of the library: nothing outside the demo imports it.
@@ -62,8 +63,12 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
     Rates are per request, drawn from a seeded generator: `slowdown` answers 503 SlowDown,
     `reset` drops the connection (half of them after part of the body). `forced` maps a key
     substring to a status (403, 404 or 503) answered for every request on it. `latency` seconds are
-    added to each request. `bytes_sent[key]` counts the body bytes of successful GETs; GET
-    /__stats__ answers their total and the count of GETs as JSON, for other processes.
+    added to each request. `corrupt` maps a key substring to how many more GET bodies of it get
+    one byte flipped (the headers unchanged: a transfer damaged in transit); `no_checksums` drops
+    the store's `x-amz-checksum-*` headers (an object stored without an additional checksum);
+    `trickle` maps a key substring to the seconds between the bytes of its GET bodies, each sent
+    alone. `bytes_sent[key]` counts the body bytes of successful GETs; GET /__stats__ answers
+    their total and the count of GETs as JSON, for other processes.
     """
 
     daemon_threads = True
@@ -77,6 +82,9 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.reset = 0.0
         self.faults_on = False
         self.forced: dict[str, int] = {}
+        self.corrupt: dict[str, int] = {}
+        self.no_checksums = False
+        self.trickle: dict[str, float] = {}
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.bytes_sent: collections.Counter[str] = collections.Counter()
@@ -175,7 +183,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             upstream.close()
         self.send_response(response.status)
         for key, value in response.getheaders():
-            if key.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
+            if key.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date") and not (
+                proxy.no_checksums and key.lower().startswith("x-amz-checksum-")
+            ):
                 self.send_header(key, value)
         length = response.getheader("Content-Length") if method == "HEAD" else None
         self.send_header("Content-Length", length or str(len(data)))
@@ -189,10 +199,42 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
             self._reset()
             return
+        ok = method == "GET" and 200 <= response.status < 300
+        if ok and data:
+            data = self._corrupted(path, data)
+            pause = next((seconds for part, seconds in proxy.trickle.items() if part in path), None)
+            if pause is not None:
+                self._trickle(data, pause)
+                return
         self.wfile.write(data)
-        if method == "GET" and 200 <= response.status < 300:
+        if ok:
             with proxy.lock:
                 proxy.bytes_sent[path] += len(data)
+
+    def _corrupted(self, path: str, data: bytes) -> bytes:
+        """`data` with one byte flipped, if `corrupt` still asks it for `path`: another byte each
+        time, as damage in transit is (the same wrong bytes twice are the object's own)."""
+        proxy = self.server
+        with proxy.lock:
+            part = next((part for part, left in proxy.corrupt.items() if part in path and left > 0), None)
+            if part is None:
+                return data
+            proxy.corrupt[part] -= 1
+            at = proxy.faults["corrupt"] % len(data)
+            proxy.faults["corrupt"] += 1
+        return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
+
+    def _trickle(self, data: bytes, pause: float) -> None:
+        """Send `data` a byte at a time, `pause` seconds apart, until done or the client leaves."""
+        with self.server.lock:
+            self.server.faults["trickle"] += 1
+        try:
+            for i in range(len(data)):
+                self.wfile.write(data[i : i + 1])
+                self.wfile.flush()
+                time.sleep(pause)
+        except OSError:  # the client gave up: what a trickle is for
+            self.close_connection = True
 
     def _error(self, status: int, path: str, method: str) -> None:
         code, message = _CODES[status]

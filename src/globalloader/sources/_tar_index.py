@@ -20,7 +20,6 @@ import io
 import json
 import os
 import pathlib
-import re
 import threading
 import zipfile
 import zlib
@@ -32,13 +31,13 @@ import numpy as np
 from globalloader.errors import SourceError
 from globalloader.sources._tar_format import split_key, walk
 from globalloader.storage import FileStat, cache_key
+from globalloader.storage.checksum import etag_md5
 
 _VERSION = 2  # 2: built by the walker that checks each member's end and the end-of-archive marker
 SIDECAR_SUFFIX = ".idx"
 SIDECAR_MAX = 64 << 20  # bytes: a larger `.idx` is not an index this module wrote
 _SIDECAR_FORMAT = "globalloader-tar-index"
 _SIDECAR_VERSION = 1
-_MD5_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')  # an S3 ETag of a one-part upload: the MD5
 _SCAN_BLOCK_LOCAL = 64 * 1024
 _SCAN_BLOCK_REMOTE = 1024 * 1024
 _NPZ_ERRORS = (OSError, KeyError, ValueError, EOFError, zlib.error, zipfile.BadZipFile)  # an unreadable .npz
@@ -210,7 +209,7 @@ class Sidecar(NamedTuple):
 def proves_content(st: FileStat) -> bool:
     """Whether the version of a shard is its MD5 (an S3 ETag of a one-part upload), so that a
     sidecar's MD5 proves the sidecar describes these bytes before any is downloaded."""
-    return _MD5_ETAG.match(st.version) is not None
+    return etag_md5(st.version) is not None
 
 
 def sidecar_url(url: str) -> str:
@@ -243,15 +242,15 @@ def read_sidecar(data: bytes, url: str, st: FileStat) -> Sidecar:
         return Sidecar(
             problem=f"stale index sidecar {name}: made for {meta.get('size')} bytes, the shard has {st.size}"
         )
-    etag = _MD5_ETAG.match(st.version)
-    if etag is not None and etag.group(1).lower() != str(meta.get("md5", "")).lower():
+    md5 = etag_md5(st.version)
+    if md5 is not None and md5 != str(meta.get("md5", "")).lower():
         return Sidecar(
             problem=f"stale index sidecar {name}: made for MD5 {meta.get('md5')}, the shard's ETag is {st.version}"
         )
     problem = _inconsistency(index, st.size)
     if problem:
         return Sidecar(problem=f"corrupt index sidecar {name}: {problem}")
-    return Sidecar(index, etag is not None)
+    return Sidecar(index, md5 is not None)
 
 
 def _inconsistency(index: ShardIndex, size: int) -> str:

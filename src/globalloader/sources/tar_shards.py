@@ -27,6 +27,7 @@ from globalloader.storage._fork import ProcessLocal
 _STREAM_BUFFER = 1024 * 1024
 _LARGEST_READ = 256 << 20  # bytes asked of a stream at once
 _READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
+_REWRITTEN = "write the sidecar again (TarWriter) or delete it, then construct the source again"
 REMOTE_INDEX_THREADS = 16  # sidecars of remote shards read at once (each a small request)
 
 
@@ -207,6 +208,10 @@ class TarShards(ProcessLocal):
         n_members = n_keys = 0
         self._shard_start = [0]
         self._crcs = [index.crc32 for index in indexes]
+        for url, st, crc in zip(self.shards, self._stats, self._crcs, strict=True):
+            if crc is not None:  # downloads of the shard are checked against it, and fetched again on a mismatch
+                sidecar = f"its index sidecar {_tar_index.sidecar_url(url)}"
+                self.store.expect_crc32(url, st, crc, sidecar, _REWRITTEN)
         for index in indexes:
             remap = np.array([exts.setdefault(e, len(exts)) for e in index.exts] or [0], np.int64)
             shard_members = index.members.copy()
@@ -274,8 +279,7 @@ class TarShards(ProcessLocal):
         if found is not None and found != expected:
             raise SourceError(
                 f"{url} does not match its index sidecar {_tar_index.sidecar_url(url)} (CRC-32 {found:#010x}, "
-                f"the sidecar says {expected:#010x}): the shard was rewritten without its sidecar; write the "
-                "sidecar again (TarWriter) or delete it, then construct the source again"
+                f"the sidecar says {expected:#010x}): the shard was rewritten without its sidecar; {_REWRITTEN}"
             )
         self._crc_checked.add(shard)
 

@@ -22,10 +22,11 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from globalloader import _extras
 from globalloader.errors import SourceError
+from globalloader.storage.checksum import TransferCorrupted, answer_md5
 
 CONNECT_TIMEOUT = 10.0  # seconds for one TCP connect to the object store
 READ_TIMEOUT = 30.0  # seconds without a byte on an open response
@@ -67,6 +68,7 @@ _TRANSIENT_NAMES = frozenset(
         "ServerDisconnectedError",
         "FSTimeoutError",
         "ProtocolError",
+        "FlexibleChecksumError",  # botocore: the body does not match the store's checksum header
     }
 )
 _THROTTLING = ("SlowDown", "reduce your request rate", "Throttl", "ServiceUnavailable", "InternalError")
@@ -90,10 +92,11 @@ def local_errors(url: str, what: str = "open") -> Iterator[None]:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether a failed call may succeed if made again (5xx, throttling, reset, timeout)."""
+    """Whether a failed call may succeed if made again (5xx, throttling, reset, timeout,
+    corrupted transfer)."""
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
-    if isinstance(exc, (TimeoutError, ConnectionError)):
+    if isinstance(exc, (TimeoutError, ConnectionError, TransferCorrupted)):
         return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
@@ -103,35 +106,54 @@ def is_transient(exc: BaseException) -> bool:
     return any(mark in text for mark in _THROTTLING)
 
 
-def read_s3_if_match(fs: Any, path: str, start: int, end: int, etag: str) -> bytes | None:
+class S3Answer(NamedTuple):
+    """The body of one S3 GET, and the MD5 of the whole object its ETag vouches for (None when
+    the ETag is no MD5; see `checksum.answer_md5`)."""
+
+    data: bytes
+    md5: str | None
+
+
+def read_s3_if_match(
+    fs: Any, path: str, start: int, end: int, etag: str, *, whole: bool, timeout: float
+) -> S3Answer | None:
     """Bytes [start, end) of the S3 object at `path` if it still has ETag `etag`, else None.
 
     One GET with If-Match, so the answer is all of that version or a refusal (412), never bytes of
-    a version written since. Through s3fs's async call: its `cat_file` takes no conditions.
+    a version written since. Through s3fs's async call: its `cat_file` takes no conditions. A
+    `whole` object is asked for without a range, so that the store sends its checksum of the
+    object (S3 sends none with a range) and the client checks the body against it. The call is
+    cancelled after `timeout` seconds (an FSTimeoutError).
     """
     from fsspec.asyn import sync  # type: ignore[import-untyped]
 
     bucket, key, version_id = fs.split_path(path)
     pinned = {"VersionId": version_id} if version_id else {}  # a version_aware client's "?versionId="
+    ranged = {} if whole else {"Range": f"bytes={start}-{end - 1}"}
 
-    async def get() -> bytes:
-        resp = await fs._call_s3(
-            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag, **pinned
-        )
+    async def get() -> S3Answer:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, IfMatch=etag, **ranged, **pinned)
         try:
             body: bytes = await resp["Body"].read()
-            return body
         finally:
             resp["Body"].close()
+        md5 = answer_md5(resp.get("ETag", ""), resp.get("ServerSideEncryption"), resp.get("SSECustomerAlgorithm"))
+        return S3Answer(body, md5)
 
     try:
-        data: bytes = sync(fs.loop, get)
-        return data
+        answer: S3Answer = sync(fs.loop, get, timeout=timeout)
+        return answer
     except OSError as exc:
         code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
         if exc.errno == errno.EINVAL and code == "PreconditionFailed":
             return None
         raise
+
+
+def bounded(fs: Any, timeout: float) -> dict[str, float]:
+    """The keyword arguments that cancel a call of `fs` after `timeout` seconds: fsspec's async
+    clients (S3, GCS, Azure, HTTP) take `timeout=`; local and in-memory ones need none."""
+    return {"timeout": timeout} if getattr(fs, "async_impl", False) else {}
 
 
 def filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str]:

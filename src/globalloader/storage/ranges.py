@@ -29,7 +29,11 @@ class RangeReader(ProcessLocal):
     Local files: one descriptor per file, read with `os.pread` (no seek, safe from many threads);
     at most `max_open` stay open, reads from further files open and close each time. Remote
     objects: through `store`'s machine cache, whole (`whole=True`, for shards read end to end) or
-    by blocks; objects the cache does not hold, one retried ranged request per read.
+    by blocks; objects the cache does not hold, one retried ranged request per read. What a
+    remote read is checked against (`storage.checksum`): an object cached whole, or read whole
+    without the cache, end to end (its ETag's MD5, its sidecar's CRC-32, the store's checksum),
+    fetched again on a mismatch; a block of a large object, or a part read without the cache,
+    only by TCP (and TLS on https), as the store keeps no checksum of a range.
     `expect(url, stat)` records the size and version a source was built on, so the cache key and
     the change check use them. Handles are never pickled; a forked child drops the inherited ones
     (an at-fork hook, so reads pay no pid check) and opens its own.
@@ -70,8 +74,7 @@ class RangeReader(ProcessLocal):
     def read_remote(self, url: str, start: int, length: int) -> bytes:
         """`read` for a URL known to have a scheme."""
         if not self.store.cached(url):
-            expected = self._stats.get(url)
-            return self.store.read_range(url, start, start + length, expected.version if expected else "")
+            return self.store.read_range(url, start, start + length, self._stats.get(url))
         stat = self._stats.get(url) or self.store.stat(url)
         end = min(start + length, stat.size)
         if start >= end:
@@ -166,7 +169,7 @@ def open_read(store: Store, url: str, stat: FileStat | None = None, *, whole: bo
             return open(url, "rb")
     if scheme_of(url) in LOCAL_SCHEMES:
         fs, path = store.filesystem(url)
-        return retry.call(lambda: fs.open(path, "rb"), url, "open", store.retry_policy)
+        return retry.call(lambda _: fs.open(path, "rb"), url, "open", store.retry_policy)  # local: no deadline
     stat = stat or store.stat(url)
     reader = RangeReader(store, whole=whole)
     reader.expect(url, stat)

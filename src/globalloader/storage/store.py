@@ -1,7 +1,8 @@
 """Store: how a source reaches its URLs (fsspec options, retries, the machine-wide cache).
 
 Local paths (no `scheme://`) use the os module. Remote objects are fetched through fsspec with
-every call retried by `storage.retry`; objects of object stores (any scheme but `file://`,
+every call retried by `storage.retry` and every whole download checked end to end
+(`storage.checksum`); objects of object stores (any scheme but `file://`,
 `memory://`) are read through the machine cache (`storage.cache`): whole when they are shards or
 files up to `whole_max` bytes, in fixed `block_size` blocks otherwise, so reading a Parquet
 footer and one column does not download the whole file. Uploads are written to a local
@@ -26,8 +27,18 @@ from typing import IO, Any, NamedTuple
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.storage import retry
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
-from globalloader.storage._fs import LOCAL_SCHEMES, S3_SCHEMES, filesystem, local_errors, read_s3_if_match, scheme_of
+from globalloader.storage._fs import (
+    LOCAL_SCHEMES,
+    S3_SCHEMES,
+    S3Answer,
+    bounded,
+    filesystem,
+    local_errors,
+    read_s3_if_match,
+    scheme_of,
+)
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
+from globalloader.storage.checksum import Digest
 from globalloader.storage.prefetch import Prefetcher
 
 INFO_TTL = 10.0  # seconds an object's size and version are reused without asking again
@@ -69,6 +80,10 @@ class Store(ProcessLocal):
         self.use_cache = bool(cache)
         self.retry_policy = retry_policy
         self.block_size = parse_size(block_size, "block_size")
+        # CRC-32 of whole objects known from where they were written (a tar shard's sidecar), by
+        # URL and version, with where and what to do: a setting, so worker processes check their
+        # downloads against them too.
+        self.crc32s: dict[tuple[str, FileStat], tuple[int, str, str]] = {}
         self._reset()
 
     def _after_fork(self) -> None:
@@ -119,7 +134,7 @@ class Store(ProcessLocal):
         # Asked of the store itself, not of the client's listing cache (one client per process holds
         # the listing that expanded a pattern): a changed object must show as changed.
         fs.invalidate_cache(path)
-        info = retry.call(lambda: fs.info(path), url, "stat", self.retry_policy)
+        info = retry.call(lambda seconds: fs.info(path, **bounded(fs, seconds)), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
         stat = _file_stat(info)
@@ -146,7 +161,9 @@ class Store(ProcessLocal):
         if not scheme_of(pattern):
             return sorted(_glob.glob(pattern))
         fs, path = self.filesystem(pattern)
-        found = retry.call(lambda: fs.glob(path, detail=True), pattern, "list", self.retry_policy)
+        found = retry.call(
+            lambda seconds: fs.glob(path, detail=True, **bounded(fs, seconds)), pattern, "list", self.retry_policy, None
+        )
         self._remember(fs, found)
         return sorted(fs.unstrip_protocol(p) for p in found)
 
@@ -154,7 +171,9 @@ class Store(ProcessLocal):
         """Every file below a remote folder with its size and version, from one listing (which
         also fills the per-process memo of `stat`)."""
         fs, path = self.filesystem(root)
-        found = retry.call(lambda: fs.find(path, detail=True), root, "list", self.retry_policy)
+        found = retry.call(
+            lambda seconds: fs.find(path, detail=True, **bounded(fs, seconds)), root, "list", self.retry_policy, None
+        )
         return self._remember(fs, found)
 
     def _remember(self, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
@@ -168,43 +187,83 @@ class Store(ProcessLocal):
             self._infos.update((url, (now, stat)) for url, stat in out.items())
         return out
 
-    def read_range(self, url: str, start: int, end: int, version: str = "") -> bytes:
+    def read_range(self, url: str, start: int, end: int, stat: FileStat | None = None) -> bytes:
         """Bytes [start, end) of a remote object, straight from the store (retried).
 
-        Given the `version` its listing or `stat` reported, an S3 object is asked for with
-        If-Match on that ETag (S3 quotes its ETags): a version written since is a SourceError,
-        never bytes mixed with the index or other blocks of the version the source was made from.
+        Given the `stat` its listing or `stat()` reported, an S3 object is asked for with If-Match
+        on that ETag (S3 quotes its ETags): a version written since is a SourceError, never bytes
+        mixed with the index or other blocks of the version the source was made from. A read of
+        the whole object is checked against its checksums (see `storage.checksum`) and read again
+        when they do not match; a read of part of it cannot be.
         """
+        return self._get(url, start, end, stat).data
+
+    def _get(self, url: str, start: int, end: int, stat: FileStat | None) -> S3Answer:
+        """`read_range`, with the MD5 the answer vouches for when the store said one (S3)."""
         fs, path = self.filesystem(url)
-        what = f"read [{start}, {end}) of"
-        if not (version.startswith('"') and scheme_of(url) in S3_SCHEMES):
-            return retry.call(lambda: fs.cat_file(path, start=start, end=end), url, what, self.retry_policy)
-        data = retry.call(lambda: read_s3_if_match(fs, path, start, end, version), url, what, self.retry_policy)
-        if data is None:
-            raise _changed(url, f"its ETag is no longer {version}")
-        return data
+        what, version = f"read [{start}, {end}) of", stat.version if stat is not None else ""
+        # The whole object in one answer: checked end to end.
+        digest = self._digest(url, stat) if stat is not None and start == 0 and end >= stat.size else None
+        whole = digest is not None
+
+        def get(seconds: float) -> S3Answer:
+            if not (version.startswith('"') and scheme_of(url) in S3_SCHEMES):
+                answer: S3Answer | None = S3Answer(
+                    fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None
+                )
+            else:
+                answer = read_s3_if_match(fs, path, start, end, version, whole=whole, timeout=seconds)
+            if answer is None:
+                raise _changed(url, f"its ETag is no longer {version}")
+            if digest is not None:
+                digest.restart(answer.md5)
+                digest.update(answer.data)
+                digest.check()  # a mismatch is transient: this try is made again
+            return answer
+
+        return retry.call(get, url, what, self.retry_policy, end - start)
 
     def read_optional(self, url: str, limit: int) -> bytes | None:
         """A small remote object whole, straight from the store (retried), or None when it does
         not exist; one larger than `limit` bytes is a SourceError."""
         fs, path = self.filesystem(url)
 
-        def get() -> bytes | None:
+        def get(seconds: float) -> bytes | None:
             try:
-                return bytes(fs.cat_file(path, start=0, end=limit + 1))
+                return bytes(fs.cat_file(path, start=0, end=limit + 1, **bounded(fs, seconds)))
             except FileNotFoundError:
                 return None
 
-        data = retry.call(get, url, "read", self.retry_policy)
+        data = retry.call(get, url, "read", self.retry_policy, limit)
         if data is not None and len(data) > limit:
             raise SourceError(f"{url} is larger than {limit} bytes")
         return data
 
+    def expect_crc32(self, url: str, stat: FileStat, crc32: int, recorded_in: str, fix: str) -> None:
+        """Check whole downloads of `url`, while it has `stat`, against this CRC-32, recorded
+        where the object was written (`recorded_in`, such as "its index sidecar <url>"); `fix`
+        says what to do when the object no longer matches it."""
+        self.crc32s[url, stat] = (crc32, recorded_in, fix)
+
+    def _digest(self, url: str, stat: FileStat) -> Digest:
+        """The checks of whole downloads of `url` at `stat` (see `storage.checksum`)."""
+        return Digest(url, *self.crc32s.get((url, stat), ()))
+
     def open_cached(self, url: str, stat: FileStat, block: int = -1) -> CachedFile:
         """The whole object (block -1) or one block of it, from the machine cache (downloaded
-        there first if missing). A store whose object no longer has `stat` is a SourceError."""
+        there first if missing). A store whose object no longer has `stat` is a SourceError.
+
+        A whole object is checked end to end before it enters the cache: a download in one
+        request by `read_range`, one in several once assembled, against the MD5 its ETag vouches
+        for and the CRC-32 `expect_crc32` was given; a mismatch downloads it
+        again (a transient fault of `retry`). A block of a large object is not checked (no
+        checksum of a range exists): TCP's and TLS's checks are all it has.
+        """
         size = self.block_size
         entry = Entry(url, stat.size, stat.version, block, size if block >= 0 else 0)
+        # A whole object in several answers is checked once assembled; in one, by `_get`.
+        several = block < 0 and stat.size > size
+        digest = self._digest(url, stat) if several else None
 
         def download(write: Any) -> None:
             fresh = self.stat(url)
@@ -213,12 +272,21 @@ class Store(ProcessLocal):
             first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
             for start in range(first, end, size):
                 stop = min(end, start + size)
-                data = self.read_range(url, start, stop, stat.version)
-                if len(data) != stop - start:
-                    raise SourceError(f"{url} returned {len(data)} bytes for [{start}, {stop}): it changed while read")
-                write(data)
+                answer = self._get(url, start, stop, stat)
+                if len(answer.data) != stop - start:
+                    raise SourceError(
+                        f"{url} returned {len(answer.data)} bytes for [{start}, {stop}): it changed while read"
+                    )
+                if digest is not None:
+                    if start == first:
+                        digest.restart(answer.md5)
+                    digest.update(answer.data)
+                write(answer.data)
+            if digest is not None:
+                digest.check()  # before the cache renames the entry into place
 
-        return self.cache.open(entry, download)
+        # Only a corrupted transfer comes back here (every other fault was retried or is final).
+        return retry.call(lambda _: self.cache.open(entry, download), url, "download", self.retry_policy)
 
     def prefetch(self, objects: list[tuple[str, FileStat]]) -> None:
         """Download these objects into the machine cache in the background (see `prefetch`)."""
@@ -271,7 +339,13 @@ class _Upload(io.BufferedWriter):
         try:
             super().close()
             fs, path = self._store.filesystem(self._url)
-            retry.call(lambda: fs.put_file(self._tmp.name, path), self._url, "upload to", self._store.retry_policy)
+            retry.call(
+                lambda seconds: fs.put_file(self._tmp.name, path, **bounded(fs, seconds)),
+                self._url,
+                "upload to",
+                self._store.retry_policy,
+                os.path.getsize(self._tmp.name),
+            )
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(self._tmp.name)
