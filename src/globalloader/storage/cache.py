@@ -231,24 +231,34 @@ class CachedFile:
         self.cache._hold(self)
 
     def _checked_read(self, start: int, length: int) -> bytes | None:
-        """`length` bytes at `start`, each block checked once per opening and change; None if damaged."""
-        if not length:
-            return b""
+        """`length` bytes at `start`, each block checked once per opening and again after the file
+        changed (seen once the bytes are read, so a write during the read counts); None if damaged."""
         try:
-            st = os.fstat(self._fd)
-            if _stamp(st) != self._stamp:  # written, renamed over or touched since: check again
+            for _ in range(2):
+                data = self._read_blocks(start, length)
+                st = os.fstat(self._fd)
+                if data is None or _stamp(st) == self._stamp:
+                    return data
+                # Written, renamed over or touched since the blocks were checked: check them again.
                 if _trailer(self._fd, st, self.length) != self.crc32:
                     return None
                 self._stamp, self._checked = _stamp(st), bytearray(len(self._checked))
-            first, last = start // CHECK_BLOCK, (start + length - 1) // CHECK_BLOCK
-            if self._checked.find(0, first, last + 1) < 0:
-                data = pread_upto(self._fd, length, start)
-                return data if len(data) == length else None
-            lo, hi = first * CHECK_BLOCK, min(self.length, (last + 1) * CHECK_BLOCK)
-            blob = pread_upto(self._fd, hi - lo, lo)
-            table = os.pread(self._fd, _SLOT.size * (last + 1 - first), self.length + _SLOT.size * first)
         except OSError:  # an I/O error of the disk under the cache: read as damaged
             return None
+        return None  # changed while read, twice
+
+    def _read_blocks(self, start: int, length: int) -> bytes | None:
+        """`length` bytes at `start`, the blocks not checked yet compared with their CRC-32; None
+        if one differs or the file is shorter than its layout."""
+        if not length:
+            return b""
+        first, last = start // CHECK_BLOCK, (start + length - 1) // CHECK_BLOCK
+        if self._checked.find(0, first, last + 1) < 0:
+            data = pread_upto(self._fd, length, start)
+            return data if len(data) == length else None
+        lo, hi = first * CHECK_BLOCK, min(self.length, (last + 1) * CHECK_BLOCK)
+        blob = pread_upto(self._fd, hi - lo, lo)
+        table = os.pread(self._fd, _SLOT.size * (last + 1 - first), self.length + _SLOT.size * first)
         if len(blob) != hi - lo or len(table) != _SLOT.size * (last + 1 - first):
             return None
         view = memoryview(blob)
