@@ -63,7 +63,7 @@ WAIT_POLL = 0.002
 STATS_NAME = "stats"  # the counters' record in the folder (entries are named by 40 hex digits)
 # Bytes of data per CRC-32 in an entry's table: a read checks the blocks it covers, so a sample
 # costs the CRC of about its own bytes, never of its whole shard.
-CHECK_BLOCK = 1 << 16
+CHECK_BLOCK = 1 << 14
 # The readers of one cache handle keep open, besides the entries being read, at most this share of
 # the cache's room, and at most HOLD_FILES descriptors.
 HOLD_SHARE = 16
