@@ -327,7 +327,8 @@ class ObjectCache:
         self._held_lock = threading.Lock()
 
     def open(self, entry: Entry, download: Download) -> CachedFile:
-        """The entry, opened; downloaded first if missing or damaged.
+        """The entry, opened; downloaded first if missing (a damaged one is fetched again when a
+        read finds it).
 
         `download(write)` must call `write(chunk)` with the entry's bytes in order; it runs in
         one process of the machine at a time per entry, the others wait for it.
