@@ -35,9 +35,11 @@ with gl.Loader(gl.Dataset(src).shuffle(seed=0, window=2).batch(4), workers=2) as
 """
 
 
-def _run_job(code: str) -> subprocess.Popen[bytes]:
+def _run_job(code: str, log: pathlib.Path) -> subprocess.Popen[bytes]:
+    """The job in a process of its own, its errors to `log` (a pipe nobody reads could fill up)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with open(log, "wb") as errors:
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=errors)
 
 
 def _used(root: pathlib.Path) -> int:
@@ -52,24 +54,23 @@ def _used(root: pathlib.Path) -> int:
 
 @pytest.mark.slow
 def test_a_cache_smaller_than_a_shard_ends_within_its_limit_and_stays_bounded_meanwhile(
-    s3: dict[str, Any], isolated_cache: pathlib.Path
+    s3: dict[str, Any], isolated_cache: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    """The issue's case scaled down (a limit of half a shard): two epochs of a window shuffle by two
-    worker processes in a job of its own. Once the job has ended the cache is within its limit;
-    while it runs, above it by at most what is read at that moment: an entry per worker and one
-    for the job's own reader, and the prefetch's downloads."""
+    """A cache of half a shard: two epochs of a window shuffle by two worker processes, in a job
+    of its own. Once the job has ended the cache is within its limit; while it runs, above it by
+    at most what is read at that moment: an entry per worker, and the prefetch's downloads."""
     # 16 shards of ~70 KB, with their index sidecars: the job reads no shard to index it.
     urls = write_shards(s3["bucket"], s3["options"], n=64, per_shard=4, size=15_500, index=True)
     limit = 30_000
     root = ObjectCache(isolated_cache / "objects").root
-    job = _run_job(_JOB.format(urls=urls, endpoint=s3["proxy"].url, limit=limit))
+    job = _run_job(_JOB.format(urls=urls, endpoint=s3["proxy"].url, limit=limit), tmp_path / "job.log")
     peak, deadline = 0, time.monotonic() + 120
     while job.poll() is None:
         assert time.monotonic() < deadline, "the job did not end"
         peak = max(peak, _used(root))
         time.sleep(0.002)
-    out, err = job.communicate()
-    assert job.returncode == 0, err.decode()
+    out, _ = job.communicate()
+    assert job.returncode == 0, (tmp_path / "job.log").read_text()
     assert out.split() == [b"64", b"64"]
     largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
     assert peak <= limit + (2 + IN_FLIGHT) * largest
@@ -92,14 +93,14 @@ def small_disk(isolated_cache: pathlib.Path) -> Iterator[pathlib.Path]:
 
 @pytest.mark.slow
 def test_a_cache_on_a_disk_smaller_than_the_dataset_reads_every_shard(
-    s3: dict[str, Any], small_disk: pathlib.Path
+    s3: dict[str, Any], small_disk: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     """16 shards of ~200 KB (3.2 MB) through a cache on a 2 MiB disk with the default limit: a full
     disk evicts what no reader holds, so every shard is read, twice, and no CacheFullError."""
     urls = write_shards(s3["bucket"], s3["options"], n=64, per_shard=4, size=50_000)
-    job = _run_job(_JOB.format(urls=urls, endpoint=s3["proxy"].url, limit=None))
-    out, err = job.communicate(timeout=120)
-    assert job.returncode == 0, err.decode()
+    job = _run_job(_JOB.format(urls=urls, endpoint=s3["proxy"].url, limit=None), tmp_path / "job.log")
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, (tmp_path / "job.log").read_text()
     assert out.split() == [b"64", b"64"]
     assert _used(small_disk) <= 2 << 20
 
