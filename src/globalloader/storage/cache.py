@@ -70,6 +70,7 @@ HOLD_SHARE = 16
 HOLD_FILES = 64
 FULL_WAIT = 30.0  # seconds a download on a full disk waits for other readers to release entries
 _TOUCH_EVERY = 10**9  # ns: an open sets the access time (the LRU clock) if older than this
+_RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the cache's size
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
 _SLOT = struct.Struct("<I")  # one block's CRC-32 in the table between the data and the trailer
 _MAGIC = b"GLC2"  # GLC1 entries had no table: they read as damaged and are fetched again
@@ -524,9 +525,14 @@ class ObjectCache:
         return freed
 
     def evict_if_over_limit(self) -> None:
-        """Evict if the record says the cache is over its limit (one small read): what a release
-        that may have left an over-limit cache's entry unused calls."""
-        if self.stats.read()["bytes"] > self.limit:
+        """Evict if the record says the cache is over its limit (one small read; if its lock stays
+        busy, the folder is counted instead): what a release that may have left an entry of an
+        over-limit cache unused calls."""
+        try:
+            over = self.stats.read(_RECORD_WAIT)["bytes"] > self.limit
+        except StorageError:  # a process holding the counters' lock is stopped or slow
+            over = True
+        if over:
             self.evict()
 
     # -- what this handle's readers hold open ------------------------------------------------
