@@ -6,6 +6,7 @@ it before."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import pathlib
 import subprocess
@@ -159,3 +160,28 @@ def test_a_reader_holds_what_it_reads_now_and_its_last_release_evicts(s3: dict[s
     assert _used(root) <= limit + largest
     src.close()
     assert _used(root) <= limit
+
+
+def _read_and_release(root: str) -> None:
+    reader = ObjectCache(root, limit=100).open(Entry("s3://b/a", 1000, "v"), lambda write: write(b"b" * 1000))
+    assert reader.pread(0, 3) == b"aaa"
+    reader.close()
+
+
+def test_a_forked_child_releases_its_own_entries_never_its_parents(tmp_path: pathlib.Path) -> None:
+    """A child forked while its parent holds an entry inherits the descriptor, and with it the
+    parent's lock: the child drops its copy without touching the lock, so eviction still leaves
+    the parent's entry, whatever the child opens, releases or leaves behind at its end."""
+    root = tmp_path / "objects"
+    cache = ObjectCache(root, limit=100)  # smaller than the entry: every release evicts what it can
+    held = cache.open(Entry("s3://b/a", 1000, "v"), lambda write: write(b"a" * 1000))
+    child = multiprocessing.get_context("fork").Process(target=_read_and_release, args=(str(root),))
+    child.start()
+    child.join(30)
+    if child.exitcode is None:  # it waits on a lock it broke: never left running
+        child.kill()
+        child.join(10)
+    assert child.exitcode == 0
+    assert cache.evict(target=0) == 0 and held.pread(0, 1000) == b"a" * 1000
+    held.close()
+    assert cache.entries() == []  # the last release of an over-limit cache evicted it
