@@ -1,13 +1,13 @@
 """What the object cache's machine-wide counters cost: one update per open of a cached entry.
 
-An open of an entry already in the cache (a hit: open, shared lock, trailer check, mtime refresh,
-and the counters' update) is timed against the counters' update alone (open the record, lock,
-read, write, close), in the same run, taking turns, `--rounds` times of `--opens` each; then the
-same with `--procs` processes opening at once (the update's lock is shared by the machine). The
-ratio update / open is the share of a hit's time the counters take; a hit happens once per shard
-or block a process opens, not per sample. The entry is small (`--entry-bytes`, 4 KiB) so that a
-hit is its system calls alone: the counters' largest share (a hit on a larger entry also
-computes its CRC-32 whenever its mtime changed, which every open does, so it costs more). JSON to
+An open of an entry already in the cache (a hit: open, shared lock, trailer check, access-time
+refresh, the counters' update, and the release: the last reader's reads the record's size) is
+timed against the counters' update alone (open the record, lock, read, write, close), in the
+same run, taking turns, `--rounds` times of `--opens` each; then the same with `--procs`
+processes opening at once (the update's lock is shared by the machine). The ratio update / open
+is the share of a hit's time the counters take; a hit happens once per opening of a shard or
+block, not per sample. A hit reads no data (its blocks are checked as they are read), so its
+cost does not depend on the entry's size (`--entry-bytes`, 4 KiB). JSON to
 benchmarks/results/cache_counters.json.
 
     python benchmarks/cache_counters.py [--opens 5000] [--rounds 5] [--procs 2] [--entry-bytes 4096]

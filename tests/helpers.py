@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -366,3 +366,23 @@ def every_arrow_type(n: int) -> Any:
             "mapping": pa.array([[("k", i)] for i in ids], pa.map_(pa.string(), pa.int64())),
         }
     )
+
+
+@contextlib.contextmanager
+def small_filesystem(folder: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` (mount's syntax: "2m") mounted on the new folder `folder`, private to
+    this user (mode 0700, as a cache folder must be), unmounted after: a full disk or a read-only
+    one for real (tests run as root, where a chmod 0555 folder does not stop writes). Skips the
+    test where mounting is not permitted."""
+    import pytest
+
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"a small filesystem cannot be mounted here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)

@@ -19,6 +19,7 @@ import globalloader as gl
 from globalloader.errors import ArgumentError, StorageError
 from globalloader.execution.report import INPUT_BOUND, diagnose
 from globalloader.execution.timeline import MAX_BUCKETS, StepTimeline
+from helpers import small_filesystem
 
 BATCHES = 24
 BATCH = 4
@@ -140,13 +141,8 @@ def test_waits_land_in_their_log_bins():
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A real 1 MiB tmpfs (tests run as root, where a chmod 0555 folder does not stop writes)."""
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=True)
+    with small_filesystem(tmp_path / "disk", "1m") as folder:
+        yield folder
 
 
 @pytest.fixture

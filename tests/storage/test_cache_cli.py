@@ -30,14 +30,14 @@ def test_cache_info_and_clear(isolated_cache: pathlib.Path) -> None:
     assert lines == {
         "folder": str(isolated_cache / "objects"),
         "objects": "1",
-        "size": "1,016 bytes",  # the data and its 16-byte checksum trailer
+        "size": "1,020 bytes",  # the data, its block's CRC-32 and the 16-byte trailer
         "limit": "5,000,000,000 bytes",
         "downloaded": "1,000 bytes",
         "misses": "1",
         "hits": "2",
     }
     cleared = run("cache", "clear")
-    assert cleared.returncode == 0 and cleared.stdout.startswith("freed 1,016 bytes")
+    assert cleared.returncode == 0 and cleared.stdout.startswith("freed 1,020 bytes")
     assert ObjectCache().entries() == []
     bad = run("cache", "info", GLOBALLOADER_CACHE_LIMIT="lots")
     assert bad.returncode == 1

@@ -21,7 +21,7 @@ from globalloader import storage
 from globalloader.demo.s3 import write_shards
 from globalloader.service.launcher import status
 from globalloader.sources import TarShards
-from globalloader.storage.cache import STATS_NAME, Entry, ObjectCache
+from globalloader.storage.cache import STATS_NAME, Entry, ObjectCache, stored_size
 from helpers import Dashboard, Server
 
 SHARED = Entry("s3://bucket/shared.bin", 100, "v1")
@@ -59,13 +59,15 @@ def test_counters_are_exact_with_processes_updating_at_once(tmp_path: pathlib.Pa
     assert counts["hits"] == procs * opens  # not one update lost
     assert counts["misses"] == 1 + procs * downloads
     assert counts["downloaded_bytes"] == 100 + new_bytes
-    assert (counts["bytes"], counts["entries"]) == _scan(cache) == (100 + new_bytes + 16 * counts["misses"], 101)
+    on_disk = stored_size(100) + procs * sum(stored_size(10 + i) for i in range(downloads))
+    assert (counts["bytes"], counts["entries"]) == _scan(cache) == (on_disk, 101)
     assert counts["limit"] == cache.limit and counts["dir"] == str(root)
 
 
 def test_eviction_and_clear_keep_size_and_entries_true(tmp_path: pathlib.Path) -> None:
     cache = ObjectCache(tmp_path / "objects", limit=3000)
-    held = cache.open(Entry("s3://b/held", 1000, "v"), lambda write: write(b"h" * 1000))
+    # Held by another reader: this cache's own readers would release it to keep within their share.
+    held = ObjectCache(tmp_path / "objects", limit=3000).open(Entry("s3://b/held", 1000, "v"), lambda w: w(b"h" * 1000))
     for i in range(6):
         cache.open(Entry(f"s3://b/{i}", 1000, "v"), lambda write: write(b"x" * 1000)).close()
         counts = cache.stats.read()
@@ -73,15 +75,17 @@ def test_eviction_and_clear_keep_size_and_entries_true(tmp_path: pathlib.Path) -
     assert counts["entries"] < 7 and counts["misses"] == 7 and counts["downloaded_bytes"] == 7000
     cache.clear()
     counts = cache.stats.read()
-    assert (counts["bytes"], counts["entries"]) == _scan(cache) == (1016, 1)  # the entry in use stays
+    assert (counts["bytes"], counts["entries"]) == _scan(cache) == (stored_size(1000), 1)  # the entry in use stays
     held.close()
     # A damaged entry (a flipped bit) found by a reader is deleted, counted out, fetched again.
     path = cache.root / Entry("s3://b/held", 1000, "v").name()
     data = path.read_bytes()
     path.write_bytes(data[:5] + bytes([data[5] ^ 1]) + data[6:])
-    cache.open(Entry("s3://b/held", 1000, "v"), lambda write: write(b"h" * 1000)).close()
+    reader = cache.open(Entry("s3://b/held", 1000, "v"), lambda write: write(b"h" * 1000))
+    assert reader.pread(0, 1000) == b"h" * 1000
+    reader.close()
     counts = cache.stats.read()
-    assert (counts["bytes"], counts["entries"]) == _scan(cache) == (1016, 1) and counts["misses"] == 8
+    assert (counts["bytes"], counts["entries"]) == _scan(cache) == (stored_size(1000), 1) and counts["misses"] == 8
 
 
 _HAMMER_FOREVER = """
@@ -210,7 +214,8 @@ def test_a_damaged_record_starts_again_from_the_folder(tmp_path: pathlib.Path) -
     for damage in (good[:-1], good[:10] + bytes([good[10] ^ 1]) + good[11:], b""):
         record.write_bytes(damage)  # a torn write, a flipped bit, an empty file
         counts = cache.stats.read()
-        assert counts == {"downloaded_bytes": 0, "hits": 0, "misses": 0, "bytes": 3 * 66, "entries": 3}, damage
+        expected = {"downloaded_bytes": 0, "hits": 0, "misses": 0, "bytes": 3 * stored_size(50), "entries": 3}
+        assert counts == expected, damage
         record.write_bytes(good)
     assert cache.status()["misses"] == 3
     record.unlink()  # a cache folder of an older version, or removed by hand: counted from the folder
@@ -244,7 +249,8 @@ def test_two_jobs_on_s3_show_in_the_servers_status_and_metrics(s3: dict[str, Any
         section = status(server.socket)["cache"]
         assert section["downloaded_bytes"] == dataset == proxy.total_bytes(prefix)  # once for both jobs
         assert section["misses"] == len(urls) and section["hits"] >= len(urls)  # the other job's opens
-        assert (section["bytes"], section["entries"]) == (dataset + 16 * len(urls), len(urls))
+        on_disk = sum(stored_size(store.stat(url).size) for url in urls)
+        assert (section["bytes"], section["entries"]) == (on_disk, len(urls))
         assert section == ObjectCache().status()
         code, body = _scrape(board)
         assert code == 200

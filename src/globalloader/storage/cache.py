@@ -6,22 +6,28 @@ every process and job of the user. Properties, each relied on elsewhere:
 - Keyed by everything that decides the bytes: URL, size and version (ETag, generation or
   mtime), plus the block number for a block. A changed object has another key, so it is never
   served stale.
-- An entry is written to a temporary file and renamed into place, with a 16-byte trailer holding
-  a CRC-32 and the length of the data. A process killed mid-download leaves a temporary file,
-  never an entry; an entry whose length or checksum is wrong (checked once per process and
-  entry) is deleted and fetched again.
+- An entry is written to a temporary file and renamed into place: the data, a CRC-32 of each
+  CHECK_BLOCK of it, and a 16-byte trailer (the data's CRC-32 and length). A process killed
+  mid-download leaves a temporary file, never an entry. Every opening of an entry checks the
+  blocks it reads the first time it reads them, and again once the file changed (its ctime): a
+  damaged entry is deleted and fetched again, never served, however long a reader has had it open.
 - Concurrent readers of a missing entry wait on one exclusive file lock (flock) per entry while
   one of them downloads, so K processes download each object once.
-- Readers hold a shared flock on the entry while they read; eviction (least recently used by
-  access time, which every open sets) takes an exclusive one without waiting and skips entries in
-  use, so it never deletes what a reader has open. Entries in use may take the cache past its
-  limit until they are closed.
-- A full disk first evicts what it can, then is a CacheFullError naming the folder.
+- Readers hold a shared flock on an entry while it is open; eviction (least recently used by
+  access time, which opens set) takes an exclusive one without waiting and skips entries in use,
+  so it never deletes what a reader has open. The readers of one cache handle (a source, in a
+  process) keep open only the entries they are reading and the most recently read ones up to
+  1/HOLD_SHARE of the cache's room (its limit, or its disk if smaller): the cache exceeds its
+  limit by at most that while they read. The last reader to release an entry of an over-limit
+  cache evicts, and a process releases what it holds when it ends, so a job that has ended
+  leaves the cache within its limit.
+- A full disk evicts every entry not in use, then waits (FULL_WAIT at most) while other
+  readers or downloads hold space, then is a CacheFullError naming the folder.
 - Machine-wide counters (bytes downloaded, hits, misses, size, entries) live in the folder's
   `stats` record (see `cache_stats`): best-effort, a busy lock never delays a read.
 - Only this user can have written the folder and its files (`_paths.untrusted`, checked at every
   open; files are opened without following links), unless the user opted into a cache shared
-  with its group: then an entry another user wrote has its CRC-32 checked at every open.
+  with its group: then an entry another member wrote is checked block by block like any other.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import multiprocessing.util
 import os
 import pathlib
 import re
@@ -38,13 +45,16 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from globalloader import _paths
 from globalloader._pids import alive
-from globalloader.errors import ArgumentError, CacheFullError, StorageError
+from globalloader.errors import ArgumentError, CacheFullError, GlobalLoaderError, StorageError
+from globalloader.storage._fork import reset_in_forked_children
 from globalloader.storage.cache_stats import CacheStats, lock_exclusive
 
 DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
@@ -54,8 +64,19 @@ LOCK_TIMEOUT = 900.0  # seconds to wait for another process's download of the sa
 # shard starts reading at most this late (a try is one system call).
 WAIT_POLL = 0.002
 STATS_NAME = "stats"  # the counters' record in the folder (entries are named by 40 hex digits)
+# Bytes of data per CRC-32 in an entry's table: a read checks the blocks it covers, so a sample
+# costs the CRC of about its own bytes, never of its whole shard.
+CHECK_BLOCK = 1 << 14
+# The readers of one cache handle keep open, besides the entries being read, at most this share of
+# the cache's room, and at most HOLD_FILES descriptors.
+HOLD_SHARE = 16
+HOLD_FILES = 64
+FULL_WAIT = 30.0  # seconds a download on a full disk waits for other readers to release entries
+_TOUCH_EVERY = 10**9  # ns: an open sets the access time (the LRU clock) if older than this
+_RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the cache's size
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
-_MAGIC = b"GLC1"
+_SLOT = struct.Struct("<I")  # one block's CRC-32 in the table between the data and the trailer
+_MAGIC = b"GLC2"  # GLC1 entries had no table: they read as damaged and are fetched again
 _WRITE_CHUNK = 1 << 20
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
 _UNITS |= {"T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -100,6 +121,20 @@ class Entry(NamedTuple):
         ident = f"{self.url}\0{self.size}\0{self.version}\0{self.block}\0{self.block_size}".encode()
         return hashlib.sha256(ident).hexdigest()[:40]
 
+    def data_size(self) -> int:
+        """Bytes of the object the entry holds."""
+        if self.block < 0:
+            return self.size
+        return max(0, min(self.block_size, self.size - self.block * self.block_size))
+
+
+Download = Callable[[Callable[[bytes], None]], None]  # calls write(chunk) with an entry's bytes in order
+
+
+def stored_size(length: int) -> int:
+    """Bytes on disk of an entry of `length` bytes of data: the data, its table, the trailer."""
+    return length + _SLOT.size * -(-length // CHECK_BLOCK) + _TRAILER.size
+
 
 def pread_upto(fd: int, length: int, start: int) -> bytes:
     """`length` bytes at `start`, fewer only at the end of the file (one `os.pread` returns at
@@ -126,30 +161,148 @@ def crc32_upto(fd: int, end: int) -> int:
     return crc
 
 
-class CachedFile:
-    """An open cache entry: ranged reads with `pread`, under a shared lock until `close()`."""
+class _Opened(NamedTuple):
+    """An entry's descriptor under a shared lock, what its trailer says, and its stamp."""
 
-    def __init__(self, fd: int, length: int, path: pathlib.Path, crc32: int) -> None:
-        self.fd, self.length, self.path, self.crc32 = fd, length, path, crc32
+    fd: int
+    crc32: int
+    stamp: tuple[int, int]  # (size, ctime): any write, truncation, rename over or touch changes it
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int]:
+    return st.st_size, st.st_ctime_ns
+
+
+def _trailer(fd: int, st: os.stat_result, length: int) -> int | None:
+    """The CRC-32 in the trailer of an entry of `length` bytes of data, or None if the file is not
+    laid out as one (a damaged or foreign file, or an entry of an older layout)."""
+    if st.st_size != stored_size(length):
+        return None
+    magic, crc, found = _TRAILER.unpack(os.pread(fd, _TRAILER.size, st.st_size - _TRAILER.size))
+    return crc if magic == _MAGIC and found == length else None
+
+
+class CachedFile:
+    """One entry of the cache for ranged reads, `pread` from any thread.
+
+    Open (under a shared lock, so eviction leaves it) while it is read and for as long as its
+    cache handle keeps it among the recently read ones (see `ObjectCache.hold`); `close()`
+    releases it and a later read opens it again, downloading it again if it was evicted meanwhile.
+    A read checks the CRC-32 of the blocks it covers, the first time this opening reads them and
+    again once the file changed: a damaged entry is deleted and downloaded again, never served.
+    """
+
+    def __init__(self, cache: ObjectCache, entry: Entry, download: Download) -> None:
+        self.cache, self.entry, self._download = cache, entry, download
+        self.path = cache.root / entry.name()
+        self.length = entry.data_size()
+        self.crc32 = 0  # of the whole data, from the trailer
+        self._fd = -1
+        self._stamp = (0, 0)
+        self._checked = bytearray()  # per block: its CRC was compared since the file last changed
+        self._lock = threading.Lock()
 
     def pread(self, start: int, length: int) -> bytes:
         length = max(0, min(length, self.length - start))
-        data = pread_upto(self.fd, length, start)
-        if len(data) != length:
-            raise StorageError(f"cache entry {self.path} ended at {start + len(data)}, expected {self.length} bytes")
+        with self._lock:
+            if self._fd < 0:
+                self._open()
+            data = self._checked_read(start, length)
+            if data is None:
+                self._drop()
+                self._open()
+                data = self._checked_read(start, length)
+                if data is None:
+                    raise StorageError(
+                        f"cache entry {self.path} of {self.entry.url} is damaged again right after it was "
+                        f"downloaded: check the disk under the object cache {self.cache.root}"
+                    )
+        self.cache._touch(self)
         return data
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # also drops the shared lock
-            self.fd = -1
+        """Release the entry (a later read opens it again); the last release of an entry of an
+        over-limit cache evicts."""
+        with self._lock:
+            last = self._release()
+        if last:
+            self.cache.evict_if_over_limit()
 
+    def _open(self) -> None:
+        opened = self.cache._acquire(self.entry, self._download)
+        self._fd, self.crc32, self._stamp = opened
+        self._checked = bytearray(-(-self.length // CHECK_BLOCK))
+        self.cache._hold(self)
 
-# (dev, inode, mtime_ns, size) of the entries checked in this process. Opens set the access time (the
-# LRU clock), never the mtime, so an entry is read whole once per process, not at every open, and a
-# write into it changes the mtime and has it checked again.
-_verified: set[tuple[int, int, int, int]] = set()
-_verified_lock = threading.Lock()
+    def _checked_read(self, start: int, length: int) -> bytes | None:
+        """`length` bytes at `start`, each block checked once per opening and again after the file
+        changed (seen once the bytes are read, so a write during the read counts); None if damaged."""
+        try:
+            for _ in range(2):
+                data = self._read_blocks(start, length)
+                st = os.fstat(self._fd)
+                if data is None or _stamp(st) == self._stamp:
+                    return data
+                # Written, renamed over or touched since the blocks were checked: check them again.
+                if _trailer(self._fd, st, self.length) != self.crc32:
+                    return None
+                self._stamp, self._checked = _stamp(st), bytearray(len(self._checked))
+        except OSError:  # an I/O error of the disk under the cache: read as damaged
+            return None
+        return None  # changed while read, twice
+
+    def _read_blocks(self, start: int, length: int) -> bytes | None:
+        """`length` bytes at `start`, the blocks not checked yet compared with their CRC-32; None
+        if one differs or the file is shorter than its layout."""
+        if not length:
+            return b""
+        first, last = start // CHECK_BLOCK, (start + length - 1) // CHECK_BLOCK
+        if self._checked.find(0, first, last + 1) < 0:
+            data = pread_upto(self._fd, length, start)
+            return data if len(data) == length else None
+        lo, hi = first * CHECK_BLOCK, min(self.length, (last + 1) * CHECK_BLOCK)
+        blob = pread_upto(self._fd, hi - lo, lo)
+        table = os.pread(self._fd, _SLOT.size * (last + 1 - first), self.length + _SLOT.size * first)
+        if len(blob) != hi - lo or len(table) != _SLOT.size * (last + 1 - first):
+            return None
+        view = memoryview(blob)
+        for n, (crc,) in enumerate(_SLOT.iter_unpack(table)):
+            if not self._checked[first + n]:
+                if zlib.crc32(view[n * CHECK_BLOCK : (n + 1) * CHECK_BLOCK]) != crc:
+                    return None
+                self._checked[first + n] = 1
+        return blob if (lo, hi - lo) == (start, length) else blob[start - lo : start - lo + length]
+
+    def _drop(self) -> None:
+        """Delete the damaged entry (unless another file took its place since) and close it."""
+        fd, self._fd = self._fd, -1
+        self.cache._unhold(self)
+        with contextlib.suppress(OSError):
+            self.cache._unlink(self.path, os.fstat(fd))
+        os.close(fd)
+
+    def _release(self) -> bool:
+        """Close the entry; whether it was the last reader's (no other holds its shared lock)."""
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return False
+        self.cache._unhold(self)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only if nobody else holds it
+            last = True
+        except BlockingIOError:
+            last = False
+        os.close(fd)
+        return last
+
+    def _forget(self) -> None:
+        """In a forked child: close the inherited descriptor without touching its lock (the
+        parent's), whatever thread of the parent was reading."""
+        self._lock = threading.Lock()
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
 
 
 class ObjectCache:
@@ -163,38 +316,54 @@ class ObjectCache:
         try:
             _paths.make_folder(self.root)
             _paths.make_folder(self._locks)
+            disk = os.statvfs(self.root)
         except OSError as exc:
             raise StorageError(f"cannot create the object cache {self.root}: {exc.strerror}") from None
         _paths.check_folder(self.root, follow=root is not None)  # a folder the caller named may be a link
         _paths.check_folder(self._locks)
+        # What the cache can hold: its limit, or its disk if smaller.
+        self.room = min(self.limit, disk.f_blocks * disk.f_frsize)
+        self.hold = self.room // HOLD_SHARE  # bytes this handle's readers keep open besides those read now
+        self._reset_held()
+        reset_in_forked_children(self)
+        _CACHES.add(self)
 
-    def open(self, entry: Entry, download: Callable[[Callable[[bytes], None]], None]) -> CachedFile:
-        """The entry, opened under a shared lock; downloaded first if missing or damaged.
+    def _reset_held(self) -> None:
+        self._held: OrderedDict[CachedFile, int] = OrderedDict()  # open entries, least recently read first
+        self._held_bytes = 0
+        self._held_lock = threading.Lock()
+
+    def open(self, entry: Entry, download: Download) -> CachedFile:
+        """The entry, opened; downloaded first if missing (a damaged one is fetched again when a
+        read finds it).
 
         `download(write)` must call `write(chunk)` with the entry's bytes in order; it runs in
         one process of the machine at a time per entry, the others wait for it.
         """
+        handle = CachedFile(self, entry, download)
+        handle._open()
+        return handle
+
+    def _acquire(self, entry: Entry, download: Download) -> _Opened:
+        self._make_room(entry.data_size())
         path = self.root / entry.name()
-        found = self._open_existing(path)
+        found = self._open_existing(path, entry)
         if found is not None:
             return self._hit(found)
         with self._download_lock(path, entry):
-            found = self._open_existing(path)  # another process finished it while we waited
+            found = self._open_existing(path, entry)  # another process finished it while we waited
             if found is not None:
                 return self._hit(found)
-            self._write(path, entry, download)
-            found = self._open_existing(path)  # under our shared lock before eviction runs
-        if found is None:
-            raise StorageError(f"cache entry {path} of {entry.url} cannot be read right after it was written")
+            written = self._write(path, entry, download)
         self.evict()
-        return found
+        return written
 
-    def _hit(self, found: CachedFile) -> CachedFile:
+    def _hit(self, found: _Opened) -> _Opened:
         try:
             with self.stats.update() as record:
                 record["hits"] += 1
         except BaseException:
-            found.close()
+            os.close(found.fd)
             raise
         return found
 
@@ -213,7 +382,9 @@ class ObjectCache:
         entries = self.entries()
         return sum(size for _, size, _ in entries), len(entries)
 
-    def _open_existing(self, path: pathlib.Path) -> CachedFile | None:
+    def _open_existing(self, path: pathlib.Path, entry: Entry) -> _Opened | None:
+        """The entry at `path` under a shared lock, if it is there and laid out as one of
+        `entry` (else it is deleted); its data is checked as it is read."""
         try:
             fd = _paths.open_file(path, os.O_RDONLY)[0]
         except FileNotFoundError:
@@ -224,43 +395,24 @@ class ObjectCache:
             if st.st_nlink == 0:  # evicted between our open and our lock
                 os.close(fd)
                 return None
-            checked = self._check(fd, st, path)
-            if checked is None:
+            crc = _trailer(fd, st, entry.data_size())
+            if crc is None:
                 with contextlib.suppress(OSError):
                     self._unlink(path, st)
                 os.close(fd)
                 return None
-            # Least recently used = oldest access. Only an entry's owner may set its times: another
-            # member's entry in a cache shared with the group keeps its owner's last access.
-            with contextlib.suppress(PermissionError):
-                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+            now = time.time_ns()
+            if now - st.st_atime_ns > _TOUCH_EVERY:  # least recently used = oldest access
+                # Only an entry's owner may set its times: another member's entry in a cache
+                # shared with the group keeps its owner's last access.
+                with contextlib.suppress(PermissionError):
+                    os.utime(fd, ns=(now, st.st_mtime_ns))
+                st = os.fstat(fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
-        return CachedFile(fd, checked[0], path, checked[1])
-
-    @staticmethod
-    def _check(fd: int, st: os.stat_result, path: pathlib.Path) -> tuple[int, int] | None:
-        """The data length and CRC-32 if the trailer and (once per process) the data agree;
-        else None."""
-        if st.st_size < _TRAILER.size:
-            return None
-        magic, crc, length = _TRAILER.unpack(os.pread(fd, _TRAILER.size, st.st_size - _TRAILER.size))
-        if magic != _MAGIC or length != st.st_size - _TRAILER.size:
-            return None
-        ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        # Only this user's entries are remembered: another user's (a cache shared with the group)
-        # is checked at every open.
-        ours = st.st_uid == os.geteuid()
-        if ours and ident in _verified:
-            return length, crc
-        if crc32_upto(fd, length) != crc:
-            return None
-        if ours:
-            with _verified_lock:
-                _verified.add(ident)
-        return length, crc
+        return _Opened(fd, crc, _stamp(st))
 
     @contextlib.contextmanager
     def _download_lock(self, path: pathlib.Path, entry: Entry) -> Iterator[None]:
@@ -281,48 +433,77 @@ class ObjectCache:
             fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)
             os.close(fd)
 
-    def _write(self, path: pathlib.Path, entry: Entry, download: Callable[[Callable[[bytes], None]], None]) -> None:
-        for last_try in (False, True):
+    def _write(self, path: pathlib.Path, entry: Entry, download: Download) -> _Opened:
+        deadline = time.monotonic() + FULL_WAIT
+        while True:
             try:
                 return self._write_once(path, download)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
-                if last_try:
-                    raise CacheFullError(
-                        f"no space left in the object cache {self.root} for {entry.url}: {exc.strerror}; "
-                        f"free disk space, lower {LIMIT_ENV} or point GLOBALLOADER_CACHE_DIR elsewhere"
-                    ) from None
-                self.evict(keep_free=entry.size)
+                self._wait_for_room(entry, exc, deadline)
 
-    def _write_once(self, path: pathlib.Path, download: Callable[[Callable[[bytes], None]], None]) -> None:
+    def _wait_for_room(self, entry: Entry, exc: OSError, deadline: float) -> None:
+        """After a full disk: evict every entry not in use (this handle's readers keep only those
+        they read now); return once that freed space, or once another reader released an entry
+        or ended a download, to try again; a CacheFullError when nothing else holds space in the
+        folder (no wait can help), or at `deadline`."""
+        pause = WAIT_POLL
+        busy = None
+        while True:
+            self._release_idle()
+            if self.evict(target=0):
+                return
+            now_busy = self._busy()
+            if busy is not None and not busy <= now_busy:  # something another process held is gone
+                return
+            if not now_busy or time.monotonic() > deadline:
+                raise CacheFullError(
+                    f"no space left in the object cache {self.root} for {entry.url}: {exc.strerror} "
+                    f"({len(now_busy)} entries and downloads in use); free disk space, lower {LIMIT_ENV} "
+                    "or point GLOBALLOADER_CACHE_DIR elsewhere"
+                ) from None
+            busy = now_busy
+            time.sleep(pause)
+            pause = min(0.1, 2 * pause)
+
+    def _busy(self) -> set[str]:
+        """Names of the entries and downloads in the folder (those in use, after `evict(target=0)`)."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
+            return {item.name for item in it if item.name != STATS_NAME and item.is_file(follow_symlinks=False)}
+        return set()
+
+    def _write_once(self, path: pathlib.Path, download: Download) -> _Opened:
+        """Download into a temporary file and rename it into place, already opened under our
+        shared lock: no eviction deletes it before we read it."""
         tmp = path.with_name(f"{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        crc = length = 0
+        sums = _Checksums()
+        fd = -1
         try:
             with open(_paths.create_file(tmp, os.O_WRONLY, _paths.file_mode()), "wb", buffering=_WRITE_CHUNK) as out:
 
                 def write(chunk: bytes) -> None:
-                    nonlocal crc, length
                     out.write(chunk)
-                    crc = zlib.crc32(chunk, crc)
-                    length += len(chunk)
+                    sums.add(chunk)
 
                 download(write)
-                out.write(_TRAILER.pack(_MAGIC, crc, length))
+                out.write(sums.tail())
+            fd = _paths.open_file(tmp, os.O_RDONLY)[0]
+            fcntl.flock(fd, fcntl.LOCK_SH)
             with self.stats.update() as record:
                 with contextlib.suppress(FileNotFoundError):
                     old = os.lstat(path)  # a damaged entry nobody could delete: replaced
                     record["bytes"] -= old.st_size
                     record["entries"] -= 1
                 os.replace(tmp, path)
-                st = os.lstat(path)  # its CRC was just computed from the bytes written: no read back
-                record["bytes"] += st.st_size
+                record["bytes"] += stored_size(sums.length)
                 record["entries"] += 1
                 record["misses"] += 1
-                record["downloaded_bytes"] += length
-            with _verified_lock:
-                _verified.add((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+                record["downloaded_bytes"] += sums.length
+            return _Opened(fd, sums.crc, _stamp(os.fstat(fd)))
         except BaseException:
+            if fd >= 0:
+                os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
 
@@ -338,19 +519,89 @@ class ObjectCache:
                     found.append((pathlib.Path(item.path), st.st_size, st.st_atime))
         return found
 
-    def evict(self, keep_free: int = 0) -> int:
-        """Delete least recently used entries not in use until the cache fits its limit (and
-        `keep_free` more bytes); remove temporary files of dead downloads. Returns bytes freed."""
+    def evict(self, target: int | None = None) -> int:
+        """Delete least recently used entries not in use until the cache holds at most `target`
+        bytes (default: its limit); remove temporary files of dead downloads. Returns bytes freed."""
         self._remove_dead_temporaries()
         entries = self.entries()
         total = sum(size for _, size, _ in entries)
         freed = 0
         for path, size, _ in sorted(entries, key=lambda e: e[2]):
-            if total - freed + keep_free <= self.limit:
+            if total - freed <= (self.limit if target is None else target):
                 break
             if self._remove_unused(path):
                 freed += size
         return freed
+
+    def evict_if_over_limit(self) -> None:
+        """Evict if the record says the cache is over its limit (one small read; if its lock stays
+        busy, the folder is counted instead): what a release that may have left an entry of an
+        over-limit cache unused calls."""
+        try:
+            over = self.stats.read(_RECORD_WAIT)["bytes"] > self.limit
+        except StorageError:  # a process holding the counters' lock is stopped or slow
+            over = True
+        if over:
+            self.evict()
+
+    # -- what this handle's readers hold open ------------------------------------------------
+    def _hold(self, handle: CachedFile) -> None:
+        with self._held_lock:
+            self._held[handle] = handle.length
+            self._held_bytes += handle.length
+        _release_when_this_process_ends()
+
+    def _unhold(self, handle: CachedFile) -> None:
+        with self._held_lock:
+            self._held_bytes -= self._held.pop(handle, 0)
+
+    def _touch(self, handle: CachedFile) -> None:
+        """After a read of `handle`: the most recently read; the others, beyond what may stay
+        open, released (entries opened while all were being read at once)."""
+        with self._held_lock:
+            if handle in self._held:
+                self._held.move_to_end(handle)
+            if self._held_bytes <= self.hold and len(self._held) <= HOLD_FILES:
+                return
+        self._make_room(0, keep=handle)
+
+    def _make_room(self, incoming: int, keep: CachedFile | None = None) -> None:
+        """Release the least recently read entries (but `keep`, and those being read now) until
+        the others and `incoming` bytes more fit `hold` and HOLD_FILES: before an entry is opened."""
+        with self._held_lock:
+            over_bytes = self._held_bytes + incoming - self.hold
+            over_files = len(self._held) + (incoming > 0) - HOLD_FILES
+            idle = []
+            for handle, size in self._held.items():
+                if over_bytes <= 0 and over_files <= 0:
+                    break
+                if handle is not keep:
+                    idle.append(handle)
+                    over_bytes, over_files = over_bytes - size, over_files - 1
+        if self._release_idle(idle):
+            self.evict_if_over_limit()
+
+    def _release_idle(self, handles: list[CachedFile] | None = None) -> bool:
+        """Release these entries (default: all this handle's readers hold), except those being
+        read now; whether one was an entry's last."""
+        if handles is None:
+            with self._held_lock:
+                handles = list(self._held)
+        last = False
+        for handle in handles:
+            if handle._lock.acquire(blocking=False):
+                try:
+                    last |= handle._release()
+                finally:
+                    handle._lock.release()
+        return last
+
+    def _after_fork(self) -> None:
+        # The descriptors a forked child inherited share their locks with the parent's: closed
+        # here without touching the locks; the child opens its own.
+        for handle in self._held:
+            handle._forget()
+        self._reset_held()
 
     def _remove_dead_temporaries(self) -> None:
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
@@ -405,6 +656,62 @@ class ObjectCache:
             record["bytes"] -= st.st_size
             record["entries"] -= 1
             return True
+
+
+class _Checksums:
+    """The CRC-32 of an entry's data and of each CHECK_BLOCK of it, as the data is written."""
+
+    def __init__(self) -> None:
+        self.crc = self.length = 0
+        self._block_crc = self._block_fill = 0
+        self._table = bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        self.crc = zlib.crc32(chunk, self.crc)
+        self.length += len(chunk)
+        view = memoryview(chunk)
+        while view:
+            piece = view[: CHECK_BLOCK - self._block_fill]
+            self._block_crc = zlib.crc32(piece, self._block_crc)
+            self._block_fill += len(piece)
+            view = view[len(piece) :]
+            if self._block_fill == CHECK_BLOCK:
+                self._end_block()
+
+    def _end_block(self) -> None:
+        self._table += _SLOT.pack(self._block_crc)
+        self._block_crc = self._block_fill = 0
+
+    def tail(self) -> bytes:
+        """What follows the data in the entry: its table and its trailer."""
+        if self._block_fill:
+            self._end_block()
+        return bytes(self._table) + _TRAILER.pack(_MAGIC, self.crc, self.length)
+
+
+# Every cache handle of the process, and the process that registered the release at its end.
+_CACHES: weakref.WeakSet[ObjectCache] = weakref.WeakSet()
+_releasing_pid = 0
+
+
+def _release_when_this_process_ends() -> None:
+    """Have `_release_all` run when this process ends: at interpreter exit, or when a
+    multiprocessing worker returns (after the workers it started were stopped, so that what
+    they held is no longer in use)."""
+    global _releasing_pid
+    if _releasing_pid != os.getpid():
+        _releasing_pid = os.getpid()
+        multiprocessing.util.Finalize(None, _release_all, exitpriority=-1)
+
+
+def _release_all() -> None:
+    """Release every entry this process holds, and evict what that (or the end of its workers)
+    left over the limit: a job that has ended leaves its cache within its limit."""
+    for cache in list(_CACHES):
+        if cache.root.is_dir():  # not one removed since (a temporary folder)
+            with contextlib.suppress(GlobalLoaderError, OSError):
+                cache._release_idle()
+                cache.evict_if_over_limit()
 
 
 def host_tag() -> str:

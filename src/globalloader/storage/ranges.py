@@ -18,9 +18,10 @@ from globalloader.storage._fs import LOCAL_SCHEMES, local_errors, scheme_of
 from globalloader.storage.cache import CachedFile, pread_upto
 from globalloader.storage.store import FileStat, Store
 
-# Cache entries a reader keeps open (each pins its entry against eviction): whole shards are read
-# sample by sample, blocks (Parquet column chunks) in large reads, so few need to stay open.
-_CACHED_OPEN = {True: 16, False: 2}
+# Cache entries a reader keeps at hand: whole shards are read sample by sample, blocks (Parquet
+# column chunks) in large reads. Which of them stay open (pinned against eviction) the cache decides
+# by bytes (see `ObjectCache.hold`); one dropped here is released.
+_CACHED_KEPT = {True: 16, False: 2}
 
 
 class RangeReader(ProcessLocal):
@@ -105,22 +106,23 @@ class RangeReader(ProcessLocal):
         length: int,
         take: Callable[[CachedFile], Any] | None = None,
     ) -> Any:
-        # Reads happen under the lock, so that no other thread closes the entry mid-read; a
-        # download happens outside it.
+        # The lock guards the table only: reads (each entry serializes its own), downloads and
+        # releases happen outside it.
         key = (url, block)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-                return entry.pread(start, length) if take is None else take(entry)
-        opened = self.store.open_cached(url, stat, block)
-        with self._lock:
-            entry = self._entries.setdefault(key, opened)
-            if entry is not opened:
-                opened.close()
-            while len(self._entries) > _CACHED_OPEN[self.whole]:
-                self._entries.popitem(last=False)[1].close()
-            return entry.pread(start, length) if take is None else take(entry)
+        if entry is None:
+            opened = self.store.open_cached(url, stat, block)
+            with self._lock:
+                entry = self._entries.setdefault(key, opened)
+                dropped = [] if entry is opened else [opened]
+                while len(self._entries) > _CACHED_KEPT[self.whole]:
+                    dropped.append(self._entries.popitem(last=False)[1])
+            for handle in dropped:
+                handle.close()
+        return entry.pread(start, length) if take is None else take(entry)
 
     def _read_local_cold(self, url: str, start: int, length: int) -> bytes:
         # Open outside the lock; the lock only decides whether the descriptor is kept (a thread
@@ -139,24 +141,23 @@ class RangeReader(ProcessLocal):
             os.close(fd)
 
     def _after_fork(self) -> None:
-        # The inherited descriptors are the parent's bookkeeping; close the child's copies only
-        # (a cache entry's shared lock stays with the parent's descriptor).
+        # The inherited descriptors are the parent's bookkeeping; close the child's copies only.
+        # The cache entries' copies share their locks with the parent's: the cache closes them
+        # (`ObjectCache._after_fork`), never touching the locks.
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
-        for entry in self._entries.values():
-            with contextlib.suppress(OSError):
-                entry.close()
         self._reset()
 
     def close(self) -> None:
-        """Close this process's descriptors and cache entries (reads reopen them)."""
+        """Close this process's descriptors and release its cache entries (reads reopen them)."""
         if self._pid == os.getpid():
             with self._lock:
                 for fd in self._fds.values():
                     os.close(fd)
-                for entry in self._entries.values():
-                    entry.close()
+                entries = list(self._entries.values())
+            for entry in entries:
+                entry.close()
         self._reset()
 
 

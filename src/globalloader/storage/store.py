@@ -297,9 +297,9 @@ class Store(ProcessLocal):
             return
         with self._lock:
             if self._prefetcher is None:
-                # Waiting to be downloaded: at most a quarter of the cache's limit (a deep horizon never
-                # queues more than the cache would keep).
-                self._prefetcher = Prefetcher(self._prefetch_one, budget=self.cache.limit // 4)
+                # Waiting to be downloaded: at most a quarter of what the cache can hold (a deep horizon
+                # never queues more than the cache would keep).
+                self._prefetcher = Prefetcher(self._prefetch_one, budget=self.cache.room // 4)
             self._wanted.update(objects)
         self._prefetcher.request((url, stat.size) for url, stat in objects)
 

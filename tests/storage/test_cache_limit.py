@@ -1,0 +1,181 @@
+"""The object cache's limit and what its readers hold, against a real S3 server with real worker
+processes: within its limit once a job has ended and bounded while it runs, every shard read on a
+disk smaller than the dataset, and a damaged entry never served, even to a reader that checked
+it before."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import globalloader as gl
+from globalloader import storage
+from globalloader.demo.s3 import write_shards
+from globalloader.errors import SourceError
+from globalloader.sources import TarShards
+from globalloader.storage.cache import Entry, ObjectCache
+from globalloader.storage.prefetch import IN_FLIGHT
+from helpers import small_filesystem
+
+_JOB = """
+import globalloader as gl
+from globalloader.demo.s3 import options
+from globalloader.sources import TarShards
+src = TarShards({urls!r}, storage_options=options({endpoint!r}), cache_limit={limit!r})
+with gl.Loader(gl.Dataset(src).shuffle(seed=0, window=2).batch(4), workers=2) as loader:
+    for epoch in range(2):
+        print(len({{k for b in loader for k in b["__key__"]}}), flush=True)
+"""
+
+
+def _run_job(code: str, log: pathlib.Path) -> subprocess.Popen[bytes]:
+    """The job in a process of its own, its errors to `log` (a pipe nobody reads could fill up)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    with open(log, "wb") as errors:
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=errors)
+
+
+def _used(root: pathlib.Path) -> int:
+    """Bytes of the cache's entries and downloads in flight (everything but its counters and locks)."""
+    used = 0
+    for item in os.scandir(root):
+        if item.is_file(follow_symlinks=False) and item.name != "stats":
+            with contextlib.suppress(FileNotFoundError):  # evicted or renamed while we looked
+                used += item.stat(follow_symlinks=False).st_size
+    return used
+
+
+@pytest.mark.slow
+def test_a_cache_smaller_than_a_shard_ends_within_its_limit_and_stays_bounded_meanwhile(
+    s3: dict[str, Any], isolated_cache: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """A 300 KB cache for 620 KB shards: two epochs of a window shuffle by two worker processes, in
+    a job of its own. Once the job has ended the cache is within its limit; while it runs, above it
+    by at most what is read at that moment: an entry per worker, and the prefetch's downloads."""
+    # 10 shards of ~620 KB, with their index sidecars: the job reads no shard to index it.
+    urls = write_shards(s3["bucket"], s3["options"], n=40, per_shard=4, size=155_000, index=True)
+    limit = 300_000
+    root = ObjectCache(isolated_cache / "objects").root
+    job = _run_job(_JOB.format(urls=urls, endpoint=s3["proxy"].url, limit=limit), tmp_path / "job.log")
+    peak, deadline = 0, time.monotonic() + 120
+    while job.poll() is None:
+        assert time.monotonic() < deadline, "the job did not end"
+        peak = max(peak, _used(root))
+        time.sleep(0.002)
+    out, _ = job.communicate()
+    assert job.returncode == 0, (tmp_path / "job.log").read_text()
+    assert out.split() == [b"40", b"40"]
+    largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
+    assert peak <= limit + (2 + IN_FLIGHT) * largest
+    assert _used(root) <= limit
+
+
+@pytest.fixture
+def small_disk(isolated_cache: pathlib.Path) -> Iterator[pathlib.Path]:
+    """The cache's objects folder on a filesystem of its own of 2 MiB (a tmpfs)."""
+    with small_filesystem(isolated_cache / "objects", "2m") as folder:
+        yield folder
+
+
+@pytest.mark.slow
+def test_a_cache_on_a_disk_smaller_than_the_dataset_reads_every_shard(
+    s3: dict[str, Any], small_disk: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """16 shards of ~200 KB (3.2 MB) through a cache on a 2 MiB disk with the default limit: a full
+    disk evicts what no reader holds, so every shard is read, twice, and no CacheFullError."""
+    urls = write_shards(s3["bucket"], s3["options"], n=64, per_shard=4, size=50_000)
+    job = _run_job(_JOB.format(urls=urls, endpoint=s3["proxy"].url, limit=None), tmp_path / "job.log")
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, (tmp_path / "job.log").read_text()
+    assert out.split() == [b"64", b"64"]
+    assert _used(small_disk) <= 2 << 20
+
+
+def _flip(path: pathlib.Path, offset: int, keep_times: bool) -> None:
+    """Invert bytes of the file in place (same size), optionally putting its times back."""
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(64)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+    if keep_times:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_times", [False, True], ids=["written", "written-times-kept"])
+def test_bytes_flipped_between_two_epochs_of_one_reader_are_never_served(s3: dict[str, Any], keep_times: bool) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=8, per_shard=8, size=3000)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
+    src = TarShards(urls, storage_options=s3["options"])
+    first = [src[i] for i in range(len(src))]  # epoch 1: the entry is checked and kept open
+    assert proxy.count("GET", prefix, ".tar") == 1
+    st = src._stats[0]
+    path = src.store.cache.root / Entry(urls[0], st.size, st.version).name()
+    _flip(path, 5200, keep_times)  # inside the data of the second sample
+    assert [src[i] for i in range(len(src))] == first  # epoch 2, same process and reader
+    assert proxy.count("GET", prefix, ".tar") == 2  # the damaged entry was fetched again
+
+
+def test_a_damaged_entry_that_cannot_be_fetched_again_is_an_error_not_its_bytes(s3: dict[str, Any]) -> None:
+    """Damaged, and the object rewritten since the source was made: nothing right can be read."""
+    urls = write_shards(s3["bucket"], s3["options"], n=8, per_shard=8, size=3000)
+    src = TarShards(urls, storage_options=s3["options"])
+    assert [src[i]["__key__"] for i in range(len(src))] == [f"s{i:05d}" for i in range(8)]
+    st = src._stats[0]
+    _flip(src.store.cache.root / Entry(urls[0], st.size, st.version).name(), 5200, keep_times=False)
+    fs, key = src.store.filesystem(urls[0])
+    data = fs.cat_file(key)
+    fs.pipe_file(key, data[:-1] + b"\x01")  # a new version: its ETag (MD5) is another
+    with pytest.raises(SourceError, match=r"shard-000\.tar changed since the source was made"):
+        [src[i] for i in range(len(src))]
+
+
+def test_a_reader_holds_what_it_reads_now_and_its_last_release_evicts(s3: dict[str, Any]) -> None:
+    """One process reading 8 shards through a cache that holds 5: its reader keeps open at most its
+    share of the cache beyond the entry it reads, so eviction deletes what it read before; closing
+    it, the last release of an over-limit cache, evicts at once."""
+    urls = write_shards(s3["bucket"], s3["options"], n=32, per_shard=4, size=5000)  # 8 shards of ~20 KB
+    limit = 100_000
+    src = TarShards(urls, storage_options=s3["options"], cache_limit=limit)
+    largest = max(st.size for st in src._stats)
+    with gl.Loader(gl.Dataset(src).shuffle(seed=1, window=2), workers=0) as loader:
+        assert sorted(r["__key__"] for r in loader) == [f"s{i:05d}" for i in range(32)]
+    root = src.store.cache.root
+    assert _used(root) <= limit + largest
+    src.close()
+    assert _used(root) <= limit
+
+
+def _read_and_release(root: str) -> None:
+    reader = ObjectCache(root, limit=100).open(Entry("s3://b/a", 1000, "v"), lambda write: write(b"b" * 1000))
+    assert reader.pread(0, 3) == b"aaa"
+    reader.close()
+
+
+def test_a_forked_child_releases_its_own_entries_never_its_parents(tmp_path: pathlib.Path) -> None:
+    """A child forked while its parent holds an entry inherits the descriptor, and with it the
+    parent's lock: the child drops its copy without touching the lock, so eviction still leaves
+    the parent's entry, whatever the child opens, releases or leaves behind at its end."""
+    root = tmp_path / "objects"
+    cache = ObjectCache(root, limit=100)  # smaller than the entry: every release evicts what it can
+    held = cache.open(Entry("s3://b/a", 1000, "v"), lambda write: write(b"a" * 1000))
+    child = multiprocessing.get_context("fork").Process(target=_read_and_release, args=(str(root),))
+    child.start()
+    child.join(30)
+    if child.exitcode is None:  # it waits on a lock it broke: never left running
+        child.kill()
+        child.join(10)
+    assert child.exitcode == 0
+    assert cache.evict(target=0) == 0 and held.pread(0, 1000) == b"a" * 1000
+    held.close()
+    assert cache.entries() == []  # the last release of an over-limit cache evicted it
