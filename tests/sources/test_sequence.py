@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -153,7 +156,18 @@ def test_process_workers_yield_the_items_in_batches_and_alone(items: list) -> No
         assert same(list(loader), list(gl.Dataset(items).batch(8)))
 
 
-def workers_private_bytes(pids: set[int]) -> int:
+_PRIVATE_MEMORY = """
+import json, os, sys
+import globalloader as gl
+from globalloader.sources import from_sequence
+
+
+def children():
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        return {int(pid) for pid in f.read().split()}
+
+
+def private_bytes(pids):
     total = 0
     for pid in pids:
         with open(f"/proc/{pid}/smaps_rollup") as rollup:
@@ -162,9 +176,15 @@ def workers_private_bytes(pids: set[int]) -> int:
     return total
 
 
-def children() -> set[int]:
-    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
-        return {int(pid) for pid in f.read().split()}
+items = [f"/data/imagenet/train/n{i % 1000:08d}/{i:08d}.JPEG" for i in range(250_000)]
+private = {}
+for name, source in (("flat", from_sequence(items)), ("list", items)):
+    before = children()
+    with gl.Loader(gl.Dataset(source).batch(500), workers=2, start_method="fork") as loader:
+        assert sum(len(b) for b in loader) == len(items)
+        private[name] = private_bytes(children() - before)
+print(json.dumps(private))
+"""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux's /proc/PID/smaps_rollup")
@@ -172,12 +192,9 @@ def test_forked_workers_reading_a_list_of_strings_do_not_copy_it() -> None:
     """Reading an item of a list writes its refcount, so a worker copies the page it lies on; the
     flat buffers are only read. The list here is ~25 MB of str objects: the workers reading it
     through from_sequence hold far less private memory than through the bare list (the measure
-    is the pages the workers copied, not a time)."""
-    items = [f"/data/imagenet/train/n{i % 1000:08d}/{i:08d}.JPEG" for i in range(250_000)]
-    private = {}
-    for name, source in (("flat", from_sequence(items)), ("list", items)):
-        before = children()
-        with gl.Loader(gl.Dataset(source).batch(500), workers=2, start_method="fork") as loader:
-            assert sum(len(b) for b in loader) == len(items)
-            private[name] = workers_private_bytes(children() - before)
+    is the pages the workers copied, not a time). In a new interpreter, so that what the test
+    process holds (which its forked workers inherit) does not count."""
+    run = subprocess.run([sys.executable, "-c", _PRIVATE_MEMORY], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    private = json.loads(run.stdout)
     assert private["flat"] < private["list"] / 2, private
