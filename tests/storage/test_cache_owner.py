@@ -186,3 +186,19 @@ def test_the_sharing_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("GLOBALLOADER_CACHE_SHARED", "yes")
     with pytest.raises(ArgumentError, match="GLOBALLOADER_CACHE_SHARED must be 'group'"):
         ObjectCache()
+
+
+@as_root
+def test_a_member_of_a_shared_cache_cannot_put_other_bytes_under_an_objects_key(
+    remote: dict[str, Any], isolated_cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another member's entry holding other bytes of the object's size, laid out as the cache lays
+    out entries (its CRC-32s vouch for its own bytes): the object's MD5, its ETag, tells."""
+    monkeypatch.setenv("GLOBALLOADER_CACHE_SHARED", "group")
+    st = storage.Store(remote["options"]).stat(remote["url"])
+    planted = ObjectCache().open(Entry(remote["url"], st.size, st.version), lambda write: write(b"planted " * 500))
+    planted.close()
+    entry = isolated_cache / "objects" / remote["name"]
+    os.chown(entry, OTHER, 0)
+    assert _read(remote) == b"genuine " * 500
+    assert entry.stat().st_uid == 0 and entry.read_bytes().startswith(b"genuine ")  # fetched again, ours now

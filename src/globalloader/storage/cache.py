@@ -27,7 +27,8 @@ every process and job of the user. Properties, each relied on elsewhere:
   `stats` record (see `cache_stats`): best-effort, a busy lock never delays a read.
 - Only this user can have written the folder and its files (`_paths.untrusted`, checked at every
   open; files are opened without following links), unless the user opted into a cache shared
-  with its group: then an entry another member wrote is checked block by block like any other.
+  with its group: then an entry another member wrote is also checked against the object's MD5
+  (its ETag's, where it is one) at every opening.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from globalloader._pids import alive
 from globalloader.errors import ArgumentError, CacheFullError, GlobalLoaderError, StorageError
 from globalloader.storage._fork import reset_in_forked_children
 from globalloader.storage.cache_stats import CacheStats, lock_exclusive
+from globalloader.storage.checksum import etag_md5
 
 DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
 LIMIT_ENV = "GLOBALLOADER_CACHE_LIMIT"
@@ -150,6 +152,21 @@ def pread_upto(fd: int, length: int, start: int) -> bytes:
         parts.append(more)
         got += len(more)
     return b"".join(parts)
+
+
+def _is_the_object(fd: int, entry: Entry) -> bool:
+    """Whether an entry another member of a cache shared with the group wrote holds the object's
+    bytes, by the MD5 its version is (an S3 ETag of a one-part upload), checked at every opening:
+    its CRC-32s are the writer's own and vouch only against damage. Where the version is no MD5
+    (a block, a multipart upload, another store), the members are trusted (docs/remote.md)."""
+    md5 = etag_md5(entry.version) if entry.block < 0 else None
+    if md5 is None:
+        return True
+    digest, offset = hashlib.md5(usedforsecurity=False), 0
+    while offset < entry.size and (piece := os.pread(fd, min(16 << 20, entry.size - offset), offset)):
+        digest.update(piece)
+        offset += len(piece)
+    return digest.hexdigest() == md5
 
 
 def crc32_upto(fd: int, end: int) -> int:
@@ -396,7 +413,7 @@ class ObjectCache:
                 os.close(fd)
                 return None
             crc = _trailer(fd, st, entry.data_size())
-            if crc is None:
+            if crc is None or (st.st_uid != os.geteuid() and not _is_the_object(fd, entry)):
                 with contextlib.suppress(OSError):
                     self._unlink(path, st)
                 os.close(fd)
