@@ -30,7 +30,6 @@ from globalloader.transport.names import (
     create_mapping,
     free_bytes,
     map_existing,
-    remove_unheld,
     unlink,
 )
 
@@ -120,11 +119,11 @@ def create(capacity: int) -> Arena:
             f"--memory {capacity:,} bytes does not fit in {SHM_DIR} ({free:,} bytes free): "
             f"start the server with a smaller --memory, or enlarge {SHM_DIR} (Docker: --shm-size)"
         )
-    remove_unheld(name)  # an earlier server's of this pid, dead
     try:
         try:
             mapped = create_mapping(name, capacity, hold=True)
-        except FileExistsError:  # a live server in another PID namespace sharing /dev/shm has this pid
+        except FileExistsError:  # a server of another PID namespace sharing /dev/shm has this pid (the
+            # start-up sweep, `names.remove_unheld`, removed it if that server is dead)
             name += f"-{secrets.token_hex(4)}"
             mapped = create_mapping(name, capacity, hold=True)
     except OSError as exc:
