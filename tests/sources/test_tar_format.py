@@ -9,6 +9,7 @@ import pytest
 
 from globalloader.errors import SourceError
 from globalloader.sources._tar_format import Member, split_key, walk
+from globalloader.sources._tar_index import _SCAN_BLOCK_LOCAL, scan
 from helpers import patch_header
 
 
@@ -137,3 +138,23 @@ def test_split_key_follows_webdataset(name: str, expected: tuple[str, str] | Non
 def test_stream_mode_without_size() -> None:
     blob = _tar([("a.txt", b"x"), ("b.txt", b"yy")])
     assert [m.size for m in _walk(blob, size_known=False)] == [1, 2]
+
+
+def test_indexing_reads_a_members_tail_with_the_next_header_in_one_block() -> None:
+    """The tail check must not cost reads: a scan of members longer than the tail searched reads
+    no more blocks than a scan of the headers alone would (each block starting at a header)."""
+    blob = _tar([(f"s{i:03d}.{ext}", b"a" * n) for i in range(100) for ext, n in (("jpg", 30_000 + i), ("cls", 2))])
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        headers = [m.offset for m in tar] + [len(blob) - 2 * 512]  # and the end-of-archive marker
+    blocks, start = 0, None
+    for header in headers:
+        if start is None or header + 512 > start + _SCAN_BLOCK_LOCAL:
+            blocks, start = blocks + 1, header
+    reads: list[tuple[int, int]] = []
+
+    def read(offset: int, length: int) -> bytes:
+        reads.append((offset, length))
+        return blob[offset : offset + length]
+
+    scan(read, "mem.tar", len(blob), remote=False)
+    assert len(reads) - 1 <= blocks  # the first read is the gzip check

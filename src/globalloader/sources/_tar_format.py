@@ -197,8 +197,8 @@ def _swallowed(read_at: Callable[[int, int], bytes], data_at: int, end: int) -> 
 
 def _size_if_header(block: bytes) -> int | None:
     """The size field of `block` if it is a header with a correct checksum, else None."""
-    field = _cstring(block[124:136]).strip(b" ")
-    return int(field or b"0", 8) if _checksum_ok(block) and _OCTAL.fullmatch(field) else None
+    size = _octal(block[124:136])
+    return size if size is not None and _checksum_ok(block) else None
 
 
 def _padded(size: int) -> int:
@@ -209,10 +209,9 @@ def _padded(size: int) -> int:
 def _checksum_ok(buf: bytes) -> bool:
     """Whether a header's checksum field matches its bytes (the field counts as 8 spaces; old
     writers summed signed bytes)."""
-    field = _cstring(buf[148:156]).strip(b" ")
-    if not field or not _OCTAL.fullmatch(field):
+    stored = _octal(buf[148:156], empty=None)
+    if stored is None:
         return False
-    stored = int(field, 8)
     unsigned = sum(buf[:148]) + 256 + sum(buf[156:])
     return stored == unsigned or stored == unsigned - 256 * sum(b >= 128 for b in buf[:148] + buf[156:])
 
@@ -231,10 +230,19 @@ def _number(field: bytes, url: str, offset: int, what: str) -> int:
         if field[0] == 0xFF:
             raise SourceError(f"corrupt tar {url}: negative {what} at offset {offset}")
         return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
+    value = _octal(field)
+    if value is None:
+        raise SourceError(f"corrupt tar {url}: bad {what} field {_cstring(field).strip(b' ')!r} at offset {offset}")
+    return value
+
+
+def _octal(field: bytes, empty: int | None = 0) -> int | None:
+    """An octal field's value (digits up to a NUL, spaces around them; `empty` if none), or None
+    if it holds anything else."""
     text = _cstring(field).strip(b" ")
-    if not _OCTAL.fullmatch(text):
-        raise SourceError(f"corrupt tar {url}: bad {what} field {text!r} at offset {offset}")
-    return int(text or b"0", 8)
+    if not text:
+        return empty
+    return int(text, 8) if _OCTAL.fullmatch(text) else None
 
 
 def _pax_size(value: str, url: str, offset: int) -> int:

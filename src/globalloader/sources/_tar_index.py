@@ -116,7 +116,7 @@ def save(path: pathlib.Path, index: ShardIndex) -> None:
 
 
 def scan(read: Callable[[int, int], bytes], url: str, size: int, remote: bool) -> ShardIndex:
-    """Build the index of one shard by walking its headers (data is skipped, not read)."""
+    """Build the index of one shard by walking its headers (data is skipped, but for the tail `walk` checks)."""
     head = read(0, 2)
     if head == b"\x1f\x8b":
         raise SourceError(
@@ -179,7 +179,9 @@ class IndexBuilder:
 
 class BlockReader:
     """Serve small reads from one cached block, so scanning many small members costs one read
-    per block instead of one per header; reads larger than a block go straight through."""
+    per block instead of one per header; reads larger than a block go straight through. A miss
+    reads a whole block past the bytes asked: the header after the tail of a member's data (which
+    `walk` reads to check where the member ends) comes with that tail, not in a read of its own."""
 
     def __init__(self, read: Callable[[int, int], bytes], size: int, block: int) -> None:
         self._read, self._size, self._block = read, size, block
@@ -193,7 +195,7 @@ class BlockReader:
         if length >= self._block:
             return self._read(offset, length)
         self._start = offset
-        self._data = self._read(offset, min(self._block, self._size - offset))
+        self._data = self._read(offset, min(length + self._block, self._size - offset))
         return self._data[:length]
 
 

@@ -44,8 +44,7 @@ class _FlatText:
         self.data = data
 
     def __getitem__(self, index: int) -> str | bytes:
-        start, end = self.offsets[index : index + 2].tolist()
-        raw = self.data[start:end]
+        raw = self.data[self.offsets.item(index) : self.offsets.item(index + 1)]  # .item: no array made
         return raw.decode("utf-8", "surrogatepass") if self.text else raw
 
     def digest_parts(self) -> tuple[bytes, ...]:
