@@ -181,6 +181,16 @@ class Server:
     def stop(self) -> None:
         self._finalizer()
 
+    def status_table(self) -> subprocess.CompletedProcess[str]:
+        """`globalloader status --once` against this server, 200 columns wide: what a user sees."""
+        return subprocess.run(
+            [*CLI, "status", "--once", "--socket", str(self.socket)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+
     def job(self, out: Path, *args: str) -> subprocess.Popen:
         """Start tests/service/job.py against this server."""
         return subprocess.Popen(

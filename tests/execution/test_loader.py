@@ -174,6 +174,7 @@ def test_skip_drops_a_sample_that_cannot_be_pickled_and_keeps_the_rest_whole():
             labels = [int(x) for b in batches for x in b["label"]]
             assert labels == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11]
             assert all((b["pixels"] == b["label"][:, None, None, None]).all() for b in batches)
+            assert shm_names() == set(), "the failed batch's segment was not given back to be reused"
     assert shm_names() == set()
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -63,13 +62,7 @@ def test_job_names_are_shown_as_written_never_as_markup(server):
     try:
         for loader in loaders:
             next(iter(loader))
-        shown = subprocess.run(
-            [sys.executable, "-m", "globalloader", "status", "--once", "--socket", str(server.socket)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "COLUMNS": "200"},
-        )
+        shown = server.status_table()
     finally:
         for loader in loaders:
             loader.close()

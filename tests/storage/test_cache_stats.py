@@ -261,13 +261,7 @@ def test_two_jobs_on_s3_show_in_the_servers_status_and_metrics(s3: dict[str, Any
         assert samples["globalloader_cache_bytes"] == section["bytes"]
         assert samples["globalloader_cache_entries"] == len(urls)
         assert samples["globalloader_cache_limit"] == section["limit"]
-        table = subprocess.run(
-            [sys.executable, "-m", "globalloader", "status", "--once", "--socket", str(server.socket)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "COLUMNS": "200"},
-        )
+        table = server.status_table()
         assert f"({len(urls)} downloads), {section['hits']:,} hits" in table.stdout, table.stdout + table.stderr
     finally:
         board.stop()

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, cast
 from globalloader.dataset.cache import MISSING
 from globalloader.dataset.plan import Plan, Timer
 from globalloader.errors import LoaderTimeoutError, TransformError
-from globalloader.runtime.pool import UNPICKLABLE, Worker, WorkerPool, failure, raised_again
+from globalloader.runtime.pool import UNPICKLABLE, Worker, WorkerPool, failure, raised_again, unsendable
 from globalloader.transport.arena import ArenaId, attach
 
 
@@ -163,8 +163,10 @@ class _TaskBody:
 def _unsendable(plan: Plan, task: Task, exc: BaseException, made_by: str) -> TransformError:
     what = "batch" if plan.batch is not None else "task"
     return TransformError(
-        f"{made_by} returned, for {what} {task.number} of epoch {task.epoch}, a value a worker process cannot "
-        f"send: {type(exc).__name__}: {exc}; return picklable values (arrays, numbers, str and containers of them)"
+        unsendable(
+            f"{made_by} returned, for {what} {task.number} of epoch {task.epoch}, a value a worker process cannot send",
+            exc,
+        )
     )
 
 

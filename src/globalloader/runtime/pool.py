@@ -65,6 +65,14 @@ def failure(exc: BaseException, fallback: type[Exception]) -> tuple[BaseExceptio
     return exc, tb
 
 
+def unsendable(
+    what: str, exc: BaseException, fix: str = "return picklable values (arrays, numbers, str and containers of them)"
+) -> str:
+    """The message for `what`, a value `Worker.send` refused: pickle's error (one of `UNPICKLABLE`)
+    and the fix, worded alike by every body."""
+    return f"{what}: {type(exc).__name__}: {exc}; {fix}"
+
+
 def raised_again(exc: BaseException, tb: str) -> BaseException:
     """A worker's exception, ready to raise in the consumer with its traceback text as the cause."""
     if tb:

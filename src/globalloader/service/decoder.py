@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SharedPrefixError, SourceError, WorkerError
-from globalloader.runtime.pool import UNPICKLABLE, Worker, WorkerPool
+from globalloader.runtime.pool import UNPICKLABLE, Worker, WorkerPool, unsendable
 from globalloader.service.pool import BufferPool
 from globalloader.service.protocol import STALL_S, error_name
 from globalloader.sources.base import Prefetching
@@ -129,10 +129,8 @@ class DecodeBody:
             _, fp, index, *_ = reply
             prefix = self.prefixes[fp]
             made_by = f"map {prefix.maps[prefix.split - 1].name!r}" if prefix.split else "the source"
-            message = (
-                f"{made_by} returned, for sample index {index}, a value the server's decode worker cannot "
-                f"send: {type(exc).__name__}: {exc}; return picklable values (arrays, numbers, str and "
-                "containers of them)"
+            message = unsendable(
+                f"{made_by} returned, for sample index {index}, a value the server's decode worker cannot send", exc
             )
             return ("failed", fp, index, "TransformError", message)
         return reply

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from globalloader.errors import TransformError, WorkerError
-from globalloader.runtime.pool import UNPICKLABLE, Worker, failure
+from globalloader.runtime.pool import UNPICKLABLE, Worker, failure, unsendable
 from globalloader.torch.collate import stack_collate
 from globalloader.torch.rng import RngReporter, set_process_rng
 from globalloader.torch.tensors import torch
@@ -114,12 +114,15 @@ class TorchBody:
             worker.send(reply, reply[3] if reply[2] == BATCH else None)
         except UNPICKLABLE as exc:
             at = "" if self.spec.iterable else f" (index {reprlib.repr(message[3])})"
-            unsendable = TransformError(
-                f"the batch of {type(self.dataset).__name__}{at} (its samples or collate_fn's output) cannot be "
-                f"sent from worker {worker.index} to the loop: {type(exc).__name__}: {exc}; return picklable "
-                "values (tensors, arrays, numbers, str) or use num_workers=0"
+            refused = TransformError(
+                unsendable(
+                    f"the batch of {type(self.dataset).__name__}{at} (its samples or collate_fn's output) cannot be "
+                    f"sent from worker {worker.index} to the loop",
+                    exc,
+                    "return picklable values (tensors, arrays, numbers, str) or use num_workers=0",
+                )
             )
-            worker.send((*reply[:2], FAILED, (unsendable, ""), None, *reply[5:]))
+            worker.send((*reply[:2], FAILED, (refused, ""), None, *reply[5:]))
         self.idle_since = time.perf_counter()
 
     def _reply(self, worker: Worker, message: tuple[str, int, int, Any], idle: float) -> Reply:

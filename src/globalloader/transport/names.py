@@ -53,24 +53,25 @@ def remove_leftovers(prefix: str) -> int:
     return sum(1 for name in list_names(prefix) if unlink(name))
 
 
-def remove_orphans(prefix: str = PREFIX, min_age_s: float = ORPHAN_AGE_S) -> int:
-    """Unlink the names `<prefix><pid>...` of dead owners; return how many. A SIGKILL of a whole
-    process group leaves no watchdog to clean up its batch segments (`gl-<owner pid>-...`).
+def remove_orphans() -> int:
+    """Unlink the batch segments (`gl-<owner pid>-...`) of dead owners; return how many. A SIGKILL
+    of a whole process group leaves no watchdog to clean them up. (Servers' pools are held by a
+    lock, not named by a live pid: `remove_unheld` sweeps those.)
 
     An orphan's pid runs no process, this user owns it, and it was last written more than
-    `min_age_s` ago: the age keeps safe a job whose pid this process cannot see (another pid
+    ORPHAN_AGE_S ago: the age keeps safe a job whose pid this process cannot see (another pid
     namespace sharing /dev/shm), whose batches are read within seconds.
     """
     removed, now, uid = 0, time.time(), os.geteuid()
-    for name in list_names(prefix):
-        pid = name[len(prefix) :].split("-", 1)[0]
+    for name in list_names(PREFIX):
+        pid = name[len(PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or alive(int(pid)):
             continue
         try:
             st = os.stat(os.path.join(SHM_DIR, name))
         except OSError:  # gone meanwhile
             continue
-        if st.st_uid == uid and now - st.st_mtime >= min_age_s:
+        if st.st_uid == uid and now - st.st_mtime >= ORPHAN_AGE_S:
             removed += unlink(name)
     return removed
 
