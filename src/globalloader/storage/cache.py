@@ -162,20 +162,27 @@ def _is_the_object(fd: int, entry: Entry) -> bool:
     md5 = etag_md5(entry.version) if entry.block < 0 else None
     if md5 is None:
         return True
-    digest, offset = hashlib.md5(usedforsecurity=False), 0
-    while offset < entry.size and (piece := os.pread(fd, min(16 << 20, entry.size - offset), offset)):
+    digest = hashlib.md5(usedforsecurity=False)
+    for piece in _pieces(fd, entry.size):
         digest.update(piece)
-        offset += len(piece)
     return digest.hexdigest() == md5
 
 
 def crc32_upto(fd: int, end: int) -> int:
-    """CRC-32 of bytes [0, end) of an open file (fewer at its end), read in 16 MiB pieces."""
-    crc = offset = 0
-    while offset < end and (piece := os.pread(fd, min(16 << 20, end - offset), offset)):
+    """CRC-32 of bytes [0, end) of an open file (fewer at its end)."""
+    crc = 0
+    for piece in _pieces(fd, end):
         crc = zlib.crc32(piece, crc)
-        offset += len(piece)
     return crc
+
+
+def _pieces(fd: int, end: int) -> Iterator[bytes]:
+    """Bytes [0, end) of an open file (fewer at its end) in 16 MiB pieces: to digest a whole
+    entry without holding it in memory."""
+    offset = 0
+    while offset < end and (piece := os.pread(fd, min(16 << 20, end - offset), offset)):
+        yield piece
+        offset += len(piece)
 
 
 class _Opened(NamedTuple):

@@ -134,21 +134,21 @@ class _Deferred:
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
-        self._changes: dict[pathlib.Path, dict[str, int]] = {}  # the parent writes its own
-        self._records: dict[pathlib.Path, CacheStats] = {}  # to write them at exit
+        # Per record: one of its handles (to write them at exit) and the changes; the parent
+        # writes its own.
+        self._pending: dict[pathlib.Path, tuple[CacheStats, dict[str, int]]] = {}
         self._at_exit = False
 
     def has(self, path: pathlib.Path) -> bool:
-        return path in self._changes
+        return path in self._pending
 
     def add(self, stats: CacheStats, changes: dict[str, int]) -> None:
         if not any(changes.values()):
             return
         with self._lock:
-            kept = self._changes.setdefault(stats.path, dict.fromkeys(FIELDS, 0))
+            kept = self._pending.setdefault(stats.path, (stats, dict.fromkeys(FIELDS, 0)))[1]
             for field, change in changes.items():
                 kept[field] += change
-            self._records[stats.path] = stats
             if not self._at_exit:
                 # multiprocessing's exit hook, which worker processes run too (they end with
                 # os._exit, which skips atexit).
@@ -157,11 +157,11 @@ class _Deferred:
 
     def take(self, path: pathlib.Path) -> dict[str, int]:
         with self._lock:
-            return self._changes.pop(path, {})
+            return self._pending.pop(path, (None, {}))[1]
 
     def records(self) -> list[CacheStats]:
         with self._lock:
-            return [self._records[path] for path in self._changes]
+            return [stats for stats, _ in self._pending.values()]
 
 
 def _write_all_deferred() -> None:
