@@ -20,7 +20,7 @@ import pytest
 import globalloader as gl
 from globalloader import storage
 from globalloader.demo.s3 import write_shards
-from globalloader.errors import SourceError
+from globalloader.errors import RemoteAccessError, RemoteReadError, SourceError, StorageError
 from globalloader.sources import TarShards
 from globalloader.storage.cache import Entry, ObjectCache
 from globalloader.storage.prefetch import IN_FLIGHT
@@ -179,3 +179,20 @@ def test_a_forked_child_releases_its_own_entries_never_its_parents(tmp_path: pat
     assert cache.evict(target=0) == 0 and held.pread(0, 1000) == b"a" * 1000
     held.close()
     assert cache.entries() == []  # the last release of an over-limit cache evicted it
+
+
+def test_a_cache_that_cannot_be_written_is_named_never_taken_for_the_store(
+    s3: dict[str, Any], isolated_cache: pathlib.Path
+) -> None:
+    """A fault of the local cache (here a read-only disk under it) is a StorageError naming the
+    cache folder, at once: never "access denied" by the store, nor retried as a download."""
+    url = f"s3://{s3['bucket']}/object.bin"
+    store = storage.Store(s3["options"])
+    fs, path = store.filesystem(url)
+    fs.pipe_file(path, b"x" * 1000)
+    with small_filesystem(isolated_cache / "objects", "1m") as folder:
+        ObjectCache()  # its folders made, then the disk turns read-only
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        with pytest.raises(StorageError, match=f"object cache {folder}") as raised, storage.open_read(store, url) as f:
+            f.read()
+    assert not isinstance(raised.value, RemoteAccessError | RemoteReadError), raised.value

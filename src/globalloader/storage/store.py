@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, NamedTuple
 
-from globalloader.errors import ArgumentError, SourceError
+from globalloader.errors import ArgumentError, SourceError, StorageError
 from globalloader.storage import retry
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
 from globalloader.storage._fs import (
@@ -38,7 +38,7 @@ from globalloader.storage._fs import (
     scheme_of,
 )
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
-from globalloader.storage.checksum import Digest
+from globalloader.storage.checksum import Digest, TransferCorrupted
 from globalloader.storage.prefetch import Prefetcher
 
 INFO_TTL = 10.0  # seconds an object's size and version are reused without asking again
@@ -285,8 +285,17 @@ class Store(ProcessLocal):
             if digest is not None:
                 digest.check()  # before the cache renames the entry into place
 
-        # Only a corrupted transfer comes back here (every other fault was retried or is final).
-        return retry.call(lambda _: self.cache.open(entry, download), url, "download", self.retry_policy)
+        def open_entry(_: float) -> CachedFile:
+            # A corrupted transfer is retried here (the others were retried by `_get`, or are
+            # final); any other OSError is the local cache's, never the store's (not "access denied").
+            try:
+                return self.cache.open(entry, download)
+            except TransferCorrupted:
+                raise
+            except OSError as exc:
+                raise StorageError(f"cannot keep {url} in the object cache {self.cache.root}: {exc}") from exc
+
+        return retry.call(open_entry, url, "download", self.retry_policy)
 
     def prefetch(self, objects: list[tuple[str, FileStat]]) -> None:
         """Download these objects into the machine cache in the background (see `prefetch`)."""
