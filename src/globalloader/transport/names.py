@@ -101,11 +101,12 @@ def create_mapping(name: str, capacity: int, flags: int = mmap.MAP_SHARED, hold:
     copy of it) is open: what tells `remove_unheld` that its creator lives.
     """
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    if hold:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.fstat(fd).st_nlink == 0:  # a sweep took it between its creation and the lock: again
+            os.close(fd)
+            return create_mapping(name, capacity, flags, hold)
     try:
-        if hold:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if os.fstat(fd).st_nlink == 0:  # a sweep took it between its creation and the lock
-                raise FileNotFoundError(errno.ENOENT, f"{SHM_DIR}/{name} was removed as it was made")
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, capacity)
         else:  # not Linux: sized only
@@ -130,8 +131,8 @@ def remove_unheld(prefix: str) -> int:
 
 def _remove_if_unheld(name: str) -> bool:
     """Unlink `name` if it is this user's and no process holds it, while this process holds its
-    lock: a creator between its creation and its lock then finds it gone (`create_mapping`)
-    rather than serving a file that has no name."""
+    lock: a creator between its creation and its lock then finds it gone and makes it again
+    (`create_mapping`) rather than serving a file that has no name."""
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0o600)
     except OSError:  # gone, or not ours to open
