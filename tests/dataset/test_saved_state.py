@@ -114,15 +114,23 @@ def test_a_pack_state_without_its_tail_is_refused_not_its_records_dropped():
             target.load_state_dict(states)
 
 
+# A tail state of the form saved_state checks: each case below breaks one thing in it, so that
+# what refuses it is the check of that thing (a stage's own restore, the tail's), not the form's.
+WELL_FORMED: dict[str, Any] = {"stages": [[], []], "queues": [[], []], "out": [], "flushed": False, "flushed_stages": 0}
+
+
 @pytest.mark.parametrize(
     "tail",
     [
-        {"stages": [[np.zeros((2, 2), dtype=np.int32)], []], "out": [], "flushed": False},  # a 2-D piece
-        {"stages": [[np.arange(9)], []], "out": [], "flushed": False},  # a row of 9 in rows of 8
-        {"stages": [[], [None, None]], "out": [], "flushed": False},  # a full batch held
-        {"stages": [[]], "out": [], "flushed": False},  # an operator missing
-        {"stages": [[], []], "out": (), "flushed": False},
-        {"stages": [[], []], "out": [], "flushed": "no"},
+        {**WELL_FORMED, "stages": [[np.zeros((2, 2), dtype=np.int32)], []]},  # a 2-D piece
+        {**WELL_FORMED, "stages": [[np.arange(9)], []]},  # a row of 9 in rows of 8
+        {**WELL_FORMED, "stages": [[], [None, None]]},  # a full batch held
+        {**WELL_FORMED, "stages": [[]]},  # an operator missing
+        {**WELL_FORMED, "queues": [[]]},  # an operator's queue missing
+        {**WELL_FORMED, "flushed_stages": 3},  # more operators flushed than the chain has
+        {**WELL_FORMED, "out": ()},
+        {**WELL_FORMED, "flushed": "no"},
+        {"stages": [[], []], "out": [], "flushed": False},  # no queues, no flushed_stages
     ],
 )
 def test_a_tail_that_does_not_fit_the_chain_is_refused(tail):
