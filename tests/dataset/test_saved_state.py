@@ -143,3 +143,26 @@ def test_a_tail_that_does_not_fit_the_chain_is_refused(tail):
     for target, state in ((pack_chain(0, 2).iterator(), states[0]), (pack_chain(0, 3).iterator(), states)):
         with pytest.raises(StateError, match="tail"):
             target.load_state_dict(state)
+
+
+def bucket_chain(rank: int, world: int) -> gl.Dataset:
+    return (
+        gl.Dataset(docs(47))
+        .shuffle(7)
+        .shard(rank, world, "none")
+        .bucket_batch(lambda d: len(d["tokens"]), [4, 9], 2, pad=0)
+    )
+
+
+@pytest.mark.parametrize("buckets", [[[], [{"tokens": np.arange(5)}] * 2, []], [[], []]])  # a full bucket; one missing
+def test_buckets_that_do_not_fit_the_chain_are_refused(buckets):
+    """BucketStage.restore's check: a bucket holding a whole batch, or buckets of another count."""
+    states = []
+    for rank in range(2):
+        it = bucket_chain(rank, 2).iterator()
+        next(it)
+        states.append(copy.deepcopy(it.state_dict()))
+    states[0]["tail"]["stages"] = [buckets]
+    for target, state in ((bucket_chain(0, 2).iterator(), states[0]), (bucket_chain(0, 3).iterator(), states)):
+        with pytest.raises(StateError, match="tail state does not fit this chain: buckets of"):
+            target.load_state_dict(state)
