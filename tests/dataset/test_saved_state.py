@@ -114,15 +114,23 @@ def test_a_pack_state_without_its_tail_is_refused_not_its_records_dropped():
             target.load_state_dict(states)
 
 
+# A tail state of the form saved_state checks: each case below breaks one thing in it, so that
+# what refuses it is the check of that thing (a stage's own restore, the tail's), not the form's.
+WELL_FORMED: dict[str, Any] = {"stages": [[], []], "queues": [[], []], "out": [], "flushed": False, "flushed_stages": 0}
+
+
 @pytest.mark.parametrize(
     "tail",
     [
-        {"stages": [[np.zeros((2, 2), dtype=np.int32)], []], "out": [], "flushed": False},  # a 2-D piece
-        {"stages": [[np.arange(9)], []], "out": [], "flushed": False},  # a row of 9 in rows of 8
-        {"stages": [[], [None, None]], "out": [], "flushed": False},  # a full batch held
-        {"stages": [[]], "out": [], "flushed": False},  # an operator missing
-        {"stages": [[], []], "out": (), "flushed": False},
-        {"stages": [[], []], "out": [], "flushed": "no"},
+        {**WELL_FORMED, "stages": [[np.zeros((2, 2), dtype=np.int32)], []]},  # a 2-D piece
+        {**WELL_FORMED, "stages": [[np.arange(9)], []]},  # a row of 9 in rows of 8
+        {**WELL_FORMED, "stages": [[], [None, None]]},  # a full batch held
+        {**WELL_FORMED, "stages": [[]]},  # an operator missing
+        {**WELL_FORMED, "queues": [[]]},  # an operator's queue missing
+        {**WELL_FORMED, "flushed_stages": 3},  # more operators flushed than the chain has
+        {**WELL_FORMED, "out": ()},
+        {**WELL_FORMED, "flushed": "no"},
+        {"stages": [[], []], "out": [], "flushed": False},  # no queues, no flushed_stages
     ],
 )
 def test_a_tail_that_does_not_fit_the_chain_is_refused(tail):
@@ -134,4 +142,27 @@ def test_a_tail_that_does_not_fit_the_chain_is_refused(tail):
     states[0]["tail"] = tail
     for target, state in ((pack_chain(0, 2).iterator(), states[0]), (pack_chain(0, 3).iterator(), states)):
         with pytest.raises(StateError, match="tail"):
+            target.load_state_dict(state)
+
+
+def bucket_chain(rank: int, world: int) -> gl.Dataset:
+    return (
+        gl.Dataset(docs(47))
+        .shuffle(7)
+        .shard(rank, world, "none")
+        .bucket_batch(lambda d: len(d["tokens"]), [4, 9], 2, pad=0)
+    )
+
+
+@pytest.mark.parametrize("buckets", [[[], [{"tokens": np.arange(5)}] * 2, []], [[], []]])  # a full bucket; one missing
+def test_buckets_that_do_not_fit_the_chain_are_refused(buckets):
+    """BucketStage.restore's check: a bucket holding a whole batch, or buckets of another count."""
+    states = []
+    for rank in range(2):
+        it = bucket_chain(rank, 2).iterator()
+        next(it)
+        states.append(copy.deepcopy(it.state_dict()))
+    states[0]["tail"]["stages"] = [buckets]
+    for target, state in ((bucket_chain(0, 2).iterator(), states[0]), (bucket_chain(0, 3).iterator(), states)):
+        with pytest.raises(StateError, match="tail state does not fit this chain: buckets of"):
             target.load_state_dict(state)

@@ -394,7 +394,7 @@ class Plan:
         skip_errors: bool,
         timer: Timer,
         deferred: bool,
-        sendable: bool = False,
+        sendable: bool,
     ) -> TaskResult:
         """Samples from indices, or from (index, record) pairs whose records went through the
         first `first_map` maps; then the batch."""

@@ -92,7 +92,7 @@ class Tail:
                 for queue, items in zip(self.queues, state["queues"], strict=True):
                     queue.extend(items)
                 self.out.extend(state["out"])
-                self.flushed, self.flushed_stages = bool(state["flushed"]), int(state["flushed_stages"])
+                self.flushed, self.flushed_stages = state["flushed"], state["flushed_stages"]  # typed by saved_state
             except (KeyError, TypeError, ValueError) as exc:
                 raise StateError(f"the state dict's tail state does not fit this chain: {exc}") from exc
             if not 0 <= self.flushed_stages <= len(self.stages) or (self.flushed_stages and not self.flushed):
