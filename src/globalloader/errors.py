@@ -11,6 +11,7 @@ and always reaches the caller.
 
 from __future__ import annotations
 
+import pickle
 from numbers import Integral
 
 
@@ -133,3 +134,15 @@ class ServerError(ServiceError):
 
 
 SAMPLE_ERRORS = (CorruptSampleError, TransformError)  # what on_error="skip" may skip
+
+
+# What pickle raises for a value it cannot pickle: a lambda or local function, a lock, a generator.
+UNPICKLABLE = (pickle.PicklingError, TypeError, AttributeError)
+
+
+def unsendable(
+    what: str, exc: BaseException, fix: str = "return picklable values (arrays, numbers, str and containers of them)"
+) -> str:
+    """The message of a TransformError for `what`, a value a worker process cannot send: pickle's
+    error (one of `UNPICKLABLE`) and the fix, worded alike wherever a worker sends values."""
+    return f"{what}: {type(exc).__name__}: {exc}; {fix}"

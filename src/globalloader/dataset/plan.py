@@ -32,7 +32,15 @@ from globalloader.dataset.operator import RecordOp, TailOp
 from globalloader.dataset.seeds import SeedOp
 from globalloader.dataset.stream import StreamReader, StreamSource
 from globalloader.dataset.tail import TailRecord
-from globalloader.errors import SAMPLE_ERRORS, ArgumentError, FingerprintError, GlobalLoaderError, TransformError
+from globalloader.errors import (
+    SAMPLE_ERRORS,
+    UNPICKLABLE,
+    ArgumentError,
+    FingerprintError,
+    GlobalLoaderError,
+    TransformError,
+    unsendable,
+)
 from globalloader.sources.base import BatchReads, ColumnarReads, GathersAhead, capable
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
@@ -441,13 +449,11 @@ class Plan:
         """A TransformError naming the map that made `sample` unless it can be pickled."""
         try:
             pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - whatever pickle raises (TypeError, PicklingError, ...)
+        except UNPICKLABLE as exc:
             made_by = f"map {self.maps[-1].name!r}" if self.maps else "the source"
-            raise TransformError(
-                f"{made_by} returned, for sample {_record_key(sample, index)}, a value a worker process cannot "
-                f"send: {type(exc).__name__}: {exc}; return picklable values (arrays, numbers, str and "
-                "containers of them) or use Loader(mode='thread')"
-            ) from None
+            what = f"{made_by} returned, for sample {_record_key(sample, index)}, a value a worker process cannot send"
+            fix = "return picklable values (arrays, numbers, str and containers of them) or use Loader(mode='thread')"
+            raise TransformError(unsendable(what, exc, fix)) from None
 
     def _batch_maps(self, batch: Any, epoch: int, task: int, timer: Timer) -> Any:
         for k, op in enumerate(self.batch_maps, start=len(self.maps)):

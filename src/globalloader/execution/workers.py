@@ -19,8 +19,8 @@ from typing import Any, NamedTuple, cast
 
 from globalloader.dataset.cache import MISSING
 from globalloader.dataset.plan import Plan, Timer
-from globalloader.errors import LoaderTimeoutError, TransformError
-from globalloader.runtime.pool import UNPICKLABLE, Worker, WorkerPool, failure, raised_again, unsendable
+from globalloader.errors import UNPICKLABLE, LoaderTimeoutError, TransformError, unsendable
+from globalloader.runtime.pool import Worker, WorkerPool, failure, raised_again
 from globalloader.transport.arena import ArenaId, attach
 
 

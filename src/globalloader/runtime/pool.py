@@ -40,9 +40,6 @@ STOP_GRACE = 5.0  # seconds workers get to stop before they are killed
 # a loop that keeps many small batches alive holds no mapping (nor file descriptor) per batch.
 INLINE_BYTES = 64 << 10
 
-# What pickle raises for a value it cannot pickle: a lambda or local function, a lock, a generator.
-UNPICKLABLE = (pickle.PicklingError, TypeError, AttributeError)
-
 # A batch on its way to the consumer: (None, segment message) or ((encoded tree, array bytes), None).
 Packed = tuple[tuple[tuple, bytearray] | None, BatchMessage | None]
 
@@ -63,14 +60,6 @@ def failure(exc: BaseException, fallback: type[Exception]) -> tuple[BaseExceptio
     except Exception:  # noqa: BLE001 - any failure to pickle or unpickle means it cannot cross the pipe
         exc = fallback(f"{type(exc).__name__}: {exc}")
     return exc, tb
-
-
-def unsendable(
-    what: str, exc: BaseException, fix: str = "return picklable values (arrays, numbers, str and containers of them)"
-) -> str:
-    """The message for `what`, a value `Worker.send` refused: pickle's error (one of `UNPICKLABLE`)
-    and the fix, worded alike by every body."""
-    return f"{what}: {type(exc).__name__}: {exc}; {fix}"
 
 
 def raised_again(exc: BaseException, tb: str) -> BaseException:

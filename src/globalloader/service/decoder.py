@@ -28,8 +28,16 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from globalloader.errors import GlobalLoaderError, SampleTooLargeError, SharedPrefixError, SourceError, WorkerError
-from globalloader.runtime.pool import UNPICKLABLE, Worker, WorkerPool, unsendable
+from globalloader.errors import (
+    UNPICKLABLE,
+    GlobalLoaderError,
+    SampleTooLargeError,
+    SharedPrefixError,
+    SourceError,
+    WorkerError,
+    unsendable,
+)
+from globalloader.runtime.pool import Worker, WorkerPool
 from globalloader.service.pool import BufferPool
 from globalloader.service.protocol import STALL_S, error_name
 from globalloader.sources.base import Prefetching

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from globalloader.errors import TransformError, WorkerError
-from globalloader.runtime.pool import UNPICKLABLE, Worker, failure, unsendable
+from globalloader.errors import UNPICKLABLE, TransformError, WorkerError, unsendable
+from globalloader.runtime.pool import Worker, failure
 from globalloader.torch.collate import stack_collate
 from globalloader.torch.rng import RngReporter, set_process_rng
 from globalloader.torch.tensors import torch
