@@ -18,7 +18,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from globalloader.storage import write_atomic
+from globalloader.storage import read_whole, write_atomic
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -48,7 +48,7 @@ class CacheOp:
         if self._folder is None:
             return self._memory.get(index, MISSING)
         try:
-            data = memoryview((self._folder / f"{index}.pkl").read_bytes())
+            data = memoryview(read_whole(self._folder / f"{index}.pkl"))
         except FileNotFoundError:
             return MISSING
         body, start = data[len(_HEADER) + 4 :], len(_HEADER)

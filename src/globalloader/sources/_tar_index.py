@@ -29,7 +29,7 @@ import numpy as np
 
 from globalloader.errors import SourceError
 from globalloader.sources._tar_format import split_key, walk
-from globalloader.storage import FileStat, cache_key, write_atomic
+from globalloader.storage import FileStat, cache_key, read_whole, write_atomic
 from globalloader.storage.checksum import etag_md5
 
 _VERSION = 2  # 2: built by the walker that checks each member's end and the end-of-archive marker
@@ -65,7 +65,7 @@ def index_path(folder: pathlib.Path, url: str, st: FileStat) -> pathlib.Path:
 def load(path: pathlib.Path) -> ShardIndex | None:
     """The index saved at `path`, or None if it is missing or unreadable (then rescan)."""
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with np.load(io.BytesIO(read_whole(path)), allow_pickle=False) as z:  # BytesIO shares the bytes
             index, _ = _from_npz(z)
     except _NPZ_ERRORS:
         return None

@@ -125,7 +125,7 @@ class ArrowCopy(ProcessLocal):
         (`verify`: nor when its bytes do not match the checksum written with it)."""
         pa = self._pa
         try:
-            mapped = pa.memory_map(str(self.path), "r")
+            mapped = storage.memory_map(self.path)
             reader = pa.ipc.open_file(mapped)
         except (OSError, pa.ArrowInvalid):  # missing, or not an Arrow file (damaged): build again
             return False
@@ -145,8 +145,7 @@ class ArrowCopy(ProcessLocal):
         """Whether the mapped file's CRC-32 is the one written beside it: a flipped byte that
         keeps the size and the Arrow framing is caught here, before any row is served."""
         try:
-            with open(self._checksum_path, "rb") as sidecar:
-                expected = sidecar.read(64).strip()  # bytes: a damaged sidecar need not be text
+            expected = storage.read_whole(self._checksum_path).strip()  # bytes: a damaged sidecar need not be text
         except OSError:
             return False
         return f"{crc32_upto(fd, os.fstat(fd).st_size):08x}".encode() == expected

@@ -1,7 +1,8 @@
-"""The one I/O layer: URL -> bytes and ranges, the machine-wide cache, retries, prefetch, atomic
+"""The one I/O layer: paths and URLs -> bytes and ranges, the machine-wide cache, retries, prefetch, atomic
 writes (`write_atomic`, from the ground floor's `_paths`).
 
-Nothing else in globalloader opens a URL. Sources hold a `Store` (their `storage_options=` and
+Nothing else in globalloader opens a file or a URL: local paths too are read here (`local`: whole
+files, pyarrow's own files, memory maps; `RangeReader`: ranges). Sources hold a `Store` (their `storage_options=` and
 `cache_limit=`) and read through it; see docs/remote.md.
 """
 
@@ -9,7 +10,8 @@ from globalloader._paths import write_atomic
 from globalloader.storage._fork import reset_in_forked_children
 from globalloader.storage._fs import scheme_of
 from globalloader.storage.cache import ObjectCache, parse_size
-from globalloader.storage.ranges import RangeFile, RangeReader, open_read
+from globalloader.storage.local import memory_map, read_whole
+from globalloader.storage.ranges import RangeFile, RangeReader, open_arrow, open_read
 from globalloader.storage.retry import RetryPolicy
 from globalloader.storage.store import FileStat, Store, cache_key
 
@@ -21,8 +23,11 @@ __all__ = [
     "RetryPolicy",
     "Store",
     "cache_key",
+    "memory_map",
+    "open_arrow",
     "open_read",
     "parse_size",
+    "read_whole",
     "reset_in_forked_children",
     "scheme_of",
     "write_atomic",
