@@ -244,21 +244,21 @@ class AtomicWrite:
     def write(self, data: bytes | memoryview) -> int:
         return self.file.write(data)
 
+    def sync(self) -> None:
+        """Flush the bytes written so far and wait until they are on disk (what `commit` does
+        first when durable: called earlier, the wait stays out of a lock the rename needs, and
+        the commit's own sync finds nothing left to write)."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
     def commit(self) -> None:
         """Publish the bytes under `path` now (else `write_atomic` does when its block ends):
         flushed, synced to disk first when durable, then renamed over whatever was there."""
-        self.file.flush()
         if self.durable:
-            os.fsync(self.file.fileno())  # the rename must never publish data still in flight
+            self.sync()  # the rename must never publish data still in flight
         self.file.close()
         os.replace(self.temporary, self.path)
         self.committed = True
-        if self.durable:  # the rename itself, recorded in the folder
-            fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 @contextlib.contextmanager
@@ -273,11 +273,13 @@ def write_atomic(
     so a cleaner can tell a dead one's), never half a file under `path`. Concurrent writers of
     one path each publish a whole file; the last rename wins. The temporary name is unique per
     process and thread (host, pid, thread id and a random token), made with O_EXCL in the same
-    folder, never through a symbolic link. `durable`: synced to disk before the rename and the
-    rename synced after, for files a crash of the machine must not leave empty under their name
-    (the object cache, the Arrow copy, the report); the others are checked when read or made
-    again. `mode`: exactly this mode (the cache's rules, `file_mode`), else the umask's default.
-    The file is opened for reading too (a writer may check what it wrote). OSErrors pass.
+    folder, never through a symbolic link. `durable`: the data is synced to disk before the
+    rename, for files a crash of the machine must not leave empty or cut short under their name
+    (the object cache, the Arrow copy, the report: they are trusted once named); the others are
+    checked when read or made again. A crash may still lose the rename itself: then the old
+    file, or none, is there, never a part of the new one. `mode`: exactly this mode (the cache's
+    rules, `file_mode`), else the umask's default. The file is opened for reading too (a writer
+    may check what it wrote). OSErrors pass.
     """
     target = pathlib.Path(path)
     owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{os.urandom(4).hex()}.tmp"

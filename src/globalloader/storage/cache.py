@@ -510,6 +510,7 @@ class ObjectCache:
 
                 download(write)
                 out.write(sums.tail())
+                out.sync()  # on disk before the counters' lock is taken
                 fd = _paths.open_file(out.temporary, os.O_RDONLY)[0]
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 with self.stats.update() as record:
