@@ -51,6 +51,8 @@ def _opening_calls(path: Path) -> list[str]:
             continue  # str.replace, NamedTuple._replace and the like
         if (owner, name) == ("np", "load") and not _in_memory(node.args[0]):
             found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: np.load of a file by its name")
+        if name == "ParquetFile" and not ast.unparse(node.args[0]).startswith("storage."):
+            found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: ParquetFile of a file storage did not open")
         if name in _OPENING_CALLS and (owner, name) not in _FORMAT_OVER_A_FILE_OBJECT:
             found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(func)}(...)")
     return found
