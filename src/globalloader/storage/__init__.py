@@ -1,9 +1,10 @@
-"""The one I/O layer: paths and URLs -> bytes and ranges, the machine-wide cache, retries, prefetch, atomic
-writes (`write_atomic`, from the ground floor's `_paths`).
+"""The one I/O layer: paths and URLs -> bytes and ranges, the machine-wide cache, retries,
+prefetch, atomic writes (`write_atomic`, from the ground floor's `_paths`, where its lowest user is).
 
-Nothing else in globalloader opens a file or a URL: local paths too are read here (`local`: whole
-files, pyarrow's own files, memory maps; `RangeReader`: ranges). Sources hold a `Store` (their `storage_options=` and
-`cache_limit=`) and read through it; see docs/remote.md.
+Nothing else in globalloader opens a file or a URL: local paths are read here too (`local`: whole
+files, pyarrow's own files, memory maps; `RangeReader`: ranges), so local and remote reads cannot
+drift apart. Sources hold a `Store` (their `storage_options=` and `cache_limit=`) and read through
+it; see docs/remote.md.
 """
 
 from globalloader._paths import write_atomic
