@@ -9,17 +9,26 @@ files may belong to other members of a group of this user's, never be writable b
 and the object cache checks entries another user wrote at every open (see `storage.cache`).
 Files are opened without following symbolic links (a link planted in the folder would redirect
 a write), folders are checked with `lstat`.
+
+Every file globalloader writes whole is written by `write_atomic` (a temporary file renamed into
+place): it lives here, on the ground floor, because its lowest user is `build_once` below and
+because its temporary file is made like the cache's files (`create_file`: O_EXCL, no link, an
+exact mode); `storage` re-exports it for the floors above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import pathlib
+import re
+import socket
 import stat
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 from globalloader.errors import ArgumentError, StorageError
 
@@ -211,6 +220,95 @@ def build_once(
             return
         marker.unlink(missing_ok=True)
         build()
-        temporary = marker.with_suffix(".tmp")
-        temporary.write_text(json.dumps(params))
-        os.replace(temporary, marker)
+        with write_atomic(marker) as out:  # not durable: a marker lost to a crash only costs a rebuild
+            out.write(json.dumps(params).encode())
+
+
+def host_tag() -> str:
+    """This machine's name with letters and digits only: one field of a file name."""
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())
+
+
+_HOST = host_tag()  # with the pid, names whose temporary files they are (see `temporary_writer`)
+_NAME_MAX = 255  # bytes of one file name on Linux file systems
+
+
+class AtomicWrite:
+    """A file being written by `write_atomic`: `write`, or hand `file` to a writer that takes a
+    file object; `temporary` is where the bytes are until `commit` renames them into place."""
+
+    def __init__(self, path: pathlib.Path, temporary: pathlib.Path, file: IO[bytes], durable: bool) -> None:
+        self.path, self.temporary, self.file, self.durable = path, temporary, file, durable
+        self.committed = False
+
+    def write(self, data: bytes | memoryview) -> int:
+        return self.file.write(data)
+
+    def sync(self) -> None:
+        """Flush the bytes written so far and wait until they are on disk (what `commit` does
+        first when durable: called earlier, the wait stays out of a lock the rename needs, and
+        the commit's own sync finds nothing left to write)."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def commit(self) -> None:
+        """Publish the bytes under `path` now (else `write_atomic` does when its block ends):
+        flushed, synced to disk first when durable, then renamed over whatever was there."""
+        if self.durable:
+            self.sync()  # the rename must never publish data still in flight
+        self.file.close()
+        os.replace(self.temporary, self.path)
+        self.committed = True
+
+
+@contextlib.contextmanager
+def write_atomic(
+    path: os.PathLike[str] | str, *, durable: bool = False, mode: int | None = None, buffering: int = -1
+) -> Iterator[AtomicWrite]:
+    """Write the file `path` whole or not at all: the block writes a temporary file beside it,
+    renamed over `path` when the block ends (or at `AtomicWrite.commit`).
+
+    A failure or exception in the block removes the temporary file and leaves `path` as it was; a
+    process killed mid-write leaves only a temporary file (`temporary_writer` names its writer,
+    so a cleaner can tell a dead one's), never half a file under `path`. Concurrent writers of
+    one path each publish a whole file; the last rename wins. The temporary name is unique per
+    process and thread (host, pid, thread id and a random token), made with O_EXCL in the same
+    folder, never through a symbolic link. `durable`: the data is synced to disk before the
+    rename, for files a crash of the machine must not leave empty or cut short under their name
+    (the object cache, the Arrow copy, the report: they are trusted once named); the others are
+    checked when read or made again. A crash may still lose the rename itself: then the old
+    file, or none, is there, never a part of the new one. `mode`: exactly this mode (the cache's
+    rules, `file_mode`), else the umask's default. The file is opened for reading too (a writer
+    may check what it wrote). OSErrors pass.
+    """
+    target = pathlib.Path(path)
+    owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{os.urandom(4).hex()}.tmp"
+    name = os.fsencode(target.name)[: _NAME_MAX - len(owner) - 2].decode(errors="ignore")
+    temporary = target.with_name(f".{name}.{owner}")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = create_file(temporary, os.O_RDWR, mode) if mode is not None else os.open(temporary, flags, 0o666)
+    # Closed by `commit`, or below without raising over the block's own exception.
+    write = AtomicWrite(target, temporary, open(fd, "r+b", buffering=buffering), durable)  # noqa: SIM115
+    try:
+        yield write
+        if not write.committed:
+            write.commit()
+    except BaseException:
+        with contextlib.suppress(OSError):  # a flush the disk refuses: the temporary goes anyway
+            write.file.close()
+        if not write.committed:
+            temporary.unlink(missing_ok=True)
+        raise
+
+
+def temporary_writer(name: str) -> int | None:
+    """The pid of the process of this machine writing the `write_atomic` temporary file `name`,
+    or None when `name` is no temporary of this machine's (a cleaner removes those of dead pids)."""
+    head, _, rest = name.rpartition(".tmp")
+    if rest or not head.startswith("."):
+        return None
+    owner = head.rsplit(".", 2)[-2:]
+    fields = owner[0].split("-") if len(owner) == 2 else []
+    if len(fields) != 3 or fields[0] != _HOST or not fields[1].isdigit():
+        return None
+    return int(fields[1])

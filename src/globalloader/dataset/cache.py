@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import pickle
-import threading
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from globalloader.storage import read_whole, write_atomic
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -47,7 +48,7 @@ class CacheOp:
         if self._folder is None:
             return self._memory.get(index, MISSING)
         try:
-            data = memoryview((self._folder / f"{index}.pkl").read_bytes())
+            data = memoryview(read_whole(self._folder / f"{index}.pkl"))
         except FileNotFoundError:
             return MISSING
         body, start = data[len(_HEADER) + 4 :], len(_HEADER)
@@ -61,10 +62,9 @@ class CacheOp:
             return
         self._folder.mkdir(parents=True, exist_ok=True)
         body = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        tmp = self._folder / f".{index}.{os.getpid()}.{threading.get_ident()}.tmp"  # threads share a pid
-        with open(tmp, "wb") as f:
-            f.write(_HEADER + zlib.crc32(body).to_bytes(4, "little") + body)
-        os.replace(tmp, self._folder / f"{index}.pkl")
+        # Not durable: an entry a crash damaged fails its CRC-32 and is computed again.
+        with write_atomic(self._folder / f"{index}.pkl") as out:
+            out.write(_HEADER + zlib.crc32(body).to_bytes(4, "little") + body)
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers start with an empty memory cache rather than a pickled copy of the parent's.

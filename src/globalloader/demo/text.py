@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from globalloader import _extras
 from globalloader._paths import build_once, cache_dir
 from globalloader.errors import ArgumentError, check_int
+from globalloader.storage import write_atomic
 
 __all__ = ["CORPORA", "ByteTokenizer", "CorpusSpec", "demo_corpora", "document_sizes", "make_text_corpus"]
 
@@ -135,9 +136,8 @@ def _write_file(
     for size in document_sizes(spec, documents, rng):
         texts.append(_WRITERS[spec.kind](rng, int(size)))
         bar.update(1)
-    temporary = path.with_suffix(".parquet.tmp")
-    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), temporary, row_group_size=rows_per_group)
-    os.replace(temporary, path)
+    with write_atomic(path) as out:  # not durable: `build_once` makes a corpus a crash cut short again
+        pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), out.file, row_group_size=rows_per_group)
 
 
 def make_text_corpus(

@@ -13,13 +13,11 @@ that says nothing about whether the steady state keeps up.
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import html
 import io
 import math
 import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from globalloader._extras import require
 from globalloader.errors import ArgumentError, StorageError
 from globalloader.execution.stats import LoaderStats
 from globalloader.execution.timeline import StepTimeline, wait_edges
+from globalloader.storage import write_atomic
 
 INPUT_BOUND = 0.10  # waiting for data more than this share of the loop's time: input-bound
 _STAGE_NAMES = {"transport": "transfer (to the loop)", "read": "read (source)", "fetch": "fetch (the dataset)"}
@@ -111,18 +110,10 @@ def write(path: str | os.PathLike[str], record: RunRecord, title: str = "globall
     interrupted write leaves the old file, or none, never half a page."""
     target = _target(path)
     page = render(record, title).encode("utf-8")
-    tmp = target.with_name(f".gl-report.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # short: any name fits
     try:
-        with open(tmp, "xb") as out:
+        with write_atomic(target, durable=True) as out:
             out.write(page)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):  # none there where the folder refused to make it
-            tmp.unlink()
-        if not isinstance(exc, OSError):
-            raise
+    except OSError as exc:
         if exc.errno in (errno.ENAMETOOLONG, errno.EISDIR):
             raise ArgumentError(f"report: cannot write {str(target)!r}: {exc.strerror}") from None
         raise StorageError(

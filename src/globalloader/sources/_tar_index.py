@@ -15,12 +15,11 @@ members.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
-import os
 import pathlib
-import threading
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -30,7 +29,7 @@ import numpy as np
 
 from globalloader.errors import SourceError
 from globalloader.sources._tar_format import split_key, walk
-from globalloader.storage import FileStat, cache_key
+from globalloader.storage import FileStat, cache_key, read_whole, write_atomic
 from globalloader.storage.checksum import etag_md5
 
 _VERSION = 2  # 2: built by the walker that checks each member's end and the end-of-archive marker
@@ -66,7 +65,7 @@ def index_path(folder: pathlib.Path, url: str, st: FileStat) -> pathlib.Path:
 def load(path: pathlib.Path) -> ShardIndex | None:
     """The index saved at `path`, or None if it is missing or unreadable (then rescan)."""
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with np.load(io.BytesIO(read_whole(path)), allow_pickle=False) as z:  # BytesIO shares the bytes
             index, _ = _from_npz(z)
     except _NPZ_ERRORS:
         return None
@@ -106,13 +105,9 @@ def _write_npz(out: IO[bytes], index: ShardIndex, meta: dict[str, Any], compress
 
 def save(path: pathlib.Path, index: ShardIndex) -> None:
     """Write atomically; a failure to write only costs a rescan next time, so it is ignored."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            _write_npz(f, index, {} if index.crc32 is None else {"crc32": index.crc32})
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    # Not durable: an index lost to a crash is rebuilt (one that does not load is).
+    with contextlib.suppress(OSError), write_atomic(path) as out:
+        _write_npz(out.file, index, {} if index.crc32 is None else {"crc32": index.crc32})
 
 
 def scan(read: Callable[[int, int], bytes], url: str, size: int, remote: bool) -> ShardIndex:

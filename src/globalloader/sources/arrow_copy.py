@@ -12,10 +12,9 @@ import hashlib
 import os
 import pathlib
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -28,7 +27,7 @@ from globalloader.sources._mapped_columns import MappedColumns
 from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
 from globalloader.sources.base import ArrowBlocks, Blocks, capable, check_index, check_indices, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
-from globalloader.storage.cache import crc32_upto, host_tag
+from globalloader.storage.cache import crc32_upto
 
 _FORMAT = 1  # bump when the file layout or the meaning of its metadata changes
 _META_KEY = b"globalloader.arrow_copy"
@@ -126,7 +125,7 @@ class ArrowCopy(ProcessLocal):
         (`verify`: nor when its bytes do not match the checksum written with it)."""
         pa = self._pa
         try:
-            mapped = pa.memory_map(str(self.path), "r")
+            mapped = storage.memory_map(self.path)
             reader = pa.ipc.open_file(mapped)
         except (OSError, pa.ArrowInvalid):  # missing, or not an Arrow file (damaged): build again
             return False
@@ -146,8 +145,7 @@ class ArrowCopy(ProcessLocal):
         """Whether the mapped file's CRC-32 is the one written beside it: a flipped byte that
         keeps the size and the Arrow framing is caught here, before any row is served."""
         try:
-            with open(self._checksum_path, "rb") as sidecar:
-                expected = sidecar.read(64).strip()  # bytes: a damaged sidecar need not be text
+            expected = storage.read_whole(self._checksum_path).strip()  # bytes: a damaged sidecar need not be text
         except OSError:
             return False
         return f"{crc32_upto(fd, os.fstat(fd).st_size):08x}".encode() == expected
@@ -159,30 +157,21 @@ class ArrowCopy(ProcessLocal):
         except OSError as exc:
             raise SourceError(f"cannot create the Arrow copy's folder {folder}: {exc.strerror}; pass folder=") from None
         self._remove_stale()
-        token = f"{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        tmp = folder / f".{self.path.name}.{token}.tmp"
-        crc_tmp = folder / f".{self._checksum_path.name}.{token}.tmp"
         try:
-            self._write(source, tmp, progress)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # the rename must never publish data still in flight
-                checksum = f"{crc32_upto(fd, os.fstat(fd).st_size):08x}"
-            finally:
-                os.close(fd)
-            crc_tmp.write_text(checksum)  # the checksum goes first: a copy is never without one
-            os.replace(crc_tmp, self._checksum_path)
-            os.replace(tmp, self.path)
-        except BaseException as exc:
-            tmp.unlink(missing_ok=True)
-            crc_tmp.unlink(missing_ok=True)
-            if isinstance(exc, OSError):
-                raise SourceError(
-                    f"cannot write the Arrow copy {self.path}: {exc.strerror or exc}; free space there or pass folder="
-                ) from None
-            raise
+            # Durable: a machine's crash must never leave a copy the checksum then condemns.
+            with storage.write_atomic(self.path, durable=True) as out:
+                self._write(source, out.file, progress)
+                out.file.flush()
+                checksum = f"{crc32_upto(out.file.fileno(), out.file.tell()):08x}"
+                # The checksum goes first: a copy is never without one.
+                with storage.write_atomic(self._checksum_path, durable=True) as sidecar:
+                    sidecar.write(checksum.encode())
+        except OSError as exc:
+            raise SourceError(
+                f"cannot write the Arrow copy {self.path}: {exc.strerror or exc}; free space there or pass folder="
+            ) from None
 
-    def _write(self, source: Any, tmp: pathlib.Path, progress: bool | None) -> None:
+    def _write(self, source: Any, out: IO[bytes], progress: bool | None) -> None:
         pa = self._pa
         writer: Any = None
         schema: Any = None
@@ -194,7 +183,8 @@ class ArrowCopy(ProcessLocal):
             disable=None if progress is None else not progress,
             leave=False,
         )
-        with pa.OSFile(str(tmp), "wb") as sink, bar:
+        sink = pa.PythonFile(out, mode="w")  # not closed: `write_atomic` closes `out` when it renames it
+        with bar:
             for block in range(len(self._origins)):
                 table = source.read_block(block)
                 columns = [_plain(column.combine_chunks()) for column in table.columns]
@@ -230,14 +220,13 @@ class ArrowCopy(ProcessLocal):
         """Delete copies of earlier versions of the same files, and the temporary files of
         writers on this machine that died before finishing."""
         where = self.path.name.split("-")[1]
-        host = host_tag()
         for other in self.path.parent.glob(f"parquet-{where}-*.arrow*"):
             if other.name not in (self.path.name, self._checksum_path.name):
                 with contextlib.suppress(OSError):
                     other.unlink()
         for tmp in self.path.parent.glob(f".parquet-{where}-*.tmp"):
-            parts = tmp.name.rsplit(".", 4)  # .<name>.arrow . host . pid . token . tmp
-            if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not alive(int(parts[2])):
+            pid = _paths.temporary_writer(tmp.name)
+            if pid is not None and not alive(pid):
                 with contextlib.suppress(OSError):
                     tmp.unlink()
 

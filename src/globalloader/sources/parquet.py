@@ -157,8 +157,7 @@ class Parquet(ProcessLocal):
             try:
                 # Remote files by cached blocks: a footer and a few columns download only those.
                 stat = recorded[f] if recorded else None
-                source = storage.open_read(self.store, url, stat, whole=False) if storage.scheme_of(url) else url
-                handle = self._pq.ParquetFile(source)
+                handle = self._pq.ParquetFile(storage.open_arrow(self.store, url, stat))
             except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
                 raise SourceError(f"cannot read Parquet file {url}: {exc}") from None
             if recorded is not None and self.store.stat(url) != recorded[f]:

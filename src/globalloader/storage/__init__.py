@@ -1,13 +1,18 @@
-"""The one I/O layer: URL -> bytes and ranges, the machine-wide cache, retries, prefetch.
+"""The one I/O layer: paths and URLs -> bytes and ranges, the machine-wide cache, retries,
+prefetch, atomic writes (`write_atomic`, from the ground floor's `_paths`, where its lowest user is).
 
-Nothing else in globalloader opens a URL. Sources hold a `Store` (their `storage_options=` and
-`cache_limit=`) and read through it; see docs/remote.md.
+Nothing else in globalloader opens a file or a URL: local paths are read here too (`local`: whole
+files, pyarrow's own files, memory maps; `RangeReader`: ranges), so local and remote reads cannot
+drift apart. Sources hold a `Store` (their `storage_options=` and `cache_limit=`) and read through
+it; see docs/remote.md.
 """
 
+from globalloader._paths import write_atomic
 from globalloader.storage._fork import reset_in_forked_children
 from globalloader.storage._fs import scheme_of
 from globalloader.storage.cache import ObjectCache, parse_size
-from globalloader.storage.ranges import RangeFile, RangeReader, open_read
+from globalloader.storage.local import memory_map, read_whole
+from globalloader.storage.ranges import RangeFile, RangeReader, open_arrow, open_read
 from globalloader.storage.retry import RetryPolicy
 from globalloader.storage.store import FileStat, Store, cache_key
 
@@ -19,8 +24,12 @@ __all__ = [
     "RetryPolicy",
     "Store",
     "cache_key",
+    "memory_map",
+    "open_arrow",
     "open_read",
     "parse_size",
+    "read_whole",
     "reset_in_forked_children",
     "scheme_of",
+    "write_atomic",
 ]

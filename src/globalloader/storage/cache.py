@@ -41,11 +41,9 @@ import multiprocessing.util
 import os
 import pathlib
 import re
-import socket
 import struct
 import threading
 import time
-import uuid
 import weakref
 import zlib
 from collections import OrderedDict
@@ -498,13 +496,13 @@ class ObjectCache:
         return set()
 
     def _write_once(self, path: pathlib.Path, download: Download) -> _Opened:
-        """Download into a temporary file and rename it into place, already opened under our
-        shared lock: no eviction deletes it before we read it."""
-        tmp = path.with_name(f"{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        """Download into a temporary file and rename it into place (durable: an entry is trusted
+        across a crash of the machine), already opened under our shared lock: no eviction deletes
+        it before we read it."""
         sums = _Checksums()
         fd = -1
         try:
-            with open(_paths.create_file(tmp, os.O_WRONLY, _paths.file_mode()), "wb", buffering=_WRITE_CHUNK) as out:
+            with _paths.write_atomic(path, durable=True, mode=_paths.file_mode(), buffering=_WRITE_CHUNK) as out:
 
                 def write(chunk: bytes) -> None:
                     out.write(chunk)
@@ -512,23 +510,23 @@ class ObjectCache:
 
                 download(write)
                 out.write(sums.tail())
-            fd = _paths.open_file(tmp, os.O_RDONLY)[0]
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            with self.stats.update() as record:
-                with contextlib.suppress(FileNotFoundError):
-                    old = os.lstat(path)  # a damaged entry nobody could delete: replaced
-                    record["bytes"] -= old.st_size
-                    record["entries"] -= 1
-                os.replace(tmp, path)
-                record["bytes"] += stored_size(sums.length)
-                record["entries"] += 1
-                record["misses"] += 1
-                record["downloaded_bytes"] += sums.length
+                out.sync()  # on disk before the counters' lock is taken
+                fd = _paths.open_file(out.temporary, os.O_RDONLY)[0]
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                with self.stats.update() as record:
+                    with contextlib.suppress(FileNotFoundError):
+                        old = os.lstat(path)  # a damaged entry nobody could delete: replaced
+                        record["bytes"] -= old.st_size
+                        record["entries"] -= 1
+                    out.commit()
+                    record["bytes"] += stored_size(sums.length)
+                    record["entries"] += 1
+                    record["misses"] += 1
+                    record["downloaded_bytes"] += sums.length
             return _Opened(fd, sums.crc, _stamp(os.fstat(fd)))
         except BaseException:
             if fd >= 0:
                 os.close(fd)
-            tmp.unlink(missing_ok=True)
             raise
 
     def entries(self) -> list[tuple[pathlib.Path, int, float]]:
@@ -630,11 +628,8 @@ class ObjectCache:
     def _remove_dead_temporaries(self) -> None:
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
             for item in it:
-                parts = item.name.split(".")
-                if len(parts) != 4 or parts[3] != "tmp":
-                    continue
-                owner_host, _, pid = parts[1].rpartition("-")
-                if owner_host == _HOST and pid.isdigit() and not alive(int(pid)):
+                pid = _paths.temporary_writer(item.name)
+                if pid is not None and not alive(pid):
                     with contextlib.suppress(OSError):
                         os.unlink(item.path)
 
@@ -736,11 +731,3 @@ def _release_all() -> None:
             with contextlib.suppress(GlobalLoaderError, OSError):
                 cache._release_idle()
                 cache.evict_if_over_limit()
-
-
-def host_tag() -> str:
-    """This machine's name with letters and digits only: one field of a file name."""
-    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())
-
-
-_HOST = host_tag()  # with the pid, names whose temporary files they are (see evict)

@@ -16,6 +16,7 @@ from globalloader.storage import retry
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
 from globalloader.storage._fs import LOCAL_SCHEMES, local_errors, scheme_of
 from globalloader.storage.cache import CachedFile, pread_upto
+from globalloader.storage.local import open_native
 from globalloader.storage.store import FileStat, Store
 
 # Cache entries a reader keeps at hand: whole shards are read sample by sample, blocks (Parquet
@@ -176,6 +177,14 @@ def open_read(store: Store, url: str, stat: FileStat | None = None, *, whole: bo
     reader.expect(url, stat)
     raw = RangeFile(lambda start, n: reader.read_remote(url, start, n), stat.size, url, reader.close)
     return io.BufferedReader(raw, buffer_size=1 << 20)
+
+
+def open_arrow(store: Store, url: str, stat: FileStat | None = None) -> Any:
+    """A file for pyarrow to read `url` from: a local path as pyarrow's own file (native reads),
+    a URL as `open_read` by blocks (a footer and a few columns download only those)."""
+    if not scheme_of(url):
+        return open_native(url)
+    return open_read(store, url, stat, whole=False)
 
 
 class RangeFile(io.RawIOBase):
