@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError, ServerError
-
-_ALIGN = 64
+from globalloader.transport.codec import ALIGN, aligned
 
 K = TypeVar("K", bound=Hashable)  # a sample's key (the server's: (prefix fingerprint, index))
 
@@ -55,8 +54,8 @@ class BufferPool(Generic[K]):
         on_evict: Callable[[K], None] | None = None,
         wanted: Callable[[K], bool] | None = None,
     ) -> None:
-        if not isinstance(capacity, int) or capacity < _ALIGN:
-            raise ArgumentError(f"BufferPool: capacity must be an int >= {_ALIGN} bytes, got {capacity!r}")
+        if not isinstance(capacity, int) or capacity < ALIGN:
+            raise ArgumentError(f"BufferPool: capacity must be an int >= {ALIGN} bytes, got {capacity!r}")
         self.capacity = capacity
         self._on_evict = on_evict or (lambda key: None)
         self._wanted = wanted or (lambda key: False)
@@ -84,7 +83,7 @@ class BufferPool(Generic[K]):
         released. Evicts least-recently-used unreferenced samples as needed."""
         if key in self._entries:
             raise ServerError(f"BufferPool: {key!r} is already in the pool")
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        size = max(ALIGN, aligned(nbytes))
         if size > self.capacity:
             raise SampleTooLargeError(
                 f"sample {key!r} needs {nbytes} bytes but the pool holds only {self.capacity}: "
@@ -104,7 +103,7 @@ class BufferPool(Generic[K]):
     def shrink(self, key: K, nbytes: int) -> None:
         """A reservation made on a size guess: give back the tail the sample did not use."""
         entry = self._entries[key]
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        size = max(ALIGN, aligned(nbytes))
         if size < entry.nbytes:
             self._insert(entry.offset + size, entry.nbytes - size)
             self.used -= entry.nbytes - size
