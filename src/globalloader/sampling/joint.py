@@ -9,7 +9,7 @@ the region-wise "follow" specified in docs/shared.md ("The joint sampler"):
   indices it has not taken yet are split into cells of indices that nothing can tell apart at
   that moment: same region; for every other job that wants them, both seen this epoch or both
   unseen in the same cell of that job; neither warm (drawn and not evicted since: perhaps in the
-  pool, in flight or in a follow log), each warm index being a cell of its own.
+  sample store, in flight or in a follow log), each warm index being a cell of its own.
   It draws a uniform arrangement of its cell labels; request i is served from cell label i.
 - Follow. Within the cell it takes the oldest sample that another job drew fresh since this
   job's epoch began, that has not been evicted since, and that it has not seen; else a fresh
@@ -20,7 +20,7 @@ indices only through their history, which the indices of a cell share, so the or
 cell is exchangeable and, with uniform labels, the job's order is uniform given its previous
 epochs too. Cells that were only regions were not enough (a faster follower avoids this job's
 last items). The price: a warm index is rarely followed, so each epoch loses about as many
-follows as the pool holds samples of the job's set. Consequences that shape the code:
+follows as the store holds samples of the job's set. Consequences that shape the code:
 
 - A job joining mid-epoch makes the others re-draw where its set cuts their cells; a job
   leaving never merges them (the follow rule would prefer the part the leaver had loaded).
@@ -97,7 +97,7 @@ class JointSampler:
     """Chooses each job's next index: every job's epoch order is uniform, and loads are shared.
 
     Pure index-space logic, no I/O: the server asks `next(job)` and reports through `evicted(i)`
-    every sample that leaves its buffer pool (or that it did not keep). A fresh draw is
+    every sample that leaves its sample store (or that it did not keep). A fresh draw is
     followable at once, so a follower may be served from a load still in flight. Jobs join and
     leave at any time, mid-epoch included; none ever waits for another. A job resumes mid-epoch by
     being added again over the indices it has not consumed (the server does so for a pass over
@@ -208,7 +208,7 @@ class JointSampler:
         return index
 
     def loaded(self, index: int) -> None:
-        """Report that sample `index` is in memory. Accepted for the pool's symmetry only.
+        """Report that sample `index` is in memory. Accepted for the store's symmetry only.
 
         Decisions do not depend on it: a sample is followable from the moment a job draws it
         fresh (see the module docstring for why "loaded since the epoch began" is not used).
@@ -222,9 +222,9 @@ class JointSampler:
     def wanted(self, index: int) -> bool:
         """Whether some job that wants `index` has not taken it yet in its current epoch.
 
-        A hint for the buffer pool: evicting unwanted samples first (instead of refreshing them
+        A hint for the sample store: evicting unwanted samples first (instead of refreshing them
         on every hit, as plain LRU does) keeps the window of followable samples full. It is a
-        function of the jobs' seen sets, so a pool that uses it keeps every order uniform.
+        function of the jobs' seen sets, so a store that uses it keeps every order uniform.
         """
         index = operator.index(index)
         regions = self._regions

@@ -1,4 +1,4 @@
-"""The buffer pool: one shared-memory arena of decoded samples, reference counted, with an LRU tier.
+"""The sample store: decoded samples in the server's arena, reference counted, with an LRU tier.
 
 A sample is written into the arena once (by a server worker) and read in place by every job that
 takes it, each holding a reference. When the last one is released the sample stays readable (a
@@ -45,7 +45,7 @@ class Entry:
         return sum(self.holders.values())
 
 
-class BufferPool(Generic[K]):
+class SampleStore(Generic[K]):
     """Allocation, references and eviction for an arena of `capacity` bytes."""
 
     def __init__(
