@@ -4,14 +4,17 @@ Every random draw of the library comes from a `SeedSequence` of (seed, epoch, wo
 words name the stream and, for per-item streams, the item. A stream's name is a fixed word so
 two operators never share draws; the words below are the ones each order was first pinned with,
 so a seed keeps giving the same order across releases. Seeds are taken modulo 2**64 (callers
-that must not wrap refuse larger seeds themselves).
+that must not wrap refuse larger seeds with `check_seed`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import numpy as np
+
+from globalloader.errors import ArgumentError, check_int
 
 MASK = 0xFFFFFFFFFFFFFFFF
 
@@ -21,6 +24,15 @@ BUFFER_SHUFFLE = 0xB0F  # dataset.stream: the shuffle buffer's swaps
 WINDOW_BLOCKS = 0xB10C  # dataset.window_shuffle: the order of the blocks
 WINDOW_ROWS = 0x5105  # dataset.window_shuffle: each window's row order, after the window's number
 RAY_TABLE, RAY_MAP, RAY_REDUCE = 0, 1, 2  # ray: the scatter table, then per map task, per reducer
+
+
+def check_seed(seed: Any, what: str) -> int:
+    """A seed that keys a 64-bit order, as an int: a larger one would share its order with the
+    seed it equals modulo 2**64, so it is refused rather than cut (an ArgumentError naming `what`)."""
+    value = check_int(seed, what)
+    if value > MASK:
+        raise ArgumentError(f"{what} must be below 2**64, got {value}")
+    return value
 
 
 def sequence(seed: int, *words: int) -> np.random.SeedSequence:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
-import pickle
 import random
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from scipy import stats
 
-from globalloader.errors import ArgumentError, SampleIndexError, StateError
+from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sampling import JointSampler
 from globalloader.sampling.joint import _dense
 
@@ -67,6 +65,15 @@ def _take(sampler: object, pool: _Pool, job: str) -> int:
         index = sampler.next(job)
     pool.serve(index)
     return index
+
+
+def _start_pass(sampler: JointSampler, job: str, indices: object, epoch: int) -> None:
+    """What the server does when a job starts a pass over another set than its current one
+    (`service.scheduler`, "run"): register it again over `indices` at `epoch`. A resumed epoch is
+    a pass over the indices the job has not consumed; its next epoch, one over the whole set."""
+    if job in sampler.stats():
+        sampler.remove_job(job)
+    sampler.add_job(job, indices, epoch=epoch)
 
 
 def _orders_pvalue(orders: np.ndarray) -> float:
@@ -213,17 +220,18 @@ def _rerun_leader(make: Factory, size: int, epochs: int, seed: int) -> np.ndarra
 
 
 def _restore_mid_epoch(make: Factory, size: int, epochs: int, seed: int) -> np.ndarray:
-    """k follows a faster job and is saved and restored (through JSON) mid-epoch, every epoch."""
+    """k follows a faster job and is resumed mid-epoch, every epoch, as the server resumes it."""
     sampler = make(seed)
     sampler.add_job("f", range(size))
     sampler.add_job("k", range(size))
     pool = _Pool(sampler, 2)
     orders = np.empty((epochs, size), dtype=np.int64)
     for epoch in range(epochs):
+        if epoch:
+            _start_pass(sampler, "k", range(size), epoch)
         for position in range(size):
             if position == size // 2:
-                state = json.loads(json.dumps(sampler.job_state("k")))
-                sampler.restore_job("k", range(size), state)
+                _start_pass(sampler, "k", sorted(set(range(size)) - set(orders[epoch, :position].tolist())), epoch)
             _take(sampler, pool, "f")
             _take(sampler, pool, "f")
             orders[epoch, position] = _take(sampler, pool, "k")
@@ -394,16 +402,33 @@ def test_scenarios_do_share(scenario: str) -> None:
     """The scenarios are not vacuous: k often takes a draw of another job. (Not as often as in
     large sets: in these 4-index sets a pool of 1 to 4 samples makes up to all of them warm, and
     a warm index has a cell of its own.)"""
-    made: list[JointSampler] = []
+    made: list[_CountsAcrossPasses] = []
 
     def make(seed: int) -> JointSampler:
-        made.append(JointSampler(seed))
+        made.append(_CountsAcrossPasses(seed))
         return made[-1]
 
     epochs = 3_000
     SCENARIOS[scenario](make, 4, epochs, SEEDS[scenario])
-    stats_k = made[0].stats()["k"]
+    stats_k = made[0].counts("k")
     assert stats_k["followed"] > 0.1 * stats_k["requests"]
+
+
+class _CountsAcrossPasses(JointSampler):
+    """Keeps a job's request counts across its registrations (a resumed job is registered again)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self._earlier: dict[object, Counter[str]] = defaultdict(Counter)
+
+    def remove_job(self, job: Hashable) -> None:
+        stats = self.stats()[job]
+        self._earlier[job].update({"requests": stats["requests"], "followed": stats["followed"]})
+        super().remove_job(job)
+
+    def counts(self, job: Hashable) -> Counter[str]:
+        stats = self.stats()[job]
+        return self._earlier[job] + Counter({"requests": stats["requests"], "followed": stats["followed"]})
 
 
 # -- controls: biased samplers the same tests must reject ----------------------------------
@@ -582,13 +607,14 @@ def test_control_following_old_loads_is_rejected() -> None:
 
 
 class _Schedules(RuleBasedStateMachine):
-    """Random joins, leaves, requests, delayed load reports, evictions, epochs and restores;
+    """Random joins, leaves, requests, delayed load reports, evictions, epochs and resumes;
     every epoch of every job must be its set, each index exactly once."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sampler = JointSampler(seed=3)
         self.sets: dict[str, set[int]] = {}
+        self.passes: dict[str, set[int]] = {}  # what the current pass of each job is over
         self.taken: dict[str, list[int]] = {}
         self.resident: OrderedDict[int, None] = OrderedDict()
         self.pending: list[int] = []
@@ -604,14 +630,15 @@ class _Schedules(RuleBasedStateMachine):
                 self.sampler.add_job(job, sorted(indices))
             return
         self.sampler.add_job(job, np.array(sorted(indices), dtype=np.int64), epoch=epoch)
-        self.sets[job], self.taken[job] = indices, []
+        self.sets[job] = self.passes[job] = indices
+        self.taken[job] = []
 
     @precondition(lambda self: self.sets)
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
         job = data.draw(st.sampled_from(sorted(self.sets)))
         self.sampler.remove_job(job)
-        del self.sets[job], self.taken[job]
+        del self.sets[job], self.passes[job], self.taken[job]
 
     @precondition(lambda self: self.sets)
     @rule(data=st.data(), report=st.sampled_from(["now", "later", "never"]), count=st.integers(1, 6))
@@ -650,23 +677,28 @@ class _Schedules(RuleBasedStateMachine):
     @rule(data=st.data())
     def new_epoch(self, data: st.DataObject) -> None:
         job = data.draw(st.sampled_from(sorted(self.sets)))
-        self.sampler.new_epoch(job)
+        if self.passes[job] == self.sets[job]:
+            self.sampler.new_epoch(job)
+        else:  # a resumed epoch: the next pass is over the whole set again
+            _start_pass(self.sampler, job, sorted(self.sets[job]), self.sampler.stats()[job]["epoch"] + 1)
+            self.passes[job] = self.sets[job]
         self.taken[job] = []
 
     @precondition(lambda self: self.sets)
     @rule(data=st.data(), fresh_sampler=st.booleans())
-    def save_and_restore(self, data: st.DataObject, fresh_sampler: bool) -> None:
+    def resume(self, data: st.DataObject, fresh_sampler: bool) -> None:
         job = data.draw(st.sampled_from(sorted(self.sets)))
-        state = json.loads(json.dumps(self.sampler.job_state(job)))
+        epochs = {name: stats["epoch"] for name, stats in self.sampler.stats().items()}
+        resumed = [job]
         if fresh_sampler:
             # Resume in a new sampler, as after a restart: the others re-register as they are.
-            others = {name: self.sampler.job_state(name) for name in self.sets if name != job}
+            resumed = [name for name in self.sets if name != job] + resumed
             self.sampler = JointSampler(seed=4)
             self.resident.clear()
             self.pending.clear()
-            for name, other in others.items():
-                self.sampler.restore_job(name, sorted(self.sets[name]), other)
-        self.sampler.restore_job(job, sorted(self.sets[job]), state)
+        for name in resumed:
+            self.passes[name] = self.sets[name] - set(self.taken[name])
+            _start_pass(self.sampler, name, sorted(self.passes[name]), epochs[name])
 
     @invariant()
     def remaining_matches(self) -> None:
@@ -716,29 +748,34 @@ def test_restored_job_finishes_exactly_what_it_had_not_seen() -> None:
         _take(sampler, pool, "f")
         seen.append(_take(sampler, pool, "k"))
     assert sampler.stats()["k"]["followed"] > 0
-    state = pickle.loads(pickle.dumps(sampler.job_state("k")))
+    unseen = sorted(set(range(100, 400)) - set(seen))
     for target in (sampler, JointSampler(seed=6)):
-        target.restore_job("k", np.arange(100, 400), state)
+        _start_pass(target, "k", unseen, epoch=0)
         rest = _drain(target, "k")
         assert len(rest) == 300 - 120
         assert sorted(seen + rest) == list(range(100, 400))
 
 
-def test_lone_job_resumes_bit_exactly_and_keeps_its_later_epochs() -> None:
+def test_lone_job_resumes_what_it_had_not_seen_and_keeps_its_later_epochs() -> None:
+    """A lone job's resumed rest is the plain shuffle of the rest under its seed and epoch (the
+    same in any sampler), and its next pass over the whole set is the epoch it would have had."""
     sampler = JointSampler(seed=8)
     sampler.add_job("k", range(50), seed=123, epoch=2)
     first = [sampler.next("k") for _ in range(20)]
-    state = sampler.job_state("k")
-    rest = _drain(sampler, "k")
+    _drain(sampler, "k")
     sampler.new_epoch("k")
     following = _drain(sampler, "k")
 
-    other = JointSampler(seed=99)
-    other.restore_job("k", list(reversed(range(50))), state)
-    assert _drain(other, "k") == rest
-    other.new_epoch("k")
-    assert _drain(other, "k") == following
-    assert sorted(first + rest) == list(range(50))
+    unseen = sorted(set(range(50)) - set(first))
+    rests = []
+    for other in (JointSampler(seed=99), JointSampler(seed=100)):
+        other.add_job("k", list(reversed(unseen)), seed=123, epoch=2)
+        rests.append(_drain(other, "k"))
+        other.remove_job("k")
+        other.add_job("k", range(50), seed=123, epoch=3)
+        assert _drain(other, "k") == following
+    assert rests[0] == rests[1]
+    assert sorted(first + rests[0]) == list(range(50))
 
 
 def test_lone_job_gets_a_plain_shuffle_fixed_by_its_seed() -> None:
@@ -780,30 +817,6 @@ def test_a_lone_job_that_gets_company_leaves_its_seeded_order() -> None:
     rest = _drain(sampler, "k")
     assert sorted(first + rest) == list(range(200))
     assert rest != plain[100:]
-
-
-def test_state_is_plain_data() -> None:
-    sampler = JointSampler()
-    sampler.add_job("k", range(10))
-    sampler.next("k")
-    state = sampler.job_state("k")
-    assert json.loads(json.dumps(state)) == state
-    assert all(isinstance(v, (int, str)) for v in state.values())
-
-
-def test_restore_rejects_a_state_of_another_set() -> None:
-    sampler = JointSampler()
-    sampler.add_job("k", range(10))
-    state = sampler.job_state("k")
-    with pytest.raises(StateError, match=r"'k'.*another index set"):
-        sampler.restore_job("k", range(11), state)
-    with pytest.raises(StateError, match="another index set"):
-        sampler.restore_job("k", range(1, 11), state)
-    with pytest.raises(StateError, match="malformed"):
-        sampler.restore_job("k", range(10), {**state, "consumed": "not base64!"})
-    with pytest.raises(StateError):
-        sampler.restore_job("k", range(10), {"version": 99})
-    assert sampler.remaining("k") == 10  # a failed restore leaves the job as it was
 
 
 # -- the rest of the API -------------------------------------------------------------------

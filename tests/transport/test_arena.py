@@ -14,21 +14,21 @@ from globalloader.transport import arena, names
 from helpers import shm_held
 
 
-def write(pool: arena.Arena, value: int) -> tuple[int, object]:
+def write(target: arena.Arena, value: int) -> tuple[int, object]:
     """Put one sample of `value`s at offset 0; its layout."""
     layout, placed = arena.encode({"x": np.full(4, value)})
-    pool.write(0, placed)
+    target.write(0, placed)
     return layout
 
 
 def test_a_name_made_again_is_never_read_through_the_earlier_files_mapping():
-    """A server in its own PID namespace is pid 1 at every start: its pool's name comes back. Here
-    this process is the server twice (`create` names the pool after our pid) and a job in between."""
+    """A server in its own PID namespace is pid 1 at every start: its arena's name comes back. Here
+    this process is the server twice (`create` names the arena after our pid) and a job in between."""
     first = arena.create(1 << 16)
     layout = write(first, 7)
     job = arena.hold(first.id)
     assert job.read(0, layout)["x"].tolist() == [7] * 4
-    first.close()  # the server stops (its pool unlinked); the job has not let go yet
+    first.close()  # the server stops (its arena unlinked); the job has not let go yet
     second = arena.create(1 << 16)
     try:
         assert second.name == first.name and second.id != first.id
@@ -75,7 +75,7 @@ sys.stdin.read()  # until told to stop; then it dies without unlinking
 
 @pytest.fixture
 def live_holder():
-    """Start a process holding a pool name of our choosing, as a server of another PID namespace
+    """Start a process holding an arena name of our choosing, as a server of another PID namespace
     does (its name says nothing about its pid here); yields a function taking the name."""
     started: list[tuple[subprocess.Popen[str], str]] = []
 
@@ -95,15 +95,15 @@ def live_holder():
 
 
 def test_the_sweep_keeps_a_pool_a_live_process_holds_whatever_pid_its_name_says(live_holder):
-    """A server's sweep at start (`remove_unheld`) goes by the pool's lock, not by the pid in its
-    name: a sidecar server in another PID namespace names its pool after a pid that is dead here
-    (or another process's), and its pool must survive; the pool of a server that died goes."""
+    """A server's sweep at start (`remove_unheld`) goes by the arena's lock, not by the pid in its
+    name: a sidecar server in another PID namespace names its arena after a pid that is dead here
+    (or another process's), and its arena must survive; the arena of a server that died goes."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    live, leftover = f"{arena.POOL_PREFIX}{dead.pid}", f"{arena.POOL_PREFIX}{dead.pid}-gone"
+    live, leftover = f"{arena.ARENA_PREFIX}{dead.pid}", f"{arena.ARENA_PREFIX}{dead.pid}-gone"
     holder = live_holder(live)
     names.create_mapping(leftover, 1 << 12)  # nobody holds it: a dead server's
-    assert names.remove_unheld(arena.POOL_PREFIX + str(dead.pid)) == 1
+    assert names.remove_unheld(arena.ARENA_PREFIX + str(dead.pid)) == 1
     assert names.list_names(live) == [live]
     holder.kill()  # the sidecar dies: its lock goes with it
     holder.communicate(timeout=10)
@@ -111,7 +111,7 @@ def test_the_sweep_keeps_a_pool_a_live_process_holds_whatever_pid_its_name_says(
 
 
 def test_the_sweep_never_touches_another_users_pool():
-    name = f"{arena.POOL_PREFIX}0-other-user"
+    name = f"{arena.ARENA_PREFIX}0-other-user"
     names.create_mapping(name, 1 << 12)
     try:
         if os.geteuid() == 0:  # only root can give a file to another user
@@ -125,8 +125,8 @@ def test_the_sweep_never_touches_another_users_pool():
 
 def test_a_server_whose_pid_names_a_live_pool_makes_its_own(live_holder):
     """Two servers of two PID namespaces with the same pid, alive together: the second never
-    takes or unlinks the first's pool, and each reads its own values."""
-    theirs = f"{arena.POOL_PREFIX}{os.getpid()}"
+    takes or unlinks the first's arena, and each reads its own values."""
+    theirs = f"{arena.ARENA_PREFIX}{os.getpid()}"
     live_holder(theirs)
     ours = arena.create(1 << 16)
     try:

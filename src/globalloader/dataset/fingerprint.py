@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from globalloader.errors import FingerprintError
+from globalloader.sources.base import declared_fingerprint
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)
 _MAX_DEPTH = 100  # nested references followed before giving up (a reference chain too deep)
@@ -212,11 +213,11 @@ class _Walk:
     def named(self, v: Any, t: type) -> bool:
         """Keyed by its own `fingerprint` string, if it has one."""
         try:
-            fp = getattr(v, "fingerprint", None)
+            fp = declared_fingerprint(v)
         except Exception as exc:  # noqa: BLE001 - a failing property: its identity is unknown
             self.opaque(v, f"its fingerprint attribute raised {type(exc).__name__}: {exc}")
             return True
-        if isinstance(fp, str):
+        if fp is not None:
             self.put("fingerprint", f"{_qualified(t)}\x00{fp}")
             return True
         return False

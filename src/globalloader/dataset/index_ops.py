@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from globalloader.dataset.seeds import check_permutation_seed
+from globalloader._seeding import check_seed
 from globalloader.errors import ArgumentError, SampleIndexError
 from globalloader.sampling.permutation import Permutation
 from globalloader.sampling.sharding import ShardArgs, shard_length, shard_positions
@@ -78,7 +78,7 @@ class Shuffle:
 
     def __post_init__(self) -> None:
         if self.seed is not None:
-            object.__setattr__(self, "seed", check_permutation_seed(self.seed))
+            object.__setattr__(self, "seed", check_seed(self.seed, "shuffle: seed"))
 
     def attach(self, plan: Builder) -> None:
         plan.add_index(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))

@@ -41,7 +41,7 @@ from globalloader.errors import (
     TransformError,
     unsendable,
 )
-from globalloader.sources.base import BatchReads, ColumnarReads, GathersAhead, capable
+from globalloader.sources.base import BatchReads, ColumnarReads, GathersAhead, capable, declared_fingerprint
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
 GROUPED_CHUNK = 128  # samples per task feeding a tail: records are small (tokens), tasks many
@@ -113,7 +113,7 @@ class Plan:
         self.resume_parts = self.identity_parts(strict=False)
         self.resume_fingerprint = digest(*self.resume_parts.values())
         if self.cache is not None and self.cache.path is not None:
-            if not isinstance(getattr(self.source, "fingerprint", None), str):
+            if declared_fingerprint(self.source) is None:
                 raise ArgumentError(
                     f"cache(path) needs a source with a .fingerprint to key its files; "
                     f"{type(source).__name__} has none (wrap it: gl.from_sequence(...))"

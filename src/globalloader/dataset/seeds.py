@@ -11,22 +11,12 @@ combination's root unless they set their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from globalloader._seeding import MASK
-from globalloader.errors import ArgumentError, check_int
+from globalloader.errors import check_int
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
-
-
-def check_permutation_seed(seed: Any) -> int:
-    """A shuffle's own seed keys a 64-bit permutation: a larger one would share its order with
-    the seed it equals modulo 2**64, so it is refused rather than cut."""
-    value = check_int(seed, "shuffle: seed")
-    if value > MASK:
-        raise ArgumentError(f"shuffle: seed must be below 2**64, got {value}")
-    return value
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from globalloader._seeding import BUFFER_SHUFFLE, generator
 from globalloader.dataset.fingerprint import digest, fingerprint
 from globalloader.errors import ArgumentError, check_int
 from globalloader.sampling.sharding import ShardArgs, shard_length
-from globalloader.sources.base import RecordStream
+from globalloader.sources.base import RecordStream, declared_fingerprint
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -55,8 +55,8 @@ class StreamSource:
 
     @property
     def fingerprint(self) -> str:
-        fp = getattr(self.iterable, "fingerprint", None)
-        if isinstance(fp, str):
+        fp = declared_fingerprint(self.iterable)
+        if fp is not None:
             return fp
         if inspect.isfunction(self.iterable):
             return fingerprint(self.iterable, f"function {self.iterable.__qualname__!r}")

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from globalloader._seeding import WINDOW_BLOCKS, WINDOW_ROWS, generator, sequence
-from globalloader.dataset.seeds import check_permutation_seed
+from globalloader._seeding import WINDOW_BLOCKS, WINDOW_ROWS, check_seed, generator, sequence
 from globalloader.errors import ArgumentError
 from globalloader.sampling.permutation import Permutation
 from globalloader.sources.base import Blocks, KeepsBlocks, capable
@@ -59,7 +58,7 @@ class WindowShuffle:
 
     def __post_init__(self) -> None:
         if self.seed is not None:
-            object.__setattr__(self, "seed", check_permutation_seed(self.seed))
+            object.__setattr__(self, "seed", check_seed(self.seed, "shuffle: seed"))
         if isinstance(self.window, bool) or not isinstance(self.window, (int, np.integer)) or self.window < 1:
             raise ArgumentError(f"shuffle: window must be an int >= 1 (blocks per window), got {self.window!r}")
         object.__setattr__(self, "window", int(self.window))

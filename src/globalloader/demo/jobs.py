@@ -11,7 +11,7 @@ start together (a barrier, after their imports) and wall time runs from that sta
 last job ends.
 
 Three modes run the same functions:
-- "shared": one server started for the run (a given pool size, K*W decode workers, a socket in
+- "shared": one server started for the run (a given arena size, K*W decode workers, a socket in
   a temporary folder; stopped afterwards); jobs use `Loader(..., share=True, workers=0)`.
 - "independent": each job its own in-process `Loader(..., workers=W)`, no sharing.
 - "torch": each job its own `torch.utils.data.DataLoader(num_workers=W)`, same functions and
@@ -54,7 +54,7 @@ from globalloader.vision import Decode, RandomCropFlipNormalize
 __all__ = ["MODES", "SAMPLE_BYTES", "JobSpec", "job_chain", "job_sample", "overlapping_sets", "run_jobs"]
 
 MODES = ("shared", "independent", "torch")
-# One demo image (500x375) after Decode(resize=256): what a pool slot holds.
+# One demo image (500x375) after Decode(resize=256): what a sample takes in the arena.
 SAMPLE_BYTES = 256 * 341 * 3
 _SHARED, _OWN = Decode(resize=256), RandomCropFlipNormalize(size=224)
 _OWN_POSITION = 1  # the random map's position in the chain: part of its per-sample seed
@@ -122,7 +122,7 @@ def run_jobs(
     """Run `specs` as concurrent job processes in `mode`; return per-job and overall figures.
 
     `workers` is per job (shared mode: the server gets len(specs) * workers decode workers and
-    the jobs none); `memory` is the shared-mode pool. Per job: samples, seconds, samples/s,
+    the jobs none); `memory` is the shared-mode arena. Per job: samples, seconds, samples/s,
     whether every epoch saw its set exactly once, and its decodes (independent, torch) or its
     followed share (shared; of its last epoch). Overall: wall time until all jobs end, aggregate
     samples/s, decodes and decodes / |union of the sets|. Raises WorkerError if a job fails, or
@@ -304,7 +304,7 @@ class _Server:
         return launcher.status(self.socket)
 
     def describe(self) -> str:
-        """The server's view, for an error message: its jobs and its pool."""
+        """The server's view, for an error message: its jobs and its arena."""
         try:
             status = self.status()
         except (ServerGoneError, OSError) as exc:

@@ -14,7 +14,7 @@ import ray
 import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from globalloader._seeding import MASK
+from globalloader._seeding import check_seed
 from globalloader.errors import ArgumentError, StateError, WorkerError, check_int
 from globalloader.ray.layout import default_num_reducers, make_layout
 from globalloader.ray.prefetch import OutputPrefetcher, ask_queue
@@ -82,9 +82,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         ):
             check_int(value, arg, 1)
         check_int(rank, "rank")
-        check_int(seed, "seed")
-        if seed > MASK:  # it would share the order of the seed it equals modulo 2**64
-            raise ArgumentError(f"seed must be below 2**64, got {seed}")
+        check_seed(seed, "seed")
         if rank >= num_trainers:
             raise ArgumentError(f"rank must be in 0..{num_trainers - 1}, got {rank}")
         if columns is not None and (

@@ -23,7 +23,7 @@ from globalloader.dataset import Dataset
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import Parquet, TarShards
 from globalloader.sources._arrow_values import to_numpy
-from globalloader.sources.base import ArrowBlocks, BatchReads, Blocks, KeepsBlocks, capable
+from globalloader.sources.base import ArrowBlocks, BatchReads, Blocks, KeepsBlocks, capable, declared_fingerprint
 
 PART_ROWS = 65536  # rows per map task of a source with no blocks: fixed, so orders never depend on the machine
 _GZIP_SUFFIXES = (".gz", ".tgz")
@@ -76,8 +76,8 @@ def _sources(data: Any, columns: Sequence[str] | None, storage_options: dict[str
 
 
 def _split(source: Any) -> list[Part]:
-    fingerprint = getattr(source, "fingerprint", None)
-    if not isinstance(fingerprint, str):
+    fingerprint = declared_fingerprint(source)
+    if fingerprint is None:
         raise ArgumentError(
             f"{type(source).__name__} has no `fingerprint` string: every rank must agree it reads the same data"
         )

@@ -5,11 +5,11 @@ see its own set once per epoch in a uniformly random order, whatever the others 
 loaded for one job should serve the others while it is still in memory. The production rule is
 the region-wise "follow" specified in docs/shared.md ("The joint sampler"):
 
-- Cells. When a job's order is drawn (its epoch start, a join that cuts one of its cells, a
-  restore), the indices it has not taken yet are split into cells of indices that nothing can
-  tell apart at that moment: same region; for every other job that wants them, both seen this
-  epoch or both unseen in the same cell of that job; neither warm (drawn and not evicted since:
-  perhaps in the pool, in flight or in a follow log), each warm index being a cell of its own.
+- Cells. When a job's order is drawn (its epoch start, a join that cuts one of its cells), the
+  indices it has not taken yet are split into cells of indices that nothing can tell apart at
+  that moment: same region; for every other job that wants them, both seen this epoch or both
+  unseen in the same cell of that job; neither warm (drawn and not evicted since: perhaps in the
+  sample store, in flight or in a follow log), each warm index being a cell of its own.
   It draws a uniform arrangement of its cell labels; request i is served from cell label i.
 - Follow. Within the cell it takes the oldest sample that another job drew fresh since this
   job's epoch began, that has not been evicted since, and that it has not seen; else a fresh
@@ -20,7 +20,7 @@ indices only through their history, which the indices of a cell share, so the or
 cell is exchangeable and, with uniform labels, the job's order is uniform given its previous
 epochs too. Cells that were only regions were not enough (a faster follower avoids this job's
 last items). The price: a warm index is rarely followed, so each epoch loses about as many
-follows as the pool holds samples of the job's set. Consequences that shape the code:
+follows as the store holds samples of the job's set. Consequences that shape the code:
 
 - A job joining mid-epoch makes the others re-draw where its set cuts their cells; a job
   leaving never merges them (the follow rule would prefer the part the leaver had loaded).
@@ -30,7 +30,7 @@ follows as the pool holds samples of the job's set. Consequences that shape the 
 
 Cost per request is O(1) amortised (a few list, dict and bytearray lookups): each follow-log
 entry and each fresh-list element is passed at most once per epoch. Drawing an order (epoch
-start, cut, restore) costs O(universe + |set| * jobs sharing it) in NumPy. Memory per job is
+start, cut) costs O(universe + |set| * jobs sharing it) in NumPy. Memory per job is
 about 5 bytes per index of the universe (the largest index of any job) plus about 30 bytes per
 element of its set. Not thread-safe: one thread (the server's scheduler) drives it, or callers
 hold a lock.
@@ -38,23 +38,18 @@ hold a lock.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import operator
-import zlib
 from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any
 
 import numpy as np
 
 from globalloader._seeding import entropy_seed, generator, spawned_generator
-from globalloader.errors import ArgumentError, SampleIndexError, StateError, check_int
+from globalloader.errors import ArgumentError, SampleIndexError, check_int
 from globalloader.sampling._regions import RegionMap
 
-_STATE_VERSION = 1
 # A cell's follow log is compacted (stale entries dropped) once it is longer than twice the
 # number of followable samples plus this slack, which keeps compaction amortised O(1) per entry.
 _LOG_SLACK = 4096
@@ -80,7 +75,6 @@ class _Job:
     indices: np.ndarray  # sorted unique int64
     seed: int
     universe: InitVar[int]
-    checksum: int = field(init=False)
     seen: bytearray = field(init=False)  # 1 for every index seen this epoch
     cell: array[int] = field(init=False)  # cell id of each unseen index of the set
     epoch: int = 0
@@ -95,7 +89,6 @@ class _Job:
     layout: tuple[int, bool] = (-1, True)
 
     def __post_init__(self, universe: int) -> None:
-        self.checksum = zlib.crc32(self.indices.astype("<i8").tobytes())
         self.seen = bytearray(universe)
         self.cell = array("i", bytes(4 * universe))
 
@@ -104,19 +97,19 @@ class JointSampler:
     """Chooses each job's next index: every job's epoch order is uniform, and loads are shared.
 
     Pure index-space logic, no I/O: the server asks `next(job)` and reports through `evicted(i)`
-    every sample that leaves its buffer pool (or that it did not keep). A fresh draw is
+    every sample that leaves its sample store (or that it did not keep). A fresh draw is
     followable at once, so a follower may be served from a load still in flight. Jobs join and
-    leave at any time, mid-epoch included; none ever waits for another. `job_state` and
-    `restore_job` resume one job exactly: the indices it already consumed this epoch are
-    recorded and the rest of the epoch is a uniform order of what remains.
+    leave at any time, mid-epoch included; none ever waits for another. A job resumes mid-epoch by
+    being added again over the indices it has not consumed (the server does so for a pass over
+    the rest of an epoch): the rest of the epoch is a uniform order of what remains.
 
     Randomness: a job that starts an epoch alone (no other job wants any of its indices) gets
-    the plain shuffle of that epoch, a function of its seed and epoch number only, and resumes
-    it bit-exactly. A job that starts an epoch while sharing draws its order from the sampler's
-    own stream instead: were it replayed from its seed (a job re-run with the same seed, or
-    restored again from one checkpoint), the jobs following it would see the same order twice
-    and their epochs would stop being independent. `seed` seeds that stream (None: fresh OS
-    entropy) and the default job seeds.
+    the plain shuffle of that epoch, a function of its seed, epoch number and set only. A job
+    that starts an epoch while sharing draws its order from the sampler's own stream instead:
+    were it replayed from its seed (a job re-run with the same seed, or resumed again from one
+    checkpoint), the jobs following it would see the same order twice and their epochs would
+    stop being independent. `seed` seeds that stream (None: fresh OS entropy) and the default
+    job seeds.
     """
 
     def __init__(self, seed: int | None = None) -> None:
@@ -215,7 +208,7 @@ class JointSampler:
         return index
 
     def loaded(self, index: int) -> None:
-        """Report that sample `index` is in memory. Accepted for the pool's symmetry only.
+        """Report that sample `index` is in memory. Accepted for the store's symmetry only.
 
         Decisions do not depend on it: a sample is followable from the moment a job draws it
         fresh (see the module docstring for why "loaded since the epoch began" is not used).
@@ -229,9 +222,9 @@ class JointSampler:
     def wanted(self, index: int) -> bool:
         """Whether some job that wants `index` has not taken it yet in its current epoch.
 
-        A hint for the buffer pool: evicting unwanted samples first (instead of refreshing them
+        A hint for the sample store: evicting unwanted samples first (instead of refreshing them
         on every hit, as plain LRU does) keeps the window of followable samples full. It is a
-        function of the jobs' seen sets, so a pool that uses it keeps every order uniform.
+        function of the jobs' seen sets, so a store that uses it keeps every order uniform.
         """
         index = operator.index(index)
         regions = self._regions
@@ -250,7 +243,7 @@ class JointSampler:
     def stats(self) -> dict[Hashable, dict[str, int]]:
         """Per job: epoch, requests, followed (took another job's draw), fresh (drew anew).
 
-        Counts start when the job is added or restored.
+        Counts start when the job is added.
         """
         out = {}
         for name, j in self._jobs.items():
@@ -262,51 +255,6 @@ class JointSampler:
                 "fresh": requests - j.followed,
             }
         return out
-
-    def job_state(self, job: Hashable) -> dict[str, Any]:
-        """`job`'s resumable state: plain ints and strs, JSON- and pickle-friendly.
-
-        Holds the epoch, the job seed, a checksum of its index set and the consumed set (a
-        base64 bitmap over the sorted indices).
-        """
-        j = self._job(job)
-        consumed = np.frombuffer(j.seen, dtype=np.uint8)[j.indices].astype(bool)
-        bitmap = np.packbits(consumed, bitorder="little").tobytes()
-        return {
-            "version": _STATE_VERSION,
-            "epoch": j.epoch,
-            "seed": j.seed,
-            "size": len(j.indices),
-            "checksum": j.checksum,
-            "consumed": base64.b64encode(bitmap).decode("ascii"),
-        }
-
-    def restore_job(self, job: Hashable, indices: Sequence[int] | np.ndarray, state: dict[str, Any]) -> None:
-        """Register `job` (replacing a job of that name) and continue the epoch saved in `state`.
-
-        The rest of the epoch is a uniform order of the indices not yet consumed. A job that is
-        alone and whose consumed set is exactly the start of the epoch's plain shuffle (always
-        so for a job that ran alone) continues that shuffle: a lone job resumes bit-exactly.
-        """
-        indices = _index_set(indices, "indices")
-        epoch, seed, consumed = _read_state(job, indices, state)
-        if job in self._jobs:
-            self.remove_job(job)
-        j = self._register(job, indices, seed)
-        j.epoch = epoch
-        seen = np.frombuffer(j.seen, dtype=np.uint8)
-        seen[indices[consumed]] = 1
-        done = int(consumed.sum())
-        del seen
-        rest = indices[~consumed]
-        if self._alone(j):
-            # Sound even when it matches by chance: given that the consumed set is the plain
-            # shuffle's first `done` elements, the rest of that shuffle is uniform.
-            plain = _plain_order(seed, epoch, len(indices))
-            seeded = bool(consumed[plain[:done]].all())
-            self._arrange_alone(j, indices[plain[done:]] if seeded else rest[self._rng.permutation(len(rest))], seeded)
-        else:
-            self._redraw(j, rest)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -368,7 +316,9 @@ class JointSampler:
         j.epoch = epoch
         j.seen = bytearray(self._regions.size)
         if self._alone(j):
-            self._arrange_alone(j, j.indices[_plain_order(j.seed, epoch, len(j.indices))], seeded=True)
+            order = j.indices[_plain_order(j.seed, epoch, len(j.indices))]
+            self._arrange(j, order, np.zeros(len(order), dtype=np.int64), 1)  # one cell
+            j.seeded = True
         else:
             self._redraw(j, j.indices)
 
@@ -411,11 +361,6 @@ class JointSampler:
         cell_of, count = self._cells_of(j, rest)
         perm = self._rng.permutation(len(rest))
         self._arrange(j, rest[perm], cell_of[perm], count)
-
-    def _arrange_alone(self, j: _Job, order: np.ndarray, seeded: bool) -> None:
-        """Serve `order` from one cell; `seeded`: it is the plain shuffle of j's seed."""
-        self._arrange(j, order, np.zeros(len(order), dtype=np.int64), 1)
-        j.seeded = seeded
 
     def _arrange(self, j: _Job, order: np.ndarray, cell_of: np.ndarray, count: int) -> None:
         """Serve `order`, a uniform order of j's unseen indices, from cells 0..count-1.
@@ -530,25 +475,3 @@ def _index_set(indices: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
     if len(repeated):
         raise ArgumentError(f"{name} must be unique, but {int(repeated[0])} appears twice")
     return ordered
-
-
-def _read_state(job: Hashable, indices: np.ndarray, state: dict[str, Any]) -> tuple[int, int, np.ndarray]:
-    """Check a `job_state` dict against `indices`: (epoch, seed, consumed mask over indices)."""
-    if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-        raise StateError(f"state for job {job!r} is not a version-{_STATE_VERSION} job_state dict")
-    try:
-        epoch = check_int(state["epoch"], "epoch")
-        seed = check_int(state["seed"], "state['seed']")
-        size, checksum = int(state["size"]), int(state["checksum"])
-        bitmap = base64.b64decode(state["consumed"], validate=True)
-    except (KeyError, TypeError, ValueError, binascii.Error, ArgumentError) as exc:
-        raise StateError(f"state for job {job!r} is malformed: {exc}") from None
-    if size != len(indices) or checksum != zlib.crc32(indices.astype("<i8").tobytes()):
-        raise StateError(
-            f"state for job {job!r} was saved for another index set "
-            f"({size} indices, checksum {checksum}; got {len(indices)} indices)"
-        )
-    if len(bitmap) != (size + 7) // 8:
-        raise StateError(f"state for job {job!r} has a consumed bitmap of the wrong length")
-    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), count=size, bitorder="little")
-    return epoch, seed, bits.astype(bool)

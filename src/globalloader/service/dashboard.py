@@ -1,4 +1,4 @@
-"""`globalloader status --web`: a live page of the server's jobs, pool and savings, and `/metrics`.
+"""`globalloader status --web`: a live page of the server's jobs, arena and savings, and `/metrics`.
 
 A thread asks the server for its status every second and keeps the last minutes as points (rates
 from its running totals); the page polls those points as JSON and draws them on canvases, so
@@ -58,7 +58,7 @@ class History:
     """The server's status over the last WINDOW_S seconds, polled every POLL_S seconds.
 
     Each point has the jobs' own figures (samples/s, waiting share, followed share) and the
-    server's rates between two polls (pool hits and evictions, decodes saved, decode workers'
+    server's rates between two polls (sample store hits and evictions, decodes saved, decode workers'
     busy share, the object-storage cache's downloads and hits when the status has them). A
     server that stops answering, or a new server in its place, is an event, never a crash.
     """
@@ -142,8 +142,8 @@ class History:
                 for j in status["jobs"]
             },
         }
-        pool = status["pool"]
-        point["pool_used"] = round(pool["used"] / pool["capacity"], 4) if pool["capacity"] else 0.0
+        store = status["pool"]
+        point["pool_used"] = round(store["used"] / store["capacity"], 4) if store["capacity"] else 0.0
         previous = self._previous
         if previous is None or previous[1]["pid"] != status["pid"]:
             return point  # no rates across a restart: the totals started again
@@ -157,8 +157,8 @@ class History:
                 return None
             return round((after - earlier) / dt, 3)
 
-        point["hits"] = rate(pool.get("hits", 0), before["pool"].get("hits", 0))
-        point["evictions"] = rate(pool.get("evictions", 0), before["pool"].get("evictions", 0))
+        point["hits"] = rate(store.get("hits", 0), before["pool"].get("hits", 0))
+        point["evictions"] = rate(store.get("evictions", 0), before["pool"].get("evictions", 0))
         point["saved"] = rate(status["decodes_saved"], before["decodes_saved"])
         busy = rate(status.get("decode_s", 0.0), before.get("decode_s", 0.0))
         point["decoders_busy"] = None if busy is None else round(min(1.0, busy / max(1, status["workers"])), 4)

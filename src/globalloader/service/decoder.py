@@ -3,7 +3,7 @@
 A load is a short conversation on the worker's pipe: the server sends `load` (or `loads`, a
 group of them in one message); the worker runs the prefix (source read + shared maps), writes the
 sample into the offset reserved ahead when it fits, else asks the server to `reserve` the bytes it
-needs and waits for `at` (the pool may first evict, or wait for releases), then reports `done`
+needs and waits for `at` (the store may first evict, or wait for releases), then reports `done`
 with its layout, or `failed` with the name of the error class and a message (a group's outcomes
 go back together as `replies`, within HOLD_S of each being done). Each worker keeps the prefixes
 it has been sent, so a chain is unpickled once per worker, not once per sample.
@@ -38,8 +38,8 @@ from globalloader.errors import (
     unsendable,
 )
 from globalloader.runtime.pool import Worker, WorkerPool
-from globalloader.service.pool import BufferPool
 from globalloader.service.protocol import STALL_S, error_name
+from globalloader.service.sample_store import SampleStore
 from globalloader.sources.base import Prefetching
 from globalloader.transport import arena
 
@@ -211,16 +211,16 @@ class _Worker:
 
 
 class Events(Protocol):
-    """What the decoder pool tells its server."""
+    """What the decoders tell their server."""
 
-    pool: BufferPool
+    store: SampleStore
 
     def prefix_of(self, fp: str) -> bytes | None: ...
     def loaded(self, fp: str, index: int, layout: Any) -> None: ...
     def failed(self, fp: str, index: int, error: str, message: str) -> None: ...
 
 
-class DecoderPool:
+class Decoders:
     """Starts, feeds and watches the decode workers of a server."""
 
     def __init__(
@@ -232,10 +232,10 @@ class DecoderPool:
         unregister: Callable[[Connection], None],
     ) -> None:
         self.size, self._events = size, events
-        self.pool = events.pool
+        self.store = events.store
         self._register, self._unregister = register, unregister
         self._waiting_space: deque[tuple[_Worker, str, int, int]] = deque()
-        self._space_progress = time.monotonic()  # last time pool space was granted or released
+        self._space_progress = time.monotonic()  # last time arena space was granted or released
         self._sizes: dict[str, int] = {}  # largest sample each prefix produced: the next guess
         self._sent = 0  # loads sent so far (their order)
         # Every load in flight by key, beside its worker's own `loads` (`_start` and `_end` keep both).
@@ -255,26 +255,26 @@ class DecoderPool:
 
     def room(self) -> bool:
         """Whether the server should draw more samples now: while fewer than LOADS_PER_WORKER
-        loads per worker are in flight, or while a load waits for pool space (then only what jobs
+        loads per worker are in flight, or while a load waits for arena space (then only what jobs
         draw can complete their batches, and so release space)."""
         return len(self._loading) < LOADS_PER_WORKER * self.size or bool(self._waiting_space)
 
     def _place_in_flight(self) -> bool:
-        """Whether every load in flight has its space reserved in the pool, after reserving it,
+        """Whether every load in flight has its space reserved in the arena, after reserving it,
         oldest first, for the loads sent without (their size was not known yet, or an earlier
         one had none): their workers then get the offset at once when they ask. Without this, one
         load sent without space makes every later one go without too, while it is in flight: with
         a worker's queue always full, each load would cost its worker a round trip to the server."""
         if self._waiting_space:
             return False
-        pool = self.pool
-        unplaced = [key for key in self._loading if key not in pool]
+        store = self.store
+        unplaced = [key for key in self._loading if key not in store]
         if not unplaced:
             return True
         loads = sorted((self._loading[key].loads[key] for key in unplaced), key=lambda load: load.order)
         for load in loads:
             size = self._sizes.get(load.key[0])
-            if size is None or size > self.pool.capacity or self.pool.reserve(load.key, size) is None:
+            if size is None or size > self.store.capacity or self.store.reserve(load.key, size) is None:
                 return False
         return True
 
@@ -290,8 +290,8 @@ class DecoderPool:
         # and a later one holding the space an earlier one waits for could stall them all.
         size = self._sizes.get(fp)
         offset = None
-        if size is not None and size <= self.pool.capacity and self._place_in_flight():
-            offset = self.pool.reserve((fp, index), size)
+        if size is not None and size <= self.store.capacity and self._place_in_flight():
+            offset = self.store.reserve((fp, index), size)
         self._sent += 1
         self._start(worker, Load((fp, index), time.monotonic() + timeout, timeout, attempts, self._sent))
         if fp not in worker.prefixes:  # after the loads queued before it, in order
@@ -358,7 +358,7 @@ class DecoderPool:
         if kind == "reserve":
             self.space_requests += 1
             self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3])
-            entry = self.pool.get(key)
+            entry = self.store.get(key)
             if entry is not None and not entry.ready and entry.nbytes >= msg[3]:  # reserved since it was sent
                 self._space_progress = time.monotonic()
                 self._tell(worker, ("at", entry.offset))
@@ -371,20 +371,20 @@ class DecoderPool:
         if kind == "done":
             self.decode_s += msg[4]
             self._sizes[fp] = max(self._sizes.get(fp, 0), msg[3][0])
-            self.pool.shrink(key, msg[3][0])
+            self.store.shrink(key, msg[3][0])
             self._events.loaded(fp, index, msg[3])
         else:
             self._abort_reservation(key)
             self._events.failed(fp, index, msg[3], f"sample {index}: {msg[4]}")
 
     def _abort_reservation(self, key: Key) -> None:
-        entry = self.pool.get(key)
+        entry = self.store.get(key)
         if entry is not None and not entry.ready:
-            self.pool.abort(key)
+            self.store.abort(key)
 
     def _reserve(self, worker: _Worker, fp: str, index: int, nbytes: int) -> None:
         try:
-            offset = self.pool.reserve((fp, index), nbytes)
+            offset = self.store.reserve((fp, index), nbytes)
         except SampleTooLargeError as exc:
             self._tell(worker, ("abort", "SampleTooLargeError", str(exc)))
             return
@@ -399,14 +399,14 @@ class DecoderPool:
         self._space_progress = time.monotonic()
         while self._waiting_space:
             worker, fp, index, nbytes = self._waiting_space[0]
-            offset = self.pool.reserve((fp, index), nbytes)
+            offset = self.store.reserve((fp, index), nbytes)
             if offset is None:
                 return
             self._waiting_space.popleft()
             self._tell(worker, ("at", offset))
 
     def check(self) -> None:
-        """Called often by the server: dead workers, loads past their deadline, a stalled pool."""
+        """Called often by the server: dead workers, loads past their deadline, a stalled arena."""
         now = time.monotonic()
         for worker in list(self._workers):
             why = self._processes.exited(worker.slot)
@@ -441,7 +441,7 @@ class DecoderPool:
         has and waits for more, which no release will ever bring. Fail that load loudly."""
         worker, _fp, index, nbytes = self._waiting_space.popleft()
         message = (
-            f"the server's memory pool is too small: its {self.pool.capacity:,} bytes are all held by the jobs' "
+            f"the server's memory pool is too small: its {self.store.capacity:,} bytes are all held by the jobs' "
             f"batches in progress and sample {index} ({nbytes:,} bytes) found no room for {STALL_S:.0f} s; start the "
             "server with more --memory (at least batch size x sample bytes x jobs, times prefetch + 1)"
         )

@@ -21,11 +21,11 @@ from typing import Any
 from globalloader._pids import alive
 from globalloader.errors import ArgumentError, ServerGoneError, ServerStartError, ServerTimeoutError
 from globalloader.service import protocol
-from globalloader.transport.arena import POOL_PREFIX
+from globalloader.transport.arena import ARENA_PREFIX
 from globalloader.transport.names import remove_unheld
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
-MIN_MEMORY = 16 << 10  # a pool smaller than 16 KiB holds nothing useful
+MIN_MEMORY = 16 << 10  # an arena smaller than 16 KiB holds nothing useful
 LOST_RACE = 3  # a server's exit code when another server owns its socket
 IDLE_EXIT_S = 60.0  # an auto-started server with no jobs for this long exits ($GLOBALLOADER_IDLE_EXIT)
 
@@ -59,10 +59,10 @@ def own_socket(path: Path) -> int | None:
 
 
 def clear_leftovers(path: Path) -> None:
-    """With the lock held: remove what crashed servers left (the socket file, their pools)."""
+    """With the lock held: remove what crashed servers left (the socket file, their arenas)."""
     if path.exists() or path.is_symlink():
         path.unlink()
-    remove_unheld(POOL_PREFIX)  # a pool lives as long as its server holds it
+    remove_unheld(ARENA_PREFIX)  # an arena lives as long as its server holds it
 
 
 def connect(path: Path, timeout: float = 2.0) -> tuple[socket.socket, int]:

@@ -31,7 +31,7 @@ SEND_LIMIT = 4 << 20  # bytes queued for one client before it counts as not read
 HEARTBEAT_S = 1.0  # clients send one this often; the server answers each
 HELLO_S = 10.0  # a new connection must say what it wants within this
 SILENT_DEAD_S = 5.0  # a peer silent this long whose process is gone is gone
-STALL_S = 10.0  # a load waiting this long for pool space while nothing is released: pool too small
+STALL_S = 10.0  # a load waiting this long for arena space while nothing is released: the arena is too small
 REQUEST_S = 10.0  # deadline of one CLI request (status, stop)
 
 # kind -> field names. Client to server:

@@ -3,11 +3,11 @@
 Jobs register their chain's shared prefix (source + `map(..., shared=True)` maps, cloudpickled)
 and, for each pass over their data, their index set. Jobs whose prefix fingerprints match form a
 group with one joint sampler: each request is answered with the sampler's next index for that
-job; the sample is read and decoded once by the decode workers into the buffer pool, and every
+job; the sample is read and decoded once by the decode workers into the sample store (in the arena), and every
 job that takes it gets a ticket (offset and layout in the shared arena) and a reference it
 releases after use.
 
-It runs in the server's main thread only (so the sampler and the pool need no locks), answers
+It runs in the server's main thread only (so the sampler and the sample store need no locks), answers
 through the connection I/O (`Connections.send`), and is the decoders' `Events`. A job is removed
 when its connection ends; what it held is released and the other jobs go on.
 """
@@ -26,8 +26,8 @@ import numpy as np
 from globalloader.errors import ProtocolError
 from globalloader.sampling.joint import JointSampler
 from globalloader.service.connections import Connection, Connections, log
-from globalloader.service.decoder import DecoderPool, Events
-from globalloader.service.pool import BufferPool
+from globalloader.service.decoder import Decoders, Events
+from globalloader.service.sample_store import SampleStore
 from globalloader.transport.arena import ArenaId
 
 
@@ -70,7 +70,7 @@ class Job:
 
 @dataclass
 class Group:
-    """Jobs sharing one prefix: one sampler, one key space in the pool."""
+    """Jobs sharing one prefix: one sampler, one key space in the sample store."""
 
     fingerprint: str
     prefix: bytes
@@ -87,12 +87,12 @@ class Scheduler:
     """The jobs and groups of a server, their requests and the loads that answer them."""
 
     def __init__(
-        self, io: Connections, arena_id: ArenaId, capacity: int, start_decoders: Callable[[Events], DecoderPool]
+        self, io: Connections, arena_id: ArenaId, capacity: int, start_decoders: Callable[[Events], Decoders]
     ) -> None:
         """`arena_id`: what clients map (transport.arena); `capacity`: its bytes; `start_decoders`
         makes the decode workers that report to this scheduler."""
         self.io, self.arena_id = io, arena_id
-        self.pool: BufferPool = BufferPool(capacity, on_evict=self._evicted, wanted=self._wanted)
+        self.store: SampleStore = SampleStore(capacity, on_evict=self._evicted, wanted=self._wanted)
         self.groups: dict[str, Group] = {}
         self.jobs: dict[int, Job] = {}
         self._next_job = 1
@@ -129,7 +129,7 @@ class Scheduler:
         self.jobs[job.id] = job
         group.jobs[job.id] = job
         self.finished = [f for f in self.finished if f["pid"] != conn.pid]
-        self.io.send(conn, "welcome", job.id, tuple(self.arena_id), self.pool.capacity)
+        self.io.send(conn, "welcome", job.id, tuple(self.arena_id), self.store.capacity)
 
     def _on_run(self, conn: Connection, run: int, epoch: int, indices: Any) -> None:
         """A new pass: whatever the job held or awaited from earlier passes is let go."""
@@ -146,7 +146,7 @@ class Scheduler:
             if job.id in sampler.stats():
                 sampler.remove_job(job.id)
             sampler.add_job(job.id, indices, seed=job.seed, epoch=int(epoch))
-        self.pool.refile()  # this job now wants its whole set again
+        self.store.refile()  # this job now wants its whole set again
         self.decoders.prefetch(job.group.fingerprint, indices)
         job.set_digest, job.run, job.open = digest, int(run), True
         job.epoch, job.size, job.wanted = int(epoch), len(indices), 0
@@ -163,7 +163,7 @@ class Scheduler:
                 group.waiters[index] = remaining
             else:
                 del group.waiters[index]  # the load goes on; its sample lands in the LRU tier
-        if self.pool.release_holder(job.id):
+        if self.store.release_holder(job.id):
             self.decoders.retry_reservations()
 
     def _on_want(self, conn: Connection, run: int, count: int) -> None:
@@ -181,7 +181,7 @@ class Scheduler:
             return  # that pass's references went when it ended
         fp = job.group.fingerprint
         for index in indices:
-            self.pool.release((fp, int(index)), job.id)
+            self.store.release((fp, int(index)), job.id)
         self.decoders.retry_reservations()
 
     def _on_end(self, conn: Connection, run: int) -> None:
@@ -205,7 +205,7 @@ class Scheduler:
     def _pump(self, job: Job) -> None:
         """Draw as many indices as the job asked for (never more than its set: a client knows
         when its epoch ends) and deliver or load each, while the decoders have room
-        (`DecoderPool.room`; see `draw`); the rest of the request waits among its group's `asking`."""
+        (`Decoders.room`; see `draw`); the rest of the request waits among its group's `asking`."""
         group, sampler = job.group, job.group.sampler
         group.asking.pop(job.id, None)
         drawn = job.drawn
@@ -225,7 +225,7 @@ class Scheduler:
             job.wanted -= 1
             self.requests += 1
             key = (group.fingerprint, index)
-            entry = self.pool.get(key)
+            entry = self.store.get(key)
             if entry is not None and entry.ready:
                 self._deliver(job, seq, index)
             else:
@@ -238,7 +238,7 @@ class Scheduler:
         waited longest first), while the decoders have room.
 
         So jobs draw from one short stream of loads: they start together and stay close, and hold
-        no more of the pool than the decoders can use. Drawing all that a job asks for at once
+        no more of the arena than the decoders can use. Drawing all that a job asks for at once
         would queue loads far ahead and spread the jobs apart, until what one job loaded is
         evicted before another follows it. When a draw is made depends only on what was drawn
         before, never on what the next draw would be, so the sampler's guarantees are those of
@@ -256,7 +256,7 @@ class Scheduler:
         return job is None or not job.open or job.delivered >= job.drawn
 
     def _deliver(self, job: Job, seq: int, index: int) -> None:
-        entry = self.pool.acquire((job.group.fingerprint, index), job.id)
+        entry = self.store.acquire((job.group.fingerprint, index), job.id)
         job.delivered += 1
         self.io.send(job.conn, "ticket", job.run, seq, index, entry.offset, entry.layout)
 
@@ -266,7 +266,7 @@ class Scheduler:
         return None if group is None else group.prefix
 
     def loaded(self, fp: str, index: int, layout: Any) -> None:
-        self.pool.commit((fp, index), layout)
+        self.store.commit((fp, index), layout)
         self.decodes += 1
         group = self.groups.get(fp)
         if group is None:
@@ -292,7 +292,7 @@ class Scheduler:
             group.sampler.evicted(key[1])
 
     def _wanted(self, key: tuple[str, int]) -> bool:
-        """Whether a job may still take this sample this epoch: the pool evicts others first."""
+        """Whether a job may still take this sample this epoch: the sample store evicts others first."""
         group = self.groups.get(key[0])
         return group is not None and group.sampler.wanted(key[1])
 
@@ -309,7 +309,7 @@ class Scheduler:
             group.sampler.remove_job(job.id)
         if not group.jobs:
             del self.groups[group.fingerprint]  # its samples stay in the LRU tier until evicted
-        self.pool.refile()  # what only this job wanted is wanted no more
+        self.store.refile()  # what only this job wanted is wanted no more
         self.finished = [*self.finished, {**self.job_status(job), "state": "left"}][-20:]
         if not self.jobs:
             self.idle_since = time.monotonic()

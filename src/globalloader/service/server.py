@@ -2,7 +2,7 @@
 
 A `Server` is two parts on one selector in one thread: the connection I/O (`connections`:
 accept, frame, queue and send) and the scheduler (`scheduler`: jobs, groups, draws, loads),
-with the buffer pool in a shared-memory arena and the decode workers (`decoder`). The main loop
+with the sample store in a shared-memory arena and the decode workers (`decoder`). The main loop
 waits for events (client sockets, worker pipes), runs them, lets the jobs that asked draw, and
 sends what is due, one frame per client (tickets wait a few milliseconds for company). A
 failure while serving a job is sent to that job as a named error; the server and the other
@@ -26,7 +26,7 @@ from typing import Any
 from globalloader.errors import GlobalLoaderError, ServerStartError
 from globalloader.service import launcher, protocol
 from globalloader.service.connections import Connection, Connections, log
-from globalloader.service.decoder import DecoderPool
+from globalloader.service.decoder import Decoders
 from globalloader.service.scheduler import Scheduler
 from globalloader.storage.cache import ObjectCache, default_root
 from globalloader.transport import arena
@@ -38,7 +38,7 @@ class Server:
     """The connection I/O and the scheduler on one selector, over one arena and its decoders."""
 
     def __init__(self, socket_path: Path, memory: int, workers: int, idle_exit: float = 0.0) -> None:
-        """Bind `socket_path` (whose lock the caller holds), then make the pool and workers."""
+        """Bind `socket_path` (whose lock the caller holds), then make the arena and workers."""
         self.socket_path = Path(socket_path)
         self.idle_exit = idle_exit
         self._selector = selectors.DefaultSelector()
@@ -54,7 +54,7 @@ class Server:
             self.io,
             self.arena.id,
             memory,
-            lambda events: DecoderPool(workers, self.arena.id, events, self._register_pipe, self.io.unregister),
+            lambda events: Decoders(workers, self.arena.id, events, self._register_pipe, self.io.unregister),
         )
 
     def _register_pipe(self, conn: Any, callback: Callable[[], None]) -> None:
@@ -82,7 +82,7 @@ class Server:
             "uptime_s": round(time.time() - self.started, 1),
             "jobs": [scheduler.job_status(job) for job in scheduler.jobs.values()],
             "finished": scheduler.finished,
-            "pool": scheduler.pool.stats(),
+            "pool": scheduler.store.stats(),
             "requests": requests,
             "decodes": decodes,
             "decodes_saved": requests - decodes,

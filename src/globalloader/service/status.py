@@ -1,4 +1,4 @@
-"""`globalloader status`: a table of the server's jobs, memory pool and savings.
+"""`globalloader status`: a table of the server's jobs, its arena's use and savings.
 
 Progress is what each job has consumed (yielded to its training loop) this epoch, not what it
 asked the server for ahead of time. Jobs that ended stay in the table, marked "left", until
@@ -47,13 +47,13 @@ def rows(status: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def summary(status: dict[str, Any]) -> str:
-    pool = status["pool"]
+    store = status["pool"]
     requests, decodes = status["requests"], status["decodes"]
     saved = f" ({status['decodes_saved'] / requests:.0%})" if requests else ""
     text = (
-        f"pool {_mib(pool['used'])} / {_mib(pool['capacity'])}: {pool['samples']:,} samples "
-        f"({pool['referenced']:,} in use, {pool['cached']:,} cached), hits {pool.get('hits', 0):,}, "
-        f"evictions {pool.get('evictions', 0):,}\n"
+        f"pool {_mib(store['used'])} / {_mib(store['capacity'])}: {store['samples']:,} samples "
+        f"({store['referenced']:,} in use, {store['cached']:,} cached), hits {store.get('hits', 0):,}, "
+        f"evictions {store.get('evictions', 0):,}\n"
         f"requests {requests:,}, decodes {decodes:,}: {status['decodes_saved']:,} decodes saved versus "
         f"independent loading{saved}; {status['workers']} workers, {status.get('worker_restarts', 0)} restarted"
     )

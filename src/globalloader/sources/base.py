@@ -36,6 +36,14 @@ class Source(Protocol):
     def __getitem__(self, index: int) -> dict[str, Any]: ...
 
 
+def declared_fingerprint(obj: object) -> str | None:
+    """`obj`'s own `fingerprint` string, or None when it declares none. Every `Source` does, but a
+    chain also reads plain sequences and iterables, Ray reads any object with len() and [i], and
+    the fingerprint walk meets user callables: those may or may not carry one."""
+    fp = getattr(obj, "fingerprint", None)
+    return fp if isinstance(fp, str) else None
+
+
 @runtime_checkable
 class BatchReads(Protocol):
     """Reads a task's records in one call, cheaper than one `[i]` each (Parquet: block by block)."""

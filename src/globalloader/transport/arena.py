@@ -1,8 +1,8 @@
-"""The shared-memory arena behind the server's buffer pool, as every process maps it.
+"""The shared-memory arena behind the server's sample store, as every process maps it.
 
-The server creates one POSIX shared-memory segment of the pool's size; its decode workers write
+The server creates one POSIX shared-memory segment of the arena's size (--memory); its decode workers write
 samples into it and clients' workers read them in place, as NumPy views (zero copy). Offsets come
-from the server's `BufferPool`; layouts are the codec's, so a sample is described like a batch.
+from the server's `SampleStore`; layouts are the codec's, so a sample is described like a batch.
 
 An arena is known by its `ArenaId`, its name and its file's inode, never by the name alone: a
 server in its own PID namespace (a sidecar sharing /dev/shm) is pid 1, so `gl-pool-1`, at every
@@ -33,7 +33,7 @@ from globalloader.transport.names import (
     unlink,
 )
 
-POOL_PREFIX = PREFIX + "pool-"  # + the server's pid (+ "-<random>" if a live server of another PID namespace has it)
+ARENA_PREFIX = PREFIX + "pool-"  # + the server's pid (+ "-<random>" if a live server of another PID namespace has it)
 
 
 class ArenaId(NamedTuple):
@@ -111,8 +111,8 @@ def encode(sample: Any) -> tuple[tuple[int, Any], list[tuple[int, np.ndarray]]]:
 
 def create(capacity: int) -> Arena:
     """A new arena for this server process (`gl-pool-<pid>`), its memory reserved up front: a
-    /dev/shm too small for the pool fails here, naming /dev/shm and --memory, not with a SIGBUS later."""
-    name = f"{POOL_PREFIX}{os.getpid()}"
+    /dev/shm too small for the arena fails here, naming /dev/shm and --memory, not with a SIGBUS later."""
+    name = f"{ARENA_PREFIX}{os.getpid()}"
     free = free_bytes()
     if free is not None and capacity > free:
         raise ServerStartError(

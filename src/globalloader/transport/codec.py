@@ -16,7 +16,13 @@ import numpy as np
 from globalloader._extras import require
 from globalloader.dataset.collate import Stacked
 
-ALIGN = 64  # cache-line alignment of every array
+ALIGN = 64  # cache-line alignment of every array, in a batch segment and in the server's arena
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of `ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
 
 # The encoded tree uses builtins only (a pickled class costs ~1 us each way, a tuple ~50 ns).
 # Every node is a tuple whose first item says what it is, so user tuples cannot be mistaken
@@ -112,7 +118,7 @@ def _encode(obj: Any, placed: list[tuple[int, np.ndarray]]) -> tuple:
     shipped = _as_array(obj) if kind is not dict and kind is not list else None
     if shipped is not None:
         tag, array = shipped
-        offset = -(-_end(placed) // ALIGN) * ALIGN
+        offset = aligned(_end(placed))
         placed.append((offset, array))
         dtype = array.dtype
         # A dtype string is short and fast to pickle; records and the like need the full dtype.

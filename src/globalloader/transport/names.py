@@ -1,4 +1,4 @@
-"""Names of POSIX shared memory: the "gl-" prefix every segment and pool starts with, creating,
+"""Names of POSIX shared memory: the "gl-" prefix every segment and arena starts with, creating,
 mapping and unlinking them, leftovers of crashed processes (and of process groups killed whole),
 and the free space of /dev/shm.
 
@@ -55,7 +55,7 @@ def remove_leftovers(prefix: str) -> int:
 
 def remove_orphans() -> int:
     """Unlink the batch segments (`gl-<owner pid>-...`) of dead owners; return how many. A SIGKILL
-    of a whole process group leaves no watchdog to clean them up. (Servers' pools are held by a
+    of a whole process group leaves no watchdog to clean them up. (Servers' arenas are held by a
     lock, not named by a live pid: `remove_unheld` sweeps those.)
 
     An orphan's pid runs no process, this user owns it, and it was last written more than

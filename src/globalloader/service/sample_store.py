@@ -1,4 +1,4 @@
-"""The buffer pool: one shared-memory arena of decoded samples, reference counted, with an LRU tier.
+"""The sample store: decoded samples in the server's arena, reference counted, with an LRU tier.
 
 A sample is written into the arena once (by a server worker) and read in place by every job that
 takes it, each holding a reference. When the last one is released the sample stays readable (a
@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from globalloader.errors import ArgumentError, ProtocolError, SampleTooLargeError, ServerError
-
-_ALIGN = 64
+from globalloader.transport.codec import ALIGN, aligned
 
 K = TypeVar("K", bound=Hashable)  # a sample's key (the server's: (prefix fingerprint, index))
 
@@ -46,7 +45,7 @@ class Entry:
         return sum(self.holders.values())
 
 
-class BufferPool(Generic[K]):
+class SampleStore(Generic[K]):
     """Allocation, references and eviction for an arena of `capacity` bytes."""
 
     def __init__(
@@ -55,8 +54,8 @@ class BufferPool(Generic[K]):
         on_evict: Callable[[K], None] | None = None,
         wanted: Callable[[K], bool] | None = None,
     ) -> None:
-        if not isinstance(capacity, int) or capacity < _ALIGN:
-            raise ArgumentError(f"BufferPool: capacity must be an int >= {_ALIGN} bytes, got {capacity!r}")
+        if not isinstance(capacity, int) or capacity < ALIGN:
+            raise ArgumentError(f"BufferPool: capacity must be an int >= {ALIGN} bytes, got {capacity!r}")
         self.capacity = capacity
         self._on_evict = on_evict or (lambda key: None)
         self._wanted = wanted or (lambda key: False)
@@ -84,7 +83,7 @@ class BufferPool(Generic[K]):
         released. Evicts least-recently-used unreferenced samples as needed."""
         if key in self._entries:
             raise ServerError(f"BufferPool: {key!r} is already in the pool")
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        size = max(ALIGN, aligned(nbytes))
         if size > self.capacity:
             raise SampleTooLargeError(
                 f"sample {key!r} needs {nbytes} bytes but the pool holds only {self.capacity}: "
@@ -104,7 +103,7 @@ class BufferPool(Generic[K]):
     def shrink(self, key: K, nbytes: int) -> None:
         """A reservation made on a size guess: give back the tail the sample did not use."""
         entry = self._entries[key]
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        size = max(ALIGN, aligned(nbytes))
         if size < entry.nbytes:
             self._insert(entry.offset + size, entry.nbytes - size)
             self.used -= entry.nbytes - size
