@@ -55,7 +55,7 @@ class SampleStore(Generic[K]):
         wanted: Callable[[K], bool] | None = None,
     ) -> None:
         if not isinstance(capacity, int) or capacity < ALIGN:
-            raise ArgumentError(f"BufferPool: capacity must be an int >= {ALIGN} bytes, got {capacity!r}")
+            raise ArgumentError(f"sample store: capacity must be an int >= {ALIGN} bytes, got {capacity!r}")
         self.capacity = capacity
         self._on_evict = on_evict or (lambda key: None)
         self._wanted = wanted or (lambda key: False)
@@ -82,7 +82,7 @@ class SampleStore(Generic[K]):
         """Space for `key`'s bytes: the offset, or None if it cannot fit until something is
         released. Evicts least-recently-used unreferenced samples as needed."""
         if key in self._entries:
-            raise ServerError(f"BufferPool: {key!r} is already in the pool")
+            raise ServerError(f"sample store: {key!r} is already in the store")
         size = max(ALIGN, aligned(nbytes))
         if size > self.capacity:
             raise SampleTooLargeError(
@@ -126,7 +126,7 @@ class SampleStore(Generic[K]):
         """`holder` takes a reference to a ready sample (a hit unless it was loaded for this one)."""
         entry = self._entries[key]
         if not entry.ready:
-            raise ServerError(f"BufferPool: {key!r} is still loading")
+            raise ServerError(f"sample store: {key!r} is still loading")
         if not entry.holders:
             self._unfile(key)
         if entry.served:
@@ -138,7 +138,7 @@ class SampleStore(Generic[K]):
     def release(self, key: K, holder: Hashable) -> None:
         entry = self._entries.get(key)
         if entry is None or entry.holders[holder] <= 0:
-            raise ProtocolError(f"BufferPool: {holder!r} holds no reference to {key!r}")
+            raise ProtocolError(f"sample store: {holder!r} holds no reference to {key!r}")
         entry.holders[holder] -= 1
         if entry.holders[holder] == 0:
             del entry.holders[holder]
