@@ -11,8 +11,8 @@ not run keep their last results).
   `globalloader.vision.RandomResizedCropFlipNormalize` against Mosaic's `StreamingDataset(local=,
   shuffle=True)` in torch's `DataLoader(num_workers=2)` with the usual Pillow + NumPy code on the
   PIL image Mosaic decodes (torchvision's crop box, one bilinear resize of it, flip, normalize;
-  torchvision itself does not load beside the CPU torch wheel there). Mosaic runs in the peers' environment (`GLOBALLOADER_PEERS_PYTHON`, built by
-  .ci/peers-env), in a subprocess. One untimed epoch warms the page cache, then `--rounds` (3)
+  torchvision itself does not load beside the CPU torch wheel there). Mosaic runs in the peers'
+  environment (`GLOBALLOADER_PEERS_PYTHON`, built by .ci/peers-env), in a subprocess. One untimed epoch warms the page cache, then `--rounds` (3)
   timed epochs each, the two systems taking turns; medians with min and max, and the ratio
   (goal: >= 1.3x).
 
