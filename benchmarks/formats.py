@@ -4,17 +4,17 @@ Each part is a function `bench_<part>(args)` returning its summary; `main()` run
 `--only` and keeps each part's summary under its name in benchmarks/results/formats.json (parts
 not run keep their last results).
 
-- `mds`: warm reading of a Mosaic Streaming dataset (`--samples` synthetic 500x375 JPEGs of quality
-  90 + an int label, written by Mosaic's own `MDSWriter` in shards of about 8 MB), shuffled, with
-  a JPEG decode + random resized crop to 224 + flip + normalize per sample, batch 64, 2 workers, a
-  stand-in step that reads every batch: `gl.MDS` in `gl.Loader(workers=2)` with
+- `mds`: warm reading of a Mosaic Streaming dataset (`--samples` synthetic 500x375 JPEGs of
+  quality 90 + an int label, written by Mosaic's own `MDSWriter` in shards of about 8 MB),
+  shuffled, with a JPEG decode + random resized crop to 224 + flip + normalize per sample, batch
+  64, 2 workers, a stand-in step that reads every batch: `gl.MDS` in `gl.Loader(workers=2)` with
   `globalloader.vision.RandomResizedCropFlipNormalize` against Mosaic's `StreamingDataset(local=,
   shuffle=True)` in torch's `DataLoader(num_workers=2)` with the usual Pillow + NumPy code on the
   PIL image Mosaic decodes (torchvision's crop box, one bilinear resize of it, flip, normalize;
   torchvision itself does not load beside the CPU torch wheel there). Mosaic runs in the peers'
-  environment (`GLOBALLOADER_PEERS_PYTHON`, built by .ci/peers-env), in a subprocess. One untimed epoch warms the page cache, then `--rounds` (3)
-  timed epochs each, the two systems taking turns; medians with min and max, and the ratio
-  (goal: >= 1.3x).
+  environment (`GLOBALLOADER_PEERS_PYTHON`, built by .ci/peers-env), in a subprocess. One untimed
+  epoch warms the page cache, then `--rounds` (3) timed epochs each, the two systems taking turns;
+  medians with min and max, and the ratio (goal: >= 1.3x).
 
     python benchmarks/formats.py [--only mds] [--rounds 3] [--samples 5000]
 """
