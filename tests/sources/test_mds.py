@@ -19,7 +19,7 @@ from peers import run_peer
 import globalloader as gl
 from globalloader import storage
 from globalloader.errors import MissingExtraError, SourceError
-from helpers import check_resume, same
+from helpers import Server, check_resume, same
 
 
 def write_mds(
@@ -94,6 +94,28 @@ def test_shuffle_and_resume_through_two_workers_is_exact(
     assert sorted(ids) == list(range(30)) and ids != sorted(ids)
 
 
+@pytest.mark.integration
+def test_shared_mode_serves_a_compressed_dataset_and_resumes_exactly(tmp_path: pathlib.Path) -> None:
+    """share=True: the server's decoders read the dataset by its fingerprint; a resumed loader,
+    shared or not, serves exactly what remains of the epoch."""
+    src = gl.MDS(write_mds(tmp_path / "ds", n=30, per_shard=4, compression="gz"))
+    ds = gl.Dataset(src).shuffle(seed=5, window=2).batch(3)
+    server = Server(tmp_path / "s.sock")
+    try:
+        with gl.Loader(ds, workers=2, share=True, server=str(server.socket)) as loader:
+            it = iter(loader)
+            head = [int(i) for _ in range(4) for i in next(it)["id"]]
+            state = loader.state_dict()
+        for share in (True, False):
+            with gl.Loader(ds, workers=2, share=share, server=str(server.socket)) as resumed:
+                resumed.load_state_dict(state)
+                rest = [int(i) for batch in resumed for i in batch["id"]]
+            assert sorted(head + rest) == list(range(30))
+    finally:
+        server.stop()
+    assert "Traceback" not in (tmp_path / "s.log").read_text()
+
+
 def test_an_s3_dataset_reads_as_its_local_copy_through_the_machine_cache(
     s3: dict[str, Any], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,6 +166,10 @@ DAMAGES = {
     "unknown encoding": (_index(lambda s: s["column_encodings"].__setitem__(1, "webp")), "encoding 'webp'"),
     "unknown compression": (_index(lambda s: s.update(compression="lz4")), "compression 'lz4'"),
     "pickled column": (_index(lambda s: s["column_encodings"].__setitem__(1, "pkl")), "allow_pickle=True"),
+    "column size disagrees": (
+        _index(lambda s: s["column_sizes"].__setitem__(0, 4)),
+        "column_size 4, its encoding takes 8",
+    ),
     "header disagrees": (_index(lambda s: s.update(samples=3)), "its header says 4 samples, the index 3"),
 }
 

@@ -105,7 +105,12 @@ def _parse_shard(shard: Any, where: str, allow_pickle: bool) -> ShardInfo:
     else:
         packed = None
     decoders = []
-    for name, encoding in zip(names, encodings, strict=True):
+    for name, encoding, size in zip(names, encodings, sizes, strict=True):
+        if size != fixed_size(encoding):
+            raise SourceError(
+                f"{where}: column {name!r} ({encoding}) has column_size {size}, its encoding takes "
+                f"{fixed_size(encoding)}"
+            )
         if encoding == "pkl" and not allow_pickle:
             raise SourceError(
                 f"{where}: column {name!r} is pickled (pkl), which runs code when read; pass allow_pickle=True "
@@ -122,6 +127,22 @@ def _file_info(obj: Any) -> FileInfo | None:
     if not isinstance(basename, str) or not basename or basename.startswith("/") or ".." in basename.split("/"):
         raise ValueError(f"basename {basename!r} is not a file inside the dataset's folder")
     return FileInfo(basename, int(obj["bytes"]), dict(obj.get("hashes") or {}))
+
+
+def fixed_size(encoding: str) -> int | None:
+    """Bytes every value of an encoding takes, or None when values vary (as `column_sizes` says)."""
+    name, _, args = encoding.partition(":")
+    if name in _SCALARS and not args:
+        return _SCALARS[name].itemsize
+    if name == "int":
+        return 8
+    parts = args.split(":")
+    if name == "ndarray" and len(parts) == 2 and parts[0] in _ARRAY_DTYPES.values():
+        try:
+            return int(np.prod([int(d) for d in parts[1].split(",")])) * np.dtype(parts[0]).itemsize
+        except ValueError:
+            return None  # the decoder names the shape it cannot read
+    return None
 
 
 def decoder(encoding: str, where: str) -> Callable[[memoryview], Any]:

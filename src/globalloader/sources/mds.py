@@ -146,8 +146,8 @@ class MDS(ProcessLocal):
         hash when it is raw and the index records one."""
         info = self.shards[shard]
         if info.packed is None and shard not in self._verified:
-            data = self._read(shard, 0, info.raw.size)
-            _check_hash(info.raw, data, self.files[shard])
+            if _mds_format.hash_check(info.raw) is not None:
+                _check_hash(info.raw, self._read(shard, 0, info.raw.size), self.files[shard])
             self._verified.add(shard)
         head = self._read(shard, 0, 4 * (info.samples + 2))
         offsets = _mds_format.header(head, info.samples, info.raw.size)
