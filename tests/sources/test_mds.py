@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import json
 import pathlib
+import pickle
 import re
 import sys
 from typing import Any
@@ -80,6 +81,8 @@ def test_records_number_samples_shard_after_shard(tmp_path: pathlib.Path) -> Non
     assert len(src) == 10 and src.block_starts.tolist() == [0, 4, 8]
     assert src[5] == {"__key__": "shard.00001.mds:1", "id": 5, "image": b"\xff\xd8jpeg-5", "text": "sample 5"}
     assert gl.MDS(tmp_path / "ds" / "index.json").fingerprint == src.fingerprint
+    copy = pickle.loads(pickle.dumps(src))  # as a spawned worker or the shared server gets it
+    assert [copy[i] for i in range(10)] == [src[i] for i in range(10)]
 
 
 @pytest.mark.parametrize("compression", [None, "gz"])

@@ -19,6 +19,7 @@ runs pickle, so a source reads it only when allowed to.
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -67,7 +68,7 @@ class ShardInfo(NamedTuple):
     compression: str | None
     samples: int
     names: list[str]
-    decoders: list[Callable[[memoryview], Any]]
+    encodings: list[str]  # each checked by `decoder` when the index was parsed
     sizes: list[int | None]
 
 
@@ -104,7 +105,6 @@ def _parse_shard(shard: Any, where: str, allow_pickle: bool) -> ShardInfo:
             raise SourceError(f"{where} has compression {compression!r} but no zip_data")
     else:
         packed = None
-    decoders = []
     for name, encoding, size in zip(names, encodings, sizes, strict=True):
         if size != fixed_size(encoding):
             raise SourceError(
@@ -116,8 +116,11 @@ def _parse_shard(shard: Any, where: str, allow_pickle: bool) -> ShardInfo:
                 f"{where}: column {name!r} is pickled (pkl), which runs code when read; pass allow_pickle=True "
                 "only for a dataset you trust"
             )
-        decoders.append(decoder(encoding, f"{where} column {name!r}"))
-    return ShardInfo(raw, packed, compression, samples, list(names), decoders, list(sizes))
+        try:
+            decoder(encoding)
+        except SourceError as exc:
+            raise SourceError(f"{where} column {name!r}: {exc}") from None
+    return ShardInfo(raw, packed, compression, samples, list(names), list(encodings), list(sizes))
 
 
 def _file_info(obj: Any) -> FileInfo | None:
@@ -145,22 +148,24 @@ def fixed_size(encoding: str) -> int | None:
     return None
 
 
-def decoder(encoding: str, where: str) -> Callable[[memoryview], Any]:
+@functools.cache
+def decoder(encoding: str) -> Callable[[memoryview], Any]:
     """The function turning a column's bytes into its value, for an encoding name as the index
-    writes it (`ndarray:float32:3,4` carries its arguments after colons)."""
+    writes it (`ndarray:float32:3,4` carries its arguments after colons). Made once per process
+    and encoding: a source keeps the names, which pickle, not the functions."""
     name, _, args = encoding.partition(":")
     if name in _SCALARS and not args:
         dtype = _SCALARS[name]
         return lambda data: np.frombuffer(data, dtype)[0]
     if name == "ndarray":
-        return _array_decoder(args, where)
+        return _array_decoder(args)
     plain = _PLAIN.get(name)
     if plain is None or args:
-        raise SourceError(f"{where} has encoding {encoding!r}, which this MDS reader does not know")
+        raise SourceError(f"encoding {encoding!r} is one this MDS reader does not know")
     return plain
 
 
-def _array_decoder(args: str, where: str) -> Callable[[memoryview], Any]:
+def _array_decoder(args: str) -> Callable[[memoryview], Any]:
     """An `ndarray` column: its dtype and shape fixed by the encoding's arguments, or each value
     carrying them (a dtype byte; a byte of ndim << 2 | shape width, then the shape)."""
     parts = args.split(":") if args else []
@@ -168,11 +173,9 @@ def _array_decoder(args: str, where: str) -> Callable[[memoryview], Any]:
         fixed_dtype = np.dtype(parts[0]).newbyteorder("<") if parts else None
         fixed_shape = tuple(int(d) for d in parts[1].split(",")) if len(parts) > 1 else None
     except (TypeError, ValueError):
-        raise SourceError(
-            f"{where} has encoding 'ndarray:{args}' with a dtype or shape this reader cannot read"
-        ) from None
+        raise SourceError(f"encoding 'ndarray:{args}' has a dtype or shape this reader cannot read") from None
     if len(parts) > 2 or (fixed_dtype is not None and fixed_dtype.name not in _ARRAY_DTYPES.values()):
-        raise SourceError(f"{where} has encoding 'ndarray:{args}', which this MDS reader does not know")
+        raise SourceError(f"encoding 'ndarray:{args}' is one this MDS reader does not know")
 
     def decode(data: memoryview) -> np.ndarray:
         at = 0
@@ -265,7 +268,8 @@ def decode_sample(shard: ShardInfo, data: memoryview) -> dict[str, Any]:
     variable = sum(size is None for size in sizes)
     lengths = np.frombuffer(data, _UINT32, variable).tolist() if variable else []
     at, record, k = 4 * variable, {}, 0
-    for name, decode, size in zip(shard.names, shard.decoders, sizes, strict=True):
+    for name, encoding, size in zip(shard.names, shard.encodings, sizes, strict=True):
+        decode = decoder(encoding)
         if size is None:
             size, k = lengths[k], k + 1
         if at + size > len(data):
