@@ -289,8 +289,8 @@ def header(data: bytes, samples: int, size: int) -> np.ndarray | str:
     count = int(np.frombuffer(data, _UINT32, 1)[0])
     if count != samples:
         return f"its header says {count} samples, the index {samples}"
-    offsets = np.frombuffer(data, _UINT32, samples + 1, 4).astype(np.int64)
-    if int(offsets[0]) < 4 * (samples + 2) or int(offsets[-1]) != size or bool(np.any(np.diff(offsets) < 0)):
+    offsets = np.frombuffer(data, _UINT32, samples + 1, 4).copy()  # not a view keeping the read alive
+    if int(offsets[0]) < 4 * (samples + 2) or int(offsets[-1]) != size or bool(np.any(offsets[1:] < offsets[:-1])):
         return f"its sample offsets do not lie in order between its header and its end ({size} bytes)"
     return offsets
 

@@ -20,6 +20,9 @@ from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
 from globalloader.storage.cache import CachedFile, Entry
 
 _UNPACKED_KEPT = 16  # decompressed shards a process keeps open in the machine cache
+# Shards whose sample offsets a process keeps (4 bytes a sample): a global shuffle touches every
+# shard, and their tables together would grow with the dataset.
+_OFFSETS_KEPT = 256
 
 
 class MDS(ProcessLocal):
@@ -101,7 +104,7 @@ class MDS(ProcessLocal):
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._offsets: dict[int, np.ndarray] = {}  # per shard read by this process: its sample offsets
+        self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()  # recently read shards' sample offsets, LRU
         self._verified: set[int] = set()  # raw shards this process checked against their hash
         self._unpacked: OrderedDict[int, CachedFile] = OrderedDict()  # decompressed shards open, LRU
         reset_in_forked_children(self)
@@ -123,7 +126,10 @@ class MDS(ProcessLocal):
             index = check_index(index, self._len, self)
         shard = bisect.bisect_right(self._first, index) - 1
         row = index - self._first[shard]
-        offsets = self._offsets.get(shard)
+        with self._lock:
+            offsets = self._offsets.get(shard)
+            if offsets is not None:
+                self._offsets.move_to_end(shard)
         if offsets is None:
             offsets = self._open_shard(shard)
         begin, end = int(offsets[row]), int(offsets[row + 1])
@@ -153,7 +159,10 @@ class MDS(ProcessLocal):
         offsets = _mds_format.header(head, info.samples, info.raw.size)
         if isinstance(offsets, str):
             raise SourceError(f"{self._where(shard)} does not match {self.index_url}: {offsets}")
-        self._offsets[shard] = offsets
+        with self._lock:
+            self._offsets[shard] = offsets
+            while len(self._offsets) > _OFFSETS_KEPT:
+                self._offsets.popitem(last=False)
         return offsets
 
     def _read(self, shard: int, start: int, length: int) -> bytes:
