@@ -15,8 +15,12 @@ not run keep their last results).
   environment (`GLOBALLOADER_PEERS_PYTHON`, built by .ci/peers-env), in a subprocess. One untimed
   epoch warms the page cache, then `--rounds` (3) timed epochs each, the two systems taking turns;
   medians with min and max, and the ratio (goal: >= 1.3x).
+- `mds-s3`: the same, cold, the dataset in a local S3 server (moto, loopback) behind a proxy adding
+  `--latency` (0.02 s) per request (`globalloader.demo.s3`): each epoch starts with an empty cache
+  (gl: a fresh machine cache folder; Mosaic: a fresh `local=` folder) and is timed from the
+  construction of the source; `gl.MDS("s3://...")` against `StreamingDataset(remote="s3://...")`.
 
-    python benchmarks/formats.py [--only mds] [--rounds 3] [--samples 5000]
+    python benchmarks/formats.py [--only mds,mds-s3] [--rounds 3] [--samples 5000] [--latency 0.02]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import globalloader as gl
-from globalloader import demo, vision
+from globalloader import demo, storage, vision
 
 RESULTS = Path(__file__).parent / "results" / "formats.json"
 BATCH, WORKERS, SIZE = 64, 2, 224
@@ -60,7 +64,8 @@ import torch
 from PIL import Image
 from streaming import StreamingDataset
 
-folder, rounds, batch, workers = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+folder, remote = sys.argv[2], sys.argv[6]
+rounds, batch, workers = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 MEAN, STD = np.float32([0.485, 0.456, 0.406]) * 255, np.float32([0.229, 0.224, 0.225]) * 255
 
 def augment(image):
@@ -87,7 +92,11 @@ class Augmented(StreamingDataset):
 
 def epoch(seed):
     start = time.perf_counter()
-    data = Augmented(local=folder, shuffle=True, shuffle_seed=seed, batch_size=batch)
+    if remote:  # cold: a fresh local folder each epoch
+        local = f"{folder}-{seed}"
+        data = Augmented(remote=remote, local=local, shuffle=True, shuffle_seed=seed, batch_size=batch)
+    else:
+        data = Augmented(local=folder, shuffle=True, shuffle_seed=seed, batch_size=batch)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, num_workers=workers)
     samples = 0
     for out in loader:
@@ -95,7 +104,8 @@ def epoch(seed):
         samples += len(out["label"])
     return {"samples": samples, "seconds": time.perf_counter() - start}
 
-epoch(1000)  # warm
+if not remote:
+    epoch(1000)  # warm
 runs = [epoch(seed) for seed in range(rounds)]
 print(json.dumps(runs))
 """
@@ -108,16 +118,21 @@ def _peers_python() -> str:
     return python
 
 
-def _peer(script: str, *args: Any) -> str:
+def _peer(script: str, *args: Any, env: dict[str, str] | None = None) -> str:
     """Run a script in the peers' environment (a file: Mosaic's workers re-import the main module)."""
     with tempfile.TemporaryDirectory(prefix="gl-bench-peer-") as tmp:
         path = Path(tmp) / "peer.py"
         path.write_text(script)
         done = subprocess.run(
-            [_peers_python(), str(path), *map(str, args)], capture_output=True, text=True, check=False, cwd=tmp
+            [_peers_python(), str(path), *map(str, args)],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=tmp,
+            env={**os.environ, **(env or {})},
         )
     if done.returncode:
-        sys.exit(f"peer script failed:\n{done.stderr[-4000:]}")
+        sys.exit(f"peer script failed:\n{done.stderr[-8000:]}")
     return done.stdout
 
 
@@ -146,26 +161,35 @@ def _summary(runs: dict[str, list[dict[str, float]]], ours: str, theirs: str, go
     }
 
 
-def bench_read_mds(args: argparse.Namespace) -> dict[str, Any]:
-    """gl.MDS in gl.Loader vs Mosaic's StreamingDataset in torch's DataLoader, warm, 2 workers."""
-    images = demo.demo_images(args.samples)
-    folder = Path(tempfile.gettempdir()) / f"gl-bench-mds-{args.samples}"
+def _mds_dataset(samples: int) -> Path:
+    """The demo's JPEGs in an MDS dataset written by Mosaic's MDSWriter (made once)."""
+    folder = Path(tempfile.gettempdir()) / f"gl-bench-mds-{samples}"
     if not (folder / "index.json").exists():
-        _peer(_MOSAIC_WRITE, "write", images, folder, args.samples)
-    source = gl.MDS(folder)
-    chain = (
+        _peer(_MOSAIC_WRITE, "write", demo.demo_images(samples), folder, samples)
+    return folder
+
+
+def _chain(source: gl.MDS) -> gl.Dataset:
+    return (
         gl.Dataset(source)
         .shuffle(seed=0)
         .map(vision.RandomResizedCropFlipNormalize(field="image", size=SIZE), name="decode+crop")
         .batch(BATCH)
     )
+
+
+def bench_read_mds(args: argparse.Namespace) -> dict[str, Any]:
+    """gl.MDS in gl.Loader vs Mosaic's StreamingDataset in torch's DataLoader, warm, 2 workers."""
+    folder = _mds_dataset(args.samples)
+    source = gl.MDS(folder)
+    chain = _chain(source)
     _gl_epoch(chain, 1000)  # warm
     runs: dict[str, list[dict[str, float]]] = {"gl": [], "mosaic": []}
     for round_ in range(args.rounds):
         runs["gl"].append(_gl_epoch(chain, round_))
         print(f"round {round_} gl     {runs['gl'][-1]['samples'] / runs['gl'][-1]['seconds']:8.1f} samples/s")
         # Mosaic's rounds in one process after its own warm epoch: its start-up (imports) is not timed.
-        runs["mosaic"].extend(json.loads(_peer(_MOSAIC_READ, "read", folder, 1, BATCH, WORKERS)))
+        runs["mosaic"].extend(json.loads(_peer(_MOSAIC_READ, "read", folder, 1, BATCH, WORKERS, "")))
         print(f"round {round_} mosaic {runs['mosaic'][-1]['samples'] / runs['mosaic'][-1]['seconds']:8.1f} samples/s")
     return {
         "workload": "warm epoch, shuffled; JPEG decode + random resized crop 224 + flip + normalize per sample; "
@@ -177,7 +201,51 @@ def bench_read_mds(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"mds": bench_read_mds}
+def bench_read_mds_s3(args: argparse.Namespace) -> dict[str, Any]:
+    """The same as `bench_read_mds`, cold, from S3 (moto) at `--latency` seconds per request."""
+    from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
+
+    folder = _mds_dataset(args.samples)
+    server = MotoServer()
+    proxy = FaultProxy(server.port)
+    try:
+        bucket = new_bucket(proxy.url)
+        store = storage.Store(options(proxy.url))
+        for file in folder.iterdir():
+            with store.open_write(f"s3://{bucket}/mds/{file.name}") as out:
+                out.write(file.read_bytes())
+        proxy.latency = args.latency
+        url = f"s3://{bucket}/mds"
+        peer_env = {"S3_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        runs: dict[str, list[dict[str, float]]] = {"gl": [], "mosaic": []}
+        with tempfile.TemporaryDirectory(prefix="gl-bench-mds-s3-") as tmp:
+            for round_ in range(args.rounds):
+                os.environ["GLOBALLOADER_CACHE_DIR"] = f"{tmp}/gl-{round_}"  # an empty machine cache
+                start = time.perf_counter()
+                result = _gl_epoch(_chain(gl.MDS(url, storage_options=options(proxy.url))), round_)
+                runs["gl"].append({**result, "seconds": time.perf_counter() - start})
+                print(f"round {round_} gl     {result['samples'] / runs['gl'][-1]['seconds']:8.1f} samples/s (cold)")
+                printed = _peer(_MOSAIC_READ, "read", f"{tmp}/mosaic-{round_}", 1, BATCH, WORKERS, url, env=peer_env)
+                runs["mosaic"].extend(json.loads(printed))
+                rate = runs["mosaic"][-1]["samples"] / runs["mosaic"][-1]["seconds"]
+                print(f"round {round_} mosaic {rate:8.1f} samples/s (cold)")
+    finally:
+        proxy.stop()
+        server.stop()
+    return {
+        "workload": f"cold epoch from S3 (moto) at {args.latency} s per request, timed from the source's "
+        "construction; shuffled; JPEG decode + random resized crop 224 + flip + normalize per sample; "
+        f"batch {BATCH}, {WORKERS} workers",
+        "samples": args.samples,
+        "latency_s": args.latency,
+        **_summary(runs, "gl", "mosaic", 1.3),
+    }
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "mds": bench_read_mds,
+    "mds-s3": bench_read_mds_s3,
+}
 
 
 def main() -> None:
@@ -185,6 +253,7 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(PARTS), help=f"parts to run, of {', '.join(PARTS)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--samples", type=int, default=5000)
+    parser.add_argument("--latency", type=float, default=0.02, help="seconds added per S3 request (mds-s3)")
     args = parser.parse_args()
     chosen = [part.strip() for part in args.only.split(",") if part.strip()]
     unknown = [part for part in chosen if part not in PARTS]
