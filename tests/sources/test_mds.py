@@ -167,6 +167,7 @@ DAMAGES = {
     "shard cut short": (_cut, r"shard.00001.mds holds \d+ bytes, .*index.json says"),
     "shard damaged": (_flip, "shard.00001.mds does not match its sha1 hash"),
     "unknown encoding": (_index(lambda s: s["column_encodings"].__setitem__(1, "webp")), "encoding 'webp'"),
+    "encoding not a name": (_index(lambda s: s["column_encodings"].__setitem__(1, 5)), "encodings strings"),
     "unknown compression": (_index(lambda s: s.update(compression="lz4")), "compression 'lz4'"),
     "pickled column": (_index(lambda s: s["column_encodings"].__setitem__(1, "pkl")), "allow_pickle=True"),
     "column size disagrees": (

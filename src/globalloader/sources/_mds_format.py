@@ -90,8 +90,11 @@ def _parse_shard(shard: Any, where: str, allow_pickle: bool) -> ShardInfo:
         if shard["format"] != "mds":
             raise SourceError(f"{where} has format {shard['format']!r}, not 'mds': only MDS shards are read")
         names, encodings, sizes = shard["column_names"], shard["column_encodings"], shard["column_sizes"]
-        if not (len(names) == len(encodings) == len(sizes)) or not all(isinstance(n, str) for n in names):
-            raise SourceError(f"{where}: column_names, column_encodings and column_sizes do not match")
+        if not (len(names) == len(encodings) == len(sizes)) or not all(isinstance(x, str) for x in names + encodings):
+            raise SourceError(
+                f"{where}: column_names, column_encodings and column_sizes must be lists of one length, "
+                "names and encodings strings"
+            )
         compression = shard.get("compression")
         raw, packed = _file_info(shard["raw_data"]), _file_info(shard.get("zip_data"))
         samples = int(shard["samples"])
@@ -106,6 +109,10 @@ def _parse_shard(shard: Any, where: str, allow_pickle: bool) -> ShardInfo:
     else:
         packed = None
     for name, encoding, size in zip(names, encodings, sizes, strict=True):
+        try:
+            decoder(encoding)
+        except SourceError as exc:
+            raise SourceError(f"{where} column {name!r}: {exc}") from None
         if size != fixed_size(encoding):
             raise SourceError(
                 f"{where}: column {name!r} ({encoding}) has column_size {size}, its encoding takes "
@@ -116,10 +123,6 @@ def _parse_shard(shard: Any, where: str, allow_pickle: bool) -> ShardInfo:
                 f"{where}: column {name!r} is pickled (pkl), which runs code when read; pass allow_pickle=True "
                 "only for a dataset you trust"
             )
-        try:
-            decoder(encoding)
-        except SourceError as exc:
-            raise SourceError(f"{where} column {name!r}: {exc}") from None
     return ShardInfo(raw, packed, compression, samples, list(names), list(encodings), list(sizes))
 
 
