@@ -12,14 +12,24 @@ from globalloader import errors, sources
 from globalloader._version import __version__ as __version__
 from globalloader.dataset import Dataset, collate
 from globalloader.execution import Loader
-from globalloader.sources import ArrowCopy, DecodeFields, ImageFolder, Parquet, TarShards, TarWriter, from_sequence
+from globalloader.sources import (
+    MDS,
+    ArrowCopy,
+    DecodeFields,
+    ImageFolder,
+    Parquet,
+    TarShards,
+    TarWriter,
+    from_sequence,
+)
 
-__all__ = [
+__all__ = [  # noqa: RUF022  # sorted as sorted() sorts (ruff would put the all-caps MDS first)
     "ArrowCopy",
     "Dataset",
     "DecodeFields",
     "ImageFolder",
     "Loader",
+    "MDS",
     "Parquet",
     "TarShards",
     "TarWriter",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from storage.conftest import moto_server, proxy, s3  # noqa: F401  # the S3 server, for remote sources
 
 from globalloader.sources import TarWriter
 
