@@ -17,7 +17,7 @@ from globalloader.sources import _mds_format
 from globalloader.sources._mds_format import ShardInfo
 from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
-from globalloader.storage.cache import CachedFile, Entry
+from globalloader.storage.cache import CachedFile
 
 _UNPACKED_KEPT = 16  # decompressed shards a process keeps open in the machine cache
 # Shards whose sample offsets a process keeps (4 bytes a sample): a global shuffle touches every
@@ -189,10 +189,7 @@ class MDS(ProcessLocal):
             _check_hash(info.packed, packed, url)  # type: ignore[arg-type]  # asserted above
             write(_mds_format.unpack(info, packed, url))
 
-        # Keyed by the compressed file's location, size and version: a rewritten shard is another entry.
-        opened = self.store.cache.open(
-            Entry(f"{url}#decompressed", info.raw.size, f"{stat.size}:{stat.version}"), unpack
-        )
+        opened = self.store.open_derived(url, stat, "decompressed", info.raw.size, unpack)
         with self._lock:
             entry = self._unpacked.setdefault(shard, opened)
             dropped = [] if entry is opened else [opened]

@@ -297,6 +297,18 @@ class Store(ProcessLocal):
 
         return retry.call(open_entry, url, "download", self.retry_policy)
 
+    def open_derived(self, url: str, stat: FileStat, what: str, size: int, make: Any) -> CachedFile:
+        """A file of `size` bytes made from the object `url` (`what`: e.g. "decompressed"), kept in
+        the machine cache beside it and made once per machine: `make(write)` writes its bytes.
+        Keyed by the object's location, size and version, so a rewritten object makes another."""
+        entry = Entry(f"{url}#{what}", size, f"{stat.size}:{stat.version}")
+        try:
+            return self.cache.open(entry, make)
+        except TransferCorrupted:
+            raise
+        except OSError as exc:
+            raise StorageError(f"cannot keep {url} ({what}) in the object cache {self.cache.root}: {exc}") from exc
+
     def prefetch(self, objects: list[tuple[str, FileStat]]) -> None:
         """Download these objects into the machine cache in the background (see `prefetch`)."""
         # An object this process prefetched before is in the cache (or was evicted since: its reader
