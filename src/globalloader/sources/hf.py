@@ -118,7 +118,9 @@ class HFDataset(ProcessLocal):
             gatherable(kind, name in self.int_columns_as_float) for name, kind in zip(self.columns, self._types)
         )
         self.gather_rows = 8192
-        versions = (f"{storage.cache_key(u)}\t{s.size}\t{s.version}" for u, s in zip(self.files, self._stats, strict=True))
+        versions = (
+            f"{storage.cache_key(u)}\t{s.size}\t{s.version}" for u, s in zip(self.files, self._stats, strict=True)
+        )
         self.fingerprint: str = fingerprint_of("HFDataset", [f"columns={self.columns}", *versions])
 
     _PROCESS_ONLY = ("_pa", "_files_read", "_blocks", "_decoded", "_gather", "_reader", "_lock")
@@ -164,7 +166,9 @@ class HFDataset(ProcessLocal):
         except (OSError, pa.ArrowInvalid) as exc:
             raise SourceError(f"cannot read the Arrow file {path}: {exc}") from None
         if not complete:
-            raise SourceError(f"Arrow file {path} ends before its end-of-stream marker: it is truncated; write it again")
+            raise SourceError(
+                f"Arrow file {path} ends before its end-of-stream marker: it is truncated; write it again"
+            )
         return batch_rows, nulls
 
     def _batches(self, f: int) -> list[Any]:
@@ -375,7 +379,9 @@ def _dataset_object(dataset: Any) -> tuple[list[str], dict[str, Any], list[str],
         )
     files = [entry["filename"] for entry in dataset.cache_files]
     if not files:
-        raise ArgumentError("this datasets.Dataset is held in memory, with no Arrow file: save_to_disk it, pass the folder")
+        raise ArgumentError(
+            "this datasets.Dataset is held in memory, with no Arrow file: save_to_disk it, pass the folder"
+        )
     return files, dataset.features.to_dict(), list(dataset.column_names), int(dataset.num_rows)
 
 
