@@ -12,7 +12,16 @@ from globalloader import errors, sources
 from globalloader._version import __version__ as __version__
 from globalloader.dataset import Dataset, collate
 from globalloader.execution import Loader
-from globalloader.sources import ArrowCopy, DecodeFields, HFDataset, ImageFolder, Parquet, TarShards, TarWriter, from_sequence
+from globalloader.sources import (
+    ArrowCopy,
+    DecodeFields,
+    HFDataset,
+    ImageFolder,
+    Parquet,
+    TarShards,
+    TarWriter,
+    from_sequence,
+)
 
 __all__ = [
     "ArrowCopy",

@@ -3,7 +3,6 @@ peers' environment) and through every loader feature on folders laid out as `sav
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pathlib
@@ -12,10 +11,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from peers import run_peer
 
 import globalloader as gl
 from helpers import Server, check_resume, same
-from peers import run_peer
 
 SRC = str(pathlib.Path(gl.__file__).parent.parent)
 
@@ -67,13 +66,17 @@ BUILD = """
 import io, datasets, numpy as np
 from PIL import Image as PImage
 def jpeg(i):
-    out = io.BytesIO(); PImage.new("RGB", (8 + i % 5, 6), (i % 256, 10, 200)).save(out, format="JPEG"); return out.getvalue()
+    out = io.BytesIO()
+    PImage.new("RGB", (8 + i % 5, 6), (i % 256, 10, 200)).save(out, format="JPEG")
+    return out.getvalue()
 n = INPUTS["n"]
 features = datasets.Features({
     "i": datasets.Value("int64"), "f": datasets.Value("float32"), "s": datasets.Value("string"),
     "maybe": datasets.Value("int32"), "seq": datasets.Sequence(datasets.Value("float32")),
     "fixed": datasets.Sequence(datasets.Value("int16"), length=3),
-    "nested": {"a": datasets.Value("int64"), "b": datasets.Value("string"), "c": datasets.Sequence(datasets.Value("int8"))},
+    "nested": {
+        "a": datasets.Value("int64"), "b": datasets.Value("string"), "c": datasets.Sequence(datasets.Value("int8"))
+    },
     "grid": datasets.Array2D(shape=(2, 3), dtype="float32"),
     "rows": datasets.Array2D(shape=(None, 3), dtype="int32"),
     "label": datasets.ClassLabel(names=["cat", "dog", "bird"]),
@@ -81,8 +84,10 @@ features = datasets.Features({
 })
 data = {
     "i": list(range(n)), "f": [i / 3 for i in range(n)], "s": [f"s{i}é" if i % 3 else None for i in range(n)],
-    "maybe": [None if i % 4 == 0 else i for i in range(n)], "seq": [[float(j) for j in range(i % 4)] for i in range(n)],
-    "fixed": [[i, -i, 7] for i in range(n)], "nested": [{"a": i, "b": str(i), "c": [i % 5] * (i % 3)} for i in range(n)],
+    "maybe": [None if i % 4 == 0 else i for i in range(n)],
+    "seq": [[float(j) for j in range(i % 4)] for i in range(n)],
+    "fixed": [[i, -i, 7] for i in range(n)],
+    "nested": [{"a": i, "b": str(i), "c": [i % 5] * (i % 3)} for i in range(n)],
     "grid": [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(n)],
     "rows": [np.arange(3 * (i % 3 + 1), dtype=np.int32).reshape(-1, 3) + i for i in range(n)],
     "label": [i % 3 for i in range(n)], "image": [{"bytes": jpeg(i), "path": None} for i in range(n)],
@@ -226,7 +231,7 @@ def test_fingerprint_tracks_files_and_columns(folder: pathlib.Path) -> None:
     arrow = folder / "data-00000-of-00003.arrow"
     os.utime(arrow, ns=(1, 1))
     assert gl.HFDataset(folder).fingerprint != a.fingerprint
-    with pytest.raises(gl.errors.SourceError, match="changed since the source was made"):
+    with pytest.raises(gl.errors.SourceError, match=r"changed since the source was made"):
         a[0]
 
 
@@ -248,16 +253,16 @@ def test_a_path_only_image_reads_its_file(tmp_path: pathlib.Path, monkeypatch: p
 
 
 def test_a_missing_or_incomplete_folder_is_a_named_error(folder: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    with pytest.raises(gl.errors.SourceError, match="no folder .*nowhere"):
+    with pytest.raises(gl.errors.SourceError, match=r"no folder .*nowhere"):
         gl.HFDataset(tmp_path / "nowhere")
     (folder / "state.json").rename(folder / "moved.json")
     with pytest.raises(gl.errors.SourceError, match=r"state.json is missing: not a folder written by .*save_to_disk"):
         gl.HFDataset(folder)
     (folder / "moved.json").write_text("{not json")
     (folder / "moved.json").rename(folder / "state.json")
-    with pytest.raises(gl.errors.SourceError, match="cannot read .*state.json"):
+    with pytest.raises(gl.errors.SourceError, match=r"cannot read .*state.json"):
         gl.HFDataset(folder)
-    with pytest.raises(gl.errors.ArgumentError, match="folder written by save_to_disk or a datasets.Dataset, got int"):
+    with pytest.raises(gl.errors.ArgumentError, match=r"folder written by save_to_disk or a datasets.Dataset, got int"):
         gl.HFDataset(3)
 
 
@@ -267,7 +272,7 @@ def test_a_truncated_arrow_file_is_a_named_error(folder: pathlib.Path, cut: int)
     arrow = folder / "data-00001-of-00003.arrow"
     data = arrow.read_bytes()
     arrow.write_bytes(data[:-cut])
-    with pytest.raises(gl.errors.SourceError, match="data-00001-of-00003.arrow"):
+    with pytest.raises(gl.errors.SourceError, match=r"data-00001-of-00003.arrow"):
         gl.HFDataset(folder)
 
 

@@ -10,5 +10,15 @@ from globalloader.sources.sequence import from_sequence
 from globalloader.sources.tar_shards import TarShards
 from globalloader.sources.tar_writer import TarWriter
 
-__all__ = ["ArrowCopy", "DecodeFields", "HFDataset", "ImageFolder", "Parquet", "Source", "TarShards", "TarWriter", "from_sequence"]
+__all__ = [
+    "ArrowCopy",
+    "DecodeFields",
+    "HFDataset",
+    "ImageFolder",
+    "Parquet",
+    "Source",
+    "TarShards",
+    "TarWriter",
+    "from_sequence",
+]
 assert __all__ == sorted(__all__)

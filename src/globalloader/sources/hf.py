@@ -115,7 +115,8 @@ class HFDataset(ProcessLocal):
             [f"{path}:" for path in self.files],
         )
         self.columnar: bool = not self._shapes and all(
-            gatherable(kind, name in self.int_columns_as_float) for name, kind in zip(self.columns, self._types)
+            gatherable(kind, name in self.int_columns_as_float)
+            for name, kind in zip(self.columns, self._types, strict=True)
         )
         self.gather_rows = 8192
         versions = (
@@ -157,7 +158,8 @@ class HFDataset(ProcessLocal):
                     raise SourceError(f"Arrow file {path} has other column types than {self.files[0]}: {types}")
                 self._types = types
                 exact = [c for c, t in zip(self.columns, types, strict=True) if is_exact(t)]
-                batch_rows, nulls = [], set()
+                batch_rows: list[int] = []
+                nulls: set[str] = set()
                 for batch in reader:
                     batch_rows.append(batch.num_rows)
                     nulls.update(c for c in exact if batch.column(c).null_count)
@@ -226,7 +228,9 @@ class HFDataset(ProcessLocal):
             return self._reader.read(path, 0, self.store.stat(path).size)
         except SourceError as exc:
             key = self._key(block, row)
-            raise SourceError(f"record {key}: column {name!r} has no bytes and its file {path} cannot be read: {exc}")
+            raise SourceError(
+                f"record {key}: column {name!r} has no bytes and its file {path} cannot be read: {exc}"
+            ) from None
 
     # -- reading ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -302,7 +306,7 @@ class HFDataset(ProcessLocal):
         by row): views of the mapped numbers, read-only."""
         pc = _extras.require("pyarrow.compute", "parquet")
         shape = self._shapes[name]
-        inner = int(np.prod(shape[1:]))
+        inner = int(np.prod([int(d or 0) for d in shape[1:]]))
         items = column.values  # the first dimension's entries, of the whole batch
         for _ in shape[1:]:
             items = pc.list_flatten(items)
@@ -311,7 +315,7 @@ class HFDataset(ProcessLocal):
             raise SourceError(f"Arrow file {self.files[f]} (record batch {b}): column {name!r} is not of shape {shape}")
         numbers, at = to_numpy(items), column.offsets.to_numpy().item
         valid = np.asarray(column.is_valid().to_numpy(zero_copy_only=False)).item if column.null_count else None
-        rest = tuple(shape[1:])
+        rest = tuple(int(d or 0) for d in shape[1:])
 
         def get(row: int) -> Any:
             if valid is not None and not valid(row):
@@ -370,7 +374,8 @@ def _dataset_object(dataset: Any) -> tuple[list[str], dict[str, Any], list[str],
     """The cache files, features, columns and rows of a `datasets.Dataset` whose rows are its files."""
     if not all(hasattr(dataset, name) for name in ("cache_files", "features", "column_names", "num_rows")):
         raise ArgumentError(
-            f"path_or_dataset must be a folder written by save_to_disk or a datasets.Dataset, got {type(dataset).__name__}"
+            "path_or_dataset must be a folder written by save_to_disk or a datasets.Dataset, "
+            f"got {type(dataset).__name__}"
         )
     if getattr(dataset, "_indices", None) is not None:
         raise ArgumentError(
