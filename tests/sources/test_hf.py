@@ -155,16 +155,23 @@ same = all(
     == repr(sorted((k, v.tolist() if isinstance(v, np.ndarray) else v) for k, v in by_folder[i].items()))
     for i in range(len(src))
 )
-try:
-    HFDataset(ds.shuffle(seed=0))
-    refused = ""
-except ArgumentError as exc:
-    refused = str(exc)
+refused = []
+for changed in (
+    ds.shuffle(seed=0), ds.select(range(5)), ds.rename_column("i", "j"), ds.cast_column("f", datasets.Value("float64"))
+):
+    try:
+        HFDataset(changed)
+        refused.append("")
+    except ArgumentError as exc:
+        refused.append(str(exc))
 OUTPUT = (len(src), src.fingerprint == by_folder.fingerprint, same, refused)
 """
     count, same_fingerprint, same_records, refused = run_peer(check_object, tmp_path)
     assert (count, same_fingerprint, same_records) == (n, True, True)
-    assert "flatten_indices()" in refused
+    shuffled, selected, renamed, cast = refused
+    assert "flatten_indices()" in shuffled and "flatten_indices()" in selected
+    assert "save_to_disk it" in renamed  # a rename is held in memory, over files with the old name
+    assert cast == ""  # cast_column writes a new cache file: read as it is
 
 
 # -- loader features ------------------------------------------------------------------------------

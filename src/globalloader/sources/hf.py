@@ -72,9 +72,9 @@ class HFDataset(ProcessLocal):
         if isinstance(path_or_dataset, (str, os.PathLike)):
             self.where = os.fspath(path_or_dataset)
             files, features = _saved_folder(self.where)
-            available, rows = list(features), None
+            available, rows, table_schema = list(features), None, None
         else:
-            files, features, available, rows = _dataset_object(path_or_dataset)
+            files, features, available, rows, table_schema = _dataset_object(path_or_dataset)
             self.where = f"the datasets.Dataset over {files[0]}"
         for name, feature in features.items():
             _check_feature(feature, name, self.where)
@@ -89,7 +89,7 @@ class HFDataset(ProcessLocal):
         self.store = storage.Store()
         self._types: list[Any] = []  # the selected columns' Arrow types, encoded features as binary
         self._stats = [self.store.stat(f) for f in self.files]
-        scans = [self._scan(f) for f in range(len(self.files))]
+        scans = [self._scan(f, table_schema) for f in range(len(self.files))]
         starts, owners, with_nulls = [0], [], set()
         for f, (batch_rows, nulls) in enumerate(scans):
             in_file = 0
@@ -124,11 +124,12 @@ class HFDataset(ProcessLocal):
         )
         self.fingerprint: str = fingerprint_of("HFDataset", [f"columns={self.columns}", *versions])
 
-    _PROCESS_ONLY = ("_pa", "_files_read", "_blocks", "_decoded", "_gather", "_reader", "_lock")
+    _PROCESS_ONLY = ("_pa", "_files_read", "_validated", "_blocks", "_decoded", "_gather", "_reader", "_lock")
 
     def _reset(self) -> None:
         self._pa = _extras.require("pyarrow", "parquet")
         self._files_read: dict[int, list[Any]] = {}  # file -> its record batches, views into the mapping
+        self._validated: set[int] = set()  # blocks whose every offset and value was checked here
         self._blocks: OrderedDict[tuple[str, int], Any] = OrderedDict()
         self._decoded: OrderedDict[tuple[int, str], list[Any]] = OrderedDict()
         self._gather: BlockGather | None = None
@@ -141,19 +142,24 @@ class HFDataset(ProcessLocal):
         self._lock = threading.Lock()
 
     # -- the files ----------------------------------------------------------------------------------
-    def _scan(self, f: int) -> tuple[list[int], set[str]]:
+    def _scan(self, f: int, table_schema: Any) -> tuple[list[int], set[str]]:
         """One file's record batch sizes and the integer columns holding a null (both from the
-        batches' headers, no data read); its schema's types are kept as the source's."""
+        batches' headers, no data read); its schema's types are kept as the source's, and must
+        be `table_schema`'s (a `datasets.Dataset`'s table, else None)."""
         path, pa = self.files[f], self._pa
         try:
             with pa.memory_map(path, "r") as mapped:
                 reader = pa.ipc.open_stream(mapped)
-                schema = reader.schema
-                missing = [c for c in self.columns if c not in schema.names]
-                if missing:
-                    raise SourceError(f"Arrow file {path} has no column(s) {missing}; it has {schema.names}")
-                types = [_storage_type(schema.field(c).type) for c in self.columns]
-                types = [pa.binary() if c in self._encoded else t for c, t in zip(self.columns, types, strict=True)]
+                names = reader.schema.names
+                if table_schema is not None and (
+                    any(c not in names for c in self.columns)
+                    or self._types_in(reader.schema, path) != self._types_in(table_schema, path)
+                ):
+                    raise ArgumentError(
+                        f"{self.where} has columns its cache files do not (a rename, cast or new column held in "
+                        "memory): save_to_disk it and pass the folder"
+                    )
+                types = self._types_in(reader.schema, path)
                 if f and types != self._types:
                     raise SourceError(f"Arrow file {path} has other column types than {self.files[0]}: {types}")
                 self._types = types
@@ -172,6 +178,15 @@ class HFDataset(ProcessLocal):
                 f"Arrow file {path} ends before its end-of-stream marker: it is truncated; write it again"
             )
         return batch_rows, nulls
+
+    def _types_in(self, schema: Any, path: str) -> list[Any]:
+        """The selected columns' types in `schema` (encoded features as their bytes), or the
+        SourceError naming the columns file `path` lacks."""
+        missing = [c for c in self.columns if c not in schema.names]
+        if missing:
+            raise SourceError(f"Arrow file {path} has no column(s) {missing}; it has {schema.names}")
+        types = [_storage_type(schema.field(c).type) for c in self.columns]
+        return [self._pa.binary() if c in self._encoded else t for c, t in zip(self.columns, types, strict=True)]
 
     def _batches(self, f: int) -> list[Any]:
         """File `f`'s record batches mapped in this process (no copy), checked against the scan."""
@@ -197,10 +212,12 @@ class HFDataset(ProcessLocal):
         error here, never a wrong value), encoded features as their bytes."""
         f, b, _ = self._owners[block]
         batch = self._batches(f)[b]
-        try:
-            batch.validate(full=True)
-        except self._pa.ArrowInvalid as exc:
-            raise SourceError(f"Arrow file {self.files[f]} is damaged (record batch {b}): {exc}") from None
+        if block not in self._validated:
+            try:
+                batch.validate(full=True)
+            except self._pa.ArrowInvalid as exc:
+                raise SourceError(f"Arrow file {self.files[f]} is damaged (record batch {b}): {exc}") from None
+            self._validated.add(block)
         columns = []
         for name in self.columns:
             column = batch.column(name)
@@ -328,7 +345,7 @@ class HFDataset(ProcessLocal):
     # -- blocks -----------------------------------------------------------------------------------
     def keep_blocks(self, count: int) -> None:
         """Keep at least `count` blocks laid out per process (a windowed shuffle reads its window)."""
-        self.cached_blocks = max(self.cached_blocks, 2 * int(count))
+        self.cached_blocks = max(self.cached_blocks, int(count))
 
     def __repr__(self) -> str:
         return f"HFDataset({len(self.files)} files, {self._len} rows)"
@@ -370,8 +387,9 @@ def _saved_folder(folder: str) -> tuple[list[str], dict[str, Any]]:
     return files, features
 
 
-def _dataset_object(dataset: Any) -> tuple[list[str], dict[str, Any], list[str], int]:
-    """The cache files, features, columns and rows of a `datasets.Dataset` whose rows are its files."""
+def _dataset_object(dataset: Any) -> tuple[list[str], dict[str, Any], list[str], int, Any]:
+    """The cache files, features, columns, rows and table schema of a `datasets.Dataset` whose
+    rows are its files."""
     if not all(hasattr(dataset, name) for name in ("cache_files", "features", "column_names", "num_rows")):
         raise ArgumentError(
             "path_or_dataset must be a folder written by save_to_disk or a datasets.Dataset, "
@@ -387,7 +405,8 @@ def _dataset_object(dataset: Any) -> tuple[list[str], dict[str, Any], list[str],
         raise ArgumentError(
             "this datasets.Dataset is held in memory, with no Arrow file: save_to_disk it, pass the folder"
         )
-    return files, dataset.features.to_dict(), list(dataset.column_names), int(dataset.num_rows)
+    features = dataset.features.to_dict()
+    return files, features, list(dataset.column_names), int(dataset.num_rows), dataset.data.schema
 
 
 def _type_of(feature: Any) -> str | None:
