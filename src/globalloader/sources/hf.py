@@ -64,7 +64,7 @@ class HFDataset(ProcessLocal):
     type this reader does not know. Needs pyarrow (the `parquet` extra).
     """
 
-    def __init__(self, path_or_dataset: Any, columns: list[str] | None = None, *, cached_blocks: int = 64) -> None:
+    def __init__(self, path_or_dataset: Any, columns: list[str] | None = None, *, cached_blocks: int = 256) -> None:
         self._reset()
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ArgumentError(f"columns must be a list of str or None, got {columns!r}")
@@ -114,6 +114,7 @@ class HFDataset(ProcessLocal):
             np.array([r for _, _, r in owners], dtype=np.int64),
             [f"{path}:" for path in self.files],
         )
+        self._layout = Layout.plan(self.columns, self._types, self.int_columns_as_float)  # alike in every block
         self.columnar: bool = not self._shapes and all(
             gatherable(kind, name in self.int_columns_as_float)
             for name, kind in zip(self.columns, self._types, strict=True)
@@ -228,6 +229,10 @@ class HFDataset(ProcessLocal):
 
     def _encoded_bytes(self, column: Any, name: str, block: int) -> Any:
         """An Image/Audio column's bytes; where a row has only a path, that file's bytes."""
+        if not column.null_count:  # the usual case: the bytes child as it is, no compute
+            data = column.field("bytes").slice(column.offset, len(column))  # a child ignores its parent's offset
+            if not data.null_count:
+                return data
         pc = _extras.require("pyarrow.compute", "parquet")
         data, paths = pc.struct_field(column, "bytes"), pc.struct_field(column, "path")
         if not pc.any(pc.and_(data.is_null(), paths.is_valid())).as_py():
@@ -303,7 +308,7 @@ class HFDataset(ProcessLocal):
         """A block laid out for reads by row (`sources._row_layout`): numbers and the spans of
         text and bytes packed per row, values sliced from the mapped data."""
         columns = self._columns(block)
-        layout = Layout.plan(self.columns, self._types, self.int_columns_as_float)
+        layout = self._layout
         kept = [(name, c) for c, (name, kind, _, _) in zip(columns, layout.columns, strict=True) if kind != VALUE]
         batch = self._pa.RecordBatch.from_arrays([c for _, c in kept], names=[n for n, _ in kept])
         steps = layout.steps(batch, self._decoded, block)
