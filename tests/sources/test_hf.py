@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from peers import run_peer
 
 import globalloader as gl
-from helpers import Server, check_resume, same
+from helpers import Server, check_resume, every_arrow_type, same, strictly_equal
 
 SRC = str(pathlib.Path(gl.__file__).parent.parent)
 
@@ -195,6 +196,41 @@ def test_records_columns_and_a_window_shuffle_through_two_workers(folder: pathli
     assert all(img == b"jpeg-%d" % i for b in batches for img, i in zip(b["image"], b["id"].tolist(), strict=True))
     with pytest.raises(gl.errors.ArgumentError, match=r"no column\(s\) \['nope'\].*\['id', 'text', 'label', 'image'\]"):
         gl.HFDataset(folder, columns=["id", "nope"])
+
+
+def test_values_are_parquets_for_every_arrow_type(tmp_path: pathlib.Path) -> None:
+    """One rule for every Arrow source: the same table read as an HF folder and as Parquet gives
+    the same records (keys apart) and the same gathered batches."""
+    table = every_arrow_type(90)
+    save_like_datasets(tmp_path / "ds", table, {name: {"_type": "Value"} for name in table.column_names}, 2, 16)
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=16)
+    hf, parquet = gl.HFDataset(tmp_path / "ds"), gl.Parquet(str(tmp_path / "t.parquet"))
+    assert hf.int_columns_as_float == parquet.int_columns_as_float
+    for i in (0, 3, 11, 30, 50, 77, 89, 45):
+        ours, theirs = hf[i], parquet[i]
+        assert ours.pop("__key__") != theirs.pop("__key__")
+        assert strictly_equal(ours, theirs), [k for k in ours if not strictly_equal(ours[k], theirs[k])]
+    plain = ["id", "f32", "int_with_null", "flag_with_null", "text", "blob"]
+    hf, parquet = gl.HFDataset(tmp_path / "ds", columns=plain), gl.Parquet(str(tmp_path / "t.parquet"), columns=plain)
+    idx = np.array([89, 3, 50, 44, 45, 0])
+    ours, theirs = hf.read_columns(idx), parquet.read_columns(idx)
+    assert hf.columnar and ours.pop("__key__") != theirs.pop("__key__") and strictly_equal(ours, theirs)
+
+
+def test_an_elastic_resume_sees_every_row_once(folder: pathlib.Path) -> None:
+    src = gl.HFDataset(folder, columns=["id"])
+
+    def chain(rank: int, world: int) -> gl.Dataset:
+        return gl.Dataset(src).shuffle(seed=0, window=2).shard(rank, world).batch(10)
+
+    old = [chain(rank, 2).iterator() for rank in range(2)]
+    seen = [int(i) for it in old for _ in range(4) for i in next(it)["id"]]
+    state = old[0].state_dict()
+    for rank in range(3):
+        new = chain(rank, 3).iterator()
+        new.load_state_dict(state)
+        seen += [int(i) for batch in new for i in batch["id"]]
+    assert sorted(seen) == list(range(230))
 
 
 def test_shuffle_shard_and_resume_through_the_loader_equal_the_uninterrupted_run(folder: pathlib.Path) -> None:
