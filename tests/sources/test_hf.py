@@ -339,3 +339,4 @@ def test_an_unknown_feature_type_is_a_named_error(folder: pathlib.Path) -> None:
     (folder / "dataset_info.json").write_text(json.dumps(info))
     with pytest.raises(gl.errors.SourceError, match=r"column 'label' has feature type 'Hologram'.*columns="):
         gl.HFDataset(folder)
+    assert gl.HFDataset(folder, columns=["id", "image"])[4]["image"] == b"jpeg-4"  # left out, as the error says

@@ -33,6 +33,7 @@ _READ_FEATURES |= {"Translation", "TranslationVariableLanguages"}
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # what a completely written Arrow stream ends with
 
 _Decoded = tuple[Unpacker | None, list[Step]]  # (row -> packed numbers, steps)
+_GATHER_ROWS = 8192
 
 
 class HFDataset(ProcessLocal):
@@ -76,13 +77,13 @@ class HFDataset(ProcessLocal):
         else:
             files, features, available, rows, table_schema = _dataset_object(path_or_dataset)
             self.where = f"the datasets.Dataset over {files[0]}"
-        for name, feature in features.items():
-            _check_feature(feature, name, self.where)
         if columns is not None:
             unknown = [c for c in columns if c not in available]
             if unknown:
                 raise ArgumentError(f"{self.where} has no column(s) {unknown}; it has {available}")
         self.columns: list[str] = list(columns) if columns is not None else available
+        for name in self.columns:
+            _check_feature(features[name], name, self.where)
         self._encoded = {c for c in self.columns if _type_of(features[c]) in ENCODED_FEATURES}
         self._shapes = {c: _shape(features[c]) for c in self.columns if _type_of(features[c]) in ARRAY_FEATURES}
         self.files: list[str] = [os.path.abspath(f) for f in files]
@@ -119,7 +120,9 @@ class HFDataset(ProcessLocal):
             gatherable(kind, name in self.int_columns_as_float)
             for name, kind in zip(self.columns, self._types, strict=True)
         )
-        self.gather_rows = 8192
+        # Rows one read_columns_ahead call may gather (dataset.gather_ahead): about 16 MiB of the files.
+        stored = sum(stat.size for stat in self._stats)
+        self.gather_rows = int(min(_GATHER_ROWS, (16 << 20) * max(1, self._len) // max(1, stored)))
         versions = (
             f"{storage.cache_key(u)}\t{s.size}\t{s.version}" for u, s in zip(self.files, self._stats, strict=True)
         )
