@@ -333,10 +333,18 @@ def test_a_damaged_arrow_file_is_a_named_error_never_a_wrong_record(folder: path
         gl.HFDataset(folder, columns=["text"])[3]
 
 
-def test_an_unknown_feature_type_is_a_named_error(folder: pathlib.Path) -> None:
+def test_an_unknown_or_mismatched_feature_type_is_a_named_error(folder: pathlib.Path) -> None:
     info = json.loads((folder / "dataset_info.json").read_text())
     info["features"]["label"] = {"_type": "Hologram"}
     (folder / "dataset_info.json").write_text(json.dumps(info))
     with pytest.raises(gl.errors.SourceError, match=r"column 'label' has feature type 'Hologram'.*columns="):
         gl.HFDataset(folder)
     assert gl.HFDataset(folder, columns=["id", "image"])[4]["image"] == b"jpeg-4"  # left out, as the error says
+    info["features"]["label"] = {"_type": "Image"}  # a feature its column is not stored as
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    with pytest.raises(gl.errors.SourceError, match=r"data-00000-of-00003.arrow: column 'label' is stored as int64"):
+        gl.HFDataset(folder)
+    info["features"]["label"] = {"_type": "Array2D", "shape": [2, 2], "dtype": "int64"}
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    with pytest.raises(gl.errors.SourceError, match=r"column 'label' is stored as int64"):
+        gl.HFDataset(folder)

@@ -20,7 +20,7 @@ import numpy as np
 
 from globalloader import _extras, storage
 from globalloader.errors import ArgumentError, SourceError, check_int
-from globalloader.sources._arrow_values import is_exact, to_numpy
+from globalloader.sources._arrow_values import is_bytes, is_exact, is_list, is_text, to_numpy
 from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable, split_batch
 from globalloader.sources._row_layout import GETTER, VALUE, Getter, Layout, Step, Unpacker, read_record
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
@@ -62,7 +62,7 @@ class HFDataset(ProcessLocal):
 
     Errors (SourceError naming the file): a missing folder, `state.json` or `dataset_info.json`;
     an Arrow file missing, truncated or damaged, or changed since the source was made; a feature
-    type this reader does not know. Needs pyarrow (the `parquet` extra).
+    type this reader does not know, or a column not stored as its feature says. Needs pyarrow (the `parquet` extra).
     """
 
     def __init__(self, path_or_dataset: Any, columns: list[str] | None = None, *, cached_blocks: int = 256) -> None:
@@ -190,7 +190,32 @@ class HFDataset(ProcessLocal):
         if missing:
             raise SourceError(f"Arrow file {path} has no column(s) {missing}; it has {schema.names}")
         types = [_storage_type(schema.field(c).type) for c in self.columns]
+        for name, kind in zip(self.columns, types, strict=True):
+            if not self._stored_as_its_feature(name, kind):
+                raise SourceError(
+                    f"Arrow file {path}: column {name!r} is stored as {kind}, which is not how datasets stores "
+                    "its feature (dataset_info.json); write the dataset again, or leave it out with columns=[...]"
+                )
         return [self._pa.binary() if c in self._encoded else t for c, t in zip(self.columns, types, strict=True)]
+
+    def _stored_as_its_feature(self, name: str, kind: Any) -> bool:
+        """An Image/Audio column is a struct of `bytes` and `path`; an `ArrayND` column lists of
+        lists, one level per dimension, of numbers."""
+        pa = self._pa
+        if name in self._encoded:
+            fields = (
+                {kind.field(i).name: kind.field(i).type for i in range(kind.num_fields)}
+                if pa.types.is_struct(kind)
+                else {}
+            )
+            return is_bytes(fields.get("bytes", pa.null())) and is_text(fields.get("path", pa.null()))
+        if name in self._shapes:
+            for _ in self._shapes[name]:
+                if not is_list(kind):
+                    return False
+                kind = kind.value_type
+            return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind))
+        return True
 
     def _batches(self, f: int) -> list[Any]:
         """File `f`'s record batches mapped in this process (no copy), checked against the scan."""
