@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 from globalloader.errors import MissingExtraError
 
 
 def require(module: str, extra: str) -> ModuleType:
-    """Import `module`, or raise MissingExtraError telling the user which extra provides it."""
+    """Import `module`, or raise MissingExtraError telling the user which extra provides it.
+    Cheap once imported (readers call it per block): a look-up in `sys.modules`."""
+    imported = sys.modules.get(module)
+    if imported is not None:
+        return imported
     try:
         return importlib.import_module(module)
     except ImportError as exc:

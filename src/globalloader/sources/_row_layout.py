@@ -152,6 +152,24 @@ class Layout:
         return lambda row: unpack_from(data, row * width)
 
 
+def read_record(key: str, unpack: Unpacker | None, steps: list[Step], row: int) -> dict[str, Any]:
+    """Record `row` of a block laid out by `Layout.steps` (`unpack`: its packed values)."""
+    record: dict[str, Any] = {"__key__": key}
+    packed = unpack(row) if unpack is not None else ()
+    for name, kind, slot, read in steps:
+        if kind == VALUE:
+            record[name] = packed[slot]
+        elif kind == GETTER:
+            record[name] = read(row)
+        elif packed[slot] < 0:
+            record[name] = None
+        elif kind == TEXT:
+            record[name] = str(read[packed[slot] : packed[slot + 1]], "utf-8")
+        else:
+            record[name] = read[packed[slot] : packed[slot + 1]].tobytes()
+    return record
+
+
 def _values(column: Any, name: str, dtype: np.dtype[Any]) -> np.ndarray:
     """A number column as `Parquet` reads it (nulls NaN, integers with nulls as float64)."""
     pa = _extras.require("pyarrow", "parquet")

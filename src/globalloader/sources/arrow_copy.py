@@ -24,7 +24,7 @@ from globalloader._pids import alive
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources._columns import check_columnar
 from globalloader.sources._mapped_columns import MappedColumns
-from globalloader.sources._row_layout import GETTER, LAYOUT_KEY, PACKED, TEXT, VALUE, Layout, Step, Unpacker
+from globalloader.sources._row_layout import LAYOUT_KEY, PACKED, VALUE, Layout, Step, Unpacker, read_record
 from globalloader.sources.base import ArrowBlocks, Blocks, capable, check_index, check_indices, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
 from globalloader.storage.cache import crc32_upto
@@ -240,20 +240,7 @@ class ArrowCopy(ProcessLocal):
         block = bisect.bisect_right(self._starts, index) - 1
         view = self._blocks.get(block) or self._load_block(block)
         row = index - self._starts[block]
-        record: dict[str, Any] = {"__key__": f"{view.key_prefix}{view.first_row + row}"}
-        packed = view.unpack(row) if view.unpack is not None else ()
-        for name, kind, slot, read in view.steps:
-            if kind == VALUE:
-                record[name] = packed[slot]
-            elif kind == GETTER:
-                record[name] = read(row)
-            elif packed[slot] < 0:
-                record[name] = None
-            elif kind == TEXT:
-                record[name] = str(read[packed[slot] : packed[slot + 1]], "utf-8")
-            else:
-                record[name] = read[packed[slot] : packed[slot + 1]].tobytes()
-        return record
+        return read_record(f"{view.key_prefix}{view.first_row + row}", view.unpack, view.steps, row)
 
     def iter_records(self) -> Iterator[dict[str, Any]]:
         """Every record in order."""
