@@ -152,7 +152,7 @@ class HFDataset(ProcessLocal):
         be `table_schema`'s (a `datasets.Dataset`'s table, else None)."""
         path, pa = self.files[f], self._pa
         try:
-            with pa.memory_map(path, "r") as mapped:
+            with storage.memory_map(path) as mapped:
                 reader = pa.ipc.open_stream(mapped)
                 names = reader.schema.names
                 if table_schema is not None and (
@@ -227,7 +227,7 @@ class HFDataset(ProcessLocal):
             if self.store.stat(path) != self._stats[f]:
                 raise SourceError(f"Arrow file {path} changed since the source was made; make the source again")
             try:
-                batches = list(pa.ipc.open_stream(pa.memory_map(path, "r")))
+                batches = list(pa.ipc.open_stream(storage.memory_map(path)))
             except (OSError, pa.ArrowInvalid) as exc:
                 raise SourceError(f"cannot read the Arrow file {path}: {exc}") from None
             expected = [self._starts[b + 1] - self._starts[b] for b, owner in enumerate(self._owners) if owner[0] == f]
@@ -389,8 +389,7 @@ class HFDataset(ProcessLocal):
 
 def _read_json(path: str, what: str) -> Any:
     try:
-        with open(path, encoding="utf-8") as file:
-            return json.load(file)
+        return json.loads(storage.read_whole(path))
     except FileNotFoundError:
         raise SourceError(f"{path} is missing: {what}") from None
     except (OSError, ValueError) as exc:
