@@ -9,7 +9,7 @@ from globalloader.storage._fs import scheme_of
 from globalloader.storage.cache import ObjectCache, parse_size
 from globalloader.storage.ranges import RangeFile, RangeReader, open_read
 from globalloader.storage.retry import RetryPolicy
-from globalloader.storage.store import FileStat, Store, cache_key
+from globalloader.storage.store import FileStat, StagedWrite, Store, cache_key, stale_temporaries
 
 __all__ = [
     "FileStat",
@@ -17,10 +17,12 @@ __all__ = [
     "RangeFile",
     "RangeReader",
     "RetryPolicy",
+    "StagedWrite",
     "Store",
     "cache_key",
     "open_read",
     "parse_size",
     "reset_in_forked_children",
     "scheme_of",
+    "stale_temporaries",
 ]
