@@ -11,8 +11,17 @@ Typical use:
 from globalloader import errors, sources
 from globalloader._version import __version__ as __version__
 from globalloader.dataset import Dataset, collate
-from globalloader.execution import Loader
-from globalloader.sources import ArrowCopy, DecodeFields, ImageFolder, Parquet, TarShards, TarWriter, from_sequence
+from globalloader.execution import Loader, write_shards
+from globalloader.sources import (
+    ArrowCopy,
+    DecodeFields,
+    ImageFolder,
+    Parquet,
+    ParquetWriter,
+    TarShards,
+    TarWriter,
+    from_sequence,
+)
 
 __all__ = [
     "ArrowCopy",
@@ -21,11 +30,13 @@ __all__ = [
     "ImageFolder",
     "Loader",
     "Parquet",
+    "ParquetWriter",
     "TarShards",
     "TarWriter",
     "collate",
     "errors",
     "from_sequence",
     "sources",
+    "write_shards",
 ]
 assert __all__ == sorted(__all__)

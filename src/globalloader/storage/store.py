@@ -415,9 +415,10 @@ class _Upload(StagedWrite):
 
 
 def stale_temporaries(url: str) -> list[str]:
-    """Temporary files that writers of the local file `url` killed mid-write left beside it."""
+    """Temporary files that writers of the local file `url`, or of files named `url` plus a
+    suffix (its sidecars), left beside it when killed mid-write."""
     parent, name = os.path.split(url)
-    return _glob.glob(os.path.join(_glob.escape(parent), f".{_glob.escape(name)}.*.tmp"))
+    return _glob.glob(os.path.join(_glob.escape(parent), f".{_glob.escape(name)}*.tmp"))
 
 
 def _file_stat(info: dict[str, Any]) -> FileStat:
