@@ -113,6 +113,9 @@ def test_a_mismatched_restart_names_the_manifest(tmp_path):
     (tmp_path / "out-002.tar").unlink()
     with pytest.raises(ArgumentError, match=f"out-002.tar is missing, though {manifest} lists it"):
         gl.write_shards(chain(), pattern, maxcount=5, progress=False)
+    Path(manifest).write_text("{not json")
+    with pytest.raises(ArgumentError, match=f"{manifest} is not a manifest of write_shards"):
+        gl.write_shards(chain(), pattern, maxcount=5, progress=False)
 
 
 def identities(folder: Path, names: list[str]) -> dict[str, tuple[int, int]]:

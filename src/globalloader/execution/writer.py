@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from globalloader import storage
 from globalloader.dataset.chain import Dataset
 from globalloader.dataset.resume import make_state
-from globalloader.errors import ArgumentError, SourceError
+from globalloader.errors import ArgumentError, SourceError, StateError
 from globalloader.execution.loader import Loader
 from globalloader.sources._shard_series import number_field
 from globalloader.sources.parquet_writer import ParquetWriter
@@ -85,14 +85,17 @@ def write_shards(
         "maxcount": maxcount,
         "maxsize": maxsize,
     }
-    loader = Loader(dataset, workers, on_error=on_error, **loader_options)
+    loader = Loader(dataset, workers, on_error=on_error, **loader_options)  # checks its arguments; starts nothing
     store = storage.Store(storage_options)
     done = _finished(store, manifest, identity)
     if done is not None and done["complete"]:
         return [shard["path"] for shard in done["shards"]]
     shards: list[dict[str, Any]] = done["shards"] if done is not None else []
     if done is not None:
-        loader.load_state_dict(done["state"])
+        try:
+            loader.load_state_dict(done["state"])
+        except StateError as exc:
+            raise StateError(f"{manifest}: {exc}; delete the manifest and its shards to start over") from None
     if not storage.scheme_of(pattern):  # what a killed run was writing: the next shards and the manifest
         for url in (pattern % len(shards), pattern % (len(shards) + 1), manifest):
             for temporary in storage.stale_temporaries(url):

@@ -6,7 +6,9 @@ import hashlib
 import io
 import json
 import os
+import queue
 import tarfile
+import threading
 import zlib
 from types import TracebackType
 from typing import Any, Self
@@ -114,9 +116,7 @@ class TarWriter(ShardSeries):
         self._file.close()
         if self.index:
             written = self._file
-            sidecar = _tar_index.sidecar_bytes(
-                self._members.finish(), written.length, written.md5.hexdigest(), written.crc
-            )
+            sidecar = _tar_index.sidecar_bytes(self._members.finish(), written.length, written.md5(), written.crc)
             with self.store.open_write(_tar_index.sidecar_url(self.paths[-1])) as out:
                 out.write(sidecar)
         self._tar = self._file = self._members = None
@@ -149,25 +149,42 @@ class TarWriter(ShardSeries):
 
 
 class _Digesting:
-    """A write-only file that passes bytes on and keeps their count, MD5 and CRC-32."""
+    """A write-only file that passes bytes on and keeps their count, CRC-32 and MD5. The MD5
+    is computed by a thread of its own (hashlib lets go of the GIL on large buffers), beside
+    the caller's encoding of the next members: it costs as much as the rest of the writing."""
 
     def __init__(self, out: storage.StagedWrite) -> None:
-        self._out, self.md5, self.crc, self.length = out, hashlib.md5(usedforsecurity=False), 0, 0
+        self._out, self.crc, self.length = out, 0, 0
+        self._md5 = hashlib.md5(usedforsecurity=False)
+        self._pending: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._digester = threading.Thread(target=self._digest, name="gl-tar-md5", daemon=True)
+        self._digester.start()
+
+    def _digest(self) -> None:
+        while (data := self._pending.get()) is not None:
+            self._md5.update(data)
 
     def write(self, data: bytes) -> int:
         self._out.write(data)
-        self.md5.update(data)
         self.crc = zlib.crc32(data, self.crc)
         self.length += len(data)
+        self._pending.put(bytes(data))  # a copy only if the caller's buffer could change
         return len(data)
 
     def tell(self) -> int:
         return self.length
 
+    def md5(self) -> str:
+        """The MD5 (hex) of everything written; call after `close()`."""
+        self._digester.join()
+        return self._md5.hexdigest()
+
     def close(self) -> None:
+        self._pending.put(None)
         self._out.close()
 
     def discard(self) -> None:
+        self._pending.put(None)
         self._out.discard()
 
 
