@@ -225,3 +225,20 @@ def test_object_storage_through_transient_faults_and_a_resume(tmp_path, s3, fmt)
     source = (gl.TarShards if fmt == "tar" else gl.Parquet)(paths, storage_options=opts)
     got = [{k: v for k, v in r.items() if not k.startswith("__")} for r in gl.Dataset(source).iterator()]
     assert same(got, expected(fmt=fmt))
+
+
+def test_on_error_skip_leaves_the_bad_sample_out_with_a_warning(tmp_path):
+    FAIL_FLAG[:] = [tmp_path / "fail"]
+    FAIL_FLAG[0].touch()
+    try:
+        outputs = []
+        for workers in (0, 2):
+            folder = tmp_path / f"w{workers}"
+            with pytest.warns(UserWarning, match=f"skipped 1 bad sample.*index {FAIL_AT}"):
+                gl.write_shards(chain(), folder / "out-%03d.tar", workers, maxcount=8, on_error="skip", progress=False)
+            outputs.append({k: v for k, v in files(folder).items() if not k.endswith(".json")})
+    finally:
+        FAIL_FLAG.clear()
+    assert outputs[0] == outputs[1]
+    want = [r for r in expected() if r["n"] != str(FAIL_AT).encode()]
+    assert same(written(tmp_path / "w0"), want)
