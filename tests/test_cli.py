@@ -101,3 +101,54 @@ def test_serve_refuses_bad_numbers_before_starting(tmp_path, option, message):
 
 def test_stop_without_a_server_says_so(tmp_path):
     assert "no server runs" in run("stop", "--socket", str(tmp_path / "none.sock")).stdout
+
+
+def image_folder(root, n: int = 12) -> dict[str, bytes]:
+    images = {}
+    for i in range(n):
+        key = f"{'cat' if i % 2 else 'dog'}/img{i:02d}"
+        images[key] = bytes([i]) * (100 + 37 * i)
+        (root / f"{key}.jpg").parent.mkdir(parents=True, exist_ok=True)
+        (root / f"{key}.jpg").write_bytes(images[key])
+    return images
+
+
+def test_convert_an_image_folder_to_tar_then_parquet_then_tar(tmp_path):
+    images = image_folder(tmp_path / "images")
+    shards = tmp_path / "shards"
+    result = run("convert", str(tmp_path / "images"), str(shards), "--workers", "2", "--maxcount", "5")
+    assert (
+        result.stdout.strip()
+        == f"12 samples (image folder) from {tmp_path / 'images'}: 3 shards in {shards}/shard-%06d.tar"
+    )
+    read = list(globalloader.Dataset(globalloader.TarShards(str(shards / "*.tar"))).iterator())
+    assert [r["__key__"] for r in read] == sorted(images)
+    assert all(r["image"] == images[r["__key__"]] for r in read)
+    assert cli.main(["convert", str(shards), str(tmp_path / "pq" / "part-%03d.parquet"), "--format", "parquet"]) == 0
+    rows = list(globalloader.Dataset(globalloader.Parquet(str(tmp_path / "pq" / "*.parquet"))).iterator())
+    assert [(r["image"], r["label"]) for r in rows] == [(r["image"], r["label"]) for r in read]
+    assert cli.main(["convert", str(tmp_path / "pq"), str(tmp_path / "again"), "--maxsize", "1KB"]) == 0
+    again = list(globalloader.Dataset(globalloader.TarShards(str(tmp_path / "again" / "*.tar"))).iterator())
+    assert [(r["image"], r["label"]) for r in again] == [(r["image"], r["label"]) for r in read]
+    # the same call again finds every shard finished and writes nothing
+    before = {p.name: p.stat().st_mtime_ns for p in shards.iterdir()}
+    assert cli.main(["convert", str(tmp_path / "images"), str(shards), "--maxcount", "5"]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in shards.iterdir()} == before
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["{missing}", "{out}"], "{missing}: no dataset globalloader can read is there"),
+        (["{images}", "{out}/one.tar"], "needs a number field such as %06d"),
+        (["{images}", "{out}", "--maxsize", "big"], "--maxsize must be a byte count such as 20GB"),
+        (["{images}", "{out}", "--storage-options", "{{"], "convert: --storage-options is not JSON"),
+    ],
+)
+def test_convert_refuses_with_one_clear_line(tmp_path, capsys, arguments, message):
+    image_folder(tmp_path / "images", 2)
+    paths = {"missing": tmp_path / "missing", "out": tmp_path / "out", "images": tmp_path / "images"}
+    assert cli.main(["convert", *(a.format(**paths) for a in arguments)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("globalloader: ") and "\n" not in err and message.format(**paths) in err, err
+    assert not (tmp_path / "out").exists()

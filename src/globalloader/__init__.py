@@ -11,7 +11,7 @@ Typical use:
 from globalloader import errors, sources
 from globalloader._version import __version__ as __version__
 from globalloader.dataset import Dataset, collate
-from globalloader.execution import Loader
+from globalloader.execution import Loader, write_shards
 from globalloader.sources import (
     MDS,
     ArrowCopy,
@@ -19,6 +19,7 @@ from globalloader.sources import (
     HFDataset,
     ImageFolder,
     Parquet,
+    ParquetWriter,
     TarShards,
     TarWriter,
     from_sequence,
@@ -33,11 +34,13 @@ __all__ = [  # noqa: RUF022  # sorted as sorted() sorts (ruff would put the all-
     "Loader",
     "MDS",
     "Parquet",
+    "ParquetWriter",
     "TarShards",
     "TarWriter",
     "collate",
     "errors",
     "from_sequence",
     "sources",
+    "write_shards",
 ]
 assert __all__ == sorted(__all__)

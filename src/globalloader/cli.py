@@ -1,4 +1,4 @@
-"""`globalloader` command line: serve | stop | status | demo | cache."""
+"""`globalloader` command line: serve | stop | status | demo | cache | convert."""
 
 from __future__ import annotations
 
@@ -94,7 +94,59 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--port", type=int, default=8470, help="the dashboard's port with --web (0: any free port)")
     cache = command("cache", "the machine-wide cache of downloaded objects: how big it is, or empty it")
     cache.add_argument("action", choices=["info", "clear"], help="info: size, downloads, hits; clear: delete all")
+    convert = command(
+        "convert",
+        "write a dataset (an image folder, Parquet files or tar shards; local or a URL) as tar or Parquet shards",
+    )
+    convert.add_argument("source", help="the dataset: a folder, a file, a pattern (shard-{000..009}.tar) or a URL")
+    convert.add_argument(
+        "dest",
+        help="a folder (shards named shard-%%06d.tar in it) or a pattern with a number field, such as "
+        "out/train-%%05d.tar; local or a URL",
+    )
+    convert.add_argument("--workers", type=int, default=2, help="worker processes reading the source")
+    convert.add_argument("--maxcount", type=int, default=None, help="samples per shard at most (default: no limit)")
+    convert.add_argument(
+        "--maxsize", default=None, help="bytes per shard at most, e.g. 512MB (default: 256MB without --maxcount)"
+    )
+    convert.add_argument("--format", choices=["tar", "parquet"], default="tar", help="the shards' format")
+    convert.add_argument(
+        "--storage-options",
+        default=None,
+        help='JSON options for object storage (fsspec), e.g. \'{"endpoint_url": "http://..."}\' (default: none)',
+    )
     return parser
+
+
+def _convert(args: argparse.Namespace) -> None:
+    import json
+
+    from globalloader.dataset import Dataset
+    from globalloader.execution import write_shards
+    from globalloader.sources.detect import open_source
+    from globalloader.storage import parse_size
+
+    try:
+        options = None if args.storage_options is None else json.loads(args.storage_options)
+    except ValueError as exc:
+        raise ArgumentError(f"convert: --storage-options is not JSON ({exc})") from None
+    if args.workers < 0:
+        raise ArgumentError(f"convert: --workers must be >= 0, got {args.workers}")
+    maxsize = None if args.maxsize is None else parse_size(args.maxsize, "--maxsize")
+    dest = args.dest
+    if "%" not in dest and not dest.endswith((".tar", ".parquet")):  # a folder
+        dest = dest.rstrip("/") + f"/shard-%06d.{args.format}"
+    kind, source = open_source(args.source, options)
+    paths = write_shards(
+        Dataset(source),
+        dest,
+        args.workers,
+        maxcount=args.maxcount,
+        maxsize=maxsize,
+        storage_options=options,
+        format=args.format,
+    )
+    print(f"{len(source):,} samples ({kind}) from {args.source}: {len(paths)} shards in {dest}")
 
 
 def _cache(action: str) -> None:
@@ -128,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif args.command == "cache":
             _cache(args.action)
+        elif args.command == "convert":
+            _convert(args)
         elif args.command == "serve":
             from globalloader.service import server
 

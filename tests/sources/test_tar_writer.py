@@ -140,3 +140,24 @@ def test_bad_usage(tmp_path: pathlib.Path) -> None:
     (tmp_path / "blocker").write_text("a file where a folder should be")
     with pytest.raises(SourceError, match="blocker"):
         TarWriter(str(tmp_path / "blocker" / "x.tar")).write({"__key__": "a", "txt": "1"})
+
+
+def test_a_shard_appears_only_whole(tmp_path: pathlib.Path) -> None:
+    """While a shard is written, nothing is at its name (a killed writer leaves no short shard
+    that reads as whole), and `abort()` drops it."""
+    writer = TarWriter(tmp_path / "out-%03d.tar", maxcount=2)
+    for i in range(3):
+        writer.write(_sample(i))
+    visible = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert visible == ["out-000.tar", "out-000.tar.idx"]  # out-001.tar is being written
+    writer.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out-000.tar", "out-000.tar.idx"]
+    assert writer.paths == [str(tmp_path / "out-000.tar")]
+    assert len(TarShards([str(tmp_path / "out-000.tar")])) == 2
+
+
+def test_numbers_from_first_shard(tmp_path: pathlib.Path) -> None:
+    with TarWriter(tmp_path / "out-%03d.tar", maxcount=2, first_shard=5) as writer:
+        for i in range(3):
+            writer.write(_sample(i))
+    assert writer.paths == [str(tmp_path / "out-005.tar"), str(tmp_path / "out-006.tar")]

@@ -7,6 +7,7 @@ from globalloader.sources.hf import HFDataset
 from globalloader.sources.image_folder import ImageFolder
 from globalloader.sources.mds import MDS
 from globalloader.sources.parquet import Parquet
+from globalloader.sources.parquet_writer import ParquetWriter
 from globalloader.sources.sequence import from_sequence
 from globalloader.sources.tar_shards import TarShards
 from globalloader.sources.tar_writer import TarWriter
@@ -18,6 +19,7 @@ __all__ = [  # noqa: RUF022  # sorted as sorted() sorts (ruff would put the all-
     "ImageFolder",
     "MDS",
     "Parquet",
+    "ParquetWriter",
     "Source",
     "TarShards",
     "TarWriter",

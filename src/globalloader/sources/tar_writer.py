@@ -6,19 +6,22 @@ import hashlib
 import io
 import json
 import os
+import queue
 import tarfile
+import threading
 import zlib
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Self
 
 import numpy as np
 
 from globalloader import storage
 from globalloader.errors import ArgumentError
 from globalloader.sources import _tar_index
+from globalloader.sources._shard_series import ShardSeries
 
 
-class TarWriter:
+class TarWriter(ShardSeries):
     """Write samples into tar shards that `webdataset` and `TarShards` read back.
 
     `pattern` is a plain path (one shard) or contains a printf field (`out-%06d.tar`), filled
@@ -40,9 +43,10 @@ class TarWriter:
     instead of downloading the shard first (see docs/remote.md). Upload the sidecars with the
     shards when copying a folder of shards to object storage.
 
-    Shards are created on the first sample written to them (no sample, no file). A file that
-    cannot be created raises SourceError naming it. Not thread-safe. `paths` lists the shards
-    written so far.
+    Shards are created on the first sample written to them (no sample, no file), numbered from
+    `first_shard`, and each appears whole when finished (written beside its place and renamed,
+    or uploaded in one piece), never half-written. A file that cannot be created raises
+    SourceError naming it. Not thread-safe. `paths` lists the shards written so far.
     """
 
     def __init__(
@@ -53,26 +57,13 @@ class TarWriter:
         *,
         storage_options: dict[str, Any] | None = None,
         index: bool = True,
+        first_shard: int = 0,
     ) -> None:
-        if not isinstance(pattern, (str, os.PathLike)):
-            raise ArgumentError(f"pattern must be a str or path, got {type(pattern).__name__}")
-        self.pattern = os.fspath(pattern)
-        self.store = storage.Store(storage_options)
-        for name, value in (("maxcount", maxcount), ("maxsize", maxsize)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ArgumentError(f"{name} must be a positive int or None, got {value!r}")
-        self._numbered = _has_printf_field(self.pattern)
-        if (maxcount or maxsize) and not self._numbered:
-            raise ArgumentError(
-                f"pattern {self.pattern!r} has no printf field such as %06d, so it cannot roll over at maxcount/maxsize"
-            )
-        self.maxcount, self.maxsize = maxcount, maxsize
+        super().__init__(pattern, maxcount, maxsize, storage_options, first_shard)
         self.index = bool(index)
-        self.paths: list[str] = []
         self._file: _Digesting | None = None
         self._members: _tar_index.IndexBuilder | None = None
         self._tar: tarfile.TarFile | None = None
-        self._count = self._size = 0
         self._last_key: str | None = None
         self._closed = False
 
@@ -106,26 +97,16 @@ class TarWriter:
             # addfile wrote the header(s), the data and its padding: the data starts that far back.
             end = self._file.length  # type: ignore[union-attr]
             self._members.add(info.name, end - -(-len(data) // 512) * 512, len(data))  # type: ignore[union-attr]
-        self._count += 1
-        self._size += nbytes
+        self._added(nbytes)
         self._last_key = key
-
-    def _full(self, nbytes: int) -> bool:
-        if self.maxcount is not None and self._count >= self.maxcount:
-            return True
-        return self.maxsize is not None and self._count > 0 and self._size + nbytes > self.maxsize
 
     def _next_shard(self) -> None:
         self._finish_shard()
-        path = self.pattern % len(self.paths) if self._numbered else self.pattern
-        if not self._numbered and self.paths:
-            raise ArgumentError(f"pattern {self.pattern!r} names one shard only")
+        path = self._new_path()
         # Both stay open across write() calls until the shard is full; _finish_shard closes them.
-        self._file = _Digesting(self.store.open_write(path))
+        self._file = _Digesting(self.store.open_write(path))  # published whole, when closed
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)  # type: ignore[call-overload]  # noqa: SIM115
         self._members = _tar_index.IndexBuilder(path)
-        self.paths.append(path)
-        self._count = self._size = 0
         self._last_key = None
 
     def _finish_shard(self) -> None:
@@ -135,12 +116,19 @@ class TarWriter:
         self._file.close()
         if self.index:
             written = self._file
-            sidecar = _tar_index.sidecar_bytes(
-                self._members.finish(), written.length, written.md5.hexdigest(), written.crc
-            )
+            sidecar = _tar_index.sidecar_bytes(self._members.finish(), written.length, written.md5(), written.crc)
             with self.store.open_write(_tar_index.sidecar_url(self.paths[-1])) as out:
                 out.write(sidecar)
         self._tar = self._file = self._members = None
+
+    def abort(self) -> None:
+        """Drop the shard being written (it never appears, nor its sidecar) and close: for a
+        writer whose input failed, so that no shard short of its samples looks finished."""
+        if self._file is not None:
+            self._file.discard()
+            self.paths.pop()
+        self._tar = self._file = self._members = None
+        self._closed = True
 
     def close(self) -> None:
         """Finish the current shard. Closing twice is harmless."""
@@ -161,32 +149,43 @@ class TarWriter:
 
 
 class _Digesting:
-    """A write-only file that passes bytes on and keeps their count, MD5 and CRC-32."""
+    """A write-only file that passes bytes on and keeps their count, CRC-32 and MD5. The MD5
+    is computed by a thread of its own (hashlib lets go of the GIL on large buffers), beside
+    the caller's encoding of the next members: it costs as much as the rest of the writing."""
 
-    def __init__(self, out: IO[bytes]) -> None:
-        self._out, self.md5, self.crc, self.length = out, hashlib.md5(usedforsecurity=False), 0, 0
+    def __init__(self, out: storage.StagedWrite) -> None:
+        self._out, self.crc, self.length = out, 0, 0
+        self._md5 = hashlib.md5(usedforsecurity=False)
+        self._pending: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._digester = threading.Thread(target=self._digest, name="gl-tar-md5", daemon=True)
+        self._digester.start()
+
+    def _digest(self) -> None:
+        while (data := self._pending.get()) is not None:
+            self._md5.update(data)
 
     def write(self, data: bytes) -> int:
         self._out.write(data)
-        self.md5.update(data)
         self.crc = zlib.crc32(data, self.crc)
         self.length += len(data)
+        self._pending.put(bytes(data))  # a copy only if the caller's buffer could change
         return len(data)
 
     def tell(self) -> int:
         return self.length
 
+    def md5(self) -> str:
+        """The MD5 (hex) of everything written; call after `close()`."""
+        self._digester.join()
+        return self._md5.hexdigest()
+
     def close(self) -> None:
+        self._pending.put(None)
         self._out.close()
 
-
-def _has_printf_field(pattern: str) -> bool:
-    try:
-        return pattern % 0 != pattern
-    except TypeError:
-        return False
-    except ValueError as exc:
-        raise ArgumentError(f"pattern {pattern!r} is not a valid printf pattern: {exc}") from None
+    def discard(self) -> None:
+        self._pending.put(None)
+        self._out.discard()
 
 
 def _json_keys_are_text(value: Any) -> bool:

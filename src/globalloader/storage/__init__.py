@@ -14,7 +14,7 @@ from globalloader.storage.cache import ObjectCache, parse_size
 from globalloader.storage.local import memory_map, read_whole
 from globalloader.storage.ranges import RangeFile, RangeReader, open_arrow, open_read
 from globalloader.storage.retry import RetryPolicy
-from globalloader.storage.store import FileStat, Store, cache_key
+from globalloader.storage.store import FileStat, StagedWrite, Store, cache_key, stale_temporaries
 
 __all__ = [
     "FileStat",
@@ -22,6 +22,7 @@ __all__ = [
     "RangeFile",
     "RangeReader",
     "RetryPolicy",
+    "StagedWrite",
     "Store",
     "cache_key",
     "memory_map",
@@ -31,5 +32,6 @@ __all__ = [
     "read_whole",
     "reset_in_forked_children",
     "scheme_of",
+    "stale_temporaries",
     "write_atomic",
 ]

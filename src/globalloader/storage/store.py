@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from globalloader.errors import ArgumentError, SourceError, StorageError
 from globalloader.storage import retry
@@ -338,38 +338,99 @@ class Store(ProcessLocal):
         for block in blocks:
             self.open_cached(url, stat, block).close()
 
-    def open_write(self, url: str) -> IO[bytes]:
-        """A binary file for writing `url`: remote objects are uploaded when it is closed."""
+    def open_write(self, url: str) -> StagedWrite:
+        """A binary file for writing `url`, which appears whole or not at all: bytes go to a
+        temporary file that `close()` renames into place (local) or uploads in one retried call
+        (remote); `discard()` drops them. A process killed while writing leaves no file at `url`
+        (a local one may leave its `.<name>.*.tmp` beside it; `stale_temporaries` lists those)."""
         if not scheme_of(url):
-            return _local_open(url, "wb")
+            return _LocalReplace(url)
         return _Upload(self, url)
 
 
-class _Upload(io.BufferedWriter):
-    """Writes go to a local temporary file; `close()` puts it at the URL in one retried call."""
+class StagedWrite(io.BufferedWriter):
+    """A file written to a temporary place and published whole by `close()` (see `open_write`)."""
 
-    def __init__(self, store: Store, url: str) -> None:
-        self._store, self._url = store, url
-        self._tmp = tempfile.NamedTemporaryFile(prefix="gl-upload-", delete=False)  # noqa: SIM115
-        super().__init__(io.FileIO(self._tmp.name, "wb"), buffer_size=1 << 20)
-        self._tmp.close()
+    def __init__(self, url: str, temporary: str) -> None:
+        self.url, self._tmp = url, temporary
+        super().__init__(io.FileIO(temporary, "wb"), buffer_size=1 << 20)
+
+    def _publish(self) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         if self.closed:
             return
         try:
             super().close()
-            fs, path = self._store.filesystem(self._url)
-            retry.call(
-                lambda seconds: fs.put_file(self._tmp.name, path, **bounded(fs, seconds)),
-                self._url,
-                "upload to",
-                self._store.retry_policy,
-                os.path.getsize(self._tmp.name),
-            )
+            self._publish()
         finally:
             with contextlib.suppress(OSError):
-                os.unlink(self._tmp.name)
+                os.unlink(self._tmp)
+
+    def discard(self) -> None:
+        """Drop what was written: nothing appears at the URL."""
+        if self.closed:
+            return
+        try:
+            super().close()
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        # An exception inside `with store.open_write(url)` leaves nothing half-written at the URL.
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+
+class _LocalReplace(StagedWrite):
+    """A local file written beside its place and renamed over it when closed."""
+
+    def __init__(self, url: str) -> None:
+        parent, name = os.path.split(url)
+        try:
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            temporary = os.path.join(parent, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            super().__init__(url, temporary)
+        except OSError as exc:
+            raise SourceError(f"cannot open {url}: {exc.strerror}") from None
+
+    def _publish(self) -> None:
+        try:
+            os.replace(self._tmp, self.url)
+        except OSError as exc:
+            raise SourceError(f"cannot write {self.url}: {exc.strerror}") from None
+
+
+class _Upload(StagedWrite):
+    """Writes go to a local temporary file; `close()` puts it at the URL in one retried call."""
+
+    def __init__(self, store: Store, url: str) -> None:
+        self._store = store
+        handle = tempfile.NamedTemporaryFile(prefix="gl-upload-", delete=False)  # noqa: SIM115
+        handle.close()
+        super().__init__(url, handle.name)
+
+    def _publish(self) -> None:
+        fs, path = self._store.filesystem(self.url)
+        retry.call(
+            lambda seconds: fs.put_file(self._tmp, path, **bounded(fs, seconds)),
+            self.url,
+            "upload to",
+            self._store.retry_policy,
+            os.path.getsize(self._tmp),
+        )
+
+
+def stale_temporaries(url: str) -> list[str]:
+    """Temporary files that writers of the local file `url`, or of files named `url` plus a
+    suffix (its sidecars), left beside it when killed mid-write."""
+    parent, name = os.path.split(url)
+    return _glob.glob(os.path.join(_glob.escape(parent), f".{_glob.escape(name)}*.tmp"))
 
 
 def _file_stat(info: dict[str, Any]) -> FileStat:
@@ -388,16 +449,6 @@ def _local_stat(url: str) -> FileStat:
     if not os.path.isfile(url):
         raise SourceError(f"not a regular file: {url}")
     return FileStat(st.st_size, str(st.st_mtime_ns))
-
-
-def _local_open(url: str, mode: str) -> IO[bytes]:
-    try:
-        parent = os.path.dirname(url)
-        if "w" in mode and parent:
-            os.makedirs(parent, exist_ok=True)
-        return open(url, mode)
-    except OSError as exc:
-        raise SourceError(f"cannot open {url}: {exc.strerror}") from None
 
 
 def cache_key(url: str) -> str:

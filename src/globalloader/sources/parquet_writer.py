@@ -1,0 +1,114 @@
+"""ParquetWriter: write samples as rows of Parquet files, rolling to a new file by count or size."""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+from typing import Any, Self
+
+import numpy as np
+
+from globalloader import _extras
+from globalloader.errors import ArgumentError, check_int
+from globalloader.sources._shard_series import ShardSeries
+
+ROW_GROUP_ROWS = 1024  # rows per row group: the unit `Parquet` reads and shuffles by
+
+
+class ParquetWriter(ShardSeries):
+    """Write samples as the rows of Parquet files that `Parquet` reads back.
+
+    `pattern`, `maxcount`, `maxsize`, `storage_options` and `first_shard` are TarWriter's: a
+    file rolls over at `maxcount` rows or `maxsize` bytes of values (bytes and str by length,
+    arrays by `nbytes`, numbers 8; before compression). `write(sample)` takes a dict; its
+    `__x__` entries are left out and every other entry is a column, typed by pyarrow from the
+    file's rows (bytes, str, numbers, lists and 1-D arrays as lists, dicts as structs). A file
+    is written whole when it is full or at `close()` (its rows are held until then), in row
+    groups of `row_group_rows`, so the same samples always give the same bytes. Needs pyarrow
+    (the `parquet` extra). Not thread-safe. `paths` lists the files written so far.
+    """
+
+    def __init__(
+        self,
+        pattern: str | os.PathLike[str],
+        maxcount: int | None = None,
+        maxsize: int | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        first_shard: int = 0,
+        row_group_rows: int = ROW_GROUP_ROWS,
+    ) -> None:
+        super().__init__(pattern, maxcount, maxsize, storage_options, first_shard)
+        self._pa = _extras.require("pyarrow", "parquet")
+        self._pq = _extras.require("pyarrow.parquet", "parquet")
+        self.row_group_rows = check_int(row_group_rows, "row_group_rows", 1)
+        self._rows: list[dict[str, Any]] | None = None
+        self._closed = False
+
+    def write(self, sample: dict[str, Any]) -> None:
+        """Append one row; writes the current file first if it is full."""
+        if self._closed:
+            raise ArgumentError(f"write() on a closed ParquetWriter({self.pattern!r})")
+        if not isinstance(sample, dict):
+            raise ArgumentError(f"sample must be a dict, got {type(sample).__name__}")
+        row = {name: value for name, value in sample.items() if not str(name).startswith("__")}
+        if not row:
+            raise ArgumentError(f"sample {sample.get('__key__')!r} has no fields besides '__' entries")
+        nbytes = sum(_value_size(value) for value in row.values())
+        if self._rows is None or self._full(nbytes):
+            self._flush()
+            self._new_path()
+            self._rows = []
+        assert self._rows is not None
+        self._rows.append(row)
+        self._added(nbytes)
+
+    def _flush(self) -> None:
+        if not self._rows:
+            return
+        path, rows, self._rows = self.paths[-1], self._rows, None
+        try:
+            table = self._pa.Table.from_pylist(rows)
+        except (self._pa.ArrowInvalid, self._pa.ArrowTypeError) as exc:
+            raise ArgumentError(f"{path}: the rows cannot be one Parquet table ({exc})") from None
+        with self.store.open_write(path) as out:
+            self._pq.write_table(table, out, row_group_size=self.row_group_rows)
+
+    def abort(self) -> None:
+        """Drop the file being filled (it never appears) and close."""
+        if self._rows is not None:
+            self.paths.pop()
+        self._rows = None
+        self._closed = True
+
+    def close(self) -> None:
+        """Write the current file. Closing twice is harmless."""
+        if not self._closed:
+            self._flush()
+            self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ParquetWriter({self.pattern!r}, {len(self.paths)} files written)"
+
+
+def _value_size(value: Any) -> int:
+    """The bytes a value counts for towards `maxsize` (its size before encoding)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, dict):
+        return sum(_value_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_value_size(v) for v in value)
+    return 8
