@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from globalloader.execution.window import TaskWindow
 from globalloader.runtime.pool import WorkerPool, raised_again
-from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.resume import Progress, Resume, past_the_end
-from globalloader.torch.tensors import accelerator_available, pin, torch
+from globalloader.torch.tensors import accelerator_available, pin, to_tensors, torch
 from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec, seed_datapipe
 
 if TYPE_CHECKING:
@@ -312,7 +311,7 @@ class WorkerIter(_BaseIter):
                 return None
             exc, tb = payload
             raise raised_again(exc, tb and f"in DataLoader worker {worker}:\n{tb}")
-        return as_torch_batch(payload) if self._default_collate else payload
+        return to_tensors(payload) if self._default_collate else payload
 
     def _live_batch_workers(self) -> _BatchWorkers:
         if self._batch_workers is None:
