@@ -6,6 +6,7 @@ order), so "same as torch" is measured, not assumed.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import random
@@ -324,6 +325,40 @@ def test_default_collate_gives_torchs_types(workers):
         assert same(ours, theirs), kwargs
     assert isinstance(ours[0]["pair"], Pair)
     assert ours[0]["half"].dtype == torch.bfloat16
+
+
+class Kinds(torch.utils.data.Dataset):
+    """Samples in dict subclasses, one of which (defaultdict) cannot be rebuilt from its items."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        return {
+            "ordered": collections.OrderedDict(x=np.full(2, i, np.float32)),
+            "counts": collections.defaultdict(int, n=np.int64(i)),
+        }
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_default_collate_keeps_dict_subclasses_as_torch_does(workers):
+    theirs, ours = both(Kinds(), batch_size=3, num_workers=workers)
+    assert same(ours, theirs)
+    for mine, torchs in zip(ours, theirs, strict=True):
+        assert [type(v) for v in mine.values()] == [type(v) for v in torchs.values()]
+        assert mine["counts"]["missing"] == 0  # still a defaultdict
+
+
+def test_to_tensors_converts_numeric_arrays_and_keeps_container_types():
+    batch = collections.OrderedDict(
+        image=np.ones((2, 3), np.uint8), pair=Pair(np.zeros(2), "a"), names=np.array(["a", "b"]), rows=(np.arange(2),)
+    )
+    out = gt.to_tensors(batch)
+    assert type(out) is collections.OrderedDict and list(out) == list(batch)
+    assert isinstance(out["image"], torch.Tensor) and np.shares_memory(out["image"].numpy(), batch["image"])
+    assert type(out["pair"]) is Pair and isinstance(out["pair"][0], torch.Tensor) and out["pair"][1] == "a"
+    assert out["names"] is batch["names"]  # strings cannot be a tensor
+    assert type(out["rows"]) is tuple and isinstance(out["rows"][0], torch.Tensor)
 
 
 def test_custom_collate_output_is_returned_as_built():

@@ -402,7 +402,7 @@ def test_a_killed_loader_worker_is_a_named_error_then_an_exact_epoch(srv, trial)
     with gl.Loader(ds, workers=2, share=True, server=str(srv.socket)) as loader:
         it = iter(loader)
         seen = indices(next(it) for _ in range(6))
-        os.kill(loader.pool._workers.procs[trial % 2].pid, signal.SIGKILL)
+        os.kill(loader.worker_set._pool.procs[trial % 2].pid, signal.SIGKILL)
 
         def take_the_rest() -> None:  # the batches before the error count too
             for batch in it:

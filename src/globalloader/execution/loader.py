@@ -28,7 +28,8 @@ from globalloader.execution.local import LocalRun
 from globalloader.execution.run import UNAVAILABLE, EpochRun
 from globalloader.execution.shared import SharedRun, SharedSession
 from globalloader.execution.stats import LoaderStats
-from globalloader.execution.workers import InlinePool, ProcessPool, ThreadPool
+from globalloader.execution.window import WorkerSet
+from globalloader.execution.workers import InlineWorkers, ProcessWorkers, ThreadWorkers
 
 MODES = ("process", "thread")
 ON_ERROR = ("raise", "skip")
@@ -106,7 +107,7 @@ class Loader:
         self.workers, self.mode, self.on_error = workers, mode, on_error
         self.prefetch = prefetch or max(2, 2 * workers)
         self.timeout, self._start_method = float(timeout), start_method
-        self.pool: Any = None
+        self.worker_set: WorkerSet | None = None  # started at the first iteration
         self._run: EpochRun | None = None
         self._position = Position(0)  # where the next iteration starts
         self.statistics = LoaderStats()
@@ -146,8 +147,8 @@ class Loader:
                 self._session = SharedSession(self.plan, self.server, self.server_memory, self.name, self.timeout)
             except UNAVAILABLE as exc:
                 self.fall_back(exc, position)
-        if self.pool is None:
-            self.pool = self._start_pool()
+        if self.worker_set is None:
+            self.worker_set = self._start_workers()
         if self._session is not None:
             try:
                 self._run = SharedRun(self, self._session, position)
@@ -166,18 +167,18 @@ class Loader:
         if self._session is not None:
             self._session.close()
             self._session = None
-        if self.pool is None:
-            self.pool = self._start_pool()
+        if self.worker_set is None:
+            self.worker_set = self._start_workers()
         self._run = LocalRun(self, position._replace(task=0, offset=0, consumed=position.consumed or []))
         return self._run
 
-    def _start_pool(self) -> Any:
+    def _start_workers(self) -> WorkerSet:
         skip = self.on_error == "skip"
         if self.workers == 0:
-            return InlinePool(self.plan, skip)
+            return InlineWorkers(self.plan, skip)
         if self.mode == "thread":
-            return ThreadPool(self.plan, skip, self.workers, self.timeout)
-        return ProcessPool(self.plan, skip, self.workers, self._start_method, self.timeout)
+            return ThreadWorkers(self.plan, skip, self.workers, self.timeout)
+        return ProcessWorkers(self.plan, skip, self.workers, self._start_method, self.timeout)
 
     def _abandon_run(self) -> None:
         """Stop the current run (if any), keeping its position; drain what is in flight."""
@@ -193,11 +194,11 @@ class Loader:
             self._run = None
 
     def broken(self) -> None:
-        """A worker failed: the pool cannot be trusted; the next iteration starts a new one."""
+        """A worker failed: the workers cannot be trusted; the next iteration starts new ones."""
         if self._run is not None:
             self._position = self._run.position()
             self._run = None
-        self._close_pool()
+        self._close_workers()
 
     # -- reporting and shutdown --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -221,15 +222,15 @@ class Loader:
         step = "batch" if self.plan.batch is not None else "sample"
         return input_report.RunRecord.of(self.statistics, self.workers, step, notes)
 
-    def _close_pool(self) -> None:
-        pool, self.pool = self.pool, None
-        if pool is not None:
-            pool.close()
+    def _close_workers(self) -> None:
+        worker_set, self.worker_set = self.worker_set, None
+        if worker_set is not None:
+            worker_set.close()
 
     def close(self) -> None:
         """Stop the workers and free shared memory (batches still referenced stay valid)."""
         self._abandon_run()
-        self._close_pool()
+        self._close_workers()
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -242,6 +243,6 @@ class Loader:
 
     def __del__(self) -> None:
         # A Loader dropped without close(): stop its workers (best effort; never raise here).
-        if getattr(self, "pool", None) is not None:
+        if getattr(self, "worker_set", None) is not None:
             with contextlib.suppress(Exception):
-                self._close_pool()
+                self._close_workers()

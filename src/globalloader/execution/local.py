@@ -1,6 +1,7 @@
 """A pass over an epoch computed by this Loader's own workers.
 
-Tasks are assigned to workers round-robin and yielded in task order. A task's output depends
+Tasks go through the task window (`execution.window`): round-robin over the workers, yielded in
+task order. A task's output depends
 only on (chain, epoch, task), so the cursor's position (`dataset.cursor`) is all a resume needs:
 whatever was prefetched is recomputed.
 """
@@ -26,7 +27,7 @@ _PREFETCH_SAMPLES = 4096
 
 class LocalRun(EpochRun):
     def __init__(self, host: Host, position: Position) -> None:
-        super().__init__(host, position.epoch)
+        super().__init__(host, position.epoch, first=position.task)
         self._cursor = cursor = Cursor(self.plan, position)
         source = self.plan.source
         self._prefetch_to = position.task  # tasks before this one were announced to the source
@@ -39,7 +40,7 @@ class LocalRun(EpochRun):
     def _submit(self) -> None:
         cursor = self._cursor
         self._announce()  # before the first submission: this process starts the downloads, not a worker
-        while cursor.next_task - cursor.collected < self.host.prefetch:
+        while not self._task_window.full():
             claimed = cursor.claim()
             if claimed is None:
                 break
@@ -66,9 +67,9 @@ class LocalRun(EpochRun):
         """Add the next task's result to the cursor, in order; False at the end of the epoch."""
         cursor = self._cursor
         self._submit()
-        if cursor.collected == cursor.next_task:
+        if not self._task_window:
             return False
-        cursor.add(self._result(cursor.collected).output)
+        cursor.add(self._result()[1].output)
         self._submit()
         return True
 
@@ -79,10 +80,5 @@ class LocalRun(EpochRun):
         return item
 
     def drain(self) -> None:
-        cursor = self._cursor
-        try:
-            for t in range(cursor.collected, cursor.next_task):
-                self._pool.result(t % self._width)
-        except BaseException:  # noqa: BLE001 - whatever a result raised, the pool is not to be trusted
-            self.host.broken()
-        cursor.clear()
+        self._drain_window()
+        self._cursor.clear()

@@ -1,5 +1,5 @@
-"""What every pass over an epoch shares, local or fed by the server: the consumer's clock, task
-results from the worker pool and the end of the epoch. Where a pass is, is its cursor's
+"""What every pass over an epoch shares, local or fed by the server: the consumer's clock, the task
+window over the Loader's workers and the end of the epoch. Where a pass is, is its cursor's
 (`dataset.cursor`).
 """
 
@@ -12,7 +12,8 @@ from globalloader.dataset.plan import Plan
 from globalloader.dataset.resume import Position
 from globalloader.errors import ServerGoneError, ServerStartError
 from globalloader.execution.stats import LoaderStats, warn_skipped
-from globalloader.execution.workers import Task
+from globalloader.execution.window import TaskWindow, WorkerSet
+from globalloader.execution.workers import Result, Task
 
 UNAVAILABLE = (ServerGoneError, ServerStartError)  # the server is not there: share="auto" goes on alone
 
@@ -27,7 +28,7 @@ class Host(Protocol):
     on_error: str
     timeout: float
     statistics: LoaderStats
-    pool: Any
+    worker_set: WorkerSet | None
 
     def finished(self, run: EpochRun) -> None: ...
     def broken(self) -> None: ...
@@ -36,11 +37,13 @@ class Host(Protocol):
 
 class EpochRun:
     """One pass over (the rest of) an epoch; the Loader's iterator. Subclasses write `_next`
-    (the next item, or `_end_epoch()`), `position` and `drain`."""
+    (the next item, or `_end_epoch()`), `position` and `drain`. `first`: the pass's first task."""
 
-    def __init__(self, host: Host, epoch: int) -> None:
+    def __init__(self, host: Host, epoch: int, first: int = 0) -> None:
         self.host, self.plan, self.epoch = host, host.plan, epoch
-        self._pool, self._width = host.pool, max(1, host.workers)
+        assert host.worker_set is not None, "the Loader starts its workers before a run"
+        width = max(1, host.workers)
+        self._task_window: TaskWindow[Task] = TaskWindow(host.worker_set, width, host.prefetch, first=first)
         self._skipped: list[tuple[int, str]] = []
         self._last_yield: float | None = None
         host.statistics.new_pass()
@@ -69,23 +72,30 @@ class EpochRun:
         raise NotImplementedError
 
     def _submit_task(self, task: Task) -> None:
-        """Queue a task on its worker; a failing pool is handed back to the Loader as broken."""
+        """Queue a task on its worker; failing workers are handed back to the Loader as broken."""
         try:
-            self._pool.submit(task.number % self._width, task)
+            self._task_window.submit(task)
         except BaseException:
             self.host.broken()
             raise
 
-    def _result(self, task: int) -> Any:
-        """Task `task`'s result; a failing pool is handed back to the Loader as broken."""
+    def _result(self) -> tuple[Task, Result]:
+        """The oldest task and its result; failing workers are handed back to the Loader as broken."""
         try:
-            res = self._pool.result(task % self._width)
+            task, _, res = self._task_window.collect()
         except BaseException:
             self.host.broken()
             raise
         self.host.statistics.add_task(res.timer, res.idle, len(res.skipped))
         self._skipped.extend(res.skipped)
-        return res
+        return task, res
+
+    def _drain_window(self) -> None:
+        """Collect the results in flight, dropping them; failing workers are handed back as broken."""
+        try:
+            self._task_window.drain()
+        except BaseException:  # noqa: BLE001 - whatever a result raised, the workers are not to be trusted
+            self.host.broken()
 
     def _end_epoch(self) -> NoReturn:
         warn_skipped(self._skipped, self.epoch)

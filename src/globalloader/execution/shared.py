@@ -129,7 +129,6 @@ class SharedRun(EpochRun):
         self._tickets: dict[int, tuple[Any, ...]] = {}  # seq -> ticket, until taken in order
         self._next_seq = 0
         self._ready: deque[tuple[Any, ...]] = deque()  # tickets in order, not yet in a task
-        self._in_flight: deque[tuple[list[int], list[int]]] = deque()  # (all, shared) indices per task
         self._next_task = 0
         self._ended = False
         self._failed: BaseException | None = None
@@ -214,14 +213,13 @@ class SharedRun(EpochRun):
 
     # -- running tasks -----------------------------------------------------------------------
     def _submit(self) -> None:
-        while len(self._in_flight) < self.host.prefetch:
-            items = self._take_items(block=not self._in_flight)
+        while not self._task_window.full():
+            items = self._take_items(block=not self._task_window)
             if not items:
                 return
             t = self._next_task
             self._next_task += 1
             self._submit_task(Task(self.epoch, t, items, self.plan.split, self._session.arena_id))
-            self._in_flight.append(([i for i, _, _ in items], [i for i, o, _ in items if o is not None]))
 
     def _next(self) -> Any:
         if self._fallback is not None:
@@ -247,11 +245,11 @@ class SharedRun(EpochRun):
     def _collect(self) -> bool:
         """Add the next task's output to the cursor, its shared samples released; False at the end."""
         self._submit()
-        if not self._in_flight:
+        if not self._task_window:
             return False
-        indices, shared = self._in_flight[0]
-        res = self._result(self._next_task - len(self._in_flight))
-        self._in_flight.popleft()
+        task, res = self._result()
+        indices = [i for i, _, _ in task.items]
+        shared = [i for i, offset, _ in task.items if offset is not None]
         output = res.output
         if self._copy_out and output is not None:
             output = _detach(output, self._session.arena)  # before the release below
@@ -288,13 +286,7 @@ class SharedRun(EpochRun):
         """Collect results still in flight, then end the run (releasing everything it held)."""
         if self._fallback is not None:
             self._fallback.drain()
-        while self._in_flight:
-            self._in_flight.popleft()
-            try:
-                self._pool.result((self._next_task - len(self._in_flight) - 1) % self._width)
-            except BaseException:  # noqa: BLE001 - whatever a result raised, the pool is not to be trusted
-                self.host.broken()
-                self._in_flight.clear()
+        self._drain_window()
         self._cursor.clear()
         self._end_run()
 

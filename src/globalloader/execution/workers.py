@@ -1,9 +1,10 @@
-"""Worker pools that run a plan's tasks: persistent processes, threads, or the calling thread.
+"""The Loader's worker sets that run a plan's tasks: persistent processes, threads, or the calling thread.
 
-All pools share one protocol: `submit(worker, task)` queues a task on one worker and
-`result(worker)` returns that worker's next result, in submission order. The Loader assigns tasks
-round-robin, so reading results worker by worker yields them in task order. Process workers live
-across epochs; `runtime.WorkerPool` owns their life and this module gives them their body.
+All sets share one protocol (`execution.window.WorkerSet`): `submit(worker, task)` queues a task
+on one worker and `result(worker)` returns that worker's next result, in submission order; the
+task window (`execution.window`) assigns tasks round-robin and reads results in task order.
+Process workers live across epochs; `runtime.WorkerPool` owns their life and this module gives
+them their body.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _run(
     return Result(task.number, res.output, res.skipped, timer, idle)
 
 
-class InlinePool:
+class InlineWorkers:
     """workers=0: each task runs in the calling thread when its result is asked for."""
 
     def __init__(self, plan: Plan, skip_errors: bool) -> None:
@@ -69,7 +70,7 @@ class InlinePool:
         self._tasks.clear()
 
 
-class ThreadPool:
+class ThreadWorkers:
     """mode="thread": one thread per worker; results are passed by reference (no copies)."""
 
     def __init__(self, plan: Plan, skip_errors: bool, workers: int, timeout: float) -> None:
@@ -179,7 +180,7 @@ def _send(worker: Worker, res: Result) -> None:
     worker.send(res._replace(output=packed), packed)
 
 
-class ProcessPool:
+class ProcessWorkers:
     """mode="process": persistent worker processes (`runtime.WorkerPool`), batches returned
     through shared memory."""
 
@@ -190,25 +191,23 @@ class ProcessPool:
 
             payload = cloudpickle.dumps(plan)
         context = mp.get_context(start_method)
-        self._workers = WorkerPool(
-            _TaskBody(payload, skip_errors), workers, context, timeout, setting="Loader(timeout=)"
-        )
+        self._pool = WorkerPool(_TaskBody(payload, skip_errors), workers, context, timeout, setting="Loader(timeout=)")
         self._queued: list[deque[Task]] = [deque() for _ in range(workers)]  # sent, no result yet
 
     def submit(self, worker: int, task: Task) -> None:
         self._queued[worker].append(task)
         running = self._queued[worker][0]
-        self._workers.send(worker, task, f" while running task {running.number} of epoch {running.epoch}")
+        self._pool.send(worker, task, f" while running task {running.number} of epoch {running.epoch}")
 
     def result(self, worker: int) -> Result:
         task = self._queued[worker][0]
-        out = self._workers.receive(worker, f" while running task {task.number} of epoch {task.epoch}")
+        out = self._pool.receive(worker, f" while running task {task.number} of epoch {task.epoch}")
         self._queued[worker].popleft()
         if not isinstance(out, Result):
             raise raised_again(*out)
         if out.output is not None:
-            out = out._replace(output=self._workers.unpack(worker, out.output))
+            out = out._replace(output=self._pool.unpack(worker, out.output))
         return out
 
     def close(self) -> None:
-        self._workers.close()
+        self._pool.close()

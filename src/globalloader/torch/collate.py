@@ -6,7 +6,7 @@ NumPy arrays of one shape and dtype, Python and NumPy numbers) become `Stacked` 
 transport stacks straight into its segment: one copy per batch. Anything else (dict or list
 subclasses, unequal shapes, nested or non-CPU tensors, unknown types) goes to torch's own
 `default_collate`, so results and errors are torch's. The consumer turns the numeric arrays back
-into tensors (`as_torch_batch`), giving exactly the types `default_collate` gives.
+into tensors (`tensors.to_tensors`), giving exactly the types `default_collate` gives.
 """
 
 from __future__ import annotations
@@ -53,20 +53,6 @@ def stack_collate(samples: list[Any]) -> Any:
     elif (kind is tuple or kind is list) and all(type(s) is kind and len(s) == len(elem) for s in samples):
         return [stack_collate(list(column)) for column in zip(*samples, strict=True)]
     return torch.utils.data.default_collate(samples)
-
-
-def as_torch_batch(batch: Any) -> Any:
-    """Numeric NumPy arrays of a `stack_collate` batch -> tensors sharing their memory (consumer side)."""
-    kind = type(batch)
-    if kind is np.ndarray:
-        return torch.from_numpy(batch) if batch.dtype.kind in NUMERIC_KINDS else batch
-    if kind is dict:
-        return {k: as_torch_batch(v) for k, v in batch.items()}
-    if kind is list:
-        return [as_torch_batch(v) for v in batch]
-    if isinstance(batch, tuple) and hasattr(kind, "_fields"):
-        return kind(*(as_torch_batch(v) for v in batch))
-    return batch
 
 
 def _tensor_arrays(samples: list[Any]) -> list[np.ndarray] | None:

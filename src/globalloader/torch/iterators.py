@@ -3,9 +3,10 @@
 Both follow torch's iterator contract: each pass draws a base seed from the loader's generator
 (or torch's global RNG), then walks the sampler or batch sampler in the main process; a sample's
 error is raised for its own batch and the pass can go on; an iterable dataset's length, once
-asked for, warns when more batches come than it announced. With workers, task `i` goes to worker
-`i mod num_workers` (skipping exhausted ones), `prefetch_factor` tasks per worker are in flight,
-and batches come in task order (or as they come with `in_order=False`).
+asked for, warns when more batches come than it announced. With workers, the Loader's task window
+(`execution.window`) sends task `i` to worker `i mod num_workers` (skipping exhausted ones), keeps
+`prefetch_factor` tasks per worker in flight, and yields batches in task order (or as they come
+with `in_order=False`).
 
 Each iterator times the loop as a Loader's run does (`execution.stats`: the wait in `next()`, the
 loop's own time, each batch's stages), records in its `Progress` what `torch.resume` needs to
@@ -15,16 +16,15 @@ without loading them, iterable ones load and drop them (the only way to advance 
 
 from __future__ import annotations
 
-import itertools
 import time
 import traceback
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from globalloader.execution.window import TaskWindow
 from globalloader.runtime.pool import WorkerPool, raised_again
-from globalloader.torch.collate import as_torch_batch
 from globalloader.torch.resume import Progress, Resume, past_the_end
-from globalloader.torch.tensors import accelerator_available, pin, torch
+from globalloader.torch.tensors import accelerator_available, pin, to_tensors, torch
 from globalloader.torch.worker import BATCH, EXHAUSTED, FAILED, RESET, Fetcher, TorchBody, WorkerSpec, seed_datapipe
 
 if TYPE_CHECKING:
@@ -153,10 +153,47 @@ class InProcessIter(_BaseIter):
         return batch
 
 
+class _BatchWorkers:
+    """The DataLoader's worker processes as the task window sees them (`execution.window`): a task
+    is a message, a result the worker's `Reply` with its batch mapped at once (once mapped, its
+    worker may stop without taking it away). Closed, it ends the pass: StopIteration."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool: WorkerPool | None = pool
+
+    def live(self) -> WorkerPool:
+        if self.pool is None:
+            raise StopIteration  # shut down: the pass is over
+        return self.pool
+
+    def submit(self, worker: int, message: Any) -> None:
+        self.live().send(worker, message)
+
+    def result(self, worker: int) -> Any:
+        pool = self.live()
+        return _mapped(pool, worker, pool.receive(worker, _WAITING))
+
+    def result_any(self) -> tuple[int, Any]:
+        pool = self.live()
+        worker, reply = pool.receive_any(_WAITING)
+        return worker, _mapped(pool, worker, reply)
+
+    def close(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+
+
+def _mapped(pool: WorkerPool, worker: int, reply: Any) -> Any:
+    if reply[2] == BATCH:
+        return (*reply[:3], pool.unpack(worker, reply[3]), *reply[4:])
+    return reply
+
+
 class WorkerIter(_BaseIter):
     """num_workers>0: a pool of worker processes, started per iterator or kept (persistent_workers)."""
 
-    _pool: WorkerPool | None = None  # None once shut down
+    _batch_workers: _BatchWorkers | None = None  # None once shut down
 
     def __init__(self, loader: LoaderSettings, progress: Progress, resume: Resume | None = None) -> None:
         resume = resume or Resume()
@@ -170,10 +207,11 @@ class WorkerIter(_BaseIter):
         self._default_collate = spec.collate_fn is None and self._auto_collation
         context = loader.multiprocessing_context or torch.multiprocessing.get_context()
         body = TorchBody(spec, self._base_seed, self._shared_seed, resume.workers)
-        self._pool = WorkerPool(
+        pool = WorkerPool(
             body, self._num_workers, context, self._timeout, name="DataLoader worker", setting="DataLoader(timeout=)"
         )
-        self._workers = self._pool.procs
+        self._batch_workers = _BatchWorkers(pool)
+        self._workers = pool.procs
         self._generation = 0
         self._begin(progress, resume.fresh_workers, resume.workers, resume.skip)
 
@@ -201,23 +239,24 @@ class WorkerIter(_BaseIter):
         self._begin(progress, False, states, 0)
 
     def _begin(self, progress: Progress, fresh: bool, states: list[Any] | None, skip: int) -> None:
-        """Record where the pass starts, skip `skip` batches, send the first tasks."""
+        """Record where the pass starts, skip `skip` batches, send the first tasks.
+
+        Every reply of the pass before was read by `_reset`, so what the window collects is this pass's.
+        """
         self._progress = progress
         progress.base_seed, progress.fresh_workers = self._base_seed, fresh
         progress.workers = list(states) if states is not None else [None] * self._num_workers
-        self._active = [True] * self._num_workers
-        self._cycle = itertools.cycle(range(self._num_workers))
-        self._waiting: dict[int, int] = {}  # task -> worker, no reply yet
-        self._ready: dict[int, tuple[int, int, Any, Any]] = {}  # task -> (worker, kind, payload, rng)
         self._replaying = False
         if not self._iterable:  # skip taken batches without loading them
             for _ in range(skip):
                 next(self._sampler_iter, None)
-                next(self._cycle)
             progress.batches = skip
-        self._sent = self._received = skip if not self._iterable else 0
-        for _ in range(self._prefetch):
-            self._put_task()
+        self._sent = skip if not self._iterable else 0  # the next task's number
+        # a skipped task's worker is where it would have run, so each worker's tasks (and RNG) are the same
+        self._window: TaskWindow[tuple[str, int, int, Any]] = TaskWindow(
+            self._live_batch_workers(), self._num_workers, self._prefetch, self._in_order, first=self._sent
+        )
+        self._fill()
         if self._iterable:  # the only way to advance an iterable: load its batches again, dropping them
             self._replaying = True
             for taken in range(skip):
@@ -228,82 +267,59 @@ class WorkerIter(_BaseIter):
             self._replaying = False
         self._num_yielded = skip
 
-    def _put_task(self) -> None:
-        try:
-            index = next(self._sampler_iter)
-        except StopIteration:
-            return
-        for _ in range(self._num_workers):
-            worker = next(self._cycle)
-            if self._active[worker]:
-                break
-        else:
-            return  # every worker is exhausted
-        self._live_pool().send(worker, ("task", self._generation, self._sent, index))
-        self._waiting[self._sent] = worker
-        self._sent += 1
+    def _fill(self) -> None:
+        """Send tasks until `prefetch_factor * num_workers` are in flight or the sampler ends."""
+        window = self._window
+        while not window.full():
+            try:
+                index = next(self._sampler_iter)
+            except StopIteration:
+                return
+            if window.submit(("task", self._generation, self._sent, index)) is None:
+                return  # every worker is exhausted
+            self._sent += 1
 
     def _next_batch(self) -> Any:
+        window = self._window
         while True:
-            if not self._in_order and self._ready:
-                number = next(iter(self._ready))
-                return self._take(number, *self._ready.pop(number))
-            while self._received < self._sent:
-                if self._received in self._ready:
-                    break
-                worker = self._waiting.get(self._received)
-                if worker is not None and self._active[worker]:
-                    break
-                self._waiting.pop(self._received, None)  # its worker ran out of items: nothing will come
-                self._received += 1
-            else:
+            self._live_batch_workers()
+            if not window:
                 self._progress.done = True
                 if not self._persistent:
                     self.close()
                 raise StopIteration
-            if self._received in self._ready:
-                number = self._received
-                return self._take(number, *self._ready.pop(number))
-            pool = self._live_pool()
-            worker, (generation, number, kind, payload, timer, idle, rng) = pool.receive_any(_WAITING)
-            if generation != self._generation:  # a reply to an earlier pass: drop it
-                if kind == BATCH:
-                    pool.discard(worker, payload)
-                continue
-            self._waiting.pop(number, None)
-            if kind == BATCH:  # map it now: once mapped, its worker may stop without taking it away
-                payload = pool.unpack(worker, payload)
-                self._stats.add_task(timer, idle, 0)
-            elif kind == EXHAUSTED:
-                self._active[worker] = False
+            _, worker, (_, _, kind, payload, timer, idle, rng) = window.collect()
+            if kind == EXHAUSTED:
+                window.retire(worker)
                 if not self._persistent:
-                    pool.stop(worker)
-                self._put_task()
+                    self._live_pool().stop(worker)
+                self._fill()
                 continue
-            if number == self._received or not self._in_order:
-                return self._take(number, worker, kind, payload, rng)
-            self._ready[number] = (worker, kind, payload, rng)
+            if kind == BATCH:
+                self._stats.add_task(timer, idle, 0)
+            return self._take(worker, kind, payload, rng)
 
-    def _take(self, number: int, worker: int, kind: int, payload: Any, rng: Any) -> Any:
-        if number == self._received:
-            self._received += 1
+    def _take(self, worker: int, kind: int, payload: Any, rng: Any) -> Any:
         self._progress.batches += 1  # taken, even if it raised
         # Where this worker's next task starts from. None: unchanged since its previous task, which
         # was delivered before this one (a worker's replies are delivered in the order it sent them).
         if rng is not None:
             self._progress.workers[worker] = rng  # type: ignore[index] # set by _begin
-        self._put_task()
+        self._fill()
         if kind == FAILED:
             if self._replaying:  # it raised when it was first taken; not again
                 return None
             exc, tb = payload
             raise raised_again(exc, tb and f"in DataLoader worker {worker}:\n{tb}")
-        return as_torch_batch(payload) if self._default_collate else payload
+        return to_tensors(payload) if self._default_collate else payload
+
+    def _live_batch_workers(self) -> _BatchWorkers:
+        if self._batch_workers is None:
+            raise StopIteration  # shut down: the pass is over
+        return self._batch_workers
 
     def _live_pool(self) -> WorkerPool:
-        if self._pool is None:
-            raise StopIteration  # shut down: the pass is over
-        return self._pool
+        return self._live_batch_workers().live()
 
     def __next__(self) -> Any:
         try:
@@ -321,9 +337,9 @@ class WorkerIter(_BaseIter):
 
     def close(self) -> None:
         """Stop the workers now (also what `del` of the iterator does)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+        workers, self._batch_workers = self._batch_workers, None
+        if workers is not None:
+            workers.close()
 
 
 def _spec(loader: LoaderSettings, dataset: Any) -> WorkerSpec:
