@@ -14,6 +14,7 @@ from globalloader.dataset.chain import Dataset
 from globalloader.dataset.collate import collate as numpy_collate
 from globalloader.errors import ArgumentError
 from globalloader.execution.loader import Loader
+from globalloader.sources.base import declared_fingerprint
 from globalloader.torch.source import TorchSource, missing_fingerprint
 from globalloader.torch.tensors import torch
 
@@ -37,7 +38,7 @@ def shared_loader(dl: LoaderSettings, share: bool | str, server: str | None) -> 
             f"DataLoader(share={share!r}) runs the chain Loader, which cannot honour {', '.join(refused)}; "
             "drop share= to get torch's semantics, or drop those arguments"
         )
-    if not isinstance(getattr(dl.dataset, "fingerprint", None), str):
+    if declared_fingerprint(dl.dataset) is None:
         raise ArgumentError(f"DataLoader(share={share!r}): {missing_fingerprint(dl.dataset)}")
     chain = Dataset(TorchSource(dl.dataset))
     if isinstance(dl.sampler, torch.utils.data.RandomSampler):

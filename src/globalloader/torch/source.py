@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from globalloader.errors import ArgumentError
 from globalloader.execution.loader import Loader
+from globalloader.sources.base import declared_fingerprint
 from globalloader.torch.tensors import to_tensors
 
 if TYPE_CHECKING:
@@ -39,8 +40,8 @@ class TorchSource:
 
     @property
     def fingerprint(self) -> str:
-        fp = getattr(self.dataset, "fingerprint", None)
-        if not isinstance(fp, str) or not fp:
+        fp = declared_fingerprint(self.dataset)
+        if not fp:
             raise AttributeError(missing_fingerprint(self.dataset))
         return fp
 
