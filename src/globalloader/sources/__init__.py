@@ -4,10 +4,21 @@ from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import Source
 from globalloader.sources.fields import DecodeFields
 from globalloader.sources.image_folder import ImageFolder
+from globalloader.sources.lit_chunks import LitData
 from globalloader.sources.parquet import Parquet
 from globalloader.sources.sequence import from_sequence
 from globalloader.sources.tar_shards import TarShards
 from globalloader.sources.tar_writer import TarWriter
 
-__all__ = ["ArrowCopy", "DecodeFields", "ImageFolder", "Parquet", "Source", "TarShards", "TarWriter", "from_sequence"]
+__all__ = [
+    "ArrowCopy",
+    "DecodeFields",
+    "ImageFolder",
+    "LitData",
+    "Parquet",
+    "Source",
+    "TarShards",
+    "TarWriter",
+    "from_sequence",
+]
 assert __all__ == sorted(__all__)
