@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import pickle
 import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -28,6 +29,7 @@ import numpy as np
 
 from globalloader import _extras
 from globalloader.errors import SourceError
+from globalloader.sources._lit_nested import nested_value
 
 INDEX_NAME = "index.json"
 FRAMED_MAGIC = b"LDFZ01\0\0"
@@ -66,8 +68,6 @@ _PIL_MODES = {
     "CMYK": ("u1", 4),
 }
 _REFUSED = {
-    "pickle": "unpickling would run code from the files",
-    "json": "its compact binary encoding is not read yet",
     "video": "decode the video from a format that keeps its file (file:<ext>)",
 }
 
@@ -146,6 +146,13 @@ def _bool(data: memoryview) -> bool:
 
 def _str(data: memoryview) -> str:
     return str(data, "utf-8")
+
+
+def _pickled_none(data: memoryview) -> None:
+    """`pickle`: LitData pickles the leaves no other serializer takes, None among them. Only a
+    pickled None is read: unpickling anything else would run code from the files."""
+    if bytes(data) not in _PICKLED_NONE:
+        raise ValueError("a pickle leaf holds something other than None: unpickling it would run code from the files")
 
 
 def _flat_array(data: memoryview, dtype: np.dtype) -> np.ndarray:
@@ -242,7 +249,7 @@ def decode_item(config: LitConfig, data: memoryview, where: str) -> Any:
             leaves.append(decode(data[at : at + size]))
             at += size
     except (struct.error, ValueError, UnicodeDecodeError, IndexError) as exc:
-        raise SourceError(f"{where} is corrupt: {exc}; write the dataset again") from None
+        raise SourceError(f"{where} cannot be read: {exc}") from None
     return rebuild(config.spec, iter(leaves))
 
 
@@ -335,5 +342,8 @@ _SIMPLE: dict[str, Callable[[memoryview], Any]] = {
     "tifffile": bytes,
     "pdf": bytes,
     "jpeg_array": _jpeg_array,
+    "json": nested_value,
+    "pickle": _pickled_none,
 }
+_PICKLED_NONE = {pickle.dumps(None, protocol) for protocol in range(pickle.HIGHEST_PROTOCOL + 1)}
 _ARRAYS: dict[str, Callable[..., np.ndarray]] = {"numpy": _array, "tensor": _tensor, "pil": _pil}

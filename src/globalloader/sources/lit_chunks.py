@@ -31,17 +31,20 @@ class LitData(ProcessLocal):
     images stored encoded (`jpeg`, `image`, a `jpeg_array` as a list) as their encoded bytes, so
     `globalloader.vision` decodes them; NumPy arrays, tensors (as NumPy arrays, torch is not
     needed) and `pil` images (as `numpy.asarray(image)` gives) as NumPy arrays; lists, tuples and
-    dicts as they were. zstd-compressed chunks (every `compression_level`) need pyarrow
-    (`pip install 'globalloader[litdata]'`), as do chunks of flat JSON-like rows kept as Arrow.
+    dicts as they were (also the lists LitData keeps whole, as `json` leaves). zstd-compressed
+    chunks (every `compression_level`) need pyarrow (`pip install 'globalloader[litdata]'`), as
+    do chunks of flat JSON-like rows kept as Arrow.
 
     Shuffling: `shuffle(seed, window=w)` permutes the chunks (`block_starts`), then the items
     within windows of `w` chunks. A compressed chunk (or frame) is inflated once and kept per
     process; `keep_blocks` sets how many.
 
-    Errors (a SourceError naming the file, never a wrong record): a missing or corrupt
-    `index.json`, encrypted chunks, an item loader other than PyTreeLoader, a serializer this
-    reader does not know or refuses (`pickle`, `video`, ...) at construction; a chunk whose size
-    or item count is not what `index.json` says, or whose bytes do not decode, when read.
+    Errors (a SourceError naming the file, never a wrong record), at construction: a missing or
+    corrupt `index.json`, encrypted chunks, an item loader other than PyTreeLoader, a serializer
+    this reader does not know (`video`, ...), a chunk whose size is not what `index.json` says;
+    when read: a chunk whose item count is not what `index.json` says or whose bytes do not
+    decode, a `pickle` leaf other than None (LitData pickles None values; unpickling anything else
+    would run code from the files).
     Thread-safe for reads; safe to pickle to, or fork into, worker processes.
     """
 
