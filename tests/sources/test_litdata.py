@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from peers import run_peer
 
 import globalloader as gl
 from globalloader import storage
 from globalloader.errors import SourceError
-from tests.helpers import check_resume, same
-from tests.peers import run_peer
+from helpers import check_resume, same, stop_server
 from tests.storage.conftest import moto_server, proxy, s3  # noqa: F401  (the moto server fixtures)
 
 # Writes the datasets with LitData's optimize, then reads every record back with its
@@ -154,6 +154,10 @@ def test_a_dataset_in_s3_reads_through_the_cache_and_keys_on_etags(
     before = s3["proxy"].total_bytes(f"/{s3['bucket']}/zstd/chunk")
     again = pickle.loads(pickle.dumps(source))  # a worker: the machine cache holds every chunk already
     assert all(same(without_key(again[i]), peer["zstd"][i]) for i in range(N))
+    with gl.Loader(gl.Dataset(again).shuffle(seed=1, window=2), workers=2) as loader:  # prefetching the chunks
+        records = list(loader)
+    assert sorted(r["i"] for r in records) == list(range(N))
+    assert all(same(without_key(r), peer["zstd"][r["i"]]) for r in records)
     assert s3["proxy"].total_bytes(f"/{s3['bucket']}/zstd/chunk") == before
     # A rewritten chunk changes its ETag, hence the fingerprint (the key shared jobs meet on).
     first = source.chunks[1]
@@ -191,6 +195,21 @@ def test_records_rebuild_their_dicts_and_pickle_to_workers(tmp_path: pathlib.Pat
     assert source.block_starts.tolist() == [0, 3, 6]
     with pytest.raises(gl.errors.SampleIndexError):
         source[8]
+
+
+@pytest.mark.integration
+def test_two_jobs_share_one_server_over_a_litdata_dataset(tmp_path: pathlib.Path) -> None:
+    source = gl.LitData(write_plain(tmp_path / "d", [(i, f"s{i}") for i in range(10)]))
+    chain = gl.Dataset(source).shuffle(seed=3).map(lambda r: {"i": r["i"], "s": r["s"]}, shared=True)
+    sock = tmp_path / "gl.sock"
+    try:
+        runs = []
+        for _ in range(2):
+            with gl.Loader(chain, workers=0, share=True, server=str(sock), server_memory="8M") as loader:
+                runs.append(list(loader))
+    finally:
+        stop_server(sock)
+    assert runs[0] == runs[1] and sorted(r["i"] for r in runs[0]) == list(range(10))
 
 
 def edit_index(folder: pathlib.Path, change: Any) -> None:
