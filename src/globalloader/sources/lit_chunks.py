@@ -94,15 +94,16 @@ class LitData(ProcessLocal):
             for u, s in zip([index_url, *self.chunks], [index_stat, *self._stats], strict=True)
         ]
         self.fingerprint: str = fingerprint_of("LitData", lines)
-        self.kept_blocks = 2  # inflated chunks (or frames) kept per process
+        self.kept_blocks = 2  # inflated chunks (all their frames) kept per process
         self._reset()
 
-    _PROCESS_ONLY = ("_lock", "_tables", "_kept")
+    _PROCESS_ONLY = ("_lock", "_tables", "_kept", "_frames")
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._tables: dict[int, Any] = {}  # chunk -> its item offsets (or framed tables)
         self._kept: OrderedDict[tuple[int, int], Any] = OrderedDict()  # (chunk, frame) -> bytes or rows, LRU
+        self._frames = 1  # the most frames a chunk read here has: `kept_blocks` chunks keep them all
 
     def _find_chunk(self, url: str) -> tuple[str, storage.FileStat, bool]:
         """A chunk's URL, size and version, and whether it is one zstd stream: index.json names a
@@ -125,7 +126,7 @@ class LitData(ProcessLocal):
         return self._starts[:-1].copy()
 
     def keep_blocks(self, count: int) -> None:
-        """Keep up to `count` inflated chunks (or frames) per process, for a windowed shuffle."""
+        """Keep up to `count` inflated chunks (all their frames) per process, for a windowed shuffle."""
         self.kept_blocks = max(self.kept_blocks, int(count))
 
     def __len__(self) -> int:
@@ -170,6 +171,7 @@ class LitData(ProcessLocal):
             prefix = self._read(chunk, 0, 24)
             header = self._read(chunk, 0, fmt.framed_header_size(prefix, url))
             table = fmt.framed_tables(header, items, self._stats[chunk].size, url)
+            self._frames = max(self._frames, len(table.frames))
         else:
             if self._packed[chunk]:
                 header = self._block(chunk, 0, lambda: self._inflated(chunk))[: 4 * (items + 2)]
@@ -218,7 +220,7 @@ class LitData(ProcessLocal):
         made = make()
         with self._lock:
             self._kept[key] = made
-            while len(self._kept) > self.kept_blocks:
+            while len(self._kept) > self.kept_blocks * self._frames:
                 self._kept.popitem(last=False)
         return made
 
