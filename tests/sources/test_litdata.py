@@ -50,7 +50,7 @@ def mixed(i):
     }
 
 def flat(i):
-    return {"i": i, "s": f"row {i}", "f": i / 8}
+    return {"i": i, "s": f"row {i}", "f": i / 8, "tags": [f"t{i}"] * (i % 3)}
 
 def scalar(i):
     return i * 3
@@ -120,6 +120,10 @@ def test_every_record_is_what_litdata_reads(peer_datasets: tuple[pathlib.Path, d
             assert record["__key__"].endswith(f".bin:{i - int(source.block_starts[source.block_starts <= i][-1])}")
             got = record["item"] if name == "scalar" else without_key(record)
             assert same(got, want), f"{name}[{i}]: {got!r} != {want!r}"
+    # A record is the caller's own: changing it changes no later read (Arrow rows are kept per chunk).
+    flat_rows = gl.LitData(folder / "flat")
+    flat_rows[4]["tags"].append("changed")
+    assert same(without_key(flat_rows[4]), peer["flat"][4])
     # JPEGs come as their encoded bytes: the fast decode path reads them.
     pytest.importorskip("PIL")
     assert gl.LitData(folder / "zstd")[3]["img"][:2] == b"\xff\xd8"
@@ -246,6 +250,9 @@ def test_damaged_datasets_are_named_errors_never_wrong_records(tmp_path: pathlib
     edit_index(unknown, lambda ix: ix["config"].__setitem__("data_format", ["int", "pickle"]))
     with pytest.raises(SourceError, match=r"chunk-0-0.bin \(item 0\) cannot be read: .*would run code"):
         gl.LitData(unknown)[0]
+    edit_index(unknown, lambda ix: ix["config"].__setitem__("data_format", ["int"]))
+    with pytest.raises(SourceError, match="data_spec has 2 leaves, data_format 1"):
+        gl.LitData(unknown)
     encrypted = damaged("encrypted")
     edit_index(encrypted, lambda ix: ix["config"].__setitem__("encryption", {"level": "chunk"}))
     with pytest.raises(SourceError, match="encrypted"):

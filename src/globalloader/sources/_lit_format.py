@@ -105,13 +105,20 @@ def parse_index(data: bytes, url: str) -> LitConfig:
     compression = config.get("compression")
     if compression is not None and not str(compression).split(":")[0] == "zstd":
         raise SourceError(f"{url}: compression {compression!r} is not read here (only zstd)")
+    level = str(config.get("compression_level") or "chunk")
+    if compression and level not in ("chunk", "batch", "sample"):
+        raise SourceError(f"{url}: compression_level {level!r} is not read here (chunk, batch or sample)")
     spec = parse_spec(config.get("data_spec"), url)
+    if _leaves(spec) != len(formats):
+        raise SourceError(
+            f"{url}: data_spec has {_leaves(spec)} leaves, data_format {len(formats)}; write the dataset again"
+        )
     return LitConfig(
         [field_decoder(f, url) for f in formats],
         spec,
         "zstd" if compression else None,
         str(compression),
-        str(config.get("compression_level") or "chunk"),
+        level,
         table,
     )
 
@@ -227,6 +234,12 @@ def _node(node: dict[str, Any]) -> Any:
     raise ValueError(f"container type {kind} is not read here")
 
 
+def _leaves(spec: Any) -> int:
+    if spec is None:
+        return 1
+    return sum(_leaves(child) for child in spec[-1])
+
+
 def rebuild(spec: Any, leaves: Any) -> Any:
     """The record's structure from its leaves (an iterator, consumed in order)."""
     if spec is None:
@@ -253,12 +266,13 @@ def decode_item(config: LitConfig, data: memoryview, where: str) -> Any:
     return rebuild(config.spec, iter(leaves))
 
 
-def item_table(header: bytes, items: int, where: str) -> list[int]:
-    """A plain chunk's `offsets[items + 1]`, checked against the count its index gave."""
+def item_table(header: bytes, items: int, size: int, where: str) -> list[int]:
+    """A plain chunk's `offsets[items + 1]`, checked against the count its index gave and the
+    chunk's `size`."""
     if len(header) < 4 * (items + 2) or struct.unpack_from("<I", header)[0] != items:
         raise SourceError(f"{where} does not hold the {items} items its index.json says; write the dataset again")
     offsets = list(struct.unpack_from(f"<{items + 1}I", header, 4))
-    if offsets[0] != 4 * (items + 2) or any(b < a for a, b in itertools.pairwise(offsets)):
+    if offsets[0] != 4 * (items + 2) or offsets[-1] > size or any(b < a for a, b in itertools.pairwise(offsets)):
         raise SourceError(f"{where}: its item offsets are corrupt; write the dataset again")
     return offsets
 
@@ -290,7 +304,18 @@ def framed_tables(header: bytes, items: int, size: int, where: str) -> Framed:
     offsets = list(struct.unpack_from(f"<{items + 1}I", header, _FRAMED_PREFIX.size))
     at = _FRAMED_PREFIX.size + 4 * (items + 1)
     table = [_FRAME.unpack_from(header, at + i * _FRAME.size) for i in range(frames)]
-    if any(first != i * rows or off + length > size for i, (first, _, off, length, _) in enumerate(table)):
+    if (
+        frames != -(-items // rows)
+        or offsets[0] != 0
+        or any(b < a for a, b in itertools.pairwise(offsets))
+        or any(
+            first != i * rows
+            or n != min(rows, items - first)
+            or off + length > size
+            or plain != offsets[first + n] - offsets[first]
+            for i, (first, n, off, length, plain) in enumerate(table)
+        )
+    ):
         raise SourceError(f"{where}: its frame table is corrupt; write the dataset again")
     return Framed(offsets, table, rows)
 
@@ -304,13 +329,16 @@ def arrow_footer(chunk: bytes) -> bytes | None:
     return chunk[start : len(chunk) - _ARROW_TRAILER] if start >= 0 else None
 
 
-def arrow_rows(ipc: bytes, where: str) -> list[dict[str, Any]]:
-    """The rows of an Arrow footer, as Python dicts."""
+def arrow_rows(ipc: bytes, items: int, where: str) -> Any:
+    """The rows of an Arrow footer, as a pyarrow Table of `items` rows."""
     pa = _extras.require("pyarrow", "litdata")
     try:
-        return pa.ipc.open_file(pa.py_buffer(ipc)).read_all().to_pylist()
+        table = pa.ipc.open_file(pa.py_buffer(ipc)).read_all()
     except (pa.ArrowException, OSError) as exc:
         raise SourceError(f"{where}: its Arrow rows are corrupt ({exc}); write the dataset again") from None
+    if table.num_rows != items:
+        raise SourceError(f"{where} holds {table.num_rows} Arrow rows, its index.json says {items}")
+    return table
 
 
 def unzstd(data: bytes | memoryview, where: str, size: int = -1) -> bytes:

@@ -114,11 +114,14 @@ class LitData(ProcessLocal):
         suffix = f".{self.config.compression_name}.bin"
         try:
             return url, self.store.stat(url), True
-        except SourceError:
+        except SourceError as missing:
             if not url.endswith(suffix):
                 raise
-        inflated = url[: -len(suffix)] + ".bin"
-        return inflated, self.store.stat(inflated), False
+            inflated = url[: -len(suffix)] + ".bin"
+            try:
+                return inflated, self.store.stat(inflated), False
+            except SourceError:
+                raise missing from None
 
     @property
     def block_starts(self) -> np.ndarray:
@@ -147,8 +150,10 @@ class LitData(ProcessLocal):
         table = self._tables.get(chunk)
         if table is None:
             table = self._table(chunk)
-        if table == "rows":
-            return self._block(chunk, 0, lambda: fmt.arrow_rows(self._arrow_ipc(chunk), where))[row]
+        if table == "rows":  # a fresh dict per read: a caller may change it
+            items = self.config.chunks[chunk][1]
+            rows = self._block(chunk, 0, lambda: fmt.arrow_rows(self._arrow_ipc(chunk), items, self.chunks[chunk]))
+            return rows.slice(row, 1).to_pylist()[0]
         if isinstance(table, fmt.Framed):
             frame = row // table.rows
             first, _, offset, length, size = table.frames[frame]
@@ -177,7 +182,7 @@ class LitData(ProcessLocal):
                 header = self._block(chunk, 0, lambda: self._inflated(chunk))[: 4 * (items + 2)]
             else:
                 header = self._read(chunk, 0, 4 * (items + 2))
-            table = fmt.item_table(header, items, url)
+            table = fmt.item_table(header, items, self.config.chunks[chunk][2], url)
             if items and table[-1] == table[0] and self.config.fields:
                 table = "rows"  # no item bytes: the rows are in the Arrow footer
         with self._lock:
