@@ -4,6 +4,7 @@ LitData's own StreamingDataset record by record; damaged datasets refused by nam
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import pickle
 import shutil
@@ -69,6 +70,7 @@ def convert(x):
     return x
 """
 PEER = """
+import shutil
 import numpy as np, torch
 from litdata import optimize, StreamingDataset
 from litdata.streaming.serializers import BytesSerializer
@@ -88,6 +90,8 @@ OUTPUT = {}
 optimize(fn=mixed, inputs=list(range(INPUTS["n"])), output_dir="plain", chunk_bytes=1500, num_workers=1)
 write("zstd", mixed, compression="zstd")
 write("zstd_chunk", mixed, compression="zstd", compression_level="chunk")
+# LitData's reader inflates `.zstd.bin` chunks of a local folder in place: keep them as written.
+shutil.copytree("zstd_chunk", "zstd_chunk_packed")
 write("zstd_sample", mixed, compression="zstd", compression_level="sample")
 write("flat", flat, chunk_bytes=None, chunk_size=5)
 write("scalar", scalar, chunk_bytes=None, chunk_size=5)
@@ -120,6 +124,10 @@ def test_every_record_is_what_litdata_reads(peer_datasets: tuple[pathlib.Path, d
             assert record["__key__"].endswith(f".bin:{i - int(source.block_starts[source.block_starts <= i][-1])}")
             got = record["item"] if name == "scalar" else without_key(record)
             assert same(got, want), f"{name}[{i}]: {got!r} != {want!r}"
+    # The whole-file zstd chunks as LitData wrote them (its reader had inflated the others).
+    packed = gl.LitData(folder / "zstd_chunk_packed")
+    assert all(name.endswith(".zstd.bin") for name in os.listdir(folder / "zstd_chunk_packed") if "chunk-" in name)
+    assert all(same(without_key(packed[i]), peer["zstd_chunk"][i]) for i in range(N))
     # A record is the caller's own: changing it changes no later read (Arrow rows are kept per chunk).
     flat_rows = gl.LitData(folder / "flat")
     flat_rows[4]["tags"].append("changed")
