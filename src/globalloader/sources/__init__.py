@@ -5,6 +5,7 @@ from globalloader.sources.base import Source
 from globalloader.sources.fields import DecodeFields
 from globalloader.sources.hf import HFDataset
 from globalloader.sources.image_folder import ImageFolder
+from globalloader.sources.lit_chunks import LitData
 from globalloader.sources.mds import MDS
 from globalloader.sources.parquet import Parquet
 from globalloader.sources.parquet_writer import ParquetWriter
@@ -17,6 +18,7 @@ __all__ = [  # noqa: RUF022  # sorted as sorted() sorts (ruff would put the all-
     "DecodeFields",
     "HFDataset",
     "ImageFolder",
+    "LitData",
     "MDS",
     "Parquet",
     "ParquetWriter",
