@@ -110,9 +110,30 @@ def to_python(column: Any, name: str) -> list[Any]:
         return list(column.to_numpy(zero_copy_only=False))
     if pa.types.is_floating(kind) or (column.null_count == 0 and is_exact(kind)):
         return to_numpy(column).tolist()
+    return python_values(column, name)
+
+
+def python_values(values: Any, name: str) -> list[Any]:
+    """Arrow values (an array, or one scalar) as Python's, the same whether pandas is installed or
+    not: pyarrow hands out pandas' Timestamp for a nanosecond time when it can import pandas, and
+    refuses otherwise; here such times are cast to microseconds first, refused (named) when one
+    has nanoseconds, so every record holds datetime/timedelta values in any environment."""
+    pa = _extras.require("pyarrow", "parquet")
+    kind = values.type
     try:
-        return column.to_pylist()
-    except ValueError as exc:
+        if (
+            pa.types.is_timestamp(kind) or pa.types.is_duration(kind) or pa.types.is_time64(kind)
+        ) and kind.unit == "ns":
+            micro = (
+                pa.timestamp("us", kind.tz)
+                if pa.types.is_timestamp(kind)
+                else pa.duration("us")
+                if pa.types.is_duration(kind)
+                else pa.time64("us")
+            )
+            values = values.cast(micro)  # a safe cast: it refuses to drop nanoseconds
+        return values.as_py() if isinstance(values, pa.Scalar) else values.to_pylist()
+    except ValueError as exc:  # ArrowInvalid is one
         raise unreadable(name, exc) from None
 
 

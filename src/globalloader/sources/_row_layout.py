@@ -205,10 +205,7 @@ def _getter(column: Any, decoded: OrderedDict[tuple[int, str], list[Any]], key: 
         return _number_lists(column) or _by_row_group(column, decoded, key)
 
     def get(row: int) -> Any:
-        try:
-            return column[row].as_py()
-        except ValueError as exc:
-            raise arrow.unreadable(key[1], exc) from None
+        return arrow.python_values(column[row], key[1])
 
     return get
 
