@@ -21,12 +21,14 @@ from globalloader.dataset.cache import CacheOp
 from globalloader.dataset.combine import Combined
 from globalloader.dataset.filter import FilterOp
 from globalloader.dataset.flat_map import FlatMapOp
+from globalloader.dataset.index_plan import IndexPlan
 from globalloader.dataset.iterator import DatasetIterator
 from globalloader.dataset.map import MapOp
 from globalloader.dataset.pack import PackOp
-from globalloader.dataset.plan import Plan, plan_for
+from globalloader.dataset.plan import Plan
 from globalloader.dataset.seeds import SeedOp
 from globalloader.dataset.stream import StreamSource
+from globalloader.dataset.stream_plan import StreamPlan
 from globalloader.errors import ArgumentError
 
 
@@ -174,7 +176,10 @@ class Dataset:
     # -- running -----------------------------------------------------------------------------
     @cached_property
     def plan(self) -> Plan:
-        return plan_for(self.source, self._ops)
+        """The compiled chain, of its kind: the one place that tells a stream chain (no random
+        access) from a random-access one; each kind's plan holds its own operators."""
+        kind = StreamPlan if isinstance(self.source, StreamSource) else IndexPlan
+        return kind(self.source, self._ops)
 
     @property
     def fingerprint(self) -> str:

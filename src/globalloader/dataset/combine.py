@@ -73,7 +73,7 @@ class Combined:
 
     def bind(self, seed: int, make_plan: Callable[..., Any]) -> Combined:
         """This combination under root `seed`: parts without their own `.seed()` derive theirs
-        (`make_plan` is `plan_for`, whose module imports this one)."""
+        (`make_plan` is `IndexPlan`, whose module imports this one: parts are random access)."""
         bound = object.__new__(Combined)
         bound.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_schedule"})
         bound.seed = seed

@@ -7,10 +7,11 @@ the same for any number of workers, in threads or processes, and after a resume.
 runs a chain (the sequential iterator, the Loader's workers, the global loader's clients) calls
 `run_task`. Operators join the plan themselves (`dataset.operator`); the plan checks their order.
 
-Each kind of chain has its plan: a random-access chain's (`IndexPlan`) maps a task's positions
-to source indices through its index operators, asking each only what `IndexOp` declares; a
-stream chain's (`StreamPlan`) reads its records in turn through its stream operators. `plan_for`
-chooses one, the only place that tells the kinds apart.
+This module holds what both kinds of chain share. Each kind has its plan, holding its own
+operators: a random-access chain's (`dataset.index_plan`) maps a task's positions to source
+indices through its index operators, asking each only what `IndexOp` declares; a stream chain's
+(`dataset.stream_plan`) reads its records in turn through its stream operators. The chain
+(`Dataset.plan`) chooses one: the only place that tells the kinds apart.
 """
 
 from __future__ import annotations
@@ -33,29 +34,24 @@ from globalloader.dataset.cache import MISSING, CacheOp
 from globalloader.dataset.collate import collate as default_collate
 from globalloader.dataset.combine import Combined
 from globalloader.dataset.fingerprint import digest, fingerprint
-from globalloader.dataset.gather_ahead import GatherAhead
 from globalloader.dataset.operator import IndexOp, RecordOp, StreamOp, TailOp
 from globalloader.dataset.seeds import SeedOp
-from globalloader.dataset.select import Select
-from globalloader.dataset.shard import Shard, StreamShard
-from globalloader.dataset.shuffle import index_shuffle, stream_shuffle
-from globalloader.dataset.stream import StreamReader, StreamSource
+from globalloader.dataset.stream import StreamReader
 from globalloader.dataset.tail import TailRecord
 from globalloader.errors import (
     SAMPLE_ERRORS,
     UNPICKLABLE,
     ArgumentError,
-    FingerprintError,
     GlobalLoaderError,
     TransformError,
     unsendable,
 )
 from globalloader.sampling.sharding import ShardArgs
-from globalloader.sources.base import BatchReads, ColumnarReads, GathersAhead, capable
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
 GROUPED_CHUNK = 128  # samples per task feeding a tail: records are small (tokens), tasks many
-_CACHE_PLACE = "cache() may appear once, before batch(), on a random-access source"
+# The wording for a cache() out of place, or on a stream (which has no index to key it by).
+CACHE_PLACE = "cache() may appear once, before batch(), on a random-access source"
 
 Timer = dict[str, list[float]]  # stage name -> [items, busy seconds]
 
@@ -74,21 +70,14 @@ def _record_key(record: Any, index: int) -> str:
     return f"index {index} (key {key!r})" if key is not None else f"index {index}"
 
 
-def plan_for(source: Any, ops: Sequence[Any], inherited_seed: int | None = None) -> Plan:
-    """The plan of a chain of `ops` over `source`: the one place that tells a stream chain (no
-    random access) from a random-access one; each kind has its own plan, holding its operators.
-
-    `inherited_seed`: the root seed when the chain sets none (a part of a mix gets one derived
-    from the mix's)."""
-    kind = StreamPlan if isinstance(source, StreamSource) else IndexPlan
-    return kind(source, ops, inherited_seed)
-
-
 class Plan(ABC):
     """The compiled form of a `Dataset`'s operator list; validates operator order once. What
     both kinds of chain share: the per-sample maps, the batch, the tail, the identity, the
-    running of a task. Build one with `plan_for`."""
+    running of a task. Each kind of chain has its own: `IndexPlan` (`dataset.index_plan`) and
+    `StreamPlan` (`dataset.stream_plan`); `Dataset.plan` chooses."""
 
+    # Asked only where a kind's rule differs outside the plan: what a state holds (`dataset.resume`)
+    # and a worker's wording for records it cannot send back.
     is_stream: ClassVar[bool]
     _read_task: Callable[[int, int, Any, bool, Timer, bool, bool], TaskResult]  # a task of its own items
     # What `len()` of a chain whose items are not known before it runs calls it.
@@ -165,7 +154,7 @@ class Plan(ABC):
 
     def set_cache(self, op: CacheOp) -> None:
         if self.cache is not None or self._batched or self.tail:
-            raise ArgumentError(_CACHE_PLACE)
+            raise ArgumentError(CACHE_PLACE)
         if any(m.random or m.expands for m in self.maps):
             raise ArgumentError(
                 "cache() must come before any random map, filter or flat_map (its output must be deterministic)"
@@ -249,6 +238,11 @@ class Plan(ABC):
 
     @abstractmethod
     def _identify_source(self, strict: bool) -> str: ...
+
+    @staticmethod
+    def _walk_source(source: Any, strict: bool) -> str:
+        fix = "Give the source a `fingerprint` attribute: a string that changes whenever its records do"
+        return fingerprint(source, f"the source ({type(source).__name__})", fix, strict)
 
     @abstractmethod
     def shard(self) -> tuple[int, ShardArgs | None]:
@@ -373,7 +367,7 @@ class Plan(ABC):
                 batch = default_collate(samples, deferred=True)
             else:
                 batch = self.batch.collate(samples)
-            _tick(timer, "collate", t0)
+            tick(timer, "collate", t0)
         result.output = self._batch_maps(batch, epoch, task, timer)
         return result
 
@@ -400,14 +394,14 @@ class Plan(ABC):
                 t0 = time.perf_counter()
                 record = self.cache.get(index)
                 if record is not MISSING:
-                    _tick(timer, "cache hit", t0)
+                    tick(timer, "cache hit", t0)
                     start = self.cache_at
             if record is MISSING and self._combined is not None:
                 record = self._combined.read(epoch, index, timer)
             elif record is MISSING:
                 t0 = time.perf_counter()
                 record = self.source[index]
-                _tick(timer, "read", t0)
+                tick(timer, "read", t0)
         computed = start == 0
         for k in range(start, len(self.maps) if stop is None else stop):
             if k == self.cache_at and self.cache is not None:
@@ -457,267 +451,12 @@ class Plan(ABC):
         except Exception as exc:
             what = f"batch {index}" if batch_level else f"sample {_record_key(value, index)}"
             raise TransformError(f"map {op.name!r} failed on {what}: {type(exc).__name__}: {exc}") from exc
-        _tick(timer, op.name, t0)
+        tick(timer, op.name, t0)
         return value
 
 
-class IndexPlan(Plan):
-    """The plan of a random-access chain: index operators (`IndexOp`) map a task's positions
-    to source indices, which the task reads (by column, in blocks, or one `[i]` each)."""
-
-    is_stream = False
-    unsized = "this chain (a filter, flat_map, pack or bucket_batch)"
-
-    def __init__(self, source: Any, ops: Sequence[Any], inherited_seed: int | None = None) -> None:
-        self.index_ops: list[IndexOp] = []
-        super().__init__(source, ops, inherited_seed)
-        self._combined = source.bind(self.seed, plan_for) if isinstance(source, Combined) else None
-        if self._combined is not None:
-            self.source = self._combined
-        self.lengths = self._lengths()
-        # A batch of the source's rows with nothing in between: the source gathers it by column.
-        self.columnar = bool(
-            capable(self.source, ColumnarReads)
-            and self.source.columnar
-            and self.batch is not None
-            and self.batch.collate is default_collate
-            and not (self.maps or self.tail or self.cache is not None)
-        )
-        # A source whose gathers cost much per call says how many rows it would rather gather at once.
-        gathers = self.columnar and capable(self.source, GathersAhead)
-        ahead = self.source.gather_rows // self.task_size if gathers else 0
-        self.gather_ahead = GatherAhead(ahead) if ahead > 1 else None
-        # How a task reads the source, chosen once: by column, all records in one call, or one [i] each.
-        many = self.cache is None and capable(self.source, BatchReads)
-        self._read_task = self._by_columns if self.columnar else self._by_read_many if many else self._by_index
-        self._take_identity()
-        if self.cache is not None and self.cache.path is not None:
-            if not isinstance(getattr(self.source, "fingerprint", None), str):
-                raise ArgumentError(
-                    f"cache(path) needs a source with a .fingerprint to key its files; "
-                    f"{type(source).__name__} has none (wrap it: gl.from_sequence(...))"
-                )
-            self.cache.bind(self._cache_key())
-
-    def select_op(self, indices: Any) -> IndexOp:
-        return Select.of(indices)
-
-    def shuffle_op(self, seed: int | None, buffer_size: int | None, window: int | None) -> IndexOp:
-        return index_shuffle(self.source, seed, buffer_size, window, self.index_ops)
-
-    def shard_op(self, rank: int, world_size: int, uneven: str) -> IndexOp:
-        return Shard(rank, world_size, uneven)
-
-    def add_index(self, op: IndexOp) -> None:
-        self._order_op_fits(op)
-        self.index_ops.append(op)
-
-    def add_stream_op(self, op: StreamOp) -> None:
-        raise ArgumentError(f"{self._order_op_fits(op)} does not apply to a random-access source")
-
-    @property
-    def combinable(self) -> bool:
-        return not (self.batch is not None or self.tail or self.expands)
-
-    @property
-    def epoch_dependent(self) -> bool:
-        """Source index at a position changes with the epoch (a shuffle)."""
-        return any(op.per_epoch for op in self.index_ops)
-
-    @property
-    def source_length(self) -> int:
-        return self.source.index_space if isinstance(self.source, Combined) else len(self.source)
-
-    def check_shareable(self) -> None:
-        if isinstance(self.source, Combined) and not self.source.deterministic:
-            raise ArgumentError(
-                f"share=True needs the parts of {self.source.kind}() to be deterministic (no random map, no zip of "
-                "shuffled parts): apply random maps after combining"
-            )
-
-    def order_identity(self, placed: bool) -> list[tuple[object, ...]]:
-        return [op.describe() for op in self.index_ops if placed or op.shard_args() is None]
-
-    def shard(self) -> tuple[int, ShardArgs | None]:
-        for k, op in enumerate(self.index_ops):
-            args = op.shard_args()
-            if args is not None:
-                return k, args
-        return len(self.index_ops), None
-
-    def _identify_source(self, strict: bool) -> str:
-        if isinstance(self.source, Combined):
-            return self.source.identity(strict)
-        return _walk_source(self.source, strict)
-
-    def _cache_key(self) -> str:
-        """The disk cache's folder: the source and the maps before the cache point (or its key)."""
-        assert self.cache is not None
-        if self.cache.key is not None:
-            return digest(self._source_identity(True), "explicit key", self.cache.key)
-        try:
-            maps = [m.identity() for m in self.maps[: self.cache_at]]
-        except FingerprintError as exc:
-            raise FingerprintError(
-                f"cache({str(self.cache.path)!r}) cannot key its files: {exc}; "
-                f'or key the cache itself: .cache(path, key="my-cache-v1")'
-            ) from None
-        return digest(self._source_identity(True), maps)
-
-    def _lengths(self) -> list[int]:
-        """Length after each index operator; lengths[0] is the source's."""
-        lengths = [len(self.source)]
-        for op in self.index_ops:
-            lengths.append(op.length(lengths[-1]))
-        return lengths
-
-    @property
-    def samples(self) -> int:
-        return self.lengths[-1]
-
-    def stream_reader(self, epoch: int, skip_tasks: int = 0) -> None:
-        return None
-
-    # -- what a task covers -------------------------------------------------------------------
-    def task_indices(self, epoch: int, task: int) -> np.ndarray:
-        """Source indices of task `task`."""
-        start = task * self.task_size
-        return self.indices(epoch, start, min(start + self.task_size, self.samples))
-
-    def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Source indices at epoch positions [start, stop). The last index operator maps the run
-        itself (`IndexOp.parents_run`), cheaper than any positions."""
-        stop = self.samples if stop is None else stop
-        if not self.index_ops:
-            return self.map_positions(np.arange(start, stop, dtype=np.int64), epoch)
-        last = len(self.index_ops) - 1
-        run = self.index_ops[last].parents_run(start, stop, self.lengths[last], epoch)
-        return self.map_positions(run, epoch, last)
-
-    def map_positions(self, positions: np.ndarray, epoch: int, ops: int | None = None) -> np.ndarray:
-        """Source indices of epoch positions, or of the positions after the first `ops` index
-        operators."""
-        ops = len(self.index_ops) if ops is None else ops
-        for op, parent_len in zip(reversed(self.index_ops[:ops]), reversed(self.lengths[:ops]), strict=True):
-            positions = op.parents(positions, parent_len, epoch)
-        if isinstance(self.source, Combined):
-            positions = self.source.resolve(epoch, positions)
-        return positions
-
-    # -- how a task reads the source ------------------------------------------------------------
-    def _by_columns(
-        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
-    ) -> TaskResult:
-        """The task's batch gathered by the source, column by column (`ColumnarReads`); no
-        per-sample maps run, so there is no sample to check for `sendable`."""
-        t0 = time.perf_counter()
-        if items is None and self.gather_ahead is not None:
-            batch = self.gather_ahead.read(self, epoch, task)
-        else:
-            indices = self.task_indices(epoch, task) if items is None else np.asarray(items, dtype=np.int64)
-            if not len(indices):
-                return TaskResult(None)
-            batch = self.source.read_columns(indices)
-        _tick(timer, "read", t0, len(batch["__key__"]))
-        return TaskResult(self._batch_maps(batch, epoch, task, timer))
-
-    def _by_read_many(
-        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
-    ) -> TaskResult:
-        """A source made of blocks reads a task's records block by block (`BatchReads`)."""
-        t0 = time.perf_counter()
-        indices = self.task_indices(epoch, task) if items is None else np.asarray(items, dtype=np.int64)
-        pairs = list(zip(indices.tolist(), self.source.read_many(indices), strict=True))
-        _tick(timer, "read", t0, len(pairs))
-        return self._build(epoch, task, pairs, True, 0, skip, timer, deferred, sendable)
-
-    def _by_index(
-        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
-    ) -> TaskResult:
-        """Each sample read when it is built (`source[i]`, or the cache first)."""
-        indices = self.task_indices(epoch, task) if items is None else items
-        return self._build(epoch, task, indices, False, 0, skip, timer, deferred, sendable)
-
-
-class StreamPlan(Plan):
-    """The plan of a stream chain: stream operators (`StreamOp`) turn the source's records into
-    an epoch's, read in turn (`StreamReader`); its tasks come with their records."""
-
-    is_stream = True
-    unsized = "this stream"
-    source: StreamSource
-
-    def __init__(self, source: StreamSource, ops: Sequence[Any], inherited_seed: int | None = None) -> None:
-        self.stream_ops: list[StreamOp] = []
-        super().__init__(source, ops, inherited_seed)
-        lengths = [source.length()]
-        for op in self.stream_ops:
-            lengths.append(op.length(lengths[-1]))
-        self.lengths = lengths
-        self._read_task = self._by_records
-        self._take_identity()
-
-    def select_op(self, indices: Any) -> IndexOp:
-        raise ArgumentError("select() needs random access; a stream has none")
-
-    def shuffle_op(self, seed: int | None, buffer_size: int | None, window: int | None) -> StreamOp:
-        return stream_shuffle(seed, buffer_size, window)
-
-    def shard_op(self, rank: int, world_size: int, uneven: str) -> StreamOp:
-        return StreamShard(rank, world_size, uneven)
-
-    def add_index(self, op: IndexOp) -> None:
-        raise ArgumentError(f"{self._order_op_fits(op)} does not apply to a stream")
-
-    def add_stream_op(self, op: StreamOp) -> None:
-        self._order_op_fits(op)
-        self.stream_ops.append(op)
-
-    def set_cache(self, op: CacheOp) -> None:
-        raise ArgumentError(_CACHE_PLACE)
-
-    @property
-    def combinable(self) -> bool:
-        return False
-
-    @property
-    def source_length(self) -> None:
-        return None
-
-    def check_shareable(self) -> None:
-        raise ArgumentError("share=True needs a random-access source; a stream cannot be shared")
-
-    def order_identity(self, placed: bool) -> list[tuple[object, ...]]:
-        # Its shard stays in either: a stream's state loads only into the same rank and world size.
-        return [op.describe() for op in self.stream_ops]
-
-    def _identify_source(self, strict: bool) -> str:
-        return _walk_source(self.source.iterable, strict)
-
-    def shard(self) -> tuple[int, None]:
-        return len(self.stream_ops), None
-
-    @property
-    def samples(self) -> int | None:
-        return self.lengths[-1]
-
-    def stream_reader(self, epoch: int, skip_tasks: int = 0) -> StreamReader:
-        drop_last = self.batch is not None and self.batch.drop_last
-        return StreamReader(self.source, self.stream_ops, epoch, self.task_size, drop_last, skip_tasks)
-
-    def _by_records(
-        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
-    ) -> TaskResult:
-        """The task's (index, record) pairs, as the stream's reader took them."""
-        return self._build(epoch, task, items, True, 0, skip, timer, deferred, sendable)
-
-
-def _walk_source(source: Any, strict: bool) -> str:
-    fix = "Give the source a `fingerprint` attribute: a string that changes whenever its records do"
-    return fingerprint(source, f"the source ({type(source).__name__})", fix, strict)
-
-
-def _tick(timer: Timer, stage: str, t0: float, items: int = 1) -> None:
+def tick(timer: Timer, stage: str, t0: float, items: int = 1) -> None:
+    """Count `items` of `stage` and the time since `t0` in `timer`."""
     entry = timer.get(stage)
     if entry is None:
         timer[stage] = entry = [0, 0.0]

@@ -26,7 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from globalloader.dataset.fingerprint import digest
-from globalloader.dataset.plan import IndexPlan, Plan
+from globalloader.dataset.index_plan import IndexPlan
+from globalloader.dataset.plan import Plan
 from globalloader.dataset.saved_state import Base, SavedState, Taken
 from globalloader.dataset.tail import Tail
 from globalloader.errors import StateError
