@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import globalloader as gl
-from globalloader.dataset.stream import BufferShuffle
+from globalloader.dataset.shuffle import BufferShuffle
 from globalloader.sampling.permutation import Permutation
 
 RESULTS = Path(__file__).parent / "results" / "parquet_shuffle.json"

@@ -20,9 +20,9 @@ MASK = 0xFFFFFFFFFFFFFFFF
 
 # Named streams: the word that tells each stream from its siblings.
 PERMUTATION = 0x5EED  # sampling.Permutation: the Feistel keys, or the explicit order of a small set
-BUFFER_SHUFFLE = 0xB0F  # dataset.stream: the shuffle buffer's swaps
-WINDOW_BLOCKS = 0xB10C  # dataset.window_shuffle: the order of the blocks
-WINDOW_ROWS = 0x5105  # dataset.window_shuffle: each window's row order, after the window's number
+BUFFER_SHUFFLE = 0xB0F  # dataset.shuffle: the shuffle buffer's swaps
+WINDOW_BLOCKS = 0xB10C  # dataset.shuffle: the windowed order of the blocks
+WINDOW_ROWS = 0x5105  # dataset.shuffle: each window's row order, after the window's number
 RAY_TABLE, RAY_MAP, RAY_REDUCE = 0, 1, 2  # ray: the scatter table, then per map task, per reducer
 
 

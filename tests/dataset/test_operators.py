@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 import globalloader as gl
+from globalloader.dataset.select import Select
+from globalloader.dataset.shard import Shard
+from globalloader.dataset.shuffle import Shuffle, WindowShuffle
 from globalloader.errors import ArgumentError, StateError, TransformError
 
 
@@ -23,6 +26,37 @@ def tokens(lengths: list[int]) -> gl.Dataset:
 
 def draw(x, rng):
     return (x, float(rng.random()))
+
+
+# -- index operators: what the plan asks of each (IndexOp) -------------------------------------
+INDEX_OPS = {
+    "select": Select.of(np.random.default_rng(0).permutation(103)[:60]),
+    "shuffle": Shuffle(3),
+    "window_shuffle": WindowShuffle(5, 2, np.array([0, 10, 30, 31, 70, 103])),
+    "shard pad": Shard(1, 4, "pad"),
+    "shard drop": Shard(3, 4, "drop"),
+    "shard none": Shard(2, 4, "none"),
+}
+
+
+@pytest.mark.parametrize("name", list(INDEX_OPS))
+def test_every_index_operator_keeps_what_the_plan_relies_on(name: str) -> None:
+    """The plan asks an index operator only what `IndexOp` declares: a task's run maps as its
+    positions do (and is the caller's to keep), `per_epoch` says whether the map changes with
+    the epoch, and only a shard names a rank's share (which the elastic resume splits anew)."""
+    op, n = INDEX_OPS[name], 103
+    m = op.length(n)
+    rng = np.random.default_rng(7)
+    runs = [(0, m), (0, 1), (m - 1, m), (m, m), *(sorted(rng.integers(0, m + 1, 2).tolist()) for _ in range(30))]
+    for epoch in (0, 1):
+        for start, stop in runs:
+            run = op.parents_run(start, stop, n, epoch)
+            assert np.array_equal(run, op.parents(np.arange(start, stop, dtype=np.int64), n, epoch)), (epoch, start)
+            run[:] = -1
+        assert op.parents_run(0, m, n, epoch).min() >= 0
+    whole = np.arange(m, dtype=np.int64)
+    assert op.per_epoch == (not np.array_equal(op.parents(whole, n, 0), op.parents(whole, n, 1)))
+    assert op.shard_args() is (op if isinstance(op, Shard) else None)
 
 
 # -- filter and flat_map -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import globalloader as gl
-from globalloader.dataset.window_shuffle import WindowShuffle
+from globalloader.dataset.shuffle import WindowShuffle
 from globalloader.errors import ArgumentError
 from helpers import check_resume
 

@@ -9,7 +9,6 @@ thread; `globalloader.Loader` runs the same chain in parallel with identical out
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from typing import Any
@@ -22,16 +21,15 @@ from globalloader.dataset.cache import CacheOp
 from globalloader.dataset.combine import Combined
 from globalloader.dataset.filter import FilterOp
 from globalloader.dataset.flat_map import FlatMapOp
-from globalloader.dataset.index_ops import Select, Shard, Shuffle
+from globalloader.dataset.index_plan import IndexPlan
 from globalloader.dataset.iterator import DatasetIterator
 from globalloader.dataset.map import MapOp
 from globalloader.dataset.pack import PackOp
 from globalloader.dataset.plan import Plan
 from globalloader.dataset.seeds import SeedOp
-from globalloader.dataset.stream import BufferShuffle, StreamShard, StreamSource
-from globalloader.dataset.window_shuffle import WindowShuffle
+from globalloader.dataset.stream import StreamSource
+from globalloader.dataset.stream_plan import StreamPlan
 from globalloader.errors import ArgumentError
-from globalloader.sources.base import Blocks, CachesDecodedBlocks, capable
 
 
 class Dataset:
@@ -83,9 +81,7 @@ class Dataset:
     # -- index operators ---------------------------------------------------------------------
     def select(self, indices: Iterable[int]) -> Dataset:
         """Keep only `indices` (positions of the current chain), in this order."""
-        if self.plan.is_stream:
-            raise ArgumentError("select() needs random access; a stream has none")
-        return self._then(Select.of(indices))
+        return self._then(self.plan.select_op(indices))
 
     def seed(self, seed: int) -> Dataset:
         """The root of every random operator in the chain (default 0), wherever it is written:
@@ -100,25 +96,11 @@ class Dataset:
         consecutive blocks, decoding each block once per epoch (see WindowShuffle)."""
         if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer))):
             raise ArgumentError(f"shuffle: seed must be an int, got {seed!r}")
-        if window is not None:
-            if self.plan.is_stream or buffer_size is not None:
-                raise ArgumentError(
-                    "shuffle(window=...) is for random-access sources; a stream shuffles with buffer_size="
-                )
-            return self._then(WindowShuffle.over(self.source, seed, window, self.plan.index_ops))
-        if self.plan.is_stream:
-            if buffer_size is None:
-                raise ArgumentError("shuffle() on a stream needs buffer_size= (it has no random access)")
-            return self._then(BufferShuffle(buffer_size, seed))
-        if buffer_size is not None:
-            raise ArgumentError("shuffle(buffer_size=...) is for streams; random-access sources shuffle globally")
-        _warn_if_rows_scatter(self.source)
-        return self._then(Shuffle(seed))
+        return self._then(self.plan.shuffle_op(seed, buffer_size, window))
 
     def shard(self, rank: int, world_size: int, uneven: str = "pad") -> Dataset:
         """This rank's share; `uneven` is "pad", "drop" or "none" (see globalloader.sampling.sharding)."""
-        op = StreamShard if self.plan.is_stream else Shard
-        return self._then(op(rank, world_size, uneven))
+        return self._then(self.plan.shard_op(rank, world_size, uneven))
 
     # -- record operators --------------------------------------------------------------------
     def map(
@@ -194,7 +176,10 @@ class Dataset:
     # -- running -----------------------------------------------------------------------------
     @cached_property
     def plan(self) -> Plan:
-        return Plan(self.source, self._ops)
+        """The compiled chain, of its kind: the one place that tells a stream chain (no random
+        access) from a random-access one; each kind's plan holds its own operators."""
+        kind = StreamPlan if isinstance(self.source, StreamSource) else IndexPlan
+        return kind(self.source, self._ops)
 
     @property
     def fingerprint(self) -> str:
@@ -204,8 +189,7 @@ class Dataset:
         """Items per epoch: batches if batched, else samples."""
         n = self.plan.items_per_epoch()
         if n is None:
-            what = "this stream" if self.plan.is_stream else "this chain (a filter, flat_map, pack or bucket_batch)"
-            raise TypeError(f"{what} has no length known before it runs")
+            raise TypeError(f"{self.plan.unsized} has no length known before it runs")
         return n
 
     def iterator(self, epoch: int = 0) -> DatasetIterator:
@@ -241,21 +225,3 @@ def _parts(method: str, datasets: Any) -> list[Dataset]:
     if not parts or not all(isinstance(p, Dataset) for p in parts):
         raise ArgumentError(f"{method}: expected a non-empty list of gl.Dataset, got {datasets!r:.200}")
     return parts
-
-
-def _warn_if_rows_scatter(source: Any) -> None:
-    """A global shuffle over a source whose blocks are decoded whole (Parquet row groups) and do
-    not all fit its cache decodes a block for nearly every row: say so once, with the remedies."""
-    if (
-        capable(source, Blocks)
-        and capable(source, CachesDecodedBlocks)
-        and len(source.block_starts) > source.cached_blocks
-    ):
-        blocks = len(source.block_starts)
-        warnings.warn(
-            f"shuffle() over {source!r} reads its {blocks} row groups in random order, decoding a whole "
-            f"row group for nearly every row (hundreds of times slower than in order); use shuffle(window=w), "
-            f"or shuffle() on its local_copy(), or keep every group decoded (cached_row_groups={blocks}); "
-            "see docs/columnar.md",
-            stacklevel=3,
-        )

@@ -59,7 +59,7 @@ class Combined:
         parts = list(parts)  # gl.Dataset chains (checked by Dataset.concat/mix/zip)
         for k, part in enumerate(parts):
             plan = part.plan
-            if plan.is_stream or plan.batch is not None or plan.tail or plan.expands:
+            if not plan.combinable:
                 raise ArgumentError(
                     f"{kind}: part {k} ({part!r}) must be a random-access chain of index operators and maps "
                     "(no stream, filter, flat_map, batch or pack); apply those after combining"
@@ -73,7 +73,7 @@ class Combined:
 
     def bind(self, seed: int, make_plan: Callable[..., Any]) -> Combined:
         """This combination under root `seed`: parts without their own `.seed()` derive theirs
-        (`make_plan` is `Plan`, which imports this module)."""
+        (`make_plan` is `IndexPlan`, whose module imports this one: parts are random access)."""
         bound = object.__new__(Combined)
         bound.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_schedule"})
         bound.seed = seed

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from globalloader.dataset.plan import Plan
-from globalloader.dataset.resume import Position, epoch_order, without
+from globalloader.dataset.resume import Position, epoch_order, positional, without
 from globalloader.dataset.tail import NEED, Tail
 
 END = object()  # `Cursor.next`: the epoch has no more items
@@ -39,12 +39,12 @@ class Cursor:
         self.skip = offset  # items of the first task yielded before the resume
         self.pending: deque[Any] = deque()
         self._pending_indices: deque[list[int]] = deque()  # named: the samples of each pending item
-        self._reader = plan.stream_reader(epoch, task) if plan.is_stream else None
+        self._reader = plan.stream_reader(epoch, task)
         self._claimed_all = False
         self.tail = Tail(plan.tail, plan.seed, epoch, tail) if plan.grouped else None
         if self.tail is not None:
             self.tail.fed = offset
-        self.tasks = None if plan.is_stream else self._count_tasks()
+        self.tasks = None if self._reader is not None else self._count_tasks()
 
     def _count_tasks(self) -> int:
         if self.left is not None:
@@ -60,6 +60,12 @@ class Cursor:
         size = self.plan.task_size
         return self.left[task * size : (task + 1) * size]
 
+    def sources(self, task: int) -> np.ndarray:
+        """Source indices of `task`, whoever maps them: what a remote source is told to fetch
+        ahead (random-access chains: a stream's records come with its tasks)."""
+        given = self.indices(task)
+        return given if given is not None else positional(self.plan).task_indices(self.epoch, task)
+
     def claim(self) -> tuple[int, Any] | None:
         """The next task to run and its items ((index, record) pairs of a stream, else `indices`);
         None past the end of the epoch."""
@@ -68,7 +74,7 @@ class Cursor:
         t = self.next_task
         items: Any
         if self._reader is not None:
-            items = self.plan.stream_task(self._reader, t)
+            items = self._reader.task(t)
             if items is None:
                 self._claimed_all = True
                 return None

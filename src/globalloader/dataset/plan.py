@@ -6,17 +6,24 @@ Task `t` of an epoch always covers the same positions and every random operator 
 the same for any number of workers, in threads or processes, and after a resume. Everything that
 runs a chain (the sequential iterator, the Loader's workers, the global loader's clients) calls
 `run_task`. Operators join the plan themselves (`dataset.operator`); the plan checks their order.
+
+This module holds what both kinds of chain share. Each kind has its plan, holding its own
+operators: a random-access chain's (`dataset.index_plan`) maps a task's positions to source
+indices through its index operators, asking each only what `IndexOp` declares; a stream chain's
+(`dataset.stream_plan`) reads its records in turn through its stream operators. The chain
+(`Dataset.plan`) chooses one: the only place that tells the kinds apart.
 """
 
 from __future__ import annotations
 
 import pickle
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -27,24 +34,24 @@ from globalloader.dataset.cache import MISSING, CacheOp
 from globalloader.dataset.collate import collate as default_collate
 from globalloader.dataset.combine import Combined
 from globalloader.dataset.fingerprint import digest, fingerprint
-from globalloader.dataset.gather_ahead import GatherAhead
-from globalloader.dataset.operator import RecordOp, TailOp
+from globalloader.dataset.operator import IndexOp, RecordOp, StreamOp, TailOp
 from globalloader.dataset.seeds import SeedOp
-from globalloader.dataset.stream import StreamReader, StreamSource
+from globalloader.dataset.stream import StreamReader
 from globalloader.dataset.tail import TailRecord
 from globalloader.errors import (
     SAMPLE_ERRORS,
     UNPICKLABLE,
     ArgumentError,
-    FingerprintError,
     GlobalLoaderError,
     TransformError,
     unsendable,
 )
-from globalloader.sources.base import BatchReads, ColumnarReads, GathersAhead, capable, declared_fingerprint
+from globalloader.sampling.sharding import ShardArgs
 
 CHUNK = 32  # samples per task when the chain has no batch: enough to amortize transport
 GROUPED_CHUNK = 128  # samples per task feeding a tail: records are small (tokens), tasks many
+# The wording for a cache() out of place, or on a stream (which has no index to key it by).
+CACHE_PLACE = "cache() may appear once, before batch(), on a random-access source"
 
 Timer = dict[str, list[float]]  # stage name -> [items, busy seconds]
 
@@ -63,22 +70,28 @@ def _record_key(record: Any, index: int) -> str:
     return f"index {index} (key {key!r})" if key is not None else f"index {index}"
 
 
-class Plan:
-    """The compiled form of a `Dataset`'s operator list; validates operator order once.
+class Plan(ABC):
+    """The compiled form of a `Dataset`'s operator list; validates operator order once. What
+    both kinds of chain share: the per-sample maps, the batch, the tail, the identity, the
+    running of a task. Each kind of chain has its own: `IndexPlan` (`dataset.index_plan`) and
+    `StreamPlan` (`dataset.stream_plan`); `Dataset.plan` chooses."""
 
-    `inherited_seed`: the root seed when the chain sets none (a part of a mix gets one derived
-    from the mix's)."""
+    # Asked only where a kind's rule differs outside the plan: what a state holds (`dataset.resume`)
+    # and a worker's wording for records it cannot send back.
+    is_stream: ClassVar[bool]
+    _read_task: Callable[[int, int, Any, bool, Timer, bool, bool], TaskResult]  # a task of its own items
+    # What `len()` of a chain whose items are not known before it runs calls it.
+    unsized: ClassVar[str]
 
-    def __init__(self, source: Any, ops: Sequence[Any], inherited_seed: int | None = None) -> None:
+    def __init__(self, source: Any, ops: Sequence[Any], inherited_seed: int | None) -> None:
         self.source = source
-        self.is_stream = isinstance(source, StreamSource)
-        self.index_ops: list[Any] = []
         self.maps: list[RecordOp] = []  # per-sample operators run by the workers, in order
         self.cache: CacheOp | None = None
         self.cache_at = 0  # maps before the cache point
         self.batch: BatchOp | None = None  # collated in the worker
         self.batch_maps: list[RecordOp] = []
         self.tail: list[TailOp] = []  # run in the consumer across tasks
+        self._combined: Combined | None = None
         self._batched = False
         seeds = [op.seed for op in ops if isinstance(op, SeedOp)]
         if len(seeds) > 1:
@@ -87,38 +100,25 @@ class Plan:
         self._streams: Counter[str] = Counter()
         for op in ops:
             op.attach(self)
-        self._combined = source.bind(self.seed, Plan) if isinstance(source, Combined) else None
-        if self._combined is not None:
-            self.source = self._combined
-        self.lengths = self._lengths()
-        # A batch of the source's rows with nothing in between: the source gathers it by column.
-        self.columnar = bool(
-            capable(self.source, ColumnarReads)
-            and self.source.columnar
-            and self.batch is not None
-            and self.batch.collate is default_collate
-            and not (self.maps or self.tail or self.is_stream or self.cache is not None)
-        )
-        # A source whose gathers cost much per call says how many rows it would rather gather at once.
-        gathers = self.columnar and capable(self.source, GathersAhead)
-        ahead = self.source.gather_rows // self.task_size if gathers else 0
-        self.gather_ahead = GatherAhead(ahead) if ahead > 1 else None
-        # How a task reads the source, chosen once: by column, all records in one call, or one [i] each.
-        many = self.cache is None and capable(self.source, BatchReads)
-        self._read_task = self._by_columns if self.columnar else self._by_read_many if many else self._by_index
         self._source_ids: dict[bool, str] = {}
-        # Taken now, as the chain is built: state a map updates as it runs (a memo dict, a
-        # lazily loaded model) must not make a checkpoint of this very chain look foreign.
-        # Its parts too: the elastic resume check (`dataset.resume`) names those that differ.
+
+    def _take_identity(self) -> None:
+        """Taken as the chain is built (call once its source is final): state a map updates as it
+        runs (a memo dict, a lazily loaded model) must not make a checkpoint of this very chain
+        look foreign. Its parts too: the elastic resume check (`dataset.resume`) names those that
+        differ."""
         self.resume_parts = self.identity_parts(strict=False)
         self.resume_fingerprint = digest(*self.resume_parts.values())
-        if self.cache is not None and self.cache.path is not None:
-            if declared_fingerprint(self.source) is None:
-                raise ArgumentError(
-                    f"cache(path) needs a source with a .fingerprint to key its files; "
-                    f"{type(source).__name__} has none (wrap it: gl.from_sequence(...))"
-                )
-            self.cache.bind(self._cache_key())
+
+    # -- the chain's operators, in the forms of its kind ---------------------------------------
+    @abstractmethod
+    def select_op(self, indices: Any) -> IndexOp: ...
+
+    @abstractmethod
+    def shuffle_op(self, seed: int | None, buffer_size: int | None, window: int | None) -> IndexOp | StreamOp: ...
+
+    @abstractmethod
+    def shard_op(self, rank: int, world_size: int, uneven: str) -> IndexOp | StreamOp: ...
 
     # -- operators join (see dataset.operator) ---------------------------------------------------
     def stream_seed(self, kind: str) -> int:
@@ -127,21 +127,18 @@ class Plan:
         self._streams[kind] += 1
         return derive(self.seed, kind, k)
 
-    def _index_op_fits(self, op: Any, streaming: bool) -> None:
-        name = op.describe()[0]
+    def _order_op_fits(self, op: IndexOp | StreamOp) -> str:
+        """The operator's name, once it is where an operator ordering samples may stand."""
+        name = str(op.describe()[0])
         if self._batched or self.tail or self.expands:
             raise ArgumentError(f"{name} must come before batch, filter, flat_map, pack and bucket_batch in the chain")
-        if streaming != self.is_stream:
-            kind = "a stream" if self.is_stream else "a random-access source"
-            raise ArgumentError(f"{name} does not apply to {kind}")
+        return name
 
-    def add_index(self, op: Any) -> None:
-        self._index_op_fits(op, streaming=False)
-        self.index_ops.append(op)
+    @abstractmethod
+    def add_index(self, op: IndexOp) -> None: ...
 
-    def add_stream_op(self, op: Any) -> None:
-        self._index_op_fits(op, streaming=True)
-        self.index_ops.append(op)
+    @abstractmethod
+    def add_stream_op(self, op: StreamOp) -> None: ...
 
     def add_record(self, op: RecordOp) -> None:
         if self.tail or (self.batch is not None and op.expands):
@@ -156,8 +153,8 @@ class Plan:
             self.maps.append(op)
 
     def set_cache(self, op: CacheOp) -> None:
-        if self.cache is not None or self._batched or self.tail or self.is_stream:
-            raise ArgumentError("cache() may appear once, before batch(), on a random-access source")
+        if self.cache is not None or self._batched or self.tail:
+            raise ArgumentError(CACHE_PLACE)
         if any(m.random or m.expands for m in self.maps):
             raise ArgumentError(
                 "cache() must come before any random map, filter or flat_map (its output must be deterministic)"
@@ -189,23 +186,18 @@ class Plan:
         return bool(self.tail) or self.expands
 
     @property
-    def epoch_dependent(self) -> bool:
-        """Source index at a position changes with the epoch (a shuffle)."""
-        return any(getattr(op, "per_epoch", False) for op in self.index_ops)
+    @abstractmethod
+    def combinable(self) -> bool:
+        """It may be a part of concat, mix or zip: random access, index operators and maps only."""
 
     @property
-    def source_length(self) -> int:
-        """Source indices are below this."""
-        return self.source.index_space if isinstance(self.source, Combined) else len(self.source)
+    @abstractmethod
+    def source_length(self) -> int | None:
+        """Source indices are below this (None: a stream's records have no index)."""
 
+    @abstractmethod
     def check_shareable(self) -> None:
-        if self.is_stream:
-            raise ArgumentError("share=True needs a random-access source; a stream cannot be shared")
-        if isinstance(self.source, Combined) and not self.source.deterministic:
-            raise ArgumentError(
-                f"share=True needs the parts of {self.source.kind}() to be deterministic (no random map, no zip of "
-                "shuffled parts): apply random maps after combining"
-            )
+        """An ArgumentError saying why unless jobs may share this chain's samples (share=True)."""
 
     # -- identity: the sharing key, the disk cache's folder and the resume check ---------------
     @property
@@ -226,49 +218,43 @@ class Plan:
         return {
             "seed": self.seed,
             "source": self._source_identity(strict),
-            "index": [op.describe() for op in self.index_ops],
+            "index": self.order_identity(placed=True),
             "maps": [(type(m).__name__, m.identity(strict), m.shared) for m in self.maps],
             "batch": None if batch is None else batch.identity(strict),
             "batch_maps": [(type(m).__name__, m.identity(strict)) for m in self.batch_maps],
             "tail": [(type(op).__name__, op.identity(strict)) for op in self.tail],
         }
 
+    @abstractmethod
+    def order_identity(self, placed: bool) -> list[tuple[object, ...]]:
+        """The descriptions of the operators that order the samples (index or stream operators);
+        without `placed`, leaving out what an elastic resume may change (the rank's share)."""
+
     def _source_identity(self, strict: bool) -> str:
         """Its `fingerprint` string, else a walk of its content (kept: sources do not change)."""
-        if strict not in self._source_ids and isinstance(self.source, Combined):
-            self._source_ids[strict] = self.source.identity(strict)
         if strict not in self._source_ids:
-            source = self.source.iterable if self.is_stream else self.source
-            fix = "Give the source a `fingerprint` attribute: a string that changes whenever its records do"
-            self._source_ids[strict] = fingerprint(source, f"the source ({type(source).__name__})", fix, strict)
+            self._source_ids[strict] = self._identify_source(strict)
         return self._source_ids[strict]
 
-    def _cache_key(self) -> str:
-        """The disk cache's folder: the source and the maps before the cache point (or its key)."""
-        assert self.cache is not None
-        if self.cache.key is not None:
-            return digest(self._source_identity(True), "explicit key", self.cache.key)
-        try:
-            maps = [m.identity() for m in self.maps[: self.cache_at]]
-        except FingerprintError as exc:
-            raise FingerprintError(
-                f"cache({str(self.cache.path)!r}) cannot key its files: {exc}; "
-                f'or key the cache itself: .cache(path, key="my-cache-v1")'
-            ) from None
-        return digest(self._source_identity(True), maps)
+    @abstractmethod
+    def _identify_source(self, strict: bool) -> str: ...
 
-    def _lengths(self) -> list[int | None]:
-        """Length after each index operator; lengths[0] is the source's."""
-        lengths: list[int | None] = [self.source.length() if self.is_stream else len(self.source)]
-        for op in self.index_ops:
-            lengths.append(op.length(lengths[-1]))
-        return lengths
+    @staticmethod
+    def _walk_source(source: Any, strict: bool) -> str:
+        fix = "Give the source a `fingerprint` attribute: a string that changes whenever its records do"
+        return fingerprint(source, f"the source ({type(source).__name__})", fix, strict)
+
+    @abstractmethod
+    def shard(self) -> tuple[int, ShardArgs | None]:
+        """The number of operators before the first shard (they make the epoch's global order)
+        and its arguments, which a state records (None: no shard, or a stream's, whose state
+        loads only into the same chain, rank and world size)."""
 
     # -- sizes -------------------------------------------------------------------------------
     @property
+    @abstractmethod
     def samples(self) -> int | None:
         """Samples per epoch after the index operators (None for a stream of unknown length)."""
-        return self.lengths[-1]
 
     @property
     def task_size(self) -> int:
@@ -290,33 +276,10 @@ class Plan:
             return None
         return self.num_tasks() if self.batch is not None else self.samples
 
-    # -- what a task covers -------------------------------------------------------------------
-    def task_indices(self, epoch: int, task: int) -> np.ndarray:
-        """Source indices of task `task` (random-access chains)."""
-        samples = self.samples
-        assert samples is not None, "a random-access chain knows its length"
-        start = task * self.task_size
-        return self.indices(epoch, start, min(start + self.task_size, samples))
-
-    def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Source indices at epoch positions [start, stop) (random-access chains). The last index
-        operator may map the run itself (`parents_run`), cheaper than any positions."""
-        stop = self.samples if stop is None else stop
-        last = len(self.index_ops) - 1
-        if last >= 0 and hasattr(self.index_ops[last], "parents_run"):
-            run = self.index_ops[last].parents_run(start, stop, self.lengths[last], epoch)
-            return self.map_positions(run, epoch, last)
-        return self.map_positions(np.arange(start, stop, dtype=np.int64), epoch)
-
-    def map_positions(self, positions: np.ndarray, epoch: int, ops: int | None = None) -> np.ndarray:
-        """Source indices of epoch positions (random-access chains), or of the positions after the
-        first `ops` index operators."""
-        ops = len(self.index_ops) if ops is None else ops
-        for op, parent_len in zip(reversed(self.index_ops[:ops]), reversed(self.lengths[:ops]), strict=True):
-            positions = op.parents(positions, parent_len, epoch)
-        if isinstance(self.source, Combined):
-            positions = self.source.resolve(epoch, positions)
-        return positions
+    @abstractmethod
+    def stream_reader(self, epoch: int, skip_tasks: int = 0) -> StreamReader | None:
+        """The tasks of an epoch of a stream chain, in turn, after `skip_tasks` of them (None: a
+        random-access chain addresses its tasks by number instead, `IndexPlan.task_indices`)."""
 
     @property
     def split(self) -> int:
@@ -330,10 +293,6 @@ class Plan:
     def prefix_sample(self, index: int, timer: Timer | None = None) -> Any:
         """A sample after the shared maps only: what the global loader's server computes."""
         return self._sample(0, index, MISSING, {} if timer is None else timer, stop=self.split)
-
-    def stream_reader(self, epoch: int, skip_tasks: int = 0) -> StreamReader:
-        """Records of an epoch of a stream chain, positioned after `skip_tasks` tasks."""
-        return StreamReader(self.source, tuple(self.index_ops), epoch, skip_tasks * self.task_size)
 
     # -- running a task ----------------------------------------------------------------------
     def run_task(
@@ -355,42 +314,9 @@ class Plan:
         TransformError naming its last map, skipped as any other with `skip_errors`; it costs a
         pickle per sample, so a process worker asks for it only once a task's output failed to."""
         timer = {} if timer is None else timer
-        if self.is_stream or first_map is not None:
-            return self._build(epoch, task, items, True, first_map or 0, skip_errors, timer, deferred, sendable)
+        if first_map is not None:
+            return self._build(epoch, task, items, True, first_map, skip_errors, timer, deferred, sendable)
         return self._read_task(epoch, task, items, skip_errors, timer, deferred, sendable)
-
-    def _by_columns(
-        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
-    ) -> TaskResult:
-        """The task's batch gathered by the source, column by column (`ColumnarReads`); no
-        per-sample maps run, so there is no sample to check for `sendable`."""
-        t0 = time.perf_counter()
-        if items is None and self.gather_ahead is not None:
-            batch = self.gather_ahead.read(self, epoch, task)
-        else:
-            indices = self.task_indices(epoch, task) if items is None else np.asarray(items, dtype=np.int64)
-            if not len(indices):
-                return TaskResult(None)
-            batch = self.source.read_columns(indices)
-        _tick(timer, "read", t0, len(batch["__key__"]))
-        return TaskResult(self._batch_maps(batch, epoch, task, timer))
-
-    def _by_read_many(
-        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
-    ) -> TaskResult:
-        """A source made of blocks reads a task's records block by block (`BatchReads`)."""
-        t0 = time.perf_counter()
-        indices = self.task_indices(epoch, task) if items is None else np.asarray(items, dtype=np.int64)
-        pairs = list(zip(indices.tolist(), self.source.read_many(indices), strict=True))
-        _tick(timer, "read", t0, len(pairs))
-        return self._build(epoch, task, pairs, True, 0, skip, timer, deferred, sendable)
-
-    def _by_index(
-        self, epoch: int, task: int, items: Any, skip: bool, timer: Timer, deferred: bool, sendable: bool
-    ) -> TaskResult:
-        """Each sample read when it is built (`source[i]`, or the cache first)."""
-        indices = self.task_indices(epoch, task) if items is None else items
-        return self._build(epoch, task, indices, False, 0, skip, timer, deferred, sendable)
 
     def _build(
         self,
@@ -441,7 +367,7 @@ class Plan:
                 batch = default_collate(samples, deferred=True)
             else:
                 batch = self.batch.collate(samples)
-            _tick(timer, "collate", t0)
+            tick(timer, "collate", t0)
         result.output = self._batch_maps(batch, epoch, task, timer)
         return result
 
@@ -460,15 +386,6 @@ class Plan:
             batch = self._apply(op, batch, epoch, task, k, timer, batch_level=True)
         return batch
 
-    def stream_task(self, reader: StreamReader, task: int) -> list[tuple[int, Any]] | None:
-        """The next task's records from `reader`, numbered by their position in the epoch (the
-        rng index); None at the end of the epoch (or before a partial batch with drop_last)."""
-        records = reader.take(self.task_size)
-        if not records or (self.batch is not None and self.batch.drop_last and len(records) < self.task_size):
-            return None
-        first = task * self.task_size
-        return [(first + k, record) for k, record in enumerate(records)]
-
     def _sample(
         self, epoch: int, index: int, record: Any, timer: Timer, start: int = 0, stop: int | None = None
     ) -> Any:
@@ -477,14 +394,14 @@ class Plan:
                 t0 = time.perf_counter()
                 record = self.cache.get(index)
                 if record is not MISSING:
-                    _tick(timer, "cache hit", t0)
+                    tick(timer, "cache hit", t0)
                     start = self.cache_at
             if record is MISSING and self._combined is not None:
                 record = self._combined.read(epoch, index, timer)
             elif record is MISSING:
                 t0 = time.perf_counter()
                 record = self.source[index]
-                _tick(timer, "read", t0)
+                tick(timer, "read", t0)
         computed = start == 0
         for k in range(start, len(self.maps) if stop is None else stop):
             if k == self.cache_at and self.cache is not None:
@@ -534,11 +451,12 @@ class Plan:
         except Exception as exc:
             what = f"batch {index}" if batch_level else f"sample {_record_key(value, index)}"
             raise TransformError(f"map {op.name!r} failed on {what}: {type(exc).__name__}: {exc}") from exc
-        _tick(timer, op.name, t0)
+        tick(timer, op.name, t0)
         return value
 
 
-def _tick(timer: Timer, stage: str, t0: float, items: int = 1) -> None:
+def tick(timer: Timer, stage: str, t0: float, items: int = 1) -> None:
+    """Count `items` of `stage` and the time since `t0` in `timer`."""
     entry = timer.get(stage)
     if entry is None:
         timer[stage] = entry = [0, 0.0]

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from globalloader.dataset.fingerprint import digest
-from globalloader.dataset.index_ops import Shard
+from globalloader.dataset.index_plan import IndexPlan
 from globalloader.dataset.plan import Plan
 from globalloader.dataset.saved_state import Base, SavedState, Taken
 from globalloader.dataset.tail import Tail
@@ -61,22 +61,13 @@ class Position(NamedTuple):
     base: Base | None = None  # what other worlds consumed of this epoch
 
 
-def _shard(plan: Plan) -> tuple[int, Shard | None]:
-    """The number of index operators before `shard` (they make the epoch's global order) and it."""
-    for k, op in enumerate(plan.index_ops):
-        if isinstance(op, Shard):
-            return k, op
-    return len(plan.index_ops), None
-
-
 def chain_digests(plan: Plan) -> dict[str, str]:
     """The chain's identity by part, leaving out what an elastic resume may change: the shard
     (where it is, at the end of the index operators, is checked on loading) and the batch size."""
     cached = _DIGESTS.get(plan)
     if cached is None:
         parts = dict(plan.resume_parts)
-        index = zip(plan.index_ops, parts["index"], strict=True)
-        parts["index"] = [d for op, d in index if not isinstance(op, Shard)]
+        parts["index"] = plan.order_identity(placed=False)
         parts["batch"] = None if parts["batch"] is None else parts["batch"][1:]
         parts["tail"] = [(name, ident[1:] if name == "BatchOp" else ident) for name, ident in parts["tail"]]
         cached = _DIGESTS[plan] = {k: digest(v)[:12] for k, v in parts.items()}
@@ -96,10 +87,10 @@ class EpochOrder:
         self.remaining: Remaining | None = None  # what the earlier worlds left of the global order
         if base is None:
             return
-        self._ops, self._shard = _shard(plan)
+        indexed = positional(plan)
+        self._ops, self._shard = indexed.shard()
         uneven = "pad" if self._shard is None else self._shard.uneven
-        total = plan.lengths[self._ops]
-        assert total is not None, "elastic resume is refused for streams"
+        total = indexed.lengths[self._ops]
         done = 0
         if after is not None and after.remaining is not None and after.base is not None:
             self.remaining, done = after.remaining.copy(), len(after.base.steps)
@@ -111,7 +102,7 @@ class EpochOrder:
             if isinstance(step, Layer):
                 remaining.consume(step)
             else:
-                sources = plan.map_positions(remaining.positions(np.arange(len(remaining))), epoch, self._ops)
+                sources = indexed.map_positions(remaining.positions(np.arange(len(remaining))), epoch, self._ops)
                 remaining.drop(without(sources, step.indices))
         shard = self._shard
         self.length = len(remaining) if shard is None else remaining.share(shard.rank, shard.world_size, uneven)
@@ -129,14 +120,22 @@ class EpochOrder:
 
     def indices(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.int64]:
         """Source indices of this rank's positions [start, stop)."""
+        plan = positional(self.plan)
         if self.base is None:
-            return self.plan.indices(self.epoch, start, stop)
+            return plan.indices(self.epoch, start, stop)
         assert self.remaining is not None and self.length is not None
         stop = self.length if stop is None else stop
         local = np.arange(start, stop, dtype=np.int64)
         if self._shard is not None:
             local = shard_positions(local, len(self.remaining), self._shard.rank, self._shard.world_size)
-        return self.plan.map_positions(self.remaining.positions(local), self.epoch, self._ops)
+        return plan.map_positions(self.remaining.positions(local), self.epoch, self._ops)
+
+
+def positional(plan: Plan) -> IndexPlan:
+    """`plan`, whose positions an order maps: never a stream's (its state loads only into the
+    same chain, rank and world size, and names no consumed samples)."""
+    assert isinstance(plan, IndexPlan), "a stream's records have no positions to map"
+    return plan
 
 
 def epoch_order(plan: Plan, epoch: int, base: Base | None = None, after: EpochOrder | None = None) -> EpochOrder:
@@ -152,7 +151,7 @@ def epoch_order(plan: Plan, epoch: int, base: Base | None = None, after: EpochOr
 
 def make_state(plan: Plan, position: Position) -> dict[str, Any]:
     epoch, task, offset, consumed, tail, base = position
-    _, shard = _shard(plan)
+    shard = plan.shard()[1]
     rank, world, uneven = (0, 1, "none") if shard is None else (shard.rank, shard.world_size, shard.uneven)
     samples = task * plan.task_size + offset
     if not plan.is_stream:
@@ -203,7 +202,7 @@ def load_state(plan: Plan, state: Any) -> Position:
     raw = state if isinstance(state, list) else [state]
     if not raw or len(raw) > MAX_WORLD_SIZE:
         raise StateError(f"expected a state dict or the list of every rank's state dicts, got {state!r:.200}")
-    bound = None if plan.is_stream else plan.source_length
+    bound = plan.source_length
     states = [SavedState.from_json(s, bound) for s in raw]
     for s in states:
         _check_tail(plan, s)
@@ -276,9 +275,10 @@ def _elastic(plan: Plan, states: list[SavedState]) -> Position:
             "(elastic resume needs a random-access source)"
         )
     _check_same_chain(plan, states)
-    ops, shard = _shard(plan)
-    if ops < len(plan.index_ops) - 1:
-        after = ", ".join(str(op.describe()[0]) for op in plan.index_ops[ops + 1 :])
+    indexed = positional(plan)
+    ops, shard = indexed.shard()
+    if ops < len(indexed.index_ops) - 1:
+        after = ", ".join(str(op.describe()[0]) for op in indexed.index_ops[ops + 1 :])
         raise StateError(f"elastic resume needs shard() to be the last index operator, but {after} follows it")
     if len({(s.epoch, s.base, s.world, s.uneven) for s in states}) > 1:
         raise StateError(

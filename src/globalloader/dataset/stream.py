@@ -1,4 +1,5 @@
-"""Streaming sources (no random access): buffer shuffle and strided sharding over an iterator.
+"""Streaming sources (no random access) and the reader of an epoch through a stream chain's
+operators (the buffer shuffle in `dataset.shuffle`, the strided shard in `dataset.shard`).
 
 A stream is re-iterated from its start every epoch. Resuming is exact by replay: the state is
 the number of records already taken, and a restored reader re-reads and re-shuffles that many
@@ -10,18 +11,13 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from globalloader._seeding import BUFFER_SHUFFLE, generator
 from globalloader.dataset.fingerprint import digest, fingerprint
-from globalloader.errors import ArgumentError, check_int
-from globalloader.sampling.sharding import ShardArgs, shard_length
+from globalloader.dataset.operator import StreamOp
+from globalloader.errors import ArgumentError
 from globalloader.sources.base import RecordStream, declared_fingerprint
-
-if TYPE_CHECKING:
-    from globalloader.dataset.operator import Builder
 
 
 class StreamSource:
@@ -63,91 +59,29 @@ class StreamSource:
         return digest(type(self.iterable).__qualname__, self.length())
 
 
-@dataclass(frozen=True)
-class BufferShuffle:
-    """Shuffle within a sliding buffer of `buffer_size` records (the best a stream can do)."""
-
-    buffer_size: int
-    seed: int | None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "buffer_size", check_int(self.buffer_size, "shuffle: buffer_size", 1))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", check_int(self.seed, "shuffle: seed"))
-
-    def attach(self, plan: Builder) -> None:
-        plan.add_stream_op(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
-
-    def apply(self, records: Iterator[Any], epoch: int, length: int | None) -> Iterator[Any]:
-        assert self.seed is not None, "the plan gives every shuffle its seed"
-        rng = generator(self.seed, epoch, BUFFER_SHUFFLE)
-        buffer: list[Any] = []
-        for record in records:
-            if len(buffer) < self.buffer_size:
-                buffer.append(record)
-                continue
-            j = int(rng.integers(self.buffer_size))
-            yield buffer[j]
-            buffer[j] = record
-        for j in rng.permutation(len(buffer)):
-            yield buffer[j]
-
-    def length(self, n: int | None) -> int | None:
-        return n
-
-    def describe(self) -> tuple[object, ...]:
-        return ("buffer_shuffle", self.buffer_size, self.seed)
-
-
-@dataclass(frozen=True)
-class StreamShard(ShardArgs):
-    """Every `world_size`-th record from `rank`; "pad"/"drop" need the stream's length."""
-
-    def attach(self, plan: Builder) -> None:
-        plan.add_stream_op(self)
-
-    def length(self, n: int | None) -> int | None:
-        if n is None:
-            if self.uneven != "none":
-                raise ArgumentError(
-                    f"shard(uneven={self.uneven!r}) on a stream needs the stream's length; the "
-                    "source has no len(): pass uneven='none' or a source with a length"
-                )
-            return None
-        return shard_length(n, self.rank, self.world_size, self.uneven)
-
-    def apply(self, records: Iterator[Any], epoch: int, length: int | None) -> Iterator[Any]:
-        target = self.length(length)
-        head: list[Any] = []  # the first world_size records: what a "pad" tail wraps onto
-        taken = 0
-        for ordinal, record in enumerate(records):
-            if ordinal < self.world_size:
-                head.append(record)
-            if ordinal % self.world_size == self.rank:
-                if target is not None and taken >= target:
-                    return
-                taken += 1
-                yield record
-        if target is not None and taken < target and head:
-            yield head[(self.rank + taken * self.world_size) % len(head)]
-
-    def describe(self) -> tuple[object, ...]:
-        return ("stream_shard", self.rank, self.world_size, self.uneven)
-
-
 class StreamReader:
-    """Records of one epoch after the stream operators, counting what was taken (the state)."""
+    """The tasks of one epoch of records after the stream operators, of `task_size` records
+    each (none short with `drop_last`), counting the records taken (the state)."""
 
-    def __init__(self, source: StreamSource, ops: tuple[Any, ...], epoch: int, skip: int = 0) -> None:
+    def __init__(
+        self,
+        source: StreamSource,
+        ops: Sequence[StreamOp],
+        epoch: int,
+        task_size: int,
+        drop_last: bool = False,
+        skip_tasks: int = 0,
+    ) -> None:
         length = source.length()
         records: Iterator[Any] = iter(source)
         for op in ops:
             records = op.apply(records, epoch, length)
             length = op.length(length)
         self._records = records
-        self.taken = sum(1 for _ in itertools.islice(records, skip))  # replayed, never mapped
+        self.task_size, self.drop_last = task_size, drop_last
+        self.taken = sum(1 for _ in itertools.islice(records, skip_tasks * task_size))  # replayed, never mapped
 
-    def take(self, count: int) -> list[Any]:
+    def _take(self, count: int) -> list[Any]:
         """Up to `count` next records; fewer (maybe none) at the end of the epoch."""
         out = []
         for record in self._records:
@@ -156,3 +90,12 @@ class StreamReader:
                 break
         self.taken += len(out)
         return out
+
+    def task(self, task: int) -> list[tuple[int, Any]] | None:
+        """The next task's records, numbered by their position in the epoch (the rng index);
+        None at the end of the epoch (or before a partial batch with drop_last)."""
+        records = self._take(self.task_size)
+        if not records or (self.drop_last and len(records) < self.task_size):
+            return None
+        first = task * self.task_size
+        return [(first + k, record) for k, record in enumerate(records)]

@@ -56,11 +56,7 @@ class LocalRun(EpochRun):
         last = min(cursor.tasks, cursor.next_task + self._horizon)
         if self._prefetch_to >= last:
             return
-        indices: list[np.ndarray] = []
-        for t in range(self._prefetch_to, last):
-            given = cursor.indices(t)
-            indices.append(given if given is not None else self.plan.task_indices(self.epoch, t))
-        self._prefetcher.prefetch(np.concatenate(indices))
+        self._prefetcher.prefetch(np.concatenate([cursor.sources(t) for t in range(self._prefetch_to, last)]))
         self._prefetch_to = last
 
     def _collect(self) -> bool:

@@ -1,20 +1,26 @@
-"""Windowed shuffle: permute a source's blocks, then rows within windows of consecutive blocks.
+"""`shuffle()`, every form: a global permutation of a random-access chain's positions
+(`Shuffle`), a windowed one for sources made of blocks (`WindowShuffle`), or for a stream a
+shuffle within a buffer of records (`BufferShuffle`).
+
+The index forms map output positions to source indices with a few vectorized NumPy calls, so
+they are exact (a bijection: every sample once per epoch), reproducible from (seed, epoch) alone
+and resumable from any position.
 
 For sources stored in blocks that are decoded whole (Parquet row groups), a global shuffle reads
-a random block for every row. This one reads `window` blocks at a time: each epoch it permutes
-the blocks, cuts the permuted sequence into windows of `window` blocks and permutes the rows of
-each window. A worker reading consecutive positions then needs only the current window's blocks,
-each decoded once per epoch. The cost in randomness: a stretch of the epoch draws from `window`
-blocks only (docs/columnar.md measures it).
+a random block for every row. The windowed one reads `window` blocks at a time: each epoch it
+permutes the blocks, cuts the permuted sequence into windows of `window` blocks and permutes the
+rows of each window. A worker reading consecutive positions then needs only the current window's
+blocks, each decoded once per epoch. The cost in randomness: a stretch of the epoch draws from
+`window` blocks only (docs/columnar.md measures it).
 
-It is an index operator like those in `index_ops`: output positions map to source indices with a
-few vectorized NumPy calls, so it is exact (a bijection: every row once per epoch), reproducible
-from (seed, epoch) alone and resumable from any position.
+A stream is re-iterated from its start every epoch and its buffer shuffle is seeded from (seed,
+epoch), so a resume that replays the records taken reproduces the same order (`dataset.stream`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -22,13 +28,98 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from globalloader._seeding import WINDOW_BLOCKS, WINDOW_ROWS, check_seed, generator, sequence
-from globalloader.errors import ArgumentError
+from globalloader._seeding import BUFFER_SHUFFLE, WINDOW_BLOCKS, WINDOW_ROWS, check_seed, generator, sequence
+from globalloader.dataset.operator import IndexOp, StreamOp
+from globalloader.errors import ArgumentError, check_int
 from globalloader.sampling.permutation import Permutation
-from globalloader.sources.base import Blocks, KeepsBlocks, capable
+from globalloader.sources.base import Blocks, CachesDecodedBlocks, KeepsBlocks, capable
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
+
+
+def index_shuffle(
+    source: Any, seed: int | None, buffer_size: int | None, window: int | None, preceding: Sequence[IndexOp]
+) -> IndexOp:
+    """`shuffle()` of a random-access chain over `source` (`preceding`: its index operators)."""
+    if window is not None:
+        if buffer_size is not None:
+            raise ArgumentError(_WINDOW_ON_STREAM)
+        return WindowShuffle.over(source, seed, window, preceding)
+    if buffer_size is not None:
+        raise ArgumentError("shuffle(buffer_size=...) is for streams; random-access sources shuffle globally")
+    _warn_if_rows_scatter(source)
+    return Shuffle(seed)
+
+
+def stream_shuffle(seed: int | None, buffer_size: int | None, window: int | None) -> BufferShuffle:
+    """`shuffle()` of a stream chain."""
+    if window is not None:
+        raise ArgumentError(_WINDOW_ON_STREAM)
+    if buffer_size is None:
+        raise ArgumentError("shuffle() on a stream needs buffer_size= (it has no random access)")
+    return BufferShuffle(buffer_size, seed)
+
+
+_WINDOW_ON_STREAM = "shuffle(window=...) is for random-access sources; a stream shuffles with buffer_size="
+
+
+def _warn_if_rows_scatter(source: Any) -> None:
+    """A global shuffle over a source whose blocks are decoded whole (Parquet row groups) and do
+    not all fit its cache decodes a block for nearly every row: say so once, with the remedies."""
+    if (
+        capable(source, Blocks)
+        and capable(source, CachesDecodedBlocks)
+        and len(source.block_starts) > source.cached_blocks
+    ):
+        blocks = len(source.block_starts)
+        warnings.warn(
+            f"shuffle() over {source!r} reads its {blocks} row groups in random order, decoding a whole "
+            f"row group for nearly every row (hundreds of times slower than in order); use shuffle(window=w), "
+            f"or shuffle() on its local_copy(), or keep every group decoded (cached_row_groups={blocks}); "
+            "see docs/columnar.md",
+            stacklevel=5,  # the user's shuffle() call: Dataset.shuffle -> the plan's form -> here
+        )
+
+
+@lru_cache(maxsize=8)
+def _permutation(n: int, seed: int, epoch: int) -> Permutation:
+    return Permutation(n, seed, epoch)
+
+
+@dataclass(frozen=True)
+class Shuffle(IndexOp):
+    """A global permutation of the input, new for every epoch, reproducible from the seed
+    (None: the chain's stream "shuffle" k, see `dataset.seeds`)."""
+
+    seed: int | None
+    per_epoch = True  # a position's source index changes with the epoch
+
+    def __post_init__(self) -> None:
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_seed(self.seed, "shuffle: seed"))
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_index(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
+
+    def length(self, n: int) -> int:
+        return n
+
+    def parents(self, positions: npt.NDArray[np.int64], n: int, epoch: int) -> npt.NDArray[np.int64]:
+        assert self.seed is not None, "the plan gives every shuffle its seed"
+        return _permutation(n, self.seed, epoch)[positions]
+
+    def parents_run(self, start: int, stop: int, n: int, epoch: int) -> npt.NDArray[np.int64]:
+        """`parents` of the positions [start, stop), a task's (see `Permutation.run`)."""
+        assert self.seed is not None, "the plan gives every shuffle its seed"
+        return _permutation(n, self.seed, epoch).run(start, stop)
+
+    def shard_args(self) -> None:
+        return None
+
+    def describe(self) -> tuple[object, ...]:
+        return ("shuffle", self.seed)
+
 
 _EXPLICIT_ROWS = 1 << 22
 
@@ -42,7 +133,7 @@ class _Layout(NamedTuple):
 
 
 @dataclass(frozen=True, eq=False)
-class WindowShuffle:
+class WindowShuffle(IndexOp):
     """Permute blocks, then rows within each window of `window` consecutive permuted blocks.
 
     `bounds`: the blocks' boundaries in source indices, `[0, ..., n]` (empty blocks dropped).
@@ -75,7 +166,7 @@ class WindowShuffle:
         plan.add_index(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
 
     @classmethod
-    def over(cls, source: Any, seed: int | None, window: int, preceding: Sequence[Any] = ()) -> WindowShuffle:
+    def over(cls, source: Any, seed: int | None, window: int, preceding: Sequence[IndexOp] = ()) -> WindowShuffle:
         """The windowed shuffle of `source`'s blocks (its `block_starts`), which must come first
         among the index operators (`preceding`: those before it). Asks a source that caches
         decoded blocks (`keep_blocks`) to keep two windows, so that each block is decoded once per
@@ -143,6 +234,9 @@ class WindowShuffle:
         result: npt.NDArray[np.int64] = self.bounds[layout.order[place]] + (shuffled - layout.starts[place])
         return result
 
+    def shard_args(self) -> None:
+        return None
+
     def describe(self) -> tuple[object, ...]:
         return ("window_shuffle", self.seed, self.window, self.bounds)
 
@@ -175,3 +269,39 @@ def _window(op: WindowShuffle, epoch: int, window: int) -> Permutation | npt.NDA
     # without the gather (a random read per row).
     sources: npt.NDArray[np.int64] = generator(op._key[0], epoch, window, WINDOW_ROWS).permutation(rows)
     return sources
+
+
+@dataclass(frozen=True)
+class BufferShuffle(StreamOp):
+    """Shuffle within a sliding buffer of `buffer_size` records (the best a stream can do)."""
+
+    buffer_size: int
+    seed: int | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "buffer_size", check_int(self.buffer_size, "shuffle: buffer_size", 1))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_int(self.seed, "shuffle: seed"))
+
+    def attach(self, plan: Builder) -> None:
+        plan.add_stream_op(self if self.seed is not None else replace(self, seed=plan.stream_seed("shuffle")))
+
+    def apply(self, records: Iterator[Any], epoch: int, length: int | None) -> Iterator[Any]:
+        assert self.seed is not None, "the plan gives every shuffle its seed"
+        rng = generator(self.seed, epoch, BUFFER_SHUFFLE)
+        buffer: list[Any] = []
+        for record in records:
+            if len(buffer) < self.buffer_size:
+                buffer.append(record)
+                continue
+            j = int(rng.integers(self.buffer_size))
+            yield buffer[j]
+            buffer[j] = record
+        for j in rng.permutation(len(buffer)):
+            yield buffer[j]
+
+    def length(self, n: int | None) -> int | None:
+        return n
+
+    def describe(self) -> tuple[object, ...]:
+        return ("buffer_shuffle", self.buffer_size, self.seed)
