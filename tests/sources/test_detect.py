@@ -57,3 +57,31 @@ def test_a_folder_url(s3):
     kind, source = open_source(f"s3://{bucket}/train/", opts)
     assert kind == "tar shards"
     assert [r["txt"] for r in gl.Dataset(source).iterator()] == [f"sample {i}".encode() for i in range(6)]
+
+
+def test_other_tools_folders_are_read_as_they_are(tmp_path):
+    from tests.sources.test_hf import save_like_datasets
+    from tests.sources.test_litdata import write_plain
+    from tests.sources.test_mds import write_mds
+
+    write_mds(tmp_path / "mds", n=10)
+    write_plain(tmp_path / "lit", [(i, f"item {i}") for i in range(7)])
+    table = pa.table({"id": pa.array(range(5), pa.int64())})
+    save_like_datasets(tmp_path / "hf", table, {"id": {"dtype": "int64", "_type": "Value"}}, shards=1, rows=2)
+    (tmp_path / "dict").mkdir()
+    (tmp_path / "dict" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    cases = {
+        "mds": ("Mosaic MDS", gl.MDS, 10),
+        "lit": ("LitData chunks", gl.LitData, 7),
+        "hf": ("Hugging Face dataset", gl.HFDataset, 5),
+    }
+    for folder, (kind, reader, length) in cases.items():
+        found, source = open_source(tmp_path / folder)
+        assert (found, type(source), len(source)) == (kind, reader, length), folder
+        assert gl.Dataset(source).iterator().__next__() == reader(str(tmp_path / folder))[0]
+    with pytest.raises(gl.errors.ArgumentError, match="train"):  # a DatasetDict: its splits named
+        open_source(tmp_path / "dict")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "index.json").write_text('{"shards": [{"format": "not mds"}]}')
+    with pytest.raises(SourceError, match="no dataset globalloader can read is there"):
+        open_source(tmp_path / "other" / "index.json")

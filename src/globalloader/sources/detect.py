@@ -19,7 +19,10 @@ from typing import Any, NamedTuple
 from globalloader import storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources.base import Source
+from globalloader.sources.hf import HFDataset
 from globalloader.sources.image_folder import ImageFolder
+from globalloader.sources.lit_chunks import LitData
+from globalloader.sources.mds import MDS
 from globalloader.sources.parquet import Parquet
 from globalloader.sources.tar_shards import TarShards
 
@@ -83,7 +86,26 @@ class Kind(NamedTuple):
     make: Callable[[Location], Source]
 
 
+def _index(at: Location, *keys: str) -> bool:
+    """Whether the folder's `index.json` is an object holding `keys` (each format's own)."""
+    index = at.json("index.json") if at.is_folder else None
+    return isinstance(index, dict) and all(key in index for key in keys)
+
+
+def _mds(at: Location) -> bool:
+    shards = at.json("index.json").get("shards") if _index(at, "shards") else None
+    return isinstance(shards, list) and all(isinstance(s, dict) and s.get("format") == "mds" for s in shards)
+
+
 KINDS: list[Kind] = [
+    Kind("Mosaic MDS", _mds, lambda at: MDS(at.url, **_remote(at))),
+    Kind("LitData chunks", lambda at: _index(at, "chunks", "config"), lambda at: LitData(at.url, **_remote(at))),
+    # save_to_disk's folder (a DatasetDict's too: HFDataset names its splits); local only.
+    Kind(
+        "Hugging Face dataset",
+        lambda at: {"state.json", "dataset_info.json"} <= at.names or "dataset_dict.json" in at.names,
+        lambda at: HFDataset(at.url),
+    ),
     Kind("tar shards", lambda at: at.holds(".tar"), lambda at: TarShards(at.files(".tar"), **_remote(at))),
     Kind("Parquet files", lambda at: at.holds(".parquet"), lambda at: Parquet(at.files(".parquet"), **_remote(at))),
     Kind("image folder", lambda at: at.is_folder, lambda at: ImageFolder(at.url, **_remote(at))),
