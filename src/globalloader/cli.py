@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["info", "clear"], help="info: size, downloads, hits; clear: delete all")
     convert = command(
         "convert",
-        "write a dataset (MDS, LitData or Hugging Face folders, tar shards, Parquet files or an image folder; local or a URL) as tar or Parquet shards",
+        "write a dataset (MDS, LitData or Hugging Face folders, tar shards, Parquet files or an image folder;"
+        " local or a URL) as tar or Parquet shards",
     )
     convert.add_argument("source", help="the dataset: a folder, a file, a pattern (shard-{000..009}.tar) or a URL")
     convert.add_argument(
