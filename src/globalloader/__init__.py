@@ -12,12 +12,22 @@ from globalloader import errors, sources
 from globalloader._version import __version__ as __version__
 from globalloader.dataset import Dataset, collate
 from globalloader.execution import Loader
-from globalloader.sources import ArrowCopy, DecodeFields, ImageFolder, Parquet, TarShards, TarWriter, from_sequence
+from globalloader.sources import (
+    ArrowCopy,
+    DecodeFields,
+    Files,
+    ImageFolder,
+    Parquet,
+    TarShards,
+    TarWriter,
+    from_sequence,
+)
 
 __all__ = [
     "ArrowCopy",
     "Dataset",
     "DecodeFields",
+    "Files",
     "ImageFolder",
     "Loader",
     "Parquet",
