@@ -89,7 +89,9 @@ class _AIMD:
 
 
 class _MachineShare:
-    """This process's registration among the pools of the machine (see the module doc)."""
+    """This process's registration among the processes of the machine that fetch ahead (see the
+    module doc): one per process and folder (`of`), whatever the number of its pools (an flock
+    conflicts with the same process's other descriptors of the file)."""
 
     def __init__(self, folder: pathlib.Path) -> None:
         self.folder = folder
@@ -97,8 +99,17 @@ class _MachineShare:
         self._fd = _paths.open_file(folder / str(os.getpid()), os.O_RDWR | os.O_CREAT, _paths.file_mode())[0]
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
+    @classmethod
+    def of(cls, folder: pathlib.Path) -> _MachineShare:
+        with _SHARES_LOCK:
+            share = _SHARES.get(folder)
+            if share is None:
+                share = _SHARES[folder] = cls(folder)
+            return share
+
     def live(self) -> int:
-        """Pools alive on the machine, this one among them; files of dead ones are removed."""
+        """Processes fetching ahead on the machine, this one among them; files of dead ones are
+        removed."""
         count = 1
         for path in self.folder.iterdir():
             if path.name == str(os.getpid()):
@@ -117,6 +128,22 @@ class _MachineShare:
             finally:
                 os.close(fd)
         return count
+
+
+_SHARES: dict[pathlib.Path, _MachineShare] = {}
+_SHARES_LOCK = threading.Lock()
+
+
+def _forget_shares_in_child() -> None:
+    """A forked child is another process: the parent's registration is not its own."""
+    global _SHARES_LOCK
+    for share in _SHARES.values():
+        os.close(share._fd)  # the parent's descriptor of the file keeps the parent's lock
+    _SHARES.clear()
+    _SHARES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_shares_in_child)
 
 
 class FetchAhead:
@@ -138,7 +165,7 @@ class FetchAhead:
     ) -> None:
         self._fetch, self._loop, self._policy = fetch, loop, policy
         self.concurrency, self.memory, self.budget = concurrency, memory, budget
-        self._share = _MachineShare(share) if share is not None else None
+        self._share = _MachineShare.of(share) if share is not None else None
         self._limit = _AIMD(self._ceiling())
         self._counted_at = time.monotonic()
         self._lock = threading.Lock()
