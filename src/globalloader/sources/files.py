@@ -61,17 +61,22 @@ class Files:
             names = self._listing.names
             rows = [i for i in range(len(self._listing)) if self._wanted(names[i])]
             self._rows = np.asarray(self._ordered(rows, names.__getitem__), np.int64)
-            self._names = names
         else:
             if not os.path.isdir(self.root):
                 raise SourceError(f"{self._what()} not found: {self.root}")
             self.store = storage.Store()
             found = sorted(rel for rel in _walk(self.root) if self._wanted(rel))
-            self._names = flat_strings(found)
+            self._local_names = flat_strings(found)
             self._rows = np.asarray(self._ordered(list(range(len(found))), found.__getitem__), np.int64)
         if not len(self._rows):
             raise SourceError(f"no {self._matching()} under {self.root}{self._layout()}")
         self._fingerprint: str | None = None
+
+    @property
+    def _names(self) -> Any:
+        """Relative names by listing row: the kept listing's (sent to a worker as its file's
+        path, mapped there), or a local folder's, in memory."""
+        return self._listing.names if self._listing is not None else self._local_names
 
     # What a subclass (ImageFolder) changes: which files, their order, the record, the words.
     def _wanted(self, rel: str) -> bool:
