@@ -111,7 +111,9 @@ def _epochs(loader: Any, start: float, epochs: int, proxy: str) -> list[dict[str
             samples += len(batch["label"])
         now = _stats(proxy)
         seconds = time.perf_counter() - (start if epoch == 0 else t0)
-        out.append({"samples": samples, "seconds": seconds, "first_batch": first, "bytes": now["bytes"] - begin["bytes"]})
+        out.append(
+            {"samples": samples, "seconds": seconds, "first_batch": first, "bytes": now["bytes"] - begin["bytes"]}
+        )
         begin = now
     return out
 
@@ -123,7 +125,9 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         import globalloader as gl
 
         remote = system == "gl"
-        src = gl.ImageFolder(spec["url"] if remote else spec["local"], storage_options=options(proxy) if remote else None)
+        src = gl.ImageFolder(
+            spec["url"] if remote else spec["local"], storage_options=options(proxy) if remote else None
+        )
         chain = gl.Dataset(src).shuffle(seed=0).map(crop).batch(BATCH)
         with gl.Loader(chain, workers=workers) as loader:
             result: dict[str, Any] = {"epochs": _epochs(loader, start, 2, proxy)}
@@ -238,7 +242,9 @@ def _ray(spec: dict[str, Any], start: float) -> list[dict[str, Any]]:
             samples += len(batch["image"])
         now = _stats(spec["proxy"])
         seconds = time.perf_counter() - (start if epoch == 0 else t0)
-        out.append({"samples": samples, "seconds": seconds, "first_batch": first, "bytes": now["bytes"] - begin["bytes"]})
+        out.append(
+            {"samples": samples, "seconds": seconds, "first_batch": first, "bytes": now["bytes"] - begin["bytes"]}
+        )
         begin = now
     return out
 
@@ -318,7 +324,9 @@ def _print(digest: dict[str, Any], latency: float) -> None:
     print(f"\nimage folder, {latency * 1e3:.0f} ms per request")
     for system, row in digest.items():
         if isinstance(row, dict):
-            cells = ", ".join(f"{k} {v['median']:.3g}" if isinstance(v, dict) else f"{k} {v}" for k, v in row.items() if v)
+            cells = ", ".join(
+                f"{k} {v['median']:.3g}" if isinstance(v, dict) else f"{k} {v}" for k, v in row.items() if v
+            )
             print(f"  {system:14} {cells}")
     if "gl_cold_vs_ceiling" in digest:
         print(f"  gl cold / ceiling ({digest['ceiling_samples_per_s']:.0f}/s): {digest['gl_cold_vs_ceiling']:.2f}")

@@ -7,11 +7,11 @@ import pathlib
 import pickle
 from typing import Any
 
+import pytest
+
 import globalloader as gl
 from globalloader import storage
 from globalloader.errors import ArgumentError
-
-import pytest
 
 
 def _put(s3: dict[str, Any], n: int) -> str:
