@@ -160,5 +160,5 @@ def test_processes_fetching_ahead_share_the_machine_budget(tmp_path: pathlib.Pat
     assert [p.name for p in folder.iterdir()] == [str(os.getpid())]
 
 
-async def _never(url: str) -> None:
+async def _never(url: str, stat: object) -> None:
     raise AssertionError(f"nothing is requested: {url}")

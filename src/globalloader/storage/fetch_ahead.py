@@ -38,6 +38,7 @@ import pathlib
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from globalloader import _paths
 from globalloader.errors import ArgumentError
@@ -147,14 +148,14 @@ os.register_at_fork(after_in_child=_forget_shares_in_child)
 
 
 class FetchAhead:
-    """Runs `fetch(url)` (a coroutine) for requested URLs on `loop`, each URL once, at most
+    """Runs `fetch(url, what)` (a coroutine) for requested URLs on `loop`, each URL once, at most
     `limit` at a time (AIMD under `concurrency`) and `memory` bytes of answers at once; the
     requests waiting hold at most `budget` bytes. Thread-safe: `request` is called from any
     thread; counters are read with `counters()`."""
 
     def __init__(
         self,
-        fetch: Callable[[str], Awaitable[None]],
+        fetch: Callable[[str, Any], Awaitable[None]],
         loop: asyncio.AbstractEventLoop,
         *,
         concurrency: int,
@@ -169,7 +170,8 @@ class FetchAhead:
         self._limit = _AIMD(self._ceiling())
         self._counted_at = time.monotonic()
         self._lock = threading.Lock()
-        self._queue: collections.deque[tuple[str, int, int, float]] = collections.deque()  # url, bytes, tries, since
+        # url, bytes, what `fetch` is given with it, tries so far, time of the first
+        self._queue: collections.deque[tuple[str, int, Any, int, float]] = collections.deque()
         self._queued_bytes = 0
         self._asked: set[str] = set()  # queued, in flight or waiting to be tried again
         self.in_flight = self.in_flight_bytes = 0
@@ -181,16 +183,18 @@ class FetchAhead:
         shared_by = self._share.live() if self._share is not None else 1
         return max(1, self.concurrency // shared_by)
 
-    def request(self, objects: Iterable[tuple[str, int]]) -> None:
-        """Queue these (URL, bytes), first to be needed first; already requested ones are skipped."""
+    def request(self, objects: Iterable[tuple[str, int, Any]]) -> None:
+        """Queue these (URL, bytes, what `fetch` is given with it), first to be needed first;
+        already requested ones are skipped. Nothing is kept of an object once fetched: memory is
+        bounded by what waits."""
         with self._lock:
-            for url, size in objects:
+            for url, size, what in objects:
                 if url not in self._asked:
                     self._asked.add(url)
-                    self._queue.append((url, size, 0, 0.0))
+                    self._queue.append((url, size, what, 0, 0.0))
                     self._queued_bytes += size
             while len(self._queue) > 1 and self.budget is not None and self._queued_bytes > self.budget:
-                url, size, _, _ = self._queue.pop()
+                url, size, *_ = self._queue.pop()
                 self._asked.discard(url)
                 self._queued_bytes -= size
                 self.dropped += 1
@@ -226,7 +230,7 @@ class FetchAhead:
                 self._counted_at = now
                 self._limit.set_ceiling(self._ceiling())
             while self._queue and self.in_flight < int(self._limit.value):
-                url, size, tries, since = self._queue[0]
+                url, size, what, tries, since = self._queue[0]
                 if self.in_flight and self.in_flight_bytes + size > self.memory:
                     break
                 self._queue.popleft()
@@ -235,14 +239,14 @@ class FetchAhead:
                 self.in_flight_bytes += size
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                 self.peak_memory = max(self.peak_memory, self.in_flight_bytes)
-                self._loop.create_task(self._one(url, size, tries, since or now, self._limit.round))
+                self._loop.create_task(self._one(url, size, what, tries, since or now, self._limit.round))
 
-    async def _one(self, url: str, size: int, tries: int, since: float, sent_in_round: int) -> None:
+    async def _one(self, url: str, size: int, what: Any, tries: int, since: float, sent_in_round: int) -> None:
         again = False
         try:
-            await asyncio.wait_for(self._fetch(url), self._policy.attempt_deadline(size))
+            await asyncio.wait_for(self._fetch(url, what), self._policy.attempt_deadline(size))
         except Exception as exc:  # noqa: BLE001 - counted and named; the read that needs it raises it
-            again = self._failed(exc, url, size, tries, since, sent_in_round)
+            again = self._failed(exc, (url, size, what, tries, since), sent_in_round)
         else:
             with self._lock:
                 self._limit.succeeded()
@@ -256,9 +260,10 @@ class FetchAhead:
                     self._asked.discard(url)
             self._pump()
 
-    def _failed(self, exc: Exception, url: str, size: int, tries: int, since: float, sent_in_round: int) -> bool:
+    def _failed(self, exc: Exception, item: tuple[str, int, Any, int, float], sent_in_round: int) -> bool:
         """Count a failed GET; True when it is tried again later (a transient fault within the
         policy's attempts and deadline)."""
+        url, size, what, tries, since = item
         pause = self._policy.delay(tries)
         transient = isinstance(exc, TimeoutError) or is_transient(exc)
         with self._lock:
@@ -271,13 +276,13 @@ class FetchAhead:
                 and time.monotonic() + pause - since < self._policy.deadline
             ):
                 self.retried += 1
-                self._loop.call_later(pause, self._again, (url, size, tries + 1, since))
+                self._loop.call_later(pause, self._again, (url, size, what, tries + 1, since))
                 return True
             self.failed += 1
             self.errors.append(f"{url}: {type(exc).__name__}: {exc}")
             return False
 
-    def _again(self, item: tuple[str, int, int, float]) -> None:
+    def _again(self, item: tuple[str, int, Any, int, float]) -> None:
         with self._lock:
             self._queue.appendleft(item)
             self._queued_bytes += item[1]

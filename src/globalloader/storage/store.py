@@ -320,11 +320,15 @@ class Store(ProcessLocal):
         downloads each hold a cache entry open while written, so few run at once."""
         # An object this process prefetched before is in the cache (or was evicted since: its reader
         # then fetches it): each later epoch would otherwise open every entry again for nothing.
-        objects = [(url, stat) for url, stat in objects if self.cached(url) and (url, stat) not in self._fetched]
-        if not objects:
-            return
+        # Small objects are not remembered (a million would fill the memory): the pool asks the
+        # cache folder, one stat of a file each.
+        objects = [(url, stat) for url, stat in objects if self.cached(url)]
         small = [(url, stat) for url, stat in objects if self._one_get(url, stat)]
-        large = [(url, stat) for url, stat in objects if not self._one_get(url, stat)]
+        large = [
+            (url, stat) for url, stat in objects if not self._one_get(url, stat) and (url, stat) not in self._fetched
+        ]
+        if not small and not large:
+            return
         with self._lock:
             # Waiting to be downloaded: at most a quarter of what the cache can hold (a deep horizon
             # never queues more than the cache would keep).
@@ -341,10 +345,10 @@ class Store(ProcessLocal):
                     policy=self.retry_policy,
                     share=self.cache.root / fetch_ahead.FETCHERS,
                 )
-            self._wanted.update(objects)
+            self._wanted.update(large)
         if small:
             assert self._fetch_ahead is not None
-            self._fetch_ahead.request((url, stat.size) for url, stat in small)
+            self._fetch_ahead.request((url, stat.size, stat) for url, stat in small)
         if large:
             assert self._prefetcher is not None
             self._prefetcher.request((url, stat.size) for url, stat in large)
@@ -359,11 +363,10 @@ class Store(ProcessLocal):
         If-Match, so never under an older version), whole in one GET."""
         return _if_match(url, stat) and stat.size <= min(self.block_size, self.whole_max)
 
-    async def _fetch_small(self, url: str) -> None:
+    async def _fetch_small(self, url: str, stat: FileStat) -> None:
         """One object of the pool: nothing if the cache holds it or another process is
         downloading it, else one GET with If-Match, checked against its checksums, written into
         the cache under the entry's download lock (the disk work on the loop's threads)."""
-        stat = self._wanted[url]
         with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0)) as fill:
             if fill is not None:
                 fs, path = self.filesystem(url)
@@ -377,7 +380,6 @@ class Store(ProcessLocal):
                 digest.update(answer.data)
                 digest.check()
                 await asyncio.get_running_loop().run_in_executor(None, fill, answer.data)
-        self._fetched.add((url, stat))
 
     def _prefetch_one(self, url: str) -> None:
         stat = self._wanted[url]
