@@ -37,6 +37,8 @@ module is put in its place (only `streaming.vision`, unused here, needs it). Lit
 client refuses http:// endpoints unless `allow_http` is in its client options: it is set here.
 
     python benchmarks/remote.py [--samples 3000] [--rounds 3] [--latency 0 0.02] [--only gl,mosaic,litdata]
+
+`--mode folder` measures a folder of one object per image instead (see remote_folder.py).
 """
 
 from __future__ import annotations
@@ -373,7 +375,16 @@ def _summary(values: list[float | None]) -> dict[str, float] | None:
 
 
 def main() -> None:
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--mode", choices=("shards", "folder"), default="shards", help="folder: one object per image")
+    known, rest = mode.parse_known_args()
+    if known.mode == "folder":
+        import remote_folder  # beside this file
+
+        remote_folder.main(rest)
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("shards", "folder"), default="shards", help="folder: see remote_folder.py")
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--shard-samples", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)

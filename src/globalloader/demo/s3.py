@@ -73,6 +73,10 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    # Connections waiting to be accepted: a client with a hundred GETs in flight opens them at
+    # once, and socketserver's default of 5 drops the others' SYNs (each then retried after 1, 3,
+    # 7 s...: delays no object store adds).
+    request_queue_size = 1024
 
     def __init__(self, upstream_port: int, *, seed: int = 0) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)

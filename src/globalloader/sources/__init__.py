@@ -3,6 +3,7 @@
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import Source
 from globalloader.sources.fields import DecodeFields
+from globalloader.sources.files import Files
 from globalloader.sources.hf import HFDataset
 from globalloader.sources.image_folder import ImageFolder
 from globalloader.sources.lit_chunks import LitData
@@ -16,6 +17,7 @@ from globalloader.sources.tar_writer import TarWriter
 __all__ = [  # noqa: RUF022  # sorted as sorted() sorts (ruff would put the all-caps MDS first)
     "ArrowCopy",
     "DecodeFields",
+    "Files",
     "HFDataset",
     "ImageFolder",
     "LitData",

@@ -30,7 +30,8 @@ from globalloader.storage.checksum import TransferCorrupted, answer_md5
 
 CONNECT_TIMEOUT = 10.0  # seconds for one TCP connect to the object store
 READ_TIMEOUT = 30.0  # seconds without a byte on an open response
-MAX_CONNECTIONS = 32  # open connections per S3 client (one client serves every thread of a process)
+MAX_CONNECTIONS = 256  # open connections per S3 client (one client serves every thread of a process and the
+# pool of downloads ahead, up to its GLOBALLOADER_FETCH_CONCURRENCY requests in flight)
 # Schemes that are not object storage: the machine cache never holds them (`memory://` lives in
 # one process, `file://` is a local file already).
 LOCAL_SCHEMES = frozenset({"file", "local", "memory"})
@@ -119,35 +120,47 @@ def read_s3_if_match(
 ) -> S3Answer | None:
     """Bytes [start, end) of the S3 object at `path` if it still has ETag `etag`, else None.
 
-    One GET with If-Match, so the answer is all of that version or a refusal (412), never bytes of
-    a version written since. Through s3fs's async call: its `cat_file` takes no conditions. A
-    `whole` object is asked for without a range, so that the store sends its checksum of the
-    object (S3 sends none with a range) and the client checks the body against it. The call is
-    cancelled after `timeout` seconds (an FSTimeoutError).
+    One GET with If-Match (`get_s3_if_match`) on the client's event loop, cancelled after
+    `timeout` seconds (an FSTimeoutError).
     """
     from fsspec.asyn import sync  # type: ignore[import-untyped]
 
+    answer: S3Answer | None = sync(fs.loop, get_s3_if_match, fs, path, start, end, etag, whole=whole, timeout=timeout)
+    return answer
+
+
+async def get_s3_if_match(fs: Any, path: str, start: int, end: int, etag: str, *, whole: bool) -> S3Answer | None:
+    """`read_s3_if_match` as a coroutine of the client's event loop (for many GETs in flight).
+
+    One GET with If-Match, so the answer is all of that version or a refusal (412: None), never
+    bytes of a version written since. Through s3fs's async call: its `cat_file` takes no
+    conditions. A `whole` object is asked for without a range, so that the store sends its
+    checksum of the object (S3 sends none with a range) and the client checks the body against it.
+    """
     bucket, key, version_id = fs.split_path(path)
     pinned = {"VersionId": version_id} if version_id else {}  # a version_aware client's "?versionId="
     ranged = {} if whole else {"Range": f"bytes={start}-{end - 1}"}
-
-    async def get() -> S3Answer:
+    try:
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, IfMatch=etag, **ranged, **pinned)
         try:
             body: bytes = await resp["Body"].read()
         finally:
             resp["Body"].close()
-        md5 = answer_md5(resp.get("ETag", ""), resp.get("ServerSideEncryption"), resp.get("SSECustomerAlgorithm"))
-        return S3Answer(body, md5)
-
-    try:
-        answer: S3Answer = sync(fs.loop, get, timeout=timeout)
-        return answer
     except OSError as exc:
         code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
         if exc.errno == errno.EINVAL and code == "PreconditionFailed":
             return None
         raise
+    md5 = answer_md5(resp.get("ETag", ""), resp.get("ServerSideEncryption"), resp.get("SSECustomerAlgorithm"))
+    return S3Answer(body, md5)
+
+
+def is_throttling(exc: BaseException) -> bool:
+    """Whether a failed call is the store asking for fewer requests (503 SlowDown, 429)."""
+    if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs's translation of 503 SlowDown
+        return True
+    text = str(exc)
+    return any(mark in text for mark in _THROTTLING[:4]) or "429" in text or "Too Many Requests" in text
 
 
 def bounded(fs: Any, timeout: float) -> dict[str, float]:

@@ -366,6 +366,29 @@ class ObjectCache:
         handle._open()
         return handle
 
+    @contextlib.contextmanager
+    def claim(self, entry: Entry) -> Iterator[Callable[[bytes], None] | None]:
+        """For a download ahead of the reads, which must not wait on a lock: yields
+        `fill(data)`, which writes the entry whole, when it is missing and no process of the
+        machine is downloading it (its download lock is held until the block ends, so each entry
+        is still downloaded once); else None (the entry is there, or on its way). `fill` does disk
+        work: call it off an event loop's thread."""
+        path = self.root / entry.name()
+        if path.exists():
+            yield None
+            return
+        with self._download_lock(path, entry, wait=False) as held:
+            if not held or path.exists():
+                yield None
+                return
+
+            def fill(data: bytes) -> None:
+                self._make_room(entry.data_size())
+                os.close(self._write(path, entry, lambda write: write(data)).fd)
+                self.evict_if_over_limit()  # one read of the record, not a walk of the folder
+
+            yield fill
+
     def _acquire(self, entry: Entry, download: Download) -> _Opened:
         self._make_room(entry.data_size())
         path = self.root / entry.name()
@@ -437,7 +460,9 @@ class ObjectCache:
         return _Opened(fd, crc, _stamp(st))
 
     @contextlib.contextmanager
-    def _download_lock(self, path: pathlib.Path, entry: Entry) -> Iterator[None]:
+    def _download_lock(self, path: pathlib.Path, entry: Entry, wait: bool = True) -> Iterator[bool]:
+        """The entry's download lock, waited for (LOCK_TIMEOUT) or not (`wait` false: yields
+        whether it was free)."""
         lock_path = self._locks / f"{path.name}.lock"
         try:  # read-only is enough for flock: a lock file made by another member of a shared cache
             fd = _paths.open_file(lock_path, os.O_RDONLY, _paths.file_mode())[0]
@@ -449,8 +474,15 @@ class ObjectCache:
                 f"another process to download {entry.url} into the cache {self.root}; "
                 f"if none is running, remove {lock_path}"
             )
-            lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=WAIT_POLL)
-            yield
+            if wait:
+                lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=WAIT_POLL)
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    yield False
+                    return
+            yield True
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)
             os.close(fd)

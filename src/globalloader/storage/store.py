@@ -14,6 +14,7 @@ A Store holds only its settings, so it pickles to worker processes; clients, the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob as _glob
 import io
@@ -25,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from globalloader.errors import ArgumentError, SourceError, StorageError
-from globalloader.storage import retry
+from globalloader.storage import fetch_ahead, retry
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
 from globalloader.storage._fs import (
     LOCAL_SCHEMES,
@@ -33,12 +34,14 @@ from globalloader.storage._fs import (
     S3Answer,
     bounded,
     filesystem,
+    get_s3_if_match,
     local_errors,
     read_s3_if_match,
     scheme_of,
 )
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
 from globalloader.storage.checksum import Digest, TransferCorrupted
+from globalloader.storage.local import read_whole
 from globalloader.storage.prefetch import Prefetcher
 
 INFO_TTL = 10.0  # seconds an object's size and version are reused without asking again
@@ -58,9 +61,11 @@ class Store(ProcessLocal):
     """URLs -> bytes for one source: `storage_options` go to fsspec (endpoint, key, secret,
     anon, ...); `cache_limit` (bytes or "20GB"; default $GLOBALLOADER_CACHE_LIMIT, else 20 GB)
     bounds the machine cache; `cache=False` reads remote objects without it. `block_size`: the
-    bytes per cached block of a large object, and per request of a download."""
+    bytes per cached block of a large object, and per request of a download. `fetch_concurrency`
+    and `fetch_memory` bound the downloads of small objects ahead of the reads (requests in flight
+    per machine, bytes of answers in memory; see `storage.fetch_ahead`)."""
 
-    _PROCESS_ONLY = ("_cache", "_infos", "_lock", "_prefetcher", "_wanted", "_fetched")
+    _PROCESS_ONLY = ("_cache", "_infos", "_lock", "_prefetcher", "_fetch_ahead", "_wanted", "_fetched")
 
     def __init__(
         self,
@@ -70,6 +75,8 @@ class Store(ProcessLocal):
         cache: bool = True,
         retry_policy: retry.RetryPolicy = retry.DEFAULT,
         block_size: int = BLOCK_SIZE,
+        fetch_concurrency: int | str | None = None,
+        fetch_memory: int | str | None = None,
     ) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ArgumentError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
@@ -80,6 +87,12 @@ class Store(ProcessLocal):
         self.use_cache = bool(cache)
         self.retry_policy = retry_policy
         self.block_size = parse_size(block_size, "block_size")
+        self.fetch_concurrency = fetch_ahead.resolve(
+            fetch_concurrency, fetch_ahead.CONCURRENCY_ENV, fetch_ahead.DEFAULT_CONCURRENCY, "fetch_concurrency"
+        )
+        self.fetch_memory = fetch_ahead.resolve(
+            fetch_memory, fetch_ahead.MEMORY_ENV, fetch_ahead.DEFAULT_MEMORY, "fetch_memory"
+        )
         # CRC-32 of whole objects known from where they were written (a tar shard's sidecar), by
         # URL and version, with where and what to do: a setting, so worker processes check their
         # downloads against them too.
@@ -93,6 +106,7 @@ class Store(ProcessLocal):
 
     def _reset(self, keep_infos: bool = False) -> None:
         self._prefetcher: Prefetcher | None = None
+        self._fetch_ahead: fetch_ahead.FetchAhead | None = None
         self._wanted: dict[str, FileStat] = {}
         self._fetched: set[tuple[str, FileStat]] = set()  # prefetched by this process: not asked again
         self._cache: ObjectCache | None = None
@@ -167,22 +181,23 @@ class Store(ProcessLocal):
         self._remember(fs, found)
         return sorted(fs.unstrip_protocol(p) for p in found)
 
-    def find(self, root: str) -> dict[str, FileStat]:
+    def find(self, root: str, remember: bool = True) -> dict[str, FileStat]:
         """Every file below a remote folder with its size and version, from one listing (which
-        also fills the per-process memo of `stat`)."""
+        also fills the per-process memo of `stat`, unless `remember` is false: a listing of a
+        million files kept elsewhere, see `storage.listing`)."""
         fs, path = self.filesystem(root)
         found = retry.call(
             lambda seconds: fs.find(path, detail=True, **bounded(fs, seconds)), root, "list", self.retry_policy, None
         )
+        if not remember:
+            fs.invalidate_cache()  # the client's own copy of the listing is not kept either
+            return _files(fs, found)
         return self._remember(fs, found)
 
     def _remember(self, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
         """The files of a detailed listing with their size and version, also kept in the
         per-process memo of `stat` (a listing answers what a HEAD per file would)."""
-        now, out = time.monotonic(), {}
-        for name, info in listing.items():
-            if info.get("type", "file") == "file" and info.get("size") is not None:
-                out[fs.unstrip_protocol(name)] = _file_stat(info)
+        now, out = time.monotonic(), _files(fs, listing)
         with self._lock:
             self._infos.update((url, (now, stat)) for url, stat in out.items())
         return out
@@ -207,7 +222,7 @@ class Store(ProcessLocal):
         whole = digest is not None
 
         def get(seconds: float) -> S3Answer:
-            if not (version.startswith('"') and scheme_of(url) in S3_SCHEMES):
+            if not _if_match(url, stat):
                 answer: S3Answer | None = S3Answer(
                     fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None
                 )
@@ -266,7 +281,8 @@ class Store(ProcessLocal):
         digest = self._digest(url, stat) if several else None
 
         def download(write: Any) -> None:
-            fresh = self.stat(url)
+            # Conditional reads need no HEAD first: the store refuses them for another version.
+            fresh = stat if _if_match(url, stat) else self.stat(url)
             if fresh != stat:
                 raise _changed(url, f"size {stat.size} -> {fresh.size}, version {stat.version!r} -> {fresh.version!r}")
             first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
@@ -310,24 +326,100 @@ class Store(ProcessLocal):
             raise StorageError(f"cannot keep {url} ({what}) in the object cache {self.cache.root}: {exc}") from exc
 
     def prefetch(self, objects: list[tuple[str, FileStat]]) -> None:
-        """Download these objects into the machine cache in the background (see `prefetch`)."""
+        """Download these objects into the machine cache in the background: small S3 objects
+        (one GET each) through the pool of many requests in flight (`storage.fetch_ahead`), the
+        others (shards, blocks of large files) on a few threads (`storage.prefetch`), whose
+        downloads each hold a cache entry open while written, so few run at once."""
         # An object this process prefetched before is in the cache (or was evicted since: its reader
         # then fetches it): each later epoch would otherwise open every entry again for nothing.
-        objects = [(url, stat) for url, stat in objects if self.cached(url) and (url, stat) not in self._fetched]
-        if not objects:
+        # Small objects are not remembered (a million would fill the memory): the pool asks the
+        # cache folder, one stat of a file each.
+        objects = [(url, stat) for url, stat in objects if self.cached(url)]
+        small = [(url, stat) for url, stat in objects if self._one_get(url, stat)]
+        large = [
+            (url, stat) for url, stat in objects if not self._one_get(url, stat) and (url, stat) not in self._fetched
+        ]
+        if not small and not large:
             return
         with self._lock:
-            if self._prefetcher is None:
-                # Waiting to be downloaded: at most a quarter of what the cache can hold (a deep horizon
-                # never queues more than the cache would keep).
-                self._prefetcher = Prefetcher(self._prefetch_one, budget=self.cache.room // 4)
-            self._wanted.update(objects)
-        self._prefetcher.request((url, stat.size) for url, stat in objects)
+            # Waiting to be downloaded: at most a quarter of what the cache can hold (a deep horizon
+            # never queues more than the cache would keep).
+            budget = self.cache.room // 4
+            if large and self._prefetcher is None:
+                self._prefetcher = Prefetcher(self._prefetch_one, budget=budget)
+            if small and self._fetch_ahead is None:
+                self._fetch_ahead = fetch_ahead.FetchAhead(
+                    self._fetch_small,
+                    fetch_ahead.client_loop(),
+                    concurrency=self.fetch_concurrency,
+                    memory=self.fetch_memory,
+                    budget=budget,
+                    policy=self.retry_policy,
+                    share=self.cache.root / fetch_ahead.FETCHERS,
+                )
+            self._wanted.update(large)
+        if small:
+            assert self._fetch_ahead is not None
+            self._fetch_ahead.request((url, stat.size, stat) for url, stat in small)
+        if large:
+            assert self._prefetcher is not None
+            self._prefetcher.request((url, stat.size) for url, stat in large)
+
+    def fetch_counters(self) -> dict[str, int]:
+        """The counters of this process's pool of small downloads ahead (`FetchAhead.counters`;
+        empty before its first use)."""
+        return self._fetch_ahead.counters() if self._fetch_ahead is not None else {}
+
+    def _one_get(self, url: str, stat: FileStat) -> bool:
+        """Whether `url` is downloaded ahead by the pool: an S3 object with an ETag (read with
+        If-Match, so never under an older version), whole in one GET."""
+        return _if_match(url, stat) and stat.size <= min(self.block_size, self.whole_max)
+
+    async def _fetch_small(self, url: str, stat: FileStat) -> None:
+        """One object of the pool: nothing if the cache holds it or another process is
+        downloading it, else one GET with If-Match, checked against its checksums, written into
+        the cache under the entry's download lock (the disk work on the loop's threads)."""
+        with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0)) as fill:
+            if fill is not None:
+                fs, path = self.filesystem(url)
+                answer = await get_s3_if_match(fs, path, 0, stat.size, stat.version, whole=True)
+                if answer is None:
+                    raise _changed(url, f"its ETag is no longer {stat.version}")
+                if len(answer.data) != stat.size:
+                    raise _changed(url, f"{len(answer.data)} bytes, its listing said {stat.size}")
+                digest = self._digest(url, stat)
+                digest.restart(answer.md5)
+                digest.update(answer.data)
+                digest.check()
+                await asyncio.get_running_loop().run_in_executor(None, fill, answer.data)
 
     def _prefetch_one(self, url: str) -> None:
         stat = self._wanted[url]
         self.fetch(url, stat)
         self._fetched.add((url, stat))
+
+    def read_object(self, url: str, stat: FileStat) -> bytes:
+        """A whole file or object of this size and version: through the machine cache when it is
+        cached (one request when missing, none when held), else straight from the store; a length
+        other than `stat`'s is a SourceError."""
+        if not scheme_of(url):
+            with local_errors(url, "read"):
+                data = read_whole(url)
+        elif not self.cached(url):
+            data = self.read_range(url, 0, stat.size, stat)
+        else:
+            blocks = [-1] if stat.size <= self.whole_max else range(-(-stat.size // self.block_size))
+            parts = []
+            for block in blocks:
+                handle = self.open_cached(url, stat, block)
+                try:
+                    parts.append(handle.pread(0, stat.size if block < 0 else self.block_size))
+                finally:
+                    handle.close()
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if len(data) != stat.size:
+            raise SourceError(f"{url} has {len(data)} bytes, its listing said {stat.size}: it changed since")
+        return data
 
     def fetch(self, url: str, stat: FileStat | None = None) -> None:
         """Make sure the whole object (or all its blocks) is in the machine cache."""
@@ -431,6 +523,21 @@ def stale_temporaries(url: str) -> list[str]:
     suffix (its sidecars), left beside it when killed mid-write."""
     parent, name = os.path.split(url)
     return _glob.glob(os.path.join(_glob.escape(parent), f".{_glob.escape(name)}*.tmp"))
+
+
+def _files(fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
+    """URL -> size and version of the files of a detailed fsspec listing."""
+    return {
+        fs.unstrip_protocol(name): _file_stat(info)
+        for name, info in listing.items()
+        if info.get("type", "file") == "file" and info.get("size") is not None
+    }
+
+
+def _if_match(url: str, stat: FileStat | None) -> bool:
+    """Whether reads of `url` at `stat` ask for that version (If-Match on S3's quoted ETag), so
+    that no older or newer version can answer them."""
+    return stat is not None and stat.version.startswith('"') and scheme_of(url) in S3_SCHEMES
 
 
 def _file_stat(info: dict[str, Any]) -> FileStat:

@@ -1,0 +1,388 @@
+"""Remote data, image-folder mode (`remote.py --mode folder`): one JPEG per object.
+
+`--samples` (1,000) synthetic JPEGs (remote.py's pictures, ~15 KB) as `folder/c<k>/<i>.jpg` on one
+moto S3 server behind the latency proxy (`--latency`, default 20 and 50 ms per request), and the
+same folder on local disk. Every system runs a random resized crop (112 px) per sample, batches
+of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
+
+- gl: `gl.Dataset(gl.ImageFolder("s3://...")).shuffle(seed=0).map(crop).batch(32)` in
+  `gl.Loader`: cold epoch (samples/s from constructing the source), warm epoch (the next, same
+  process), time to first batch, bytes downloaded / folder size, the peak of GETs in flight (at
+  the proxy, and the pool's own counter);
+- gl-local: the same chain over the local folder, the first ceiling;
+- server: the rate moto serves those objects with 64 GETs in flight and no decode (aiobotocore
+  through s3fs's async calls), the second ceiling; the goal is measured against the lower;
+- gl-fetch: the pool alone (`Files.prefetch` of every object, no decode): the client's CPU
+  seconds per object (its process's CPU time over the objects);
+- torch-s3fs-2 / -16: a torch DataLoader (2 and 16 workers) whose dataset reads each object with
+  s3fs `cat_file`;
+- s3torch-2 / -16: Amazon's s3torchconnector `S3MapDataset` in a torch DataLoader (skipped, and
+  said so, when not installed);
+- ray: Ray Data's `read_images` + `map` (skipped when Ray Data does not import).
+
+Median of `--rounds` (3) with min and max; JSON in benchmarks/results/remote_folder.json.
+
+    python benchmarks/remote.py --mode folder [--samples 1000] [--rounds 3] [--latency 0.02 0.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
+
+RESULTS = Path(__file__).parent / "results" / "remote_folder.json"
+SYSTEMS = ("gl", "gl-local", "server", "gl-fetch", "torch-s3fs-2", "torch-s3fs-16", "s3torch-2", "s3torch-16", "ray")
+BATCH = 32
+CROP = 112
+SERVER_IN_FLIGHT = 64
+CLASSES = 10
+
+
+def crop(sample: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Decode a JPEG and take a random resized crop (the per-sample work every system does)."""
+    from PIL import Image
+
+    from globalloader import vision
+
+    data = sample.get("image", sample.get("bytes"))
+    key = str(sample.get("__key__", ""))
+    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    return {"image": np.asarray(vision.random_resized_crop(image, CROP, rng)), "label": int(sample.get("label", 0))}
+
+
+def _write(root: Path, samples: int, proxy: str, bucket: str) -> dict[str, Any]:
+    from remote import _jpeg
+
+    from globalloader import storage
+
+    local = root / "folder"
+    total = 0
+    for i in tqdm(range(samples), desc="pictures", leave=False):
+        path = local / f"c{i % CLASSES}" / f"{i:06d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _jpeg(i)
+        path.write_bytes(data)
+        total += len(data)
+    fs = storage.Store(options(proxy)).filesystem(f"s3://{bucket}")[0]
+    fs.put(f"{local}/", f"{bucket}/folder/", recursive=True)
+    return {"url": f"s3://{bucket}/folder", "local": str(local), "bytes": total, "samples": samples}
+
+
+# -- one job (a child process) -------------------------------------------------------------------
+def _cpu() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _stats(proxy: str) -> dict[str, int]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{proxy}/__stats__", timeout=30) as response:
+        return dict(json.loads(response.read()))
+
+
+def _epochs(loader: Any, start: float, epochs: int, proxy: str) -> list[dict[str, Any]]:
+    out, begin = [], _stats(proxy)
+    for epoch in range(epochs):
+        t0, first, samples = time.perf_counter(), None, 0
+        for batch in loader:
+            if first is None:
+                first = time.perf_counter() - (start if epoch == 0 else t0)
+            samples += len(batch["label"])
+        now = _stats(proxy)
+        seconds = time.perf_counter() - (start if epoch == 0 else t0)
+        out.append(
+            {"samples": samples, "seconds": seconds, "first_batch": first, "bytes": now["bytes"] - begin["bytes"]}
+        )
+        begin = now
+    return out
+
+
+def _job(spec: dict[str, Any]) -> dict[str, Any]:
+    system, proxy, workers = spec["system"], spec["proxy"], spec["workers"]
+    start = time.perf_counter()
+    if system in ("gl", "gl-local"):
+        import globalloader as gl
+
+        remote = system == "gl"
+        src = gl.ImageFolder(
+            spec["url"] if remote else spec["local"], storage_options=options(proxy) if remote else None
+        )
+        chain = gl.Dataset(src).shuffle(seed=0).map(crop).batch(BATCH)
+        with gl.Loader(chain, workers=workers) as loader:
+            result: dict[str, Any] = {"epochs": _epochs(loader, start, 2, proxy)}
+        result["pool"] = src.store.fetch_counters()
+        return result
+    if system == "gl-fetch":
+        import globalloader as gl
+
+        src = gl.Files(spec["url"], "*.jpg", storage_options=options(proxy))
+        cpu0, t0 = _cpu(), time.perf_counter()
+        src.prefetch(np.arange(len(src)))
+        while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(src):
+            time.sleep(0.005)
+        return {"objects": len(src), "seconds": time.perf_counter() - t0, "cpu_s": _cpu() - cpu0, "pool": c}
+    if system == "server":
+        return _server_rate(spec)
+    if system.startswith(("torch-s3fs", "s3torch")):
+        import torch
+
+        dataset = _S3fsImages(spec) if system.startswith("torch-s3fs") else _s3torch(spec)
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=int(system.rsplit("-", 1)[1]),
+            persistent_workers=True,
+            multiprocessing_context="fork",
+        )
+        return {"epochs": _epochs(loader, start, 2, proxy)}
+    if system == "ray":
+        return {"epochs": _ray(spec, start)}
+    raise SystemExit(f"unknown system {system}")
+
+
+def _server_rate(spec: dict[str, Any]) -> dict[str, Any]:
+    """Objects/s the server answers with SERVER_IN_FLIGHT GETs in flight, no decode."""
+    from globalloader import storage
+
+    fs = storage.Store(options(spec["proxy"])).filesystem(spec["url"])[0]
+    names = sorted(fs.find(spec["url"]))
+
+    async def all_of() -> int:
+        gate = asyncio.Semaphore(SERVER_IN_FLIGHT)
+
+        async def one(name: str) -> int:
+            async with gate:
+                return len(await fs._cat_file(name))
+
+        return sum(await asyncio.gather(*(one(n) for n in names)))
+
+    from fsspec.asyn import sync
+
+    t0 = time.perf_counter()
+    got = sync(fs.loop, all_of)
+    return {"objects": len(names), "seconds": time.perf_counter() - t0, "bytes": got}
+
+
+class _S3fsImages:
+    """A map-style dataset reading each object with s3fs (a client per worker process)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import s3fs
+
+        self.opts = options(spec["proxy"])
+        fs = s3fs.S3FileSystem(**self.opts)
+        self.names = sorted(fs.find(spec["url"]))
+        self._fs: Any = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        import s3fs
+
+        if self._pid != os.getpid():
+            self._fs, self._pid = s3fs.S3FileSystem(**self.opts, skip_instance_cache=True), os.getpid()
+        name = self.names[index]
+        return crop({"image": self._fs.cat_file(name), "__key__": name})
+
+
+def _s3torch(spec: dict[str, Any]) -> Any:
+    from s3torchconnector import S3ClientConfig, S3MapDataset  # type: ignore[import-not-found]
+
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    return S3MapDataset.from_prefix(
+        spec["url"] + "/",
+        region="us-east-1",
+        endpoint=spec["proxy"],
+        transform=lambda obj: crop({"image": obj.read(), "__key__": obj.key}),
+        s3client_config=S3ClientConfig(force_path_style=True),
+    )
+
+
+def _ray(spec: dict[str, Any], start: float) -> list[dict[str, Any]]:
+    import pyarrow.fs
+    import ray
+
+    ray.init(num_cpus=spec["workers"], include_dashboard=False, log_to_driver=False)
+    fs = pyarrow.fs.S3FileSystem(
+        access_key="testing", secret_key="testing", endpoint_override=spec["proxy"], scheme="http", region="us-east-1"
+    )
+    out, begin = [], _stats(spec["proxy"])
+    for epoch in range(2):
+        t0 = time.perf_counter()
+        ds = ray.data.read_images(spec["url"].removeprefix("s3://"), filesystem=fs, mode="RGB")
+        ds = ds.map(lambda row: {"image": row["image"][:CROP, :CROP]})
+        first, samples = None, 0
+        for batch in ds.iter_batches(batch_size=BATCH):
+            if first is None:
+                first = time.perf_counter() - (start if epoch == 0 else t0)
+            samples += len(batch["image"])
+        now = _stats(spec["proxy"])
+        seconds = time.perf_counter() - (start if epoch == 0 else t0)
+        out.append(
+            {"samples": samples, "seconds": seconds, "first_batch": first, "bytes": now["bytes"] - begin["bytes"]}
+        )
+        begin = now
+    return out
+
+
+# -- the session ---------------------------------------------------------------------------------
+def _available(system: str) -> str | None:
+    """Why a peer cannot run here, or None."""
+    module = {"s3torch": "s3torchconnector", "ray": "ray.data"}.get(system.split("-")[0])
+    if module is None:
+        return None
+    probe = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"{module} does not import: {probe.stderr.strip().splitlines()[-1:]}"
+
+
+def _run(system: str, data: dict[str, Any], proxy: FaultProxy, workers: int) -> dict[str, Any] | None:
+    scratch = Path(tempfile.mkdtemp(prefix="gl-folder-bench-"))
+    env = dict(os.environ, GLOBALLOADER_CACHE_DIR=str(scratch / "gl-cache"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    spec = {"system": system, "proxy": proxy.url, "workers": workers, **data}
+    try:
+        proxy.most_in_flight = 0
+        server_cpu = os.times()
+        proc = subprocess.run(
+            [sys.executable, __file__, "--job", json.dumps(spec)], capture_output=True, text=True, env=env, timeout=1800
+        )
+        after = os.times()
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            tqdm.write(f"{system} failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
+            return None
+        result: dict[str, Any] = json.loads(lines[-1])
+        result["proxy_peak_in_flight"] = proxy.most_in_flight
+        result["server_cpu_s"] = after.user + after.system - server_cpu.user - server_cpu.system
+        return result
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _summary(values: list[float | None]) -> dict[str, float] | None:
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return {"median": statistics.median(known), "min": min(known), "max": max(known), "n": len(known)}
+
+
+def _digest(runs: dict[str, list[Any]], data: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system, rounds in runs.items():
+        ok = [r for r in rounds if r is not None]
+        if system in ("server", "gl-fetch"):
+            out[system] = {"objects_per_s": _summary([r["objects"] / r["seconds"] for r in ok])}
+            if system == "gl-fetch":
+                out[system]["client_cpu_ms_per_object"] = _summary([1e3 * r["cpu_s"] / r["objects"] for r in ok])
+                out[system]["peak_in_flight"] = _summary([r["pool"]["peak_in_flight"] for r in ok])
+            continue
+        cold, warm = [r["epochs"][0] for r in ok], [r["epochs"][1] for r in ok]
+        out[system] = {
+            "cold_samples_per_s": _summary([e["samples"] / e["seconds"] for e in cold]),
+            "warm_samples_per_s": _summary([e["samples"] / e["seconds"] for e in warm]),
+            "first_batch_s": _summary([e["first_batch"] for e in cold]),
+            "cold_bytes_x": _summary([e["bytes"] / data["bytes"] for e in cold]),
+            "warm_bytes_x": _summary([e["bytes"] / data["bytes"] for e in warm]),
+            "proxy_peak_in_flight": _summary([r["proxy_peak_in_flight"] for r in ok]),
+            "exact": all(e["samples"] == data["samples"] for r in ok for e in r["epochs"]),
+        }
+        if system == "gl":
+            out[system]["pool_peak_in_flight"] = _summary([r["pool"].get("peak_in_flight") for r in ok])
+    local, server = out.get("gl-local", {}).get("cold_samples_per_s"), out.get("server", {}).get("objects_per_s")
+    ceilings = [c["median"] for c in (local, server) if c]
+    if ceilings and out.get("gl", {}).get("cold_samples_per_s"):
+        out["ceiling_samples_per_s"] = min(ceilings)
+        out["gl_cold_vs_ceiling"] = out["gl"]["cold_samples_per_s"]["median"] / min(ceilings)
+    return out
+
+
+def _print(digest: dict[str, Any], latency: float) -> None:
+    print(f"\nimage folder, {latency * 1e3:.0f} ms per request")
+    for system, row in digest.items():
+        if isinstance(row, dict):
+            cells = ", ".join(
+                f"{k} {v['median']:.3g}" if isinstance(v, dict) else f"{k} {v}" for k, v in row.items() if v
+            )
+            print(f"  {system:14} {cells}")
+    if "gl_cold_vs_ceiling" in digest:
+        print(f"  gl cold / ceiling ({digest['ceiling_samples_per_s']:.0f}/s): {digest['gl_cold_vs_ceiling']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--latency", type=float, nargs="+", default=[0.02, 0.05], help="seconds added per request")
+    parser.add_argument("--only", default=",".join(SYSTEMS), help="systems to run, comma-separated")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.job:
+        print(json.dumps(_job(json.loads(args.job))), flush=True)
+        return
+    wanted = [s for s in args.only.split(",") if s]
+    skipped = {s: why for s in wanted if (why := _available(s)) is not None}
+    for system, why in skipped.items():
+        print(f"skipped {system}: {why}")
+    server = MotoServer()
+    proxy = FaultProxy(server.port)
+    root = Path(tempfile.mkdtemp(prefix="gl-folder-data-"))
+    try:
+        data = _write(root, args.samples, proxy.url, new_bucket(proxy.url))
+        report: dict[str, Any] = {
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "samples": args.samples,
+            "folder_bytes": data["bytes"],
+            "workers": args.workers,
+            "rounds": args.rounds,
+            "skipped": skipped,
+            "latency": {},
+        }
+        systems = [s for s in wanted if s not in skipped]
+        for latency in args.latency:
+            proxy.latency = latency
+            runs: dict[str, list[Any]] = {}
+            with tqdm(total=args.rounds * len(systems), desc=f"latency {latency * 1e3:.0f} ms") as bar:
+                for _ in range(args.rounds):
+                    for system in systems:
+                        runs.setdefault(system, []).append(_run(system, data, proxy, args.workers))
+                        bar.update()
+            digest = _digest(runs, data)
+            report["latency"][f"{latency * 1e3:.0f}ms"] = digest
+            _print(digest, latency)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=1))
+        print(f"results: {args.output}")
+    finally:
+        proxy.stop()
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

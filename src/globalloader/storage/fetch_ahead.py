@@ -1,0 +1,297 @@
+"""FetchAhead: many small objects downloaded ahead of the reads, many requests in flight at once.
+
+A folder of raw files (one JPEG per object) is bound by request latency, not bandwidth: at 20 ms
+a request, the few downloads a thread pool keeps in flight cap an epoch at a few hundred objects
+per second. The loader knows the epoch's order, so the process that announces it (the loader's
+own process: one per job, never its workers) runs one pool of coroutines on the storage client's
+event loop, each a GET written into the machine cache, up to a limit of requests in flight.
+
+Bounds, all settable (docs/remote.md): requests in flight (`concurrency`,
+$GLOBALLOADER_FETCH_CONCURRENCY, default 128 per machine), bytes of answers held in memory at
+once (`memory`, $GLOBALLOADER_FETCH_MEMORY, default 256 MB: a GET starts only while they fit, one
+at least), and bytes waiting to be fetched (`budget`: the newest requests beyond it are dropped;
+their readers fetch them). Memory stays flat over an epoch: what is fetched goes to disk.
+
+The machine's budget is shared, not multiplied: each pool registers in the cache folder
+(`fetchers/`, one file per process under an flock held while it lives) and takes
+`concurrency // live pools`, counted again every `RECOUNT` seconds; a process that dies releases
+its lock, so its share returns to the others. Workers of a job never run a pool: they read what
+the pool fetched, or fetch one object themselves when they get there first.
+
+Throttling (503 SlowDown, 429) halves the limit at once, at most once per round of requests sent
+under it (a burst of refusals to one round is one signal), and each success adds 1/limit (one
+request per round): AIMD, as TCP does, so a store that asks for less gets less. A refused or
+transient fault is tried again after `RetryPolicy.delay`, within the policy's attempts and
+deadline; a permanent one (403, 404, a changed object) is never tried again: it is counted and
+named in `errors`, and the read that needs the object raises it. Every GET has the policy's
+deadline of one try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import fcntl
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from globalloader import _paths
+from globalloader.errors import ArgumentError
+from globalloader.storage import retry
+from globalloader.storage._fs import is_throttling, is_transient
+from globalloader.storage.cache import parse_size
+
+CONCURRENCY_ENV = "GLOBALLOADER_FETCH_CONCURRENCY"
+MEMORY_ENV = "GLOBALLOADER_FETCH_MEMORY"
+DEFAULT_CONCURRENCY = 128  # requests in flight per machine
+DEFAULT_MEMORY = 256 * 10**6  # bytes of answers in memory at once per machine
+FETCHERS = "fetchers"  # the cache folder's sub-folder where pools register
+RECOUNT = 1.0  # seconds between counts of the pools sharing the machine's budget
+_ERRORS_KEPT = 64  # the latest permanent failures named in `errors`
+
+
+def resolve(value: int | str | None, env: str, default: int, what: str) -> int:
+    """An argument, else the environment variable `env`, else `default` (sizes like "256MB")."""
+    if value is None:
+        value = os.environ.get(env) or default
+    size = parse_size(value, what)
+    if size < 1:
+        raise ArgumentError(f"{what} must be at least 1, got {value!r}")
+    return size
+
+
+class _AIMD:
+    """The limit of requests in flight: halved on throttling once per round, +1 per round of successes."""
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling = ceiling
+        self.value = float(ceiling)
+        self.round = 0  # bumped at each halving: requests sent before it do not halve again
+        self.lowest = ceiling
+
+    def throttled(self, sent_in_round: int) -> None:
+        if sent_in_round == self.round:
+            self.value = max(1.0, self.value / 2)
+            self.round += 1
+            self.lowest = min(self.lowest, int(self.value))
+
+    def succeeded(self) -> None:
+        self.value = min(float(self.ceiling), self.value + 1.0 / self.value)
+
+    def set_ceiling(self, ceiling: int) -> None:
+        self.ceiling = ceiling
+        self.value = min(self.value, float(ceiling))
+        self.lowest = min(self.lowest, int(self.value))
+
+
+class _MachineShare:
+    """This process's registration among the processes of the machine that fetch ahead (see the
+    module doc): one per process and folder (`of`), whatever the number of its pools (an flock
+    conflicts with the same process's other descriptors of the file)."""
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        self.folder = folder
+        _paths.make_folder(folder)
+        self._fd = _paths.open_file(folder / str(os.getpid()), os.O_RDWR | os.O_CREAT, _paths.file_mode())[0]
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    @classmethod
+    def of(cls, folder: pathlib.Path) -> _MachineShare:
+        with _SHARES_LOCK:
+            share = _SHARES.get(folder)
+            if share is None:
+                share = _SHARES[folder] = cls(folder)
+            return share
+
+    def live(self) -> int:
+        """Processes fetching ahead on the machine, this one among them; files of dead ones are
+        removed."""
+        count = 1
+        for path in self.folder.iterdir():
+            if path.name == str(os.getpid()):
+                continue
+            try:
+                fd = _paths.open_file(path, os.O_RDONLY)[0]
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                count += 1
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            finally:
+                os.close(fd)
+        return count
+
+
+_SHARES: dict[pathlib.Path, _MachineShare] = {}
+_SHARES_LOCK = threading.Lock()
+
+
+def _forget_shares_in_child() -> None:
+    """A forked child is another process: the parent's registration is not its own."""
+    global _SHARES_LOCK
+    for share in _SHARES.values():
+        os.close(share._fd)  # the parent's descriptor of the file keeps the parent's lock
+    _SHARES.clear()
+    _SHARES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_shares_in_child)
+
+
+class FetchAhead:
+    """Runs `fetch(url, what)` (a coroutine) for requested URLs on `loop`, each URL once, at most
+    `limit` at a time (AIMD under `concurrency`) and `memory` bytes of answers at once; the
+    requests waiting hold at most `budget` bytes. Thread-safe: `request` is called from any
+    thread; counters are read with `counters()`."""
+
+    def __init__(
+        self,
+        fetch: Callable[[str, Any], Awaitable[None]],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        concurrency: int,
+        memory: int,
+        budget: int | None = None,
+        policy: retry.RetryPolicy = retry.DEFAULT,
+        share: pathlib.Path | None = None,
+    ) -> None:
+        self._fetch, self._loop, self._policy = fetch, loop, policy
+        self.concurrency, self.memory, self.budget = concurrency, memory, budget
+        self._share = _MachineShare.of(share) if share is not None else None
+        self._limit = _AIMD(self._ceiling())
+        self._counted_at = time.monotonic()
+        self._lock = threading.Lock()
+        # url, bytes, what `fetch` is given with it, tries so far, time of the first
+        self._queue: collections.deque[tuple[str, int, Any, int, float]] = collections.deque()
+        self._queued_bytes = 0
+        self._asked: set[str] = set()  # queued, in flight or waiting to be tried again
+        self.in_flight = self.in_flight_bytes = 0
+        self.peak_in_flight = self.peak_memory = 0
+        self.fetched = self.bytes = self.throttled = self.retried = self.failed = self.dropped = 0
+        self.errors: collections.deque[str] = collections.deque(maxlen=_ERRORS_KEPT)
+
+    def _ceiling(self) -> int:
+        shared_by = self._share.live() if self._share is not None else 1
+        return max(1, self.concurrency // shared_by)
+
+    def request(self, objects: Iterable[tuple[str, int, Any]]) -> None:
+        """Queue these (URL, bytes, what `fetch` is given with it), first to be needed first;
+        already requested ones are skipped. Nothing is kept of an object once fetched: memory is
+        bounded by what waits."""
+        with self._lock:
+            for url, size, what in objects:
+                if url not in self._asked:
+                    self._asked.add(url)
+                    self._queue.append((url, size, what, 0, 0.0))
+                    self._queued_bytes += size
+            while len(self._queue) > 1 and self.budget is not None and self._queued_bytes > self.budget:
+                url, size, *_ = self._queue.pop()
+                self._asked.discard(url)
+                self._queued_bytes -= size
+                self.dropped += 1
+        self._loop.call_soon_threadsafe(self._pump)
+
+    def counters(self) -> dict[str, int]:
+        """What the pool did and holds: requests in flight now and at most, its limit now and at
+        its lowest, objects and bytes fetched, throttling answers, retries, failures, queue."""
+        with self._lock:
+            return {
+                "in_flight": self.in_flight,
+                "peak_in_flight": self.peak_in_flight,
+                "limit": int(self._limit.value),
+                "lowest_limit": self._limit.lowest,
+                "ceiling": self._limit.ceiling,
+                "memory": self.in_flight_bytes,
+                "peak_memory": self.peak_memory,
+                "fetched": self.fetched,
+                "bytes": self.bytes,
+                "throttled": self.throttled,
+                "retried": self.retried,
+                "failed": self.failed,
+                "dropped": self.dropped,
+                "queued": len(self._queue),
+                "queued_bytes": self._queued_bytes,
+            }
+
+    def _pump(self) -> None:
+        """Start GETs while the limits allow (on the loop's thread)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._share is not None and now - self._counted_at > RECOUNT:
+                self._counted_at = now
+                self._limit.set_ceiling(self._ceiling())
+            while self._queue and self.in_flight < int(self._limit.value):
+                url, size, what, tries, since = self._queue[0]
+                if self.in_flight and self.in_flight_bytes + size > self.memory:
+                    break
+                self._queue.popleft()
+                self._queued_bytes -= size
+                self.in_flight += 1
+                self.in_flight_bytes += size
+                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+                self.peak_memory = max(self.peak_memory, self.in_flight_bytes)
+                self._loop.create_task(self._one(url, size, what, tries, since or now, self._limit.round))
+
+    async def _one(self, url: str, size: int, what: Any, tries: int, since: float, sent_in_round: int) -> None:
+        again = False
+        try:
+            await asyncio.wait_for(self._fetch(url, what), self._policy.attempt_deadline(size))
+        except Exception as exc:  # noqa: BLE001 - counted and named; the read that needs it raises it
+            again = self._failed(exc, (url, size, what, tries, since), sent_in_round)
+        else:
+            with self._lock:
+                self._limit.succeeded()
+                self.fetched += 1
+                self.bytes += size
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self.in_flight_bytes -= size
+                if not again:
+                    self._asked.discard(url)
+            self._pump()
+
+    def _failed(self, exc: Exception, item: tuple[str, int, Any, int, float], sent_in_round: int) -> bool:
+        """Count a failed GET; True when it is tried again later (a transient fault within the
+        policy's attempts and deadline)."""
+        url, size, what, tries, since = item
+        pause = self._policy.delay(tries)
+        transient = isinstance(exc, TimeoutError) or is_transient(exc)
+        with self._lock:
+            if is_throttling(exc):
+                self.throttled += 1
+                self._limit.throttled(sent_in_round)
+            if (
+                transient
+                and tries + 1 < self._policy.attempts
+                and time.monotonic() + pause - since < self._policy.deadline
+            ):
+                self.retried += 1
+                self._loop.call_later(pause, self._again, (url, size, what, tries + 1, since))
+                return True
+            self.failed += 1
+            self.errors.append(f"{url}: {type(exc).__name__}: {exc}")
+            return False
+
+    def _again(self, item: tuple[str, int, Any, int, float]) -> None:
+        with self._lock:
+            self._queue.appendleft(item)
+            self._queued_bytes += item[1]
+        self._pump()
+
+
+def client_loop() -> asyncio.AbstractEventLoop:
+    """The event loop the storage clients run on (fsspec's I/O thread, one per process)."""
+    from fsspec.asyn import get_loop  # type: ignore[import-untyped]
+
+    loop: asyncio.AbstractEventLoop = get_loop()
+    return loop

@@ -1,0 +1,186 @@
+"""FolderListing: every file below a remote folder, listed once per machine and kept.
+
+Listing a folder of a million objects takes a thousand LIST requests and minutes; a dict of a
+million paths to sizes and versions costs each worker its own copy of ~200 MB (reading a Python
+object writes its reference count, so forked workers copy the pages they touch). So a listing is
+kept in the cache folder (`listings/`, one file per folder URL and endpoint) as flat arrays:
+names and versions as one byte buffer each with their offsets, sizes as int64. Every process
+maps the same file read-only: a job, its workers and the next job on the machine share one copy
+in the page cache and list nothing.
+
+Refreshing: by default (`max_age` 0) each construction of a source lists the folder again, so a
+source made after a change sees it; its workers map the file rather than list or copy. A folder
+that is not rewritten (a dataset) can be listed once per machine: with `max_age` seconds (argument,
+else $GLOBALLOADER_LISTING_MAX_AGE) the newest kept listing younger than that is used by every job
+as it is. Either way an object rewritten since its listing is never served under the old version
+(its reads ask for the listed ETag: a SourceError telling to construct the source again with a
+fresh listing); one deleted since is a RemoteAccessError naming it. Each listing is a file of its
+own (named by the folder and the listing time, written whole by `write_atomic`), so a job's
+workers map exactly the listing their source was made from; files of a folder older than
+`KEEP_OLD` seconds are removed when it is listed again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+from globalloader import _paths
+from globalloader.errors import ArgumentError, SourceError
+
+MAX_AGE_ENV = "GLOBALLOADER_LISTING_MAX_AGE"
+DEFAULT_MAX_AGE = 0.0  # seconds a kept listing is used before the folder is listed again
+KEEP_OLD = 86400.0  # seconds a replaced listing is kept for the workers of jobs still using it
+_MAGIC = b"GLLIST1\n"
+_HEAD = struct.Struct("<8sQ")  # magic, bytes of the JSON header that follows
+_SECRET_PARTS = ("key", "secret", "token", "password", "credential")
+
+
+class _Flat:
+    """Strings as one byte buffer and the offsets of its items (reading them touches no object)."""
+
+    def __init__(self, offsets: np.ndarray, data: np.ndarray) -> None:
+        self.offsets, self.data = offsets, data
+
+    @staticmethod
+    def encode(items: list[str]) -> tuple[np.ndarray, bytes]:
+        encoded = [s.encode("utf-8", "surrogatepass") for s in items]
+        offsets = np.zeros(len(items) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, encoded), np.int64, len(items)), out=offsets[1:])
+        return offsets, b"".join(encoded)
+
+    def __getitem__(self, index: int) -> str:
+        raw = self.data[self.offsets.item(index) : self.offsets.item(index + 1)].tobytes()
+        return raw.decode("utf-8", "surrogatepass")
+
+
+def flat_strings(items: list[str]) -> _Flat:
+    """`items` as one `_Flat` in memory (a local folder's names, which are not kept)."""
+    offsets, data = _Flat.encode(items)
+    return _Flat(offsets, np.frombuffer(data, np.uint8))
+
+
+class FolderListing:
+    """The files below `root` (relative names, sorted), their sizes and versions, as arrays."""
+
+    def __init__(
+        self, path: pathlib.Path, root: str, listed_at: float, names: _Flat, sizes: np.ndarray, versions: _Flat
+    ) -> None:
+        self.path, self.root, self.listed_at = path, root, listed_at
+        self.names, self.sizes, self.versions = names, sizes, versions
+
+    def __reduce__(self) -> tuple[Any, tuple[pathlib.Path, str]]:
+        # A process it is sent to maps the file again rather than receiving a copy of the arrays.
+        return _reopen, (self.path, self.root)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @classmethod
+    def of(cls, store: Any, root: str, max_age: float | None = None) -> FolderListing:
+        """The listing of the remote folder `root` through `store` (a `Store`): the kept one if
+        young enough, else listed now and kept."""
+        age, key = _max_age(max_age), _key(root, store.storage_options)
+        folder = _paths.cache_dir("listings")
+        kept = sorted(folder.glob(f"{key}.*.gll"))  # oldest first: the names end with the listing time
+        newest = _load(kept[-1], root) if kept and age > 0 else None
+        if newest is not None and time.time() - newest.listed_at <= age:
+            return newest
+        listed_at = time.time()
+        for old in kept:
+            with contextlib.suppress(OSError):
+                if listed_at - old.stat().st_mtime > KEEP_OLD:
+                    old.unlink()
+        path = folder / f"{key}.{time.time_ns():020d}.gll"
+        found = store.find(root, remember=False)
+        prefix = root.rstrip("/") + "/"
+        rows = sorted((url[len(prefix) :], stat) for url, stat in found.items() if url.startswith(prefix))
+        if not rows:
+            raise SourceError(f"folder not found or empty: {root}")
+        _save(path, root, listed_at, rows)
+        loaded = _load(path, root)
+        if loaded is None:
+            raise SourceError(f"cannot read back the listing of {root} kept in {path}")
+        return loaded
+
+
+def _max_age(max_age: float | None) -> float:
+    text = os.environ.get(MAX_AGE_ENV) if max_age is None else max_age
+    try:
+        age = float(DEFAULT_MAX_AGE if text in (None, "") else text)
+    except (TypeError, ValueError):
+        age = -1.0
+    if not age >= 0:
+        where = MAX_AGE_ENV if max_age is None else "listing_max_age"
+        raise ArgumentError(f"{where} must be a number of seconds >= 0, got {text!r}")
+    return age
+
+
+def _reopen(path: pathlib.Path, root: str) -> FolderListing:
+    listing = _load(path, root)
+    if listing is None:
+        raise SourceError(f"the listing of {root} kept in {path} is gone or damaged; construct the source again")
+    return listing
+
+
+def _key(root: str, options: dict[str, Any]) -> str:
+    """The listing file's name: the folder's URL and where it is served from (no secrets)."""
+    public = {k: v for k, v in options.items() if not any(part in k.lower() for part in _SECRET_PARTS)}
+    text = json.dumps([root.rstrip("/"), public], sort_keys=True, default=repr)
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+
+
+def _save(path: pathlib.Path, root: str, listed_at: float, rows: list[tuple[str, Any]]) -> None:
+    name_offsets, names = _Flat.encode([rel for rel, _ in rows])
+    version_offsets, versions = _Flat.encode([stat.version for _, stat in rows])
+    sizes = np.fromiter((stat.size for _, stat in rows), np.int64, len(rows))
+    parts = [name_offsets.tobytes(), names, sizes.tobytes(), version_offsets.tobytes(), versions]
+    header = json.dumps(
+        {"root": root.rstrip("/"), "listed_at": listed_at, "count": len(rows), "bytes": [len(p) for p in parts]}
+    )
+    with _paths.write_atomic(path) as out:
+        out.write(_HEAD.pack(_MAGIC, len(header)) + header.encode())
+        for part in parts:
+            out.write(part + b"\0" * (-len(part) % 8))  # each array 8-byte aligned
+
+
+def _load(path: pathlib.Path, root: str) -> FolderListing | None:
+    """The kept listing at `path` mapped read-only, or None when there is none or it is of
+    another folder, damaged or cut short (then it is listed again)."""
+    try:
+        with open(path, "rb") as f:
+            magic, length = _HEAD.unpack(f.read(_HEAD.size))
+            header = json.loads(f.read(length)) if magic == _MAGIC else None
+        if header is None or header["root"] != root.rstrip("/"):
+            return None
+        whole = np.memmap(path, np.uint8, "r")
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    at, arrays = _HEAD.size + length, []
+    for size in header["bytes"]:
+        arrays.append(whole[at : at + size])
+        at += size + (-size % 8)
+    if at != len(whole):
+        return None
+    count = header["count"]
+    name_offsets, names, sizes, version_offsets, versions = arrays
+    return (
+        FolderListing(
+            path,
+            header["root"],
+            header["listed_at"],
+            _Flat(name_offsets.view(np.int64), names),
+            sizes.view(np.int64),
+            _Flat(version_offsets.view(np.int64), versions),
+        )
+        if len(sizes) == 8 * count
+        else None
+    )

@@ -1,0 +1,164 @@
+"""The pool of downloads ahead: many small objects, many GETs in flight, through a real S3 server
+(moto) behind the fault proxy: exact epochs under throttling, the concurrency it gives up, its
+bounds, and objects deleted or rewritten after the listing."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import globalloader as gl
+from globalloader import storage
+from globalloader.errors import RemoteAccessError, SourceError
+from globalloader.storage import fetch_ahead
+
+
+def _folder(s3: dict[str, Any], n: int, size: int = 0) -> dict[str, bytes]:
+    """`n` objects under images/ (of `size` bytes, else 200-2,000), by key relative to it."""
+    rng = np.random.default_rng(n)
+    objects = {f"c{i % 3}/{i:04d}.jpg": rng.bytes(size or int(rng.integers(200, 2000))) for i in range(n)}
+    fs = storage.Store(s3["options"]).filesystem(f"s3://{s3['bucket']}")[0]
+    fs.pipe({f"{s3['bucket']}/images/{key}": data for key, data in objects.items()})
+    return objects
+
+
+def _wait_for(store: storage.Store, done: int) -> dict[str, int]:
+    """The pool's counters once `done` objects were fetched or failed for good."""
+    deadline = time.monotonic() + 60
+    while True:
+        counters = store.fetch_counters()
+        if counters and counters["fetched"] + counters["failed"] >= done and counters["in_flight"] == 0:
+            return counters
+        assert time.monotonic() < deadline, f"the pool never finished: {counters}"
+        time.sleep(0.01)
+
+
+def test_an_exact_epoch_under_throttling_with_many_requests_in_flight(s3: dict[str, Any]) -> None:
+    """10% of GETs answered 503 SlowDown while the loader fetches the whole epoch ahead: every
+    object once with its bytes, and the pool halved its concurrency instead of hammering."""
+    objects = _folder(s3, 160)
+    proxy, prefix = s3["proxy"], f"/{s3['bucket']}/images/"
+    src = gl.Files(f"s3://{s3['bucket']}/images", "*.jpg", storage_options=s3["options"])
+    assert len(src) == len(objects)
+    proxy.latency, proxy.slowdown, proxy.faults_on = 0.01, 0.1, True
+    with gl.Loader(gl.Dataset(src).shuffle(seed=0).batch(16), workers=2) as loader:
+        seen = [(k, b) for batch in loader for k, b in zip(batch["__key__"], batch["bytes"], strict=True)]
+    assert sorted(k for k, _ in seen) == sorted(objects)  # every object once
+    assert all(objects[k] == b for k, b in seen)  # its own bytes
+    counters = _wait_for(src.store, len(objects))
+    assert proxy.faults["503"] > 0 and counters["throttled"] > 0
+    assert counters["peak_in_flight"] >= 32  # many at once, not a few per process
+    assert counters["lowest_limit"] <= counters["ceiling"] // 4  # throttling lowered it
+    assert counters["failed"] == 0
+    # Each object's bytes crossed the wire once however many tried (503s carry no body).
+    assert proxy.total_bytes(prefix) == sum(map(len, objects.values()))
+
+
+def test_throttling_lowers_the_limit_and_successes_raise_it_again(s3: dict[str, Any]) -> None:
+    objects = _folder(s3, 120, size=100)
+    proxy = s3["proxy"]
+    src = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"], fetch_concurrency=64)
+    proxy.slowdown, proxy.faults_on = 0.3, True
+    src.prefetch(np.arange(60))
+    throttled = _wait_for(src.store, 60)
+    assert throttled["throttled"] > 0 and throttled["limit"] < 32
+    proxy.faults_on = False
+    src.prefetch(np.arange(60, 120))
+    after = _wait_for(src.store, 120)
+    assert after["limit"] > throttled["limit"]  # +1 per round of successes
+    assert all(src[i]["bytes"] == objects[src.relative_path(i)] for i in range(len(src)))
+
+
+def test_in_flight_requests_memory_and_bytes_ahead_are_bounded(s3: dict[str, Any]) -> None:
+    _folder(s3, 40, size=1000)
+    proxy = s3["proxy"]
+    proxy.latency = 0.02  # answers overlap
+    src = gl.Files(
+        f"s3://{s3['bucket']}/images",
+        storage_options=s3["options"],
+        fetch_concurrency=8,
+        fetch_memory=5000,  # five answers of 1,000 bytes
+        cache_limit=80_000,  # bytes waiting: a quarter of it, 20 objects
+    )
+    proxy.most_in_flight = 0
+    src.prefetch(np.arange(40))
+    counters = _wait_for(src.store, 20)
+    assert counters["peak_in_flight"] == 5 and proxy.most_in_flight <= 5
+    assert counters["peak_memory"] <= 5000
+    assert counters["dropped"] == 20 and counters["fetched"] == 20  # the newest, beyond the budget
+    for i in range(len(src)):  # the dropped ones are read all the same
+        assert len(src[i]["bytes"]) == 1000
+
+
+def test_an_object_deleted_after_the_listing_is_a_named_error_never_retried(s3: dict[str, Any]) -> None:
+    _folder(s3, 12)
+    proxy = s3["proxy"]
+    src = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
+    gone = src.relative_path(5)
+    url = f"s3://{s3['bucket']}/images/{gone}"
+    src.store.filesystem(url)[0].rm(url)
+    src.prefetch(np.arange(len(src)))
+    counters = _wait_for(src.store, len(src))
+    assert counters["failed"] == 1 and url in counters_errors(src)
+    assert proxy.count("GET", f"/{s3['bucket']}/images/{gone}") == 1  # a 404 is not asked again
+    with pytest.raises(RemoteAccessError, match=f"file not found: {url}"):
+        src[5]
+    assert src[6]["__key__"] == src.relative_path(6)
+
+
+def counters_errors(src: gl.Files) -> str:
+    pool = src.store._fetch_ahead
+    assert pool is not None
+    return "\n".join(pool.errors)
+
+
+def test_an_object_rewritten_after_the_listing_is_never_served_under_the_old_version(s3: dict[str, Any]) -> None:
+    objects = _folder(s3, 12, size=500)
+    src = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
+    key = src.relative_path(3)
+    url = f"s3://{s3['bucket']}/images/{key}"
+    new = bytes(reversed(objects[key]))  # same size, other bytes
+    src.store.filesystem(url)[0].pipe_file(url, new)
+    src.prefetch(np.arange(len(src)))
+    counters = _wait_for(src.store, len(src))
+    assert counters["failed"] == 1 and url in counters_errors(src)
+    with pytest.raises(SourceError, match=f"{url} changed since the source was made"):
+        src[3]
+    again = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
+    assert again[3]["bytes"] == new  # listed again: the new version
+
+
+def test_processes_fetching_ahead_share_the_machine_budget(tmp_path: pathlib.Path) -> None:
+    """Each process that fetches ahead registers in the cache folder; the budget is divided by
+    those alive, and one that ended returns its share."""
+    folder = tmp_path / "fetchers"
+    holder = (
+        "import pathlib, sys\n"
+        "from globalloader.storage.fetch_ahead import _MachineShare\n"
+        f"_MachineShare.of(pathlib.Path({str(folder)!r}))\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    other = subprocess.Popen([sys.executable, "-c", holder], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert other.stdout is not None and other.stdout.readline() == b"ready\n"
+        pool = fetch_ahead.FetchAhead(_never, fetch_ahead.client_loop(), concurrency=128, memory=1 << 20, share=folder)
+        assert pool.counters()["ceiling"] == 64
+    finally:
+        assert other.stdin is not None
+        other.stdin.close()
+        other.wait(timeout=30)
+    assert fetch_ahead._MachineShare.of(folder).live() == 1  # the ended one's file is removed
+    assert [p.name for p in folder.iterdir()] == [str(os.getpid())]
+
+
+async def _never(url: str, stat: object) -> None:
+    raise AssertionError(f"nothing is requested: {url}")
