@@ -275,8 +275,8 @@ def write_atomic(
     process and thread (host, pid, thread id and a random token), made with O_EXCL in the same
     folder, never through a symbolic link. `durable`: the data is synced to disk before the
     rename, for files a crash of the machine must not leave empty or cut short under their name
-    (the object cache, the Arrow copy, the report: they are trusted once named); the others are
-    checked when read or made again. A crash may still lose the rename itself: then the old
+    (the Arrow copy, the report: they are trusted once named); the others are
+    checked when read or made again (the object cache: its CRCs). A crash may still lose the rename itself: then the old
     file, or none, is there, never a part of the new one. `mode`: exactly this mode (the cache's
     rules, `file_mode`), else the umask's default. The file is opened for reading too (a writer
     may check what it wrote). OSErrors pass.
