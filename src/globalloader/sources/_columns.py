@@ -174,6 +174,15 @@ class BlockGather:
         batch.update(zip(self._names, columns, strict=True))
         return batch
 
+    def ahead(self, parts: list[np.ndarray]) -> list[dict[str, Any]]:
+        """The batch of each part (rows already checked), in one gather, for the leading parts whose
+        rows lie in the blocks of the first part (at least the first): a source's
+        `read_columns_ahead`, no more blocks than its current task holds."""
+        rows = np.concatenate(parts)
+        sharing, blocks = self.sharing_blocks(rows, [len(part) for part in parts])
+        held = sum(len(part) for part in parts[:sharing])
+        return split_batch(self(rows[:held], reused=sharing > 1, blocks=blocks[:held]), parts)
+
     def sharing_blocks(self, rows: np.ndarray, sizes: list[int]) -> tuple[int, np.ndarray]:
         """How many leading parts of `rows` (global rows, parts of `sizes` rows, at least one
         each) have all their rows in blocks of the first part; and each row's block."""

@@ -21,7 +21,7 @@ import numpy as np
 from globalloader import _extras, storage
 from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources._arrow_values import is_bytes, is_exact, is_list, is_text, to_numpy
-from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable, split_batch
+from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable
 from globalloader.sources._row_layout import GETTER, VALUE, Getter, Layout, Step, Unpacker, read_record
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
@@ -306,12 +306,7 @@ class HFDataset(ProcessLocal):
     def read_columns_ahead(self, parts: list[np.ndarray]) -> list[dict[str, Any]]:
         """`read_columns` of the leading parts whose rows lie in the blocks of the first part."""
         check_columnar(self)
-        gather = self._gatherer()
-        checked = [check_indices(part, self._len, self) for part in parts]
-        rows = np.concatenate(checked)
-        sharing, blocks = gather.sharing_blocks(rows, [len(part) for part in checked])
-        held = sum(len(part) for part in checked[:sharing])
-        return split_batch(gather(rows[:held], reused=sharing > 1, blocks=blocks[:held]), checked)
+        return self._gatherer().ahead([check_indices(part, self._len, self) for part in parts])
 
     def _gatherer(self) -> BlockGather:
         if self._gather is None:

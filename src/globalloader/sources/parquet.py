@@ -17,7 +17,7 @@ from globalloader import _extras, storage
 from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files
 from globalloader.sources._arrow_values import exact_columns_with_nulls, is_bytes, is_exact, is_text, to_python
-from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable, split_batch
+from globalloader.sources._columns import BlockGather, batch_values, check_columnar, gatherable
 from globalloader.sources._row_layout import VALUE, Layout, Step, Unpacker
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import check_index, check_indices, fingerprint_of
@@ -247,12 +247,7 @@ class Parquet(ProcessLocal):
         row groups of the first part (at least the first part): the batches of a worker's next
         tasks (`dataset.gather_ahead`), no more row groups than its current task holds."""
         check_columnar(self)
-        gather = self._gatherer()
-        checked = [check_indices(part, self._len, self) for part in parts]
-        rows = np.concatenate(checked)
-        sharing, blocks = gather.sharing_blocks(rows, [len(part) for part in checked])
-        held = sum(len(part) for part in checked[:sharing])
-        return split_batch(gather(rows[:held], reused=sharing > 1, blocks=blocks[:held]), checked)
+        return self._gatherer().ahead([check_indices(part, self._len, self) for part in parts])
 
     def _gatherer(self) -> BlockGather:
         if self._gather is None:
