@@ -301,29 +301,24 @@ class Store(ProcessLocal):
             if digest is not None:
                 digest.check()  # before the cache renames the entry into place
 
-        def open_entry(_: float) -> CachedFile:
-            # A corrupted transfer is retried here (the others were retried by `_get`, or are
-            # final); any other OSError is the local cache's, never the store's (not "access denied").
-            try:
-                return self.cache.open(entry, download)
-            except TransferCorrupted:
-                raise
-            except OSError as exc:
-                raise StorageError(f"cannot keep {url} in the object cache {self.cache.root}: {exc}") from exc
-
-        return retry.call(open_entry, url, "download", self.retry_policy)
+        # A corrupted transfer is retried here (the others were retried by `_get`, or are final).
+        return retry.call(lambda _: self._open_entry(entry, download, url), url, "download", self.retry_policy)
 
     def open_derived(self, url: str, stat: FileStat, what: str, size: int, make: Any) -> CachedFile:
         """A file of `size` bytes made from the object `url` (`what`: e.g. "decompressed"), kept in
         the machine cache beside it and made once per machine: `make(write)` writes its bytes.
         Keyed by the object's location, size and version, so a rewritten object makes another."""
-        entry = Entry(f"{url}#{what}", size, f"{stat.size}:{stat.version}")
+        return self._open_entry(Entry(f"{url}#{what}", size, f"{stat.size}:{stat.version}"), make, f"{url} ({what})")
+
+    def _open_entry(self, entry: Entry, make: Any, what: str) -> CachedFile:
+        """`cache.open`, where an OSError other than a corrupted transfer is the local cache's,
+        never the store's (not "access denied"): a StorageError naming the cache folder."""
         try:
             return self.cache.open(entry, make)
         except TransferCorrupted:
             raise
         except OSError as exc:
-            raise StorageError(f"cannot keep {url} ({what}) in the object cache {self.cache.root}: {exc}") from exc
+            raise StorageError(f"cannot keep {what} in the object cache {self.cache.root}: {exc}") from exc
 
     def prefetch(self, objects: list[tuple[str, FileStat]]) -> None:
         """Download these objects into the machine cache in the background: small S3 objects
