@@ -1,8 +1,12 @@
 """`write_shards`: run a chain with a Loader's workers and write its samples as shards, resumably.
 
-The samples come in the chain's order (the Loader yields them in order whatever its worker
-count), and shards roll over by count or size as they come, so the bytes written depend on the
-chain alone. Completion is recorded in a manifest beside the shards (`manifest_url`), rewritten
+With `maxcount` alone, shard k is samples [k*maxcount, (k+1)*maxcount) of the chain: the chain
+is batched by maxcount and each batch is written whole by a worker (`ShardBytes`: encoding, tar
+headers, MD5 and CRC all in the worker), the main process only publishing the shards in order;
+this is the fast path. With `maxsize`, where a shard ends depends on the sizes, the main process
+writes the samples as they come (encoded there: the workers run the chain). Either way the
+Loader yields in the chain's order whatever its worker count, so the bytes written depend on
+the chain alone. Completion is recorded in a manifest beside the shards (`manifest_url`), rewritten
 whole after each finished shard: the shards it lists, their samples and sizes, and the Loader's
 state after the last of them. A run started again with the same call continues from that state
 with the next shard number; shards are published whole (`storage.Store.open_write`), so a
@@ -24,7 +28,8 @@ from globalloader.dataset.chain import Dataset
 from globalloader.dataset.resume import make_state
 from globalloader.errors import ArgumentError, SourceError, StateError
 from globalloader.execution.loader import Loader
-from globalloader.sources._shard_series import number_field
+from globalloader.sources import _tar_index, parquet_writer, tar_writer
+from globalloader.sources._shard_series import check_limits, number_field
 from globalloader.sources.parquet_writer import ParquetWriter
 from globalloader.sources.tar_writer import TarWriter
 
@@ -56,8 +61,11 @@ def write_shards(
     `__key__` becomes tar-safe: dots in its last part turn to `_`, a leading `/` goes, and a
     sample without one is keyed by its position, `%09d`). `format="parquet"`: Parquet files
     (`ParquetWriter`). A shard rolls over at `maxcount` samples or `maxsize` bytes (default
-    256 MB when neither is given). Each shard appears whole when finished, uploaded as it
-    completes for object storage; `progress` shows a bar.
+    256 MB when neither is given). With `maxcount` alone the workers write whole shards (held
+    in memory until published: maxcount samples each, times the tasks in flight) and the
+    main process publishes them, the fast path; with `maxsize` the main process writes every
+    sample. Each shard appears whole when finished, uploaded as it completes for object
+    storage; `progress` shows a bar.
 
     Killed at any point and called again the same way, it continues after the last finished
     shard and ends with the same bytes as a run never stopped; a finished shard is not written
@@ -76,6 +84,7 @@ def write_shards(
         raise ArgumentError(f"write_shards: pattern must be a str or path, got {type(pattern).__name__}")
     pattern = os.fspath(pattern)
     manifest = manifest_url(pattern)
+    check_limits(maxcount, maxsize)
     if maxcount is None and maxsize is None:
         maxsize = DEFAULT_MAXSIZE
     identity = {
@@ -85,7 +94,10 @@ def write_shards(
         "maxcount": maxcount,
         "maxsize": maxsize,
     }
-    loader = Loader(dataset, workers, on_error=on_error, **loader_options)  # checks its arguments; starts nothing
+    chain = dataset
+    if maxcount is not None and maxsize is None:  # boundaries known in advance: a worker writes each shard
+        chain = dataset.batch(maxcount, collate=list).map(ShardBytes(format, pattern), name="write-shard")
+    loader = Loader(chain, workers, on_error=on_error, **loader_options)  # checks its arguments; starts nothing
     store = storage.Store(storage_options)
     done = _finished(store, manifest, identity)
     if done is not None and done["complete"]:
@@ -100,9 +112,94 @@ def write_shards(
         for url in (pattern % len(shards), pattern % (len(shards) + 1), manifest):
             for temporary in storage.stale_temporaries(url):
                 os.unlink(temporary)
-    writer = WRITERS[format](pattern, maxcount, maxsize, storage_options=storage_options, first_shard=len(shards))
     position = sum(shard["samples"] for shard in shards)
     bar = tqdm(total=_length(dataset), initial=position, unit="sample", desc=pattern, disable=not progress)
+    try:
+        if chain is not dataset:
+            _publish_shards(loader, store, pattern, manifest, identity, shards, bar)
+        else:
+            _write_samples(loader, store, pattern, manifest, identity, shards, bar, format, maxcount, maxsize)
+    finally:
+        bar.close()
+        loader.close()
+    return [shard["path"] for shard in shards]
+
+
+class ShardBytes:
+    """The map a worker runs on a shard's samples (a batch of maxcount): the whole shard's bytes
+    (a tar and its sidecar, or a Parquet file), so the main process only publishes them. A bad
+    sample comes back as its ArgumentError (raised by the main process, never skipped with the
+    shard by `on_error="skip"`); tar samples without a key come back encoded for the main
+    process to key by their position, which only it knows."""
+
+    def __init__(self, format: str, pattern: str) -> None:
+        self.format, self.pattern = format, pattern
+
+    def __call__(self, samples: list[Any]) -> tuple[bytes, bytes | None, int] | list[Any] | ArgumentError:
+        try:
+            if self.format == "parquet":
+                return (
+                    parquet_writer.file_bytes([parquet_writer.sample_row(s) for s in samples], self.pattern),
+                    None,
+                    len(samples),
+                )
+            keyed = [_tar_safe(s) for s in samples]
+            if any(not isinstance(s, dict) or s.get("__key__") is None for s in keyed):
+                return keyed
+            return (*tar_writer.shard_bytes(keyed, self.pattern), len(samples))
+        except ArgumentError as exc:
+            return exc
+
+
+def _publish_shards(
+    loader: Loader,
+    store: storage.Store,
+    pattern: str,
+    manifest: str,
+    identity: dict[str, Any],
+    shards: list[dict[str, Any]],
+    bar: tqdm[Any],
+) -> None:
+    """Publish, in order, the shards the workers wrote, each recorded in the manifest once whole."""
+    position = sum(shard["samples"] for shard in shards)
+    run = iter(loader)
+    for built in run:
+        if isinstance(built, ArgumentError):
+            raise built
+        path = pattern % len(shards)
+        if isinstance(built, list):  # tar samples without keys: keyed here by position
+            built = (
+                *tar_writer.shard_bytes([_positioned(s, position + i) for i, s in enumerate(built)], path),
+                len(built),
+            )
+        data, sidecar, samples = built
+        with store.open_write(path) as out:
+            out.write(data)
+        if sidecar is not None:
+            with store.open_write(_tar_index.sidecar_url(path)) as out:
+                out.write(sidecar)
+        shards.append(_shard(store, path, samples))
+        position += samples
+        _save(store, manifest, identity, shards, make_state(loader.plan, run.position()))
+        bar.update(samples)
+    _save(store, manifest, identity, shards, None)
+
+
+def _write_samples(
+    loader: Loader,
+    store: storage.Store,
+    pattern: str,
+    manifest: str,
+    identity: dict[str, Any],
+    shards: list[dict[str, Any]],
+    bar: tqdm[Any],
+    format: str,
+    maxcount: int | None,
+    maxsize: int | None,
+) -> None:
+    """Write the samples as they come, in the main process: shard boundaries depend on sizes."""
+    writer = WRITERS[format](pattern, maxcount, maxsize, storage_options=store.storage_options, first_shard=len(shards))
+    position = sum(shard["samples"] for shard in shards)
     in_shard = 0
     try:
         run = iter(loader)
@@ -113,7 +210,7 @@ def write_shards(
             except StopIteration:
                 break
             opened = len(writer.paths)
-            writer.write(_tar_keyed(sample, position) if format == "tar" else sample)
+            writer.write(_positioned(_tar_safe(sample), position) if format == "tar" else sample)
             if len(writer.paths) > opened:  # this sample began a shard: the one before is finished
                 if opened:
                     shards.append(_shard(store, writer.paths[-2], in_shard))
@@ -129,10 +226,6 @@ def write_shards(
     except BaseException:
         writer.abort()
         raise
-    finally:
-        bar.close()
-        loader.close()
-    return [shard["path"] for shard in shards]
 
 
 def manifest_url(pattern: str) -> str:
@@ -150,17 +243,21 @@ def manifest_url(pattern: str) -> str:
     return os.path.join(head, name) if not storage.scheme_of(pattern) else f"{head}/{name}"
 
 
-def _tar_keyed(sample: Any, position: int) -> Any:
-    """The sample with a key TarWriter takes: the sample's own, made tar-safe, else its position."""
-    if not isinstance(sample, dict):
-        return sample  # TarWriter names what it needs
-    key = sample.get("__key__")
-    if key is None:
-        key = f"{position:09d}"
-    elif isinstance(key, str):
-        head, _, last = key.lstrip("/").rpartition("/")
-        key = f"{head}/{last.replace('.', '_')}" if head else last.replace(".", "_")
-    return {**sample, "__key__": key}
+def _tar_safe(sample: Any) -> Any:
+    """The sample with its key made one TarWriter takes: dots in its last part turn to `_`, a
+    leading `/` goes."""
+    key = sample.get("__key__") if isinstance(sample, dict) else None
+    if not isinstance(key, str):
+        return sample  # TarWriter names what it needs; a missing key is numbered by `_positioned`
+    head, _, last = key.lstrip("/").rpartition("/")
+    return {**sample, "__key__": f"{head}/{last.replace('.', '_')}" if head else last.replace(".", "_")}
+
+
+def _positioned(sample: Any, position: int) -> Any:
+    """The sample keyed by its position in the chain (`%09d`) when it has no key."""
+    if isinstance(sample, dict) and sample.get("__key__") is None:
+        return {**sample, "__key__": f"{position:09d}"}
+    return sample
 
 
 def _length(dataset: Dataset) -> int | None:

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import queue
-import tarfile
 import threading
 import zlib
 from types import TracebackType
@@ -17,8 +16,9 @@ import numpy as np
 
 from globalloader import storage
 from globalloader.errors import ArgumentError
-from globalloader.sources import _tar_index
+from globalloader.sources import _tar_format, _tar_index
 from globalloader.sources._shard_series import ShardSeries
+from globalloader.sources._tar_format import BLOCK
 
 
 class TarWriter(ShardSeries):
@@ -63,7 +63,6 @@ class TarWriter(ShardSeries):
         self.index = bool(index)
         self._file: _Digesting | None = None
         self._members: _tar_index.IndexBuilder | None = None
-        self._tar: tarfile.TarFile | None = None
         self._last_key: str | None = None
         self._closed = False
 
@@ -71,55 +70,34 @@ class TarWriter(ShardSeries):
         """Append one sample; rolls to the next shard first if this one is full."""
         if self._closed:
             raise ArgumentError(f"write() on a closed TarWriter({self.pattern!r})")
-        if not isinstance(sample, dict):
-            raise ArgumentError(f"sample must be a dict, got {type(sample).__name__}")
-        key = sample.get("__key__")
-        if not isinstance(key, str) or not key:
-            raise ArgumentError(f"sample needs a non-empty str '__key__', got {key!r}")
-        if "." in key.rsplit("/", 1)[-1] or key.startswith("__"):
-            raise ArgumentError(
-                f"sample key {key!r}: no dot allowed in its last path part, and "
-                "no leading '__' (readers would split or skip it)"
-            )
-        members = [(name, _encode(key, name, value)) for name, value in sample.items() if not name.startswith("__")]
-        if not members:
-            raise ArgumentError(f"sample {key!r} has no fields besides '__' entries")
-        nbytes = sum(512 + -(-len(data) // 512) * 512 for _, data in members)
-        if self._tar is None or self._full(nbytes):
+        key, members = sample_members(sample)
+        nbytes = sum(BLOCK + len(data) + -len(data) % BLOCK for _, data in members)
+        if self._file is None or self._full(nbytes):
             self._next_shard()
         elif key == self._last_key:
             raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would merge the two samples")
-        for name, data in members:
-            info = tarfile.TarInfo(f"{key}.{name}")
-            info.size, info.mode, info.mtime = len(data), 0o444, 0
-            info.uname = info.gname = ""
-            self._tar.addfile(info, io.BytesIO(data))  # type: ignore[union-attr]
-            # addfile wrote the header(s), the data and its padding: the data starts that far back.
-            end = self._file.length  # type: ignore[union-attr]
-            self._members.add(info.name, end - -(-len(data) // 512) * 512, len(data))  # type: ignore[union-attr]
+        self._file.write(_append_members(self._file.length, key, members, self._members))  # type: ignore[union-attr, arg-type]
         self._added(nbytes)
         self._last_key = key
 
     def _next_shard(self) -> None:
         self._finish_shard()
         path = self._new_path()
-        # Both stay open across write() calls until the shard is full; _finish_shard closes them.
-        self._file = _Digesting(self.store.open_write(path))  # published whole, when closed
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)  # type: ignore[call-overload]  # noqa: SIM115
+        self._file = _Digesting(self.store.open_write(path))  # published whole, when closed (kept open until then)
         self._members = _tar_index.IndexBuilder(path)
         self._last_key = None
 
     def _finish_shard(self) -> None:
-        if self._tar is None or self._file is None or self._members is None:
+        if self._file is None or self._members is None:
             return
-        self._tar.close()
+        self._file.write(_tar_format.archive_end(self._file.length))
         self._file.close()
         if self.index:
             written = self._file
             sidecar = _tar_index.sidecar_bytes(self._members.finish(), written.length, written.md5(), written.crc)
             with self.store.open_write(_tar_index.sidecar_url(self.paths[-1])) as out:
                 out.write(sidecar)
-        self._tar = self._file = self._members = None
+        self._file = self._members = None
 
     def abort(self) -> None:
         """Drop the shard being written (it never appears, nor its sidecar) and close: for a
@@ -127,7 +105,7 @@ class TarWriter(ShardSeries):
         if self._file is not None:
             self._file.discard()
             self.paths.pop()
-        self._tar = self._file = self._members = None
+        self._file = self._members = None
         self._closed = True
 
     def close(self) -> None:
@@ -186,6 +164,60 @@ class _Digesting:
     def discard(self) -> None:
         self._pending.put(None)
         self._out.discard()
+
+
+def shard_bytes(samples: list[dict[str, Any]], url: str, index: bool = True) -> tuple[bytes, bytes | None]:
+    """One whole shard of `samples` built in memory, byte for byte what TarWriter writes for
+    them, and its `.idx` sidecar (None with `index=False`); `url` names the shard in errors.
+    For a worker that writes a shard at once: the MD5 and CRC-32 go over the bytes once."""
+    members = _tar_index.IndexBuilder(url)
+    parts: list[bytes] = []
+    length, last = 0, None
+    for sample in samples:
+        key, encoded = sample_members(sample)
+        if key == last:
+            raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would merge the two samples")
+        part = _append_members(length, key, encoded, members)
+        parts.append(part)
+        length += len(part)
+        last = key
+    parts.append(_tar_format.archive_end(length))
+    shard = b"".join(parts)
+    if not index:
+        return shard, None
+    digest = hashlib.md5(shard, usedforsecurity=False).hexdigest()
+    return shard, _tar_index.sidecar_bytes(members.finish(), len(shard), digest, zlib.crc32(shard))
+
+
+def sample_members(sample: Any) -> tuple[str, list[tuple[str, bytes]]]:
+    """The key of a sample TarWriter takes and its fields encoded; ArgumentError naming what is wrong."""
+    if not isinstance(sample, dict):
+        raise ArgumentError(f"sample must be a dict, got {type(sample).__name__}")
+    key = sample.get("__key__")
+    if not isinstance(key, str) or not key:
+        raise ArgumentError(f"sample needs a non-empty str '__key__', got {key!r}")
+    if "." in key.rsplit("/", 1)[-1] or key.startswith("__"):
+        raise ArgumentError(
+            f"sample key {key!r}: no dot allowed in its last path part, and "
+            "no leading '__' (readers would split or skip it)"
+        )
+    members = [(name, _encode(key, name, value)) for name, value in sample.items() if not name.startswith("__")]
+    if not members:
+        raise ArgumentError(f"sample {key!r} has no fields besides '__' entries")
+    return key, members
+
+
+def _append_members(offset: int, key: str, members: list[tuple[str, bytes]], index: _tar_index.IndexBuilder) -> bytes:
+    """The tar bytes of one sample's members written at `offset`, each recorded in `index`."""
+    parts: list[bytes] = []
+    for name, data in members:
+        header = _tar_format.member_header(f"{key}.{name}", len(data))
+        offset += len(header)
+        index.add(f"{key}.{name}", offset, len(data))
+        padding = _tar_format.data_padding(len(data))
+        parts += (header, data, padding)
+        offset += len(data) + len(padding)
+    return b"".join(parts)
 
 
 def _json_keys_are_text(value: Any) -> bool:
