@@ -1,17 +1,18 @@
 """`write_shards`: run a chain with a Loader's workers and write its samples as shards, resumably.
 
 With `maxcount` alone, shard k is samples [k*maxcount, (k+1)*maxcount) of the chain: the chain
-is batched by maxcount and each batch is written whole by a worker (`ShardBytes`: encoding, tar
-headers, MD5 and CRC all in the worker), the main process only publishing the shards in order;
-this is the fast path. With `maxsize`, where a shard ends depends on the sizes, the main process
-writes the samples as they come (encoded there: the workers run the chain). Either way the
-Loader yields in the chain's order whatever its worker count, so the bytes written depend on
-the chain alone. Completion is recorded in a manifest beside the shards (`manifest_url`), rewritten
-whole after each finished shard: the shards it lists, their samples and sizes, and the Loader's
-state after the last of them. A run started again with the same call continues from that state
-with the next shard number; shards are published whole (`storage.Store.open_write`), so a
-killed run leaves at most a finished shard the manifest does not list yet, which the next run
-writes again with the same bytes.
+is batched by maxcount and each batch is written whole by a worker (`ShardWriter`: encoding, tar
+headers, MD5 and CRC all in the worker, and the file itself when local), the main process only
+publishing the shards in order; this is the fast path. With `maxsize`, where a shard ends
+depends on the sizes, the main process writes the samples as they come (the workers run the
+chain). Either way the Loader yields in the chain's order whatever its worker count, so the
+bytes written depend on the chain alone. Completion is recorded in a manifest beside the shards
+(`manifest_url`), rewritten whole after each finished shard: the shards it lists, their samples
+and sizes, and the Loader's state after the last of them. A run started again with the same
+call continues from that state with the next shard number; shards are published whole
+(`storage.Store.open_write`, `Store.publish`), so a killed run leaves at most a finished shard
+the manifest does not list yet, which the next run writes again with the same bytes, and
+temporary files beside the shards that it removes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import uuid
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -96,7 +98,7 @@ def write_shards(
     }
     chain = dataset
     if maxcount is not None and maxsize is None:  # boundaries known in advance: a worker writes each shard
-        chain = dataset.batch(maxcount, collate=list).map(ShardBytes(format, pattern), name="write-shard")
+        chain = dataset.batch(maxcount, collate=list).map(ShardWriter(format, pattern), name="write-shard")
     loader = Loader(chain, workers, on_error=on_error, **loader_options)  # checks its arguments; starts nothing
     store = storage.Store(storage_options)
     done = _finished(store, manifest, identity)
@@ -122,33 +124,48 @@ def write_shards(
     finally:
         bar.close()
         loader.close()
+        if not storage.scheme_of(pattern):  # shards the workers wrote that were not published
+            for temporary in storage.stale_temporaries(manifest):
+                os.unlink(temporary)
     return [shard["path"] for shard in shards]
 
 
-class ShardBytes:
-    """The map a worker runs on a shard's samples (a batch of maxcount): the whole shard's bytes
-    (a tar and its sidecar, or a Parquet file), so the main process only publishes them. A bad
-    sample comes back as its ArgumentError (raised by the main process, never skipped with the
-    shard by `on_error="skip"`); tar samples without a key come back encoded for the main
-    process to key by their position, which only it knows."""
+class ShardWriter:
+    """The map a worker runs on a shard's samples (a batch of maxcount): it builds the whole
+    shard (a tar and its sidecar, or a Parquet file), so the main process only publishes it.
+    A local shard goes to a temporary file beside the shards, named after the manifest (so the
+    next run removes a killed run's), whose path comes back for the main process to rename
+    into place; a remote shard's bytes come back for it to upload. A bad sample comes back as
+    its ArgumentError (raised by the main process, never skipped with the shard by
+    `on_error="skip"`); tar samples without a key come back as they are, for the main process
+    to key by their position, which only it knows."""
 
     def __init__(self, format: str, pattern: str) -> None:
         self.format, self.pattern = format, pattern
 
-    def __call__(self, samples: list[Any]) -> tuple[bytes, bytes | None, int] | list[Any] | ArgumentError:
+    def __call__(self, samples: list[Any]) -> tuple[bytes | str, bytes | None, int] | list[Any] | ArgumentError:
         try:
             if self.format == "parquet":
-                return (
-                    parquet_writer.file_bytes([parquet_writer.sample_row(s) for s in samples], self.pattern),
-                    None,
-                    len(samples),
-                )
-            keyed = [_tar_safe(s) for s in samples]
-            if any(not isinstance(s, dict) or s.get("__key__") is None for s in keyed):
-                return keyed
-            return (*tar_writer.shard_bytes(keyed, self.pattern), len(samples))
+                rows = [parquet_writer.sample_row(s) for s in samples]
+                data, sidecar = parquet_writer.file_bytes(rows, self.pattern), None
+            else:
+                keyed = [_tar_safe(s) for s in samples]
+                if any(not isinstance(s, dict) or s.get("__key__") is None for s in keyed):
+                    return keyed
+                data, sidecar = tar_writer.shard_bytes(keyed, self.pattern)
         except ArgumentError as exc:
             return exc
+        if storage.scheme_of(self.pattern):
+            return data, sidecar, len(samples)
+        folder, name = os.path.split(manifest_url(self.pattern))
+        temporary = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        try:
+            os.makedirs(folder or ".", exist_ok=True)
+            with open(temporary, "wb") as out:
+                out.write(data)
+        except OSError as exc:
+            raise SourceError(f"cannot write {temporary}: {exc.strerror}") from None
+        return temporary, sidecar, len(samples)
 
 
 def _publish_shards(
@@ -173,8 +190,11 @@ def _publish_shards(
                 len(built),
             )
         data, sidecar, samples = built
-        with store.open_write(path) as out:
-            out.write(data)
+        if isinstance(data, str):  # the worker's temporary file
+            store.publish(data, path)
+        else:
+            with store.open_write(path) as out:
+                out.write(data)
         if sidecar is not None:
             with store.open_write(_tar_index.sidecar_url(path)) as out:
                 out.write(sidecar)

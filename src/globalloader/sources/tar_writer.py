@@ -76,7 +76,8 @@ class TarWriter(ShardSeries):
             self._next_shard()
         elif key == self._last_key:
             raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would merge the two samples")
-        self._file.write(_append_members(self._file.length, key, members, self._members))  # type: ignore[union-attr, arg-type]
+        for part in _member_parts(self._file.length, key, members, self._members):  # type: ignore[union-attr, arg-type]
+            self._file.write(part)  # type: ignore[union-attr]
         self._added(nbytes)
         self._last_key = key
 
@@ -177,9 +178,9 @@ def shard_bytes(samples: list[dict[str, Any]], url: str, index: bool = True) -> 
         key, encoded = sample_members(sample)
         if key == last:
             raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would merge the two samples")
-        part = _append_members(length, key, encoded, members)
-        parts.append(part)
-        length += len(part)
+        added = _member_parts(length, key, encoded, members)
+        parts += added
+        length += sum(map(len, added))
         last = key
     parts.append(_tar_format.archive_end(length))
     shard = b"".join(parts)
@@ -207,8 +208,11 @@ def sample_members(sample: Any) -> tuple[str, list[tuple[str, bytes]]]:
     return key, members
 
 
-def _append_members(offset: int, key: str, members: list[tuple[str, bytes]], index: _tar_index.IndexBuilder) -> bytes:
-    """The tar bytes of one sample's members written at `offset`, each recorded in `index`."""
+def _member_parts(
+    offset: int, key: str, members: list[tuple[str, bytes]], index: _tar_index.IndexBuilder
+) -> list[bytes]:
+    """The tar bytes of one sample's members written at `offset` (headers, data, padding: not
+    joined, so that the data is copied once), each member recorded in `index`."""
     parts: list[bytes] = []
     for name, data in members:
         header = _tar_format.member_header(f"{key}.{name}", len(data))
@@ -217,7 +221,7 @@ def _append_members(offset: int, key: str, members: list[tuple[str, bytes]], ind
         padding = _tar_format.data_padding(len(data))
         parts += (header, data, padding)
         offset += len(data) + len(padding)
-    return b"".join(parts)
+    return parts
 
 
 def _json_keys_are_text(value: Any) -> bool:
