@@ -117,10 +117,11 @@ def write_shards(
     position = sum(shard["samples"] for shard in shards)
     bar = tqdm(total=_length(dataset), initial=position, unit="sample", desc=pattern, disable=not progress)
     try:
+        record = _Record(store, manifest, identity, shards)
         if chain is not dataset:
-            _publish_shards(loader, store, pattern, manifest, identity, shards, bar)
+            _publish_shards(loader, pattern, record, bar)
         else:
-            _write_samples(loader, store, pattern, manifest, identity, shards, bar, format, maxcount, maxsize)
+            _write_samples(loader, pattern, record, bar, format, maxcount, maxsize)
     finally:
         bar.close()
         loader.close()
@@ -168,22 +169,34 @@ class ShardWriter:
         return temporary, sidecar, len(samples)
 
 
-def _publish_shards(
-    loader: Loader,
-    store: storage.Store,
-    pattern: str,
-    manifest: str,
-    identity: dict[str, Any],
-    shards: list[dict[str, Any]],
-    bar: tqdm[Any],
-) -> None:
+class _Record:
+    """The shards finished so far, and the manifest that records them."""
+
+    def __init__(
+        self, store: storage.Store, manifest: str, identity: dict[str, Any], shards: list[dict[str, Any]]
+    ) -> None:
+        self.store, self.manifest, self.identity, self.shards = store, manifest, identity, shards
+
+    def samples(self) -> int:
+        return sum(shard["samples"] for shard in self.shards)
+
+    def add(self, path: str, samples: int, state: dict[str, Any]) -> None:
+        """Record a published shard and the Loader's state after its last sample."""
+        self.shards.append(_shard(self.store, path, samples))
+        _save(self.store, self.manifest, self.identity, self.shards, state)
+
+    def complete(self) -> None:
+        _save(self.store, self.manifest, self.identity, self.shards, None)
+
+
+def _publish_shards(loader: Loader, pattern: str, record: _Record, bar: tqdm[Any]) -> None:
     """Publish, in order, the shards the workers wrote, each recorded in the manifest once whole."""
-    position = sum(shard["samples"] for shard in shards)
+    store, position = record.store, record.samples()
     run = iter(loader)
     for built in run:
         if isinstance(built, ArgumentError):
             raise built
-        path = pattern % len(shards)
+        path = pattern % len(record.shards)
         if isinstance(built, list):  # tar samples without keys: keyed here by position
             built = (
                 *tar_writer.shard_bytes([_positioned(s, position + i) for i, s in enumerate(built)], path),
@@ -198,28 +211,25 @@ def _publish_shards(
         if sidecar is not None:
             with store.open_write(_tar_index.sidecar_url(path)) as out:
                 out.write(sidecar)
-        shards.append(_shard(store, path, samples))
+        record.add(path, samples, make_state(loader.plan, run.position()))
         position += samples
-        _save(store, manifest, identity, shards, make_state(loader.plan, run.position()))
         bar.update(samples)
-    _save(store, manifest, identity, shards, None)
+    record.complete()
 
 
 def _write_samples(
     loader: Loader,
-    store: storage.Store,
     pattern: str,
-    manifest: str,
-    identity: dict[str, Any],
-    shards: list[dict[str, Any]],
+    record: _Record,
     bar: tqdm[Any],
     format: str,
     maxcount: int | None,
     maxsize: int | None,
 ) -> None:
     """Write the samples as they come, in the main process: shard boundaries depend on sizes."""
-    writer = WRITERS[format](pattern, maxcount, maxsize, storage_options=store.storage_options, first_shard=len(shards))
-    position = sum(shard["samples"] for shard in shards)
+    options = record.store.storage_options
+    writer = WRITERS[format](pattern, maxcount, maxsize, storage_options=options, first_shard=len(record.shards))
+    position = record.samples()
     in_shard = 0
     try:
         run = iter(loader)
@@ -233,16 +243,15 @@ def _write_samples(
             writer.write(_positioned(_tar_safe(sample), position) if format == "tar" else sample)
             if len(writer.paths) > opened:  # this sample began a shard: the one before is finished
                 if opened:
-                    shards.append(_shard(store, writer.paths[-2], in_shard))
-                    _save(store, manifest, identity, shards, make_state(loader.plan, before))
+                    record.add(writer.paths[-2], in_shard, make_state(loader.plan, before))
                 in_shard = 0
             in_shard += 1
             position += 1
             bar.update()
         writer.close()
         if in_shard:
-            shards.append(_shard(store, writer.paths[-1], in_shard))
-        _save(store, manifest, identity, shards, None)
+            record.add(writer.paths[-1], in_shard, make_state(loader.plan, run.position()))
+        record.complete()
     except BaseException:
         writer.abort()
         raise
