@@ -17,6 +17,7 @@ temporary files beside the shards that it removes.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import posixpath
@@ -148,22 +149,24 @@ class ShardWriter:
         try:
             if self.format == "parquet":
                 rows = [parquet_writer.sample_row(s) for s in samples]
-                data, sidecar = parquet_writer.file_bytes(rows, self.pattern), None
+                parts, index = [parquet_writer.file_bytes(rows, self.pattern)], None
             else:
                 keyed = [_tar_safe(s) for s in samples]
                 if any(not isinstance(s, dict) or s.get("__key__") is None for s in keyed):
                     return keyed
-                data, sidecar = tar_writer.shard_bytes(keyed, self.pattern)
+                parts, index = tar_writer.shard_parts(keyed, self.pattern)
         except ArgumentError as exc:
             return exc
         if storage.scheme_of(self.pattern):
-            return data, sidecar, len(samples)
+            buffer = io.BytesIO()
+            sidecar = tar_writer.write_parts(parts, index, buffer)
+            return buffer.getvalue(), sidecar, len(samples)
         folder, name = os.path.split(manifest_url(self.pattern))
         temporary = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
             os.makedirs(folder or ".", exist_ok=True)
             with open(temporary, "wb") as out:
-                out.write(data)
+                sidecar = tar_writer.write_parts(parts, index, out)
         except OSError as exc:
             raise SourceError(f"cannot write {temporary}: {exc.strerror}") from None
         return temporary, sidecar, len(samples)
@@ -198,16 +201,17 @@ def _publish_shards(loader: Loader, pattern: str, record: _Record, bar: tqdm[Any
             raise built
         path = pattern % len(record.shards)
         if isinstance(built, list):  # tar samples without keys: keyed here by position
-            built = (
-                *tar_writer.shard_bytes([_positioned(s, position + i) for i, s in enumerate(built)], path),
-                len(built),
-            )
-        data, sidecar, samples = built
-        if isinstance(data, str):  # the worker's temporary file
-            store.publish(data, path)
-        else:
+            parts, index = tar_writer.shard_parts([_positioned(s, position + i) for i, s in enumerate(built)], path)
             with store.open_write(path) as out:
-                out.write(data)
+                sidecar = tar_writer.write_parts(parts, index, out)
+            samples = len(built)
+        else:
+            data, sidecar, samples = built
+            if isinstance(data, str):  # the worker's temporary file
+                store.publish(data, path)
+            else:
+                with store.open_write(path) as out:
+                    out.write(data)
         if sidecar is not None:
             with store.open_write(_tar_index.sidecar_url(path)) as out:
                 out.write(sidecar)

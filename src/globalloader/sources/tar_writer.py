@@ -10,7 +10,7 @@ import queue
 import threading
 import zlib
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, BinaryIO, Self
 
 import numpy as np
 
@@ -167,10 +167,10 @@ class _Digesting:
         self._out.discard()
 
 
-def shard_bytes(samples: list[dict[str, Any]], url: str, index: bool = True) -> tuple[bytes, bytes | None]:
-    """One whole shard of `samples` built in memory, byte for byte what TarWriter writes for
-    them, and its `.idx` sidecar (None with `index=False`); `url` names the shard in errors.
-    For a worker that writes a shard at once: the MD5 and CRC-32 go over the bytes once."""
+def shard_parts(samples: list[dict[str, Any]], url: str) -> tuple[list[bytes], _tar_index.ShardIndex]:
+    """One whole shard of `samples`, byte for byte what TarWriter writes for them, as the pieces
+    to write in order (not joined: the data is not copied) and its index; `url` names the shard
+    in errors. For a worker that writes a shard at once (see `write_parts`)."""
     members = _tar_index.IndexBuilder(url)
     parts: list[bytes] = []
     length, last = 0, None
@@ -183,11 +183,22 @@ def shard_bytes(samples: list[dict[str, Any]], url: str, index: bool = True) -> 
         length += sum(map(len, added))
         last = key
     parts.append(_tar_format.archive_end(length))
-    shard = b"".join(parts)
-    if not index:
-        return shard, None
-    digest = hashlib.md5(shard, usedforsecurity=False).hexdigest()
-    return shard, _tar_index.sidecar_bytes(members.finish(), len(shard), digest, zlib.crc32(shard))
+    return parts, members.finish()
+
+
+def write_parts(parts: list[bytes], index: _tar_index.ShardIndex | None, out: BinaryIO) -> bytes | None:
+    """Write a file's `parts` to `out`; with the `index` of a tar shard, return its `.idx`
+    sidecar, the MD5 and CRC-32 computed over the bytes as they are written."""
+    if index is None:
+        out.writelines(parts)
+        return None
+    md5, crc, length = hashlib.md5(usedforsecurity=False), 0, 0
+    for part in parts:
+        out.write(part)
+        md5.update(part)
+        crc = zlib.crc32(part, crc)
+        length += len(part)
+    return _tar_index.sidecar_bytes(index, length, md5.hexdigest(), crc)
 
 
 def sample_members(sample: Any) -> tuple[str, list[tuple[str, bytes]]]:
