@@ -64,10 +64,9 @@ def write_shards(
     `__key__` becomes tar-safe: dots in its last part turn to `_`, a leading `/` goes, and a
     sample without one is keyed by its position, `%09d`). `format="parquet"`: Parquet files
     (`ParquetWriter`). A shard rolls over at `maxcount` samples or `maxsize` bytes (default
-    256 MB when neither is given). With `maxcount` alone the workers write whole shards (held
-    in memory until published: maxcount samples each, times the tasks in flight) and the
-    main process publishes them, the fast path; with `maxsize` the main process writes every
-    sample. Each shard appears whole when finished, uploaded as it completes for object
+    256 MB when neither is given). With `maxcount` alone each worker writes whole shards (it
+    holds a shard's samples in memory while it writes them) and the main process publishes
+    them, the fast path; with `maxsize` the main process writes every sample. Each shard appears whole when finished, uploaded as it completes for object
     storage; `progress` shows a bar.
 
     Killed at any point and called again the same way, it continues after the last finished
@@ -111,14 +110,13 @@ def write_shards(
             loader.load_state_dict(done["state"])
         except StateError as exc:
             raise StateError(f"{manifest}: {exc}; delete the manifest and its shards to start over") from None
-    if not storage.scheme_of(pattern):  # what a killed run was writing: the next shards and the manifest
+    if not storage.scheme_of(pattern):  # what a killed run was writing: the next shards, the manifest
         for url in (pattern % len(shards), pattern % (len(shards) + 1), manifest):
-            for temporary in storage.stale_temporaries(url):
+            for temporary in storage.stale_temporaries(url):  # the manifest's: the workers' shards too
                 os.unlink(temporary)
-    position = sum(shard["samples"] for shard in shards)
-    bar = tqdm(total=_length(dataset), initial=position, unit="sample", desc=pattern, disable=not progress)
+    record = _Record(store, manifest, identity, shards)
+    bar = tqdm(total=_length(dataset), initial=record.samples(), unit="sample", desc=pattern, disable=not progress)
     try:
-        record = _Record(store, manifest, identity, shards)
         if chain is not dataset:
             _publish_shards(loader, pattern, record, bar)
         else:
