@@ -66,8 +66,9 @@ def write_shards(
     (`ParquetWriter`). A shard rolls over at `maxcount` samples or `maxsize` bytes (default
     256 MB when neither is given). With `maxcount` alone each worker writes whole shards (it
     holds a shard's samples in memory while it writes them) and the main process publishes
-    them, the fast path; with `maxsize` the main process writes every sample. Each shard appears whole when finished, uploaded as it completes for object
-    storage; `progress` shows a bar.
+    them, the fast path; with `maxsize` the main process writes every sample. Each shard
+    appears whole when finished, uploaded as it completes for object storage; `progress`
+    shows a bar.
 
     Killed at any point and called again the same way, it continues after the last finished
     shard and ends with the same bytes as a run never stopped; a finished shard is not written
