@@ -61,14 +61,18 @@ def expected(n: int = SAMPLES, fmt: str = "tar") -> list[dict]:
     return [{"data": r["data"][::-1], "n": str(r["n"]).encode() if fmt == "tar" else r["n"]} for r in records(n)]
 
 
+# Shard ends decided by the samples' sizes (written by the main process), or known in advance
+# (each shard written whole by a worker).
+LIMITS = [{"maxsize": 20_000}, {"maxcount": 7}]
+
+
+@pytest.mark.parametrize("limit", LIMITS, ids=["maxsize", "maxcount"])
 @pytest.mark.parametrize("fmt", ["tar", "parquet"])
-def test_round_trip_in_order_and_same_bytes_for_any_worker_count(tmp_path, fmt):
+def test_round_trip_in_order_and_same_bytes_for_any_worker_count(tmp_path, fmt, limit):
     outputs = {}
     for workers in (0, 1, 2):
         folder = tmp_path / f"w{workers}"
-        paths = gl.write_shards(
-            chain(), folder / f"part-%04d.{fmt}", workers, maxsize=20_000, format=fmt, progress=False
-        )
+        paths = gl.write_shards(chain(), folder / f"part-%04d.{fmt}", workers, **limit, format=fmt, progress=False)
         assert paths == [str(folder / f"part-{i:04d}.{fmt}") for i in range(len(paths))]
         assert len(paths) > 3
         outputs[workers] = {k: v for k, v in files(folder).items() if not k.endswith(".json")}
@@ -78,11 +82,35 @@ def test_round_trip_in_order_and_same_bytes_for_any_worker_count(tmp_path, fmt):
         assert sum(name.endswith(".idx") for name in outputs[0]) == len(paths)
 
 
-def test_tar_keys_are_made_tar_safe_or_numbered(tmp_path):
+@pytest.mark.parametrize("limit", [{}, {"maxcount": 1}], ids=["maxsize", "maxcount"])
+def test_tar_keys_are_made_tar_safe_or_numbered(tmp_path, limit):
     samples = [{"__key__": "/a/b.c/x.y.jpg", "v": b"1"}, {"v": b"2"}]
-    gl.write_shards(gl.Dataset(samples), tmp_path / "s-%02d.tar", progress=False)
-    keys = [r["__key__"] for r in gl.Dataset(gl.TarShards([str(tmp_path / "s-00.tar")])).iterator()]
+    paths = gl.write_shards(gl.Dataset(samples), tmp_path / "s-%02d.tar", 1, **limit, progress=False)
+    keys = [r["__key__"] for r in gl.Dataset(gl.TarShards(paths)).iterator()]
     assert keys == ["a/b.c/x_y_jpg", "000000001"]
+
+
+def test_a_shard_written_whole_by_a_worker_has_the_bytes_tar_writer_writes(tmp_path):
+    paths = gl.write_shards(chain(), tmp_path / "w" / "out-%03d.tar", 2, maxcount=8, progress=False)
+    with gl.TarWriter(str(tmp_path / "t" / "out-%03d.tar"), maxcount=8) as writer:
+        for record in chain().iterator():
+            writer.write(record)
+    assert [Path(p).name for p in paths] == [Path(p).name for p in writer.paths]
+    assert files(tmp_path / "w").keys() - {"out-manifest.tar.json"} == files(tmp_path / "t").keys()
+    assert all(files(tmp_path / "w")[n] == data for n, data in files(tmp_path / "t").items())
+
+
+def test_a_bad_sample_in_a_shard_a_worker_writes_is_an_error_even_with_skip(tmp_path):
+    samples = [{"__key__": f"k{i}", "v": b"x"} for i in range(6)] + [{"__key__": "k6", "v": object()}]
+    with pytest.raises(ArgumentError, match=r"'k6'.*unsupported type"):
+        gl.write_shards(gl.Dataset(samples), tmp_path / "s-%02d.tar", 2, maxcount=3, on_error="skip", progress=False)
+    assert sorted(os.listdir(tmp_path)) == [
+        "s-00.tar",
+        "s-00.tar.idx",
+        "s-01.tar",
+        "s-01.tar.idx",
+        "s-manifest.tar.json",
+    ]
 
 
 def test_errors_name_the_argument(tmp_path):
@@ -124,6 +152,7 @@ def identities(folder: Path, names: list[str]) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_failing_map_stops_with_nothing_half_written_and_the_same_call_resumes(tmp_path, workers):
+    # maxcount: each shard is written whole by a worker
     reference = tmp_path / "reference"
     gl.write_shards(chain(), reference / "out-%03d.tar", maxcount=5, progress=False)
     folder = tmp_path / "run"
@@ -132,12 +161,14 @@ def test_a_failing_map_stops_with_nothing_half_written_and_the_same_call_resumes
     try:
         with pytest.raises(TransformError, match=f"k{FAIL_AT:03d}|index {FAIL_AT}"):
             gl.write_shards(chain(), folder / "out-%03d.tar", workers, maxcount=5, progress=False)
-        # samples 0-63 came (tasks 0 and 1), then task 2 failed: shards 0-11 are finished and
-        # recorded; shard 12 (from sample 60) never appears, nor any temporary file
-        finished = [f"out-{i:03d}.tar{idx}" for i in range(12) for idx in ("", ".idx")]
-        assert sorted(os.listdir(folder)) == sorted([*finished, "out-manifest.tar.json"])
+        # the shards before the one of sample 70 (14 at most) are finished and recorded; the
+        # failed one never appears, nor any temporary file
         record = json.loads((folder / "out-manifest.tar.json").read_text())
-        assert [s["samples"] for s in record["shards"]] == [5] * 12 and not record["complete"]
+        count = len(record["shards"])
+        assert count <= FAIL_AT // 5 and not record["complete"]
+        assert [s["samples"] for s in record["shards"]] == [5] * count
+        finished = [f"out-{i:03d}.tar{idx}" for i in range(count) for idx in ("", ".idx")]
+        assert sorted(os.listdir(folder)) == sorted([*finished, "out-manifest.tar.json"])
         kept = identities(folder, finished)
         FAIL_FLAG[0].unlink()
         gl.write_shards(chain(), folder / "out-%03d.tar", workers, maxcount=5, progress=False)
@@ -149,13 +180,13 @@ def test_a_failing_map_stops_with_nothing_half_written_and_the_same_call_resumes
     assert all(got[n] == want[n] for n in want if not n.endswith(".json"))
 
 
-def run_job(folder: Path, workers: int, kill_at: int | None = None, fmt: str = "tar") -> int:
+def run_job(folder: Path, workers: int, kill_at: int | None = None, limit: str = "maxsize") -> int:
     env = {k: v for k, v in os.environ.items() if k != "KILL_AT"}
     if kill_at is not None:
         env["KILL_AT"] = str(kill_at)
     folder.mkdir(exist_ok=True)
     proc = subprocess.run(
-        [sys.executable, str(JOB), f"out/shard-%03d.{fmt}", str(workers), fmt],
+        [sys.executable, str(JOB), "out/shard-%03d.tar", str(workers), limit],
         cwd=folder,
         env=env,
         timeout=120,
@@ -166,8 +197,9 @@ def run_job(folder: Path, workers: int, kill_at: int | None = None, fmt: str = "
 
 
 @pytest.mark.slow
-def test_killed_at_any_point_the_same_call_ends_with_the_bytes_of_an_uninterrupted_run(tmp_path):
-    assert run_job(tmp_path / "reference", 2) == 0
+@pytest.mark.parametrize("limit", ["maxsize", "maxcount"])
+def test_killed_at_any_point_the_same_call_ends_with_the_bytes_of_an_uninterrupted_run(tmp_path, limit):
+    assert run_job(tmp_path / "reference", 2, limit=limit) == 0
     want = files(tmp_path / "reference" / "out")
     shards = sorted(n for n in want if n.endswith(".tar"))
     assert len(shards) >= 6
@@ -175,7 +207,7 @@ def test_killed_at_any_point_the_same_call_ends_with_the_bytes_of_an_uninterrupt
     # the writer is wherever it is (behind by the tasks in flight), and in the last task
     for kill_at, workers in ((130, 0), (100, 2), (199, 2)):
         folder = tmp_path / f"kill{kill_at}"
-        assert run_job(folder, workers, kill_at) == -signal.SIGKILL
+        assert run_job(folder, workers, kill_at, limit) == -signal.SIGKILL
         out = folder / "out"
         left = files(out) if out.exists() else {}
         # whatever a killed run left under a shard's name is that shard, whole
@@ -183,7 +215,7 @@ def test_killed_at_any_point_the_same_call_ends_with_the_bytes_of_an_uninterrupt
         manifest = out / "shard-manifest.tar.json"
         listed = [Path(s["path"]).name for s in json.loads(manifest.read_text())["shards"]] if manifest.exists() else []
         kept = identities(out, [n for s in listed for n in (s, s + ".idx")])
-        assert run_job(folder, workers) == 0
+        assert run_job(folder, workers, limit=limit) == 0
         assert files(out) == want, f"killed at sample {kill_at}"
         assert identities(out, list(kept)) == kept, f"killed at sample {kill_at}: finished shards written again"
 

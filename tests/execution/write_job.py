@@ -1,5 +1,6 @@
 """A conversion run as its own process, for the tests that kill it: `python write_job.py PATTERN
-WORKERS FORMAT`. With $KILL_AT set, the map SIGKILLs the writing process when it reaches that
+WORKERS LIMIT` (LIMIT: `maxsize`, shards ended by size in the main process, or `maxcount`, each
+shard written whole by a worker). With $KILL_AT set, the map SIGKILLs the writing process when it reaches that
 sample (from a worker when there are workers), so the kill lands wherever the writer then is."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import globalloader as gl
 
 SAMPLES = 200  # seven tasks of the Loader's 32 samples
-MAXSIZE = 16_000  # bytes: shards of 2 to 6 samples, their ends decided by the samples' sizes
+LIMITS = {"maxsize": 16_000, "maxcount": 4}  # maxsize: shards of 2 to 6 samples, ended by their sizes
 
 
 def records() -> list[dict]:
@@ -35,5 +36,5 @@ def chain() -> gl.Dataset:
 
 if __name__ == "__main__":
     os.environ["WRITER_PID"] = str(os.getpid())
-    pattern, workers, fmt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    gl.write_shards(chain(), pattern, workers=workers, maxsize=MAXSIZE, format=fmt, progress=False)
+    pattern, workers, limit = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    gl.write_shards(chain(), pattern, workers=workers, **{limit: LIMITS[limit]}, progress=False)

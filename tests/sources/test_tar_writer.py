@@ -161,3 +161,22 @@ def test_numbers_from_first_shard(tmp_path: pathlib.Path) -> None:
         for i in range(3):
             writer.write(_sample(i))
     assert writer.paths == [str(tmp_path / "out-005.tar"), str(tmp_path / "out-006.tar")]
+
+
+def test_the_bytes_are_those_tarfile_writes(tmp_path: pathlib.Path) -> None:
+    # headers are built directly (not by tarfile): short ASCII names, and names that need pax
+    # records (long, non-ASCII), give byte for byte tarfile's archive, end padding included
+    keys = ["a", "train/s00001", "k" * 120, "héllo/wörld"]
+    samples = [{"__key__": key, "jpg": bytes(range(i * 300 % 256)) * (i + 1), "txt": key} for i, key in enumerate(keys)]
+    with TarWriter(str(tmp_path / "ours.tar")) as writer:
+        for sample in samples:
+            writer.write(sample)
+    reference = io.BytesIO()
+    with tarfile.open(fileobj=reference, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for sample in samples:
+            for ext in ("jpg", "txt"):
+                data = sample[ext] if ext == "jpg" else sample[ext].encode()
+                info = tarfile.TarInfo(f"{sample['__key__']}.{ext}")
+                info.size, info.mode, info.mtime, info.uname, info.gname = len(data), 0o444, 0, "", ""
+                tar.addfile(info, io.BytesIO(data))
+    assert (tmp_path / "ours.tar").read_bytes() == reference.getvalue()

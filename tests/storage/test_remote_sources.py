@@ -208,3 +208,19 @@ def test_sizes_and_versions_come_from_the_listing_else_one_request_each(s3: dict
     assert proxy.count("HEAD", prefix) == 3  # the listing answered every shard
     assert listed.shards == urls and listed._stats == asked
     assert all(st.size > 0 and st.version for st in asked)
+
+
+def test_publish_puts_a_file_another_process_wrote_at_its_url_whole(tmp_path: pathlib.Path, s3: dict[str, Any]) -> None:
+    # what write_shards' workers hand to the main process: a finished temporary file
+    store = storage.Store(s3["options"])
+    for url in (str(tmp_path / "out" / "a.bin"), f"s3://{s3['bucket']}/out/a.bin"):
+        (tmp_path / "out").mkdir(exist_ok=True)
+        temporary = tmp_path / "out" / ".a.bin.worker.tmp"
+        temporary.write_bytes(b"whole" * 1000)
+        store.publish(str(temporary), url)
+        assert store.read_optional(url, 1 << 20) == b"whole" * 1000
+        assert not temporary.exists()
+    temporary.write_bytes(b"x")
+    with pytest.raises(SourceError, match="cannot write"):
+        store.publish(str(temporary), str(tmp_path / "no-such-folder" / "a.bin"))
+    assert not temporary.exists()

@@ -31,9 +31,7 @@ class ShardSeries:
             raise ArgumentError(f"pattern must be a str or path, got {type(pattern).__name__}")
         self.pattern = os.fspath(pattern)
         self.store = storage.Store(storage_options)
-        for name, value in (("maxcount", maxcount), ("maxsize", maxsize)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ArgumentError(f"{name} must be a positive int or None, got {value!r}")
+        check_limits(maxcount, maxsize)
         self._numbered = has_number_field(self.pattern)
         if (maxcount or maxsize) and not self._numbered:
             raise ArgumentError(
@@ -61,6 +59,13 @@ class ShardSeries:
     def _added(self, nbytes: int) -> None:
         self._count += 1
         self._size += nbytes
+
+
+def check_limits(maxcount: int | None, maxsize: int | None) -> None:
+    """ArgumentError naming `maxcount` or `maxsize` unless each is a positive int or None."""
+    for name, value in (("maxcount", maxcount), ("maxsize", maxsize)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ArgumentError(f"{name} must be a positive int or None, got {value!r}")
 
 
 def has_number_field(pattern: str) -> bool:

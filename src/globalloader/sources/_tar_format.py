@@ -281,3 +281,38 @@ def _cstring(field: bytes) -> bytes:
 
 def _decode(raw: bytes) -> str:
     return raw.decode(_ENCODING, "surrogateescape")
+
+
+# Writing: the headers `tarfile.TarInfo(name).tobuf(tarfile.PAX_FORMAT)` makes for a regular file
+# of mode 0o444, owner 0, mtime 0 and empty user/group names, built directly for the common case.
+_RECORD = 20 * BLOCK  # tarfile pads a closed archive to whole records of this size
+_HEAD = b"0000444\x000000000\x000000000\x00"  # mode, uid, gid
+_TAIL_FIELDS = b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * (64 + 16 + 155)  # type, link, magic, names, dev, prefix
+_MAX_USTAR_SIZE = 8**11 - 1
+
+
+def member_header(name: str, size: int) -> bytes:
+    """The header block(s) of a regular member `name` of `size` bytes, byte for byte what
+    `tarfile` writes in PAX format (names that are not short ASCII get its pax records)."""
+    raw = name.encode("ascii", "surrogateescape") if name.isascii() else b""
+    if not raw or len(raw) > 100 or size > _MAX_USTAR_SIZE:
+        import tarfile
+
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime, info.uname, info.gname = size, 0o444, 0, "", ""
+        return info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+    block = bytearray(raw.ljust(100, b"\0") + _HEAD + b"%011o\x0000000000000\x00        " % size + _TAIL_FIELDS)
+    block[148:155] = b"%06o\x00" % sum(block)
+    return bytes(block) + b"\0" * (BLOCK - len(block))
+
+
+def data_padding(size: int) -> bytes:
+    """The zeros after a member's data of `size` bytes, up to its block boundary."""
+    return b"\0" * (-size % BLOCK)
+
+
+def archive_end(length: int) -> bytes:
+    """What closes an archive of `length` bytes of members: the end marker (two zero blocks)
+    and the zeros that pad it to whole records, as `tarfile` writes them."""
+    end = length + 2 * BLOCK
+    return b"\0" * (2 * BLOCK + -end % _RECORD)

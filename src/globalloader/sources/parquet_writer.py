@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 from types import TracebackType
 from typing import Any, Self
@@ -39,8 +40,7 @@ class ParquetWriter(ShardSeries):
         row_group_rows: int = ROW_GROUP_ROWS,
     ) -> None:
         super().__init__(pattern, maxcount, maxsize, storage_options, first_shard)
-        self._pa = _extras.require("pyarrow", "parquet")
-        self._pq = _extras.require("pyarrow.parquet", "parquet")
+        _extras.require("pyarrow.parquet", "parquet")  # named at construction, not at the first full file
         self.row_group_rows = check_int(row_group_rows, "row_group_rows", 1)
         self._rows: list[dict[str, Any]] | None = None
         self._closed = False
@@ -49,11 +49,7 @@ class ParquetWriter(ShardSeries):
         """Append one row; writes the current file first if it is full."""
         if self._closed:
             raise ArgumentError(f"write() on a closed ParquetWriter({self.pattern!r})")
-        if not isinstance(sample, dict):
-            raise ArgumentError(f"sample must be a dict, got {type(sample).__name__}")
-        row = {name: value for name, value in sample.items() if not str(name).startswith("__")}
-        if not row:
-            raise ArgumentError(f"sample {sample.get('__key__')!r} has no fields besides '__' entries")
+        row = sample_row(sample)
         nbytes = sum(_value_size(value) for value in row.values())
         if self._rows is None or self._full(nbytes):
             self._flush()
@@ -67,12 +63,9 @@ class ParquetWriter(ShardSeries):
         if not self._rows:
             return
         path, rows, self._rows = self.paths[-1], self._rows, None
-        try:
-            table = self._pa.Table.from_pylist(rows)
-        except (self._pa.ArrowInvalid, self._pa.ArrowTypeError) as exc:
-            raise ArgumentError(f"{path}: the rows cannot be one Parquet table ({exc})") from None
+        data = file_bytes(rows, path, self.row_group_rows)
         with self.store.open_write(path) as out:
-            self._pq.write_table(table, out, row_group_size=self.row_group_rows)
+            out.write(data)
 
     def abort(self) -> None:
         """Drop the file being filled (it never appears) and close."""
@@ -97,6 +90,30 @@ class ParquetWriter(ShardSeries):
 
     def __repr__(self) -> str:
         return f"ParquetWriter({self.pattern!r}, {len(self.paths)} files written)"
+
+
+def sample_row(sample: Any) -> dict[str, Any]:
+    """The row of a sample: its entries but the `__x__` ones; ArgumentError naming what is wrong."""
+    if not isinstance(sample, dict):
+        raise ArgumentError(f"sample must be a dict, got {type(sample).__name__}")
+    row = {name: value for name, value in sample.items() if not str(name).startswith("__")}
+    if not row:
+        raise ArgumentError(f"sample {sample.get('__key__')!r} has no fields besides '__' entries")
+    return row
+
+
+def file_bytes(rows: list[dict[str, Any]], path: str, row_group_rows: int = ROW_GROUP_ROWS) -> bytes:
+    """The Parquet file of `rows` (in row groups of `row_group_rows`), as ParquetWriter writes
+    it; `path` names the file in errors. Needs pyarrow."""
+    pa = _extras.require("pyarrow", "parquet")
+    pq = _extras.require("pyarrow.parquet", "parquet")
+    try:
+        table = pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ArgumentError(f"{path}: the rows cannot be one Parquet table ({exc})") from None
+    out = io.BytesIO()
+    pq.write_table(table, out, row_group_size=row_group_rows)
+    return out.getvalue()
 
 
 def _value_size(value: Any) -> int:

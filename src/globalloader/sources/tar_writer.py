@@ -7,18 +7,18 @@ import io
 import json
 import os
 import queue
-import tarfile
 import threading
 import zlib
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, BinaryIO, Self
 
 import numpy as np
 
 from globalloader import storage
 from globalloader.errors import ArgumentError
-from globalloader.sources import _tar_index
+from globalloader.sources import _tar_format, _tar_index
 from globalloader.sources._shard_series import ShardSeries
+from globalloader.sources._tar_format import BLOCK
 
 
 class TarWriter(ShardSeries):
@@ -63,7 +63,6 @@ class TarWriter(ShardSeries):
         self.index = bool(index)
         self._file: _Digesting | None = None
         self._members: _tar_index.IndexBuilder | None = None
-        self._tar: tarfile.TarFile | None = None
         self._last_key: str | None = None
         self._closed = False
 
@@ -71,55 +70,35 @@ class TarWriter(ShardSeries):
         """Append one sample; rolls to the next shard first if this one is full."""
         if self._closed:
             raise ArgumentError(f"write() on a closed TarWriter({self.pattern!r})")
-        if not isinstance(sample, dict):
-            raise ArgumentError(f"sample must be a dict, got {type(sample).__name__}")
-        key = sample.get("__key__")
-        if not isinstance(key, str) or not key:
-            raise ArgumentError(f"sample needs a non-empty str '__key__', got {key!r}")
-        if "." in key.rsplit("/", 1)[-1] or key.startswith("__"):
-            raise ArgumentError(
-                f"sample key {key!r}: no dot allowed in its last path part, and "
-                "no leading '__' (readers would split or skip it)"
-            )
-        members = [(name, _encode(key, name, value)) for name, value in sample.items() if not name.startswith("__")]
-        if not members:
-            raise ArgumentError(f"sample {key!r} has no fields besides '__' entries")
-        nbytes = sum(512 + -(-len(data) // 512) * 512 for _, data in members)
-        if self._tar is None or self._full(nbytes):
+        key, members = sample_members(sample)
+        nbytes = sum(BLOCK + len(data) + -len(data) % BLOCK for _, data in members)
+        if self._file is None or self._full(nbytes):
             self._next_shard()
         elif key == self._last_key:
             raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would merge the two samples")
-        for name, data in members:
-            info = tarfile.TarInfo(f"{key}.{name}")
-            info.size, info.mode, info.mtime = len(data), 0o444, 0
-            info.uname = info.gname = ""
-            self._tar.addfile(info, io.BytesIO(data))  # type: ignore[union-attr]
-            # addfile wrote the header(s), the data and its padding: the data starts that far back.
-            end = self._file.length  # type: ignore[union-attr]
-            self._members.add(info.name, end - -(-len(data) // 512) * 512, len(data))  # type: ignore[union-attr]
+        for part in _member_parts(self._file.length, key, members, self._members):  # type: ignore[union-attr, arg-type]
+            self._file.write(part)  # type: ignore[union-attr]
         self._added(nbytes)
         self._last_key = key
 
     def _next_shard(self) -> None:
         self._finish_shard()
         path = self._new_path()
-        # Both stay open across write() calls until the shard is full; _finish_shard closes them.
-        self._file = _Digesting(self.store.open_write(path))  # published whole, when closed
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)  # type: ignore[call-overload]  # noqa: SIM115
+        self._file = _Digesting(self.store.open_write(path))  # published whole, when closed (kept open until then)
         self._members = _tar_index.IndexBuilder(path)
         self._last_key = None
 
     def _finish_shard(self) -> None:
-        if self._tar is None or self._file is None or self._members is None:
+        if self._file is None or self._members is None:
             return
-        self._tar.close()
+        self._file.write(_tar_format.archive_end(self._file.length))
         self._file.close()
         if self.index:
             written = self._file
             sidecar = _tar_index.sidecar_bytes(self._members.finish(), written.length, written.md5(), written.crc)
             with self.store.open_write(_tar_index.sidecar_url(self.paths[-1])) as out:
                 out.write(sidecar)
-        self._tar = self._file = self._members = None
+        self._file = self._members = None
 
     def abort(self) -> None:
         """Drop the shard being written (it never appears, nor its sidecar) and close: for a
@@ -127,7 +106,7 @@ class TarWriter(ShardSeries):
         if self._file is not None:
             self._file.discard()
             self.paths.pop()
-        self._tar = self._file = self._members = None
+        self._file = self._members = None
         self._closed = True
 
     def close(self) -> None:
@@ -186,6 +165,74 @@ class _Digesting:
     def discard(self) -> None:
         self._pending.put(None)
         self._out.discard()
+
+
+def shard_parts(samples: list[dict[str, Any]], url: str) -> tuple[list[bytes], _tar_index.ShardIndex]:
+    """One whole shard of `samples`, byte for byte what TarWriter writes for them, as the pieces
+    to write in order (not joined: the data is not copied) and its index; `url` names the shard
+    in errors. For a worker that writes a shard at once (see `write_parts`)."""
+    members = _tar_index.IndexBuilder(url)
+    parts: list[bytes] = []
+    length, last = 0, None
+    for sample in samples:
+        key, encoded = sample_members(sample)
+        if key == last:
+            raise ArgumentError(f"sample key {key!r} repeats the previous one; readers would merge the two samples")
+        added = _member_parts(length, key, encoded, members)
+        parts += added
+        length += sum(map(len, added))
+        last = key
+    parts.append(_tar_format.archive_end(length))
+    return parts, members.finish()
+
+
+def write_parts(parts: list[bytes], index: _tar_index.ShardIndex | None, out: BinaryIO) -> bytes | None:
+    """Write a file's `parts` to `out`; with the `index` of a tar shard, return its `.idx`
+    sidecar, the MD5 and CRC-32 computed over the bytes as they are written."""
+    if index is None:
+        out.writelines(parts)
+        return None
+    md5, crc, length = hashlib.md5(usedforsecurity=False), 0, 0
+    for part in parts:
+        out.write(part)
+        md5.update(part)
+        crc = zlib.crc32(part, crc)
+        length += len(part)
+    return _tar_index.sidecar_bytes(index, length, md5.hexdigest(), crc)
+
+
+def sample_members(sample: Any) -> tuple[str, list[tuple[str, bytes]]]:
+    """The key of a sample TarWriter takes and its fields encoded; ArgumentError naming what is wrong."""
+    if not isinstance(sample, dict):
+        raise ArgumentError(f"sample must be a dict, got {type(sample).__name__}")
+    key = sample.get("__key__")
+    if not isinstance(key, str) or not key:
+        raise ArgumentError(f"sample needs a non-empty str '__key__', got {key!r}")
+    if "." in key.rsplit("/", 1)[-1] or key.startswith("__"):
+        raise ArgumentError(
+            f"sample key {key!r}: no dot allowed in its last path part, and "
+            "no leading '__' (readers would split or skip it)"
+        )
+    members = [(name, _encode(key, name, value)) for name, value in sample.items() if not name.startswith("__")]
+    if not members:
+        raise ArgumentError(f"sample {key!r} has no fields besides '__' entries")
+    return key, members
+
+
+def _member_parts(
+    offset: int, key: str, members: list[tuple[str, bytes]], index: _tar_index.IndexBuilder
+) -> list[bytes]:
+    """The tar bytes of one sample's members written at `offset` (headers, data, padding: not
+    joined, so that the data is copied once), each member recorded in `index`."""
+    parts: list[bytes] = []
+    for name, data in members:
+        header = _tar_format.member_header(f"{key}.{name}", len(data))
+        offset += len(header)
+        index.add(f"{key}.{name}", offset, len(data))
+        padding = _tar_format.data_padding(len(data))
+        parts += (header, data, padding)
+        offset += len(data) + len(padding)
+    return parts
 
 
 def _json_keys_are_text(value: Any) -> bool:

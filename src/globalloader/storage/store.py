@@ -434,6 +434,20 @@ class Store(ProcessLocal):
             return _LocalReplace(url)
         return _Upload(self, url)
 
+    def publish(self, temporary: str, url: str) -> None:
+        """Put the finished local file `temporary` at `url` whole, as `open_write` does, and
+        remove it: for a file another process (a worker) wrote. Renamed over a local `url` (so
+        it must be on the same file system: beside it), uploaded in one retried call to a
+        remote one."""
+        try:
+            if scheme_of(url):
+                _upload(self, temporary, url)
+            else:
+                _replace(temporary, url)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
 
 class StagedWrite(io.BufferedWriter):
     """A file written to a temporary place and published whole by `close()` (see `open_write`)."""
@@ -487,10 +501,7 @@ class _LocalReplace(StagedWrite):
             raise SourceError(f"cannot open {url}: {exc.strerror}") from None
 
     def _publish(self) -> None:
-        try:
-            os.replace(self._tmp, self.url)
-        except OSError as exc:
-            raise SourceError(f"cannot write {self.url}: {exc.strerror}") from None
+        _replace(self._tmp, self.url)
 
 
 class _Upload(StagedWrite):
@@ -503,14 +514,25 @@ class _Upload(StagedWrite):
         super().__init__(url, handle.name)
 
     def _publish(self) -> None:
-        fs, path = self._store.filesystem(self.url)
-        retry.call(
-            lambda seconds: fs.put_file(self._tmp, path, **bounded(fs, seconds)),
-            self.url,
-            "upload to",
-            self._store.retry_policy,
-            os.path.getsize(self._tmp),
-        )
+        _upload(self._store, self._tmp, self.url)
+
+
+def _replace(temporary: str, url: str) -> None:
+    try:
+        os.replace(temporary, url)
+    except OSError as exc:
+        raise SourceError(f"cannot write {url}: {exc.strerror}") from None
+
+
+def _upload(store: Store, temporary: str, url: str) -> None:
+    fs, path = store.filesystem(url)
+    retry.call(
+        lambda seconds: fs.put_file(temporary, path, **bounded(fs, seconds)),
+        url,
+        "upload to",
+        store.retry_policy,
+        os.path.getsize(temporary),
+    )
 
 
 def stale_temporaries(url: str) -> list[str]:
