@@ -25,7 +25,7 @@ wheel there).
   construction of the source; `gl.MDS("s3://...")` vs `StreamingDataset(remote="s3://...")`.
   Goal: >= 1.3x.
 - `litdata`: LitData's optimized chunks read by `gl.LitData` vs LitData's own `StreamingDataset`
-  (its function, `bench_read_litdata`, joins PARTS beside these). Goal: >= 1.3x.
+  in its `StreamingDataLoader(num_workers=2)`, the same augmentation. Goal: >= 1.3x.
 - `hf`: a Hugging Face dataset written by `datasets` itself (`save_to_disk`, an Image and a
   ClassLabel feature, 4 files): `gl.HFDataset` vs `datasets.load_from_disk` (its Image feature
   decoding with Pillow), workers started inside each timed epoch, one epoch read first, untimed.
@@ -318,7 +318,59 @@ def bench_read_mds_s3(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- litdata -----------------------------------------------------------------------------------------
-# The LitData read part, `bench_read_litdata(args)`, goes here, and into PARTS as "litdata".
+
+_LITDATA_WRITE = """
+from litdata import optimize
+
+def item(entry):
+    path, label = entry
+    with open(path, "rb") as f:
+        return {"image": f.read(), "label": label}  # the JPEG's bytes, stored as they are
+
+def main(INPUTS):
+    optimize(fn=item, inputs=INPUTS["items"], output_dir=INPUTS["folder"], chunk_bytes="64MB", num_workers=2)
+"""
+
+_LITDATA_READ = """
+import io
+from litdata import StreamingDataLoader, StreamingDataset
+
+class Augmented(StreamingDataset):
+    def __getitem__(self, index):
+        record = super().__getitem__(index)
+        rng = np.random.default_rng(getattr(index, "index", index))
+        return {"image": augment(Image.open(io.BytesIO(record["image"])), rng), "label": record["label"]}
+
+def main(INPUTS):
+    runs = []
+    for seed in [1000, *INPUTS["seeds"]]:  # the first epoch warms the page cache
+        start, cpu0, samples = time.perf_counter(), cpu_s(), 0
+        data = Augmented(INPUTS["folder"], shuffle=True, seed=seed)
+        loader = StreamingDataLoader(data, batch_size=INPUTS["batch"], num_workers=INPUTS["workers"])
+        for out in loader:
+            float(out["image"].mean())
+            samples += len(out["label"])
+        del loader  # its workers stop here, so that their CPU time is counted
+        runs.append((samples / (time.perf_counter() - start), samples / (cpu_s() - cpu0)))
+    return runs[1:]
+"""
+
+
+def bench_read_litdata(args: argparse.Namespace) -> dict[str, Any]:
+    """gl.LitData in gl.Loader vs LitData's StreamingDataset in its StreamingDataLoader, warm."""
+    folder = args.data / f"litdata-{args.samples}"
+    if not (folder / "index.json").exists():
+        _peer(args, _LITDATA_WRITE, items=_items(_jpegs(args)), folder=str(folder))
+    source = gl.LitData(folder)
+    chain = _augmented(source)
+    _gl_epoch(chain, 1000)  # warm
+    runs: dict[str, list[tuple[float, float]]] = {"gl": [], "litdata": []}
+    for round_ in range(args.rounds):
+        runs["gl"].append(_gl_epoch(chain, round_))
+        read = {"folder": str(folder), "batch": BATCH, "workers": WORKERS, "seeds": [round_]}
+        runs["litdata"] += _peer(args, _PEER_AUGMENT + _LITDATA_READ, **read)
+        _print_round("litdata", round_, args, runs)
+    return {"samples": len(source), **_compare(runs, {"litdata": 1.3})}
 
 
 # -- hf ----------------------------------------------------------------------------------------------
@@ -451,6 +503,7 @@ def bench_write(args: argparse.Namespace) -> dict[str, Any]:
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "mds": bench_read_mds,
     "mds-s3": bench_read_mds_s3,
+    "litdata": bench_read_litdata,
     "hf": bench_read_hf,
     "write": bench_write,
 }
