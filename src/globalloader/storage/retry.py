@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from globalloader.errors import GlobalLoaderError, RemoteAccessError, RemoteReadError
-from globalloader.storage._fs import is_transient
+from globalloader.storage._fs import http_status, is_denied, is_transient
 
 T = TypeVar("T")
 
@@ -91,9 +91,9 @@ def _too_slow(seconds: float, nbytes: int | None) -> str:
 
 
 def _permanent(exc: BaseException, url: str, what: str) -> RemoteAccessError:
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, FileNotFoundError) or http_status(exc) == 404:
         return RemoteAccessError(f"file not found: {url}")
-    if isinstance(exc, PermissionError):
+    if is_denied(exc):
         return RemoteAccessError(f"access denied to {url} (check the credentials or storage_options=): {exc}")
     return RemoteAccessError(f"cannot {what} {url}: {_describe(exc)}")
 

@@ -29,13 +29,14 @@ from globalloader.storage import retry
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
 from globalloader.storage._fs import (
     LOCAL_SCHEMES,
-    S3_SCHEMES,
-    S3Answer,
+    Answer,
     bounded,
+    can_read_if_version,
     filesystem,
     local_errors,
-    read_s3_if_match,
+    read_if_version,
     scheme_of,
+    version_field,
 )
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
 from globalloader.storage.checksum import Digest, TransferCorrupted
@@ -137,7 +138,7 @@ class Store(ProcessLocal):
         info = retry.call(lambda seconds: fs.info(path, **bounded(fs, seconds)), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
-        stat = _file_stat(info)
+        stat = _file_stat(url, info)
         with self._lock:
             self._infos[url] = (now, stat)
         return stat
@@ -164,8 +165,8 @@ class Store(ProcessLocal):
         found = retry.call(
             lambda seconds: fs.glob(path, detail=True, **bounded(fs, seconds)), pattern, "list", self.retry_policy, None
         )
-        self._remember(fs, found)
-        return sorted(fs.unstrip_protocol(p) for p in found)
+        self._remember(pattern, fs, found)
+        return sorted(_as_asked(pattern, fs, name) for name in found)
 
     def find(self, root: str) -> dict[str, FileStat]:
         """Every file below a remote folder with its size and version, from one listing (which
@@ -174,15 +175,16 @@ class Store(ProcessLocal):
         found = retry.call(
             lambda seconds: fs.find(path, detail=True, **bounded(fs, seconds)), root, "list", self.retry_policy, None
         )
-        return self._remember(fs, found)
+        return self._remember(root, fs, found)
 
-    def _remember(self, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
+    def _remember(self, asked: str, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
         """The files of a detailed listing with their size and version, also kept in the
         per-process memo of `stat` (a listing answers what a HEAD per file would)."""
         now, out = time.monotonic(), {}
         for name, info in listing.items():
             if info.get("type", "file") == "file" and info.get("size") is not None:
-                out[fs.unstrip_protocol(name)] = _file_stat(info)
+                url = _as_asked(asked, fs, name)
+                out[url] = _file_stat(url, info)
         with self._lock:
             self._infos.update((url, (now, stat)) for url, stat in out.items())
         return out
@@ -190,31 +192,30 @@ class Store(ProcessLocal):
     def read_range(self, url: str, start: int, end: int, stat: FileStat | None = None) -> bytes:
         """Bytes [start, end) of a remote object, straight from the store (retried).
 
-        Given the `stat` its listing or `stat()` reported, an S3 object is asked for with If-Match
-        on that ETag (S3 quotes its ETags): a version written since is a SourceError, never bytes
+        Given the `stat` its listing or `stat()` reported, an object of S3, GCS or Azure is asked
+        for only in that version (If-Match on the ETag, `ifGenerationMatch` on the generation; see
+        `_fs.read_if_version`): a version written since is a SourceError, never bytes
         mixed with the index or other blocks of the version the source was made from. A read of
         the whole object is checked against its checksums (see `storage.checksum`) and read again
         when they do not match; a read of part of it cannot be.
         """
         return self._get(url, start, end, stat).data
 
-    def _get(self, url: str, start: int, end: int, stat: FileStat | None) -> S3Answer:
-        """`read_range`, with the MD5 the answer vouches for when the store said one (S3)."""
+    def _get(self, url: str, start: int, end: int, stat: FileStat | None) -> Answer:
+        """`read_range`, with the MD5 the answer vouches for when the store said one."""
         fs, path = self.filesystem(url)
         what, version = f"read [{start}, {end}) of", stat.version if stat is not None else ""
         # The whole object in one answer: checked end to end.
         digest = self._digest(url, stat) if stat is not None and start == 0 and end >= stat.size else None
         whole = digest is not None
 
-        def get(seconds: float) -> S3Answer:
-            if not (version.startswith('"') and scheme_of(url) in S3_SCHEMES):
-                answer: S3Answer | None = S3Answer(
-                    fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None
-                )
+        def get(seconds: float) -> Answer:
+            if not can_read_if_version(url, version):
+                answer: Answer | None = Answer(fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None)
             else:
-                answer = read_s3_if_match(fs, path, start, end, version, whole=whole, timeout=seconds)
+                answer = read_if_version(fs, url, path, start, end, version, whole=whole, timeout=seconds)
             if answer is None:
-                raise _changed(url, f"its ETag is no longer {version}")
+                raise _changed(url, f"its {version_field(url)} is no longer {version}")
             if digest is not None:
                 digest.restart(answer.md5)
                 digest.update(answer.data)
@@ -360,9 +361,18 @@ class _Upload(io.BufferedWriter):
                 os.unlink(self._tmp.name)
 
 
-def _file_stat(info: dict[str, Any]) -> FileStat:
-    """Size and version from an fsspec `info()` (or detailed listing) entry."""
-    return FileStat(int(info["size"]), next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), ""))
+def _as_asked(asked: str, fs: Any, name: str) -> str:
+    """The URL of listed `name` with the scheme of the URL `asked` (one client serves several:
+    az:// and abfs://, gs:// and gcs://), so that the memo of `stat` and errors use the user's."""
+    url: str = fs.unstrip_protocol(name)
+    return scheme_of(asked) + url[url.index("://") :]
+
+
+def _file_stat(url: str, info: dict[str, Any]) -> FileStat:
+    """Size and version from an fsspec `info()` (or detailed listing) entry of `url`: the field
+    its store reads conditionally on first (`_fs.version_field`), else the most specific known."""
+    fields = (version_field(url), *_VERSION_FIELDS)
+    return FileStat(int(info["size"]), next((str(info[f]) for f in fields if f and info.get(f) is not None), ""))
 
 
 def _changed(url: str, how: str) -> SourceError:
