@@ -173,6 +173,7 @@ def test_access_denied_and_not_found_are_named_at_once_and_not_retried(cloud: di
         with pytest.raises(RemoteAccessError, match=r"shard-001\.tar") as info:
             read()  # with its version (a conditional read), and without
         assert ("access denied" if status == 403 else "file not found") in str(info.value)
+        assert "\n" not in str(info.value)  # one line, not the server's whole answer
     assert _requests(proxy, "shard-001.tar") - before == 2  # one request each, no retry (by the client or by us)
 
 

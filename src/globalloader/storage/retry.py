@@ -94,7 +94,9 @@ def _permanent(exc: BaseException, url: str, what: str) -> RemoteAccessError:
     if isinstance(exc, FileNotFoundError) or http_status(exc) == 404:
         return RemoteAccessError(f"file not found: {url}")
     if is_denied(exc):
-        return RemoteAccessError(f"access denied to {url} (check the credentials or storage_options=): {exc}")
+        # The first line: a client may add the server's whole answer (an XML or JSON body) below it.
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return RemoteAccessError(f"access denied to {url} (check the credentials or storage_options=): {said}")
     return RemoteAccessError(f"cannot {what} {url}: {_describe(exc)}")
 
 
