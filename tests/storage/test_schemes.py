@@ -58,6 +58,12 @@ def cloud(request: pytest.FixtureRequest) -> dict[str, Any]:
     return dict(request.getfixturevalue(request.param))
 
 
+def _random(size: int) -> bytes:
+    """Random bytes that do not end in a carriage return: the GCS emulator's upload (its multipart
+    parser) drops a trailing b"\\r" of an object, a fault of the emulator, not of the reads tested."""
+    return os.urandom(size - 1) + b"."
+
+
 def _cached(store: storage.Store, url: str, stat: storage.FileStat) -> bytes:
     """The whole object as the machine cache holds it (downloaded there first if missing)."""
     cached = store.open_cached(url, stat)
@@ -93,7 +99,7 @@ def test_listing_ranges_and_the_cache_keyed_by_the_object_s_version(cloud: dict[
 
 def test_tar_shards_and_an_image_folder_read_exact_records(cloud: dict[str, Any], tmp_path: pathlib.Path) -> None:
     root, opts = cloud["root"], cloud["options"]
-    samples = [{"__key__": f"s{i:05d}", "bin": os.urandom(300 + i), "cls": i} for i in range(10)]
+    samples = [{"__key__": f"s{i:05d}", "bin": _random(300 + i), "cls": i} for i in range(10)]
     for pattern, options in ((f"{root}/shard-%03d.tar", opts), (str(tmp_path / "shard-%03d.tar"), None)):
         with gl.TarWriter(pattern, maxcount=4, storage_options=options) as writer:
             for sample in samples:
@@ -103,7 +109,7 @@ def test_tar_shards_and_an_image_folder_read_exact_records(cloud: dict[str, Any]
     assert remote.shards == [f"{root}/shard-{n:03d}.tar" for n in range(3)]  # the user's scheme, listed
     assert _records(remote, "__url__") == _records(local, "__url__")
     for name in ("cat/0.jpg", "cat/1.jpg", "dog/0.png"):
-        data = os.urandom(200)
+        data = _random(200)
         (tmp_path / "images" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "images" / name).write_bytes(data)
         _put(cloud, f"images/{name}", data)
@@ -137,7 +143,7 @@ def test_an_object_rewritten_after_its_listing_is_never_served_under_the_old_ver
 
 
 def test_a_corrupted_whole_download_is_fetched_again_against_the_store_s_md5(cloud: dict[str, Any]) -> None:
-    data = os.urandom(4000)
+    data = _random(4000)
     url = _put(cloud, "c.bin", data)
     proxy = cloud["proxy"]
     store = storage.Store(cloud["options"], retry_policy=_FAST)
@@ -154,7 +160,7 @@ def test_throttling_5xx_and_resets_are_retried_and_the_records_stay_exact(cloud:
     root, opts = cloud["root"], cloud["options"]
     with gl.TarWriter(f"{root}/shard-%03d.tar", maxcount=2, storage_options=opts) as writer:
         for i in range(8):
-            writer.write({"__key__": f"s{i:05d}", "bin": os.urandom(500 + i)})
+            writer.write({"__key__": f"s{i:05d}", "bin": _random(500 + i)})
     expected = _records(gl.TarShards(writer.paths, storage_options=opts, cache=False))
     proxy = cloud["proxy"]
     proxy.faults_on, proxy.slowdown, proxy.reset = True, 0.3, 0.2  # half the requests fail: both kinds happen
