@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from globalloader.errors import GlobalLoaderError, RemoteAccessError, RemoteReadError
-from globalloader.storage._fs import is_transient
+from globalloader.storage._fs import http_status, is_denied, is_transient
 
 T = TypeVar("T")
 
@@ -91,10 +91,12 @@ def _too_slow(seconds: float, nbytes: int | None) -> str:
 
 
 def _permanent(exc: BaseException, url: str, what: str) -> RemoteAccessError:
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, FileNotFoundError) or http_status(exc) == 404:
         return RemoteAccessError(f"file not found: {url}")
-    if isinstance(exc, PermissionError):
-        return RemoteAccessError(f"access denied to {url} (check the credentials or storage_options=): {exc}")
+    if is_denied(exc):
+        # The first line: a client may add the server's whole answer (an XML or JSON body) below it.
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return RemoteAccessError(f"access denied to {url} (check the credentials or storage_options=): {said}")
     return RemoteAccessError(f"cannot {what} {url}: {_describe(exc)}")
 
 

@@ -29,15 +29,17 @@ from globalloader.errors import ArgumentError, SourceError, StorageError
 from globalloader.storage import fetch_ahead, retry
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
 from globalloader.storage._fs import (
+    CONDITIONAL,
     LOCAL_SCHEMES,
     S3_SCHEMES,
-    S3Answer,
+    Answer,
     bounded,
+    can_read_if_version,
     filesystem,
-    get_s3_if_match,
     local_errors,
-    read_s3_if_match,
+    read_if_version,
     scheme_of,
+    version_field,
 )
 from globalloader.storage.cache import CachedFile, Entry, ObjectCache, parse_size
 from globalloader.storage.checksum import Digest, TransferCorrupted
@@ -151,7 +153,7 @@ class Store(ProcessLocal):
         info = retry.call(lambda seconds: fs.info(path, **bounded(fs, seconds)), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
-        stat = _file_stat(info)
+        stat = _file_stat(url, info)
         with self._lock:
             self._infos[url] = (now, stat)
         return stat
@@ -178,8 +180,8 @@ class Store(ProcessLocal):
         found = retry.call(
             lambda seconds: fs.glob(path, detail=True, **bounded(fs, seconds)), pattern, "list", self.retry_policy, None
         )
-        self._remember(fs, found)
-        return sorted(fs.unstrip_protocol(p) for p in found)
+        self._remember(pattern, fs, found)
+        return sorted(_as_asked(pattern, fs, name) for name in found)
 
     def find(self, root: str, remember: bool = True) -> dict[str, FileStat]:
         """Every file below a remote folder with its size and version, from one listing (which
@@ -191,13 +193,13 @@ class Store(ProcessLocal):
         )
         if not remember:
             fs.invalidate_cache()  # the client's own copy of the listing is not kept either
-            return _files(fs, found)
-        return self._remember(fs, found)
+            return _files(root, fs, found)
+        return self._remember(root, fs, found)
 
-    def _remember(self, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
+    def _remember(self, asked: str, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
         """The files of a detailed listing with their size and version, also kept in the
         per-process memo of `stat` (a listing answers what a HEAD per file would)."""
-        now, out = time.monotonic(), _files(fs, listing)
+        now, out = time.monotonic(), _files(asked, fs, listing)
         with self._lock:
             self._infos.update((url, (now, stat)) for url, stat in out.items())
         return out
@@ -205,31 +207,30 @@ class Store(ProcessLocal):
     def read_range(self, url: str, start: int, end: int, stat: FileStat | None = None) -> bytes:
         """Bytes [start, end) of a remote object, straight from the store (retried).
 
-        Given the `stat` its listing or `stat()` reported, an S3 object is asked for with If-Match
-        on that ETag (S3 quotes its ETags): a version written since is a SourceError, never bytes
+        Given the `stat` its listing or `stat()` reported, an object of S3, GCS or Azure is asked
+        for only in that version (If-Match on the ETag, `ifGenerationMatch` on the generation; see
+        `_fs.read_if_version`): a version written since is a SourceError, never bytes
         mixed with the index or other blocks of the version the source was made from. A read of
         the whole object is checked against its checksums (see `storage.checksum`) and read again
         when they do not match; a read of part of it cannot be.
         """
         return self._get(url, start, end, stat).data
 
-    def _get(self, url: str, start: int, end: int, stat: FileStat | None) -> S3Answer:
-        """`read_range`, with the MD5 the answer vouches for when the store said one (S3)."""
+    def _get(self, url: str, start: int, end: int, stat: FileStat | None) -> Answer:
+        """`read_range`, with the MD5 the answer vouches for when the store said one."""
         fs, path = self.filesystem(url)
         what, version = f"read [{start}, {end}) of", stat.version if stat is not None else ""
         # The whole object in one answer: checked end to end.
         digest = self._digest(url, stat) if stat is not None and start == 0 and end >= stat.size else None
         whole = digest is not None
 
-        def get(seconds: float) -> S3Answer:
-            if not _if_match(url, stat):
-                answer: S3Answer | None = S3Answer(
-                    fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None
-                )
+        def get(seconds: float) -> Answer:
+            if not can_read_if_version(url, version):
+                answer: Answer | None = Answer(fs.cat_file(path, start=start, end=end, **bounded(fs, seconds)), None)
             else:
-                answer = read_s3_if_match(fs, path, start, end, version, whole=whole, timeout=seconds)
+                answer = read_if_version(fs, url, path, start, end, version, whole=whole, timeout=seconds)
             if answer is None:
-                raise _changed(url, f"its ETag is no longer {version}")
+                raise _changed(url, f"its {version_field(url)} is no longer {version}")
             if digest is not None:
                 digest.restart(answer.md5)
                 digest.update(answer.data)
@@ -282,7 +283,7 @@ class Store(ProcessLocal):
 
         def download(write: Any) -> None:
             # Conditional reads need no HEAD first: the store refuses them for another version.
-            fresh = stat if _if_match(url, stat) else self.stat(url)
+            fresh = stat if _pinned(url, stat) else self.stat(url)
             if fresh != stat:
                 raise _changed(url, f"size {stat.size} -> {fresh.size}, version {stat.version!r} -> {fresh.version!r}")
             first, end = (0, stat.size) if block < 0 else (block * size, min(stat.size, (block + 1) * size))
@@ -368,7 +369,8 @@ class Store(ProcessLocal):
     def _one_get(self, url: str, stat: FileStat) -> bool:
         """Whether `url` is downloaded ahead by the pool: an S3 object with an ETag (read with
         If-Match, so never under an older version), whole in one GET."""
-        return _if_match(url, stat) and stat.size <= min(self.block_size, self.whole_max)
+        small = stat.size <= min(self.block_size, self.whole_max)
+        return scheme_of(url) in S3_SCHEMES and _pinned(url, stat) and small
 
     async def _fetch_small(self, url: str, stat: FileStat) -> None:
         """One object of the pool: nothing if the cache holds it or another process is
@@ -377,7 +379,7 @@ class Store(ProcessLocal):
         with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0)) as fill:
             if fill is not None:
                 fs, path = self.filesystem(url)
-                answer = await get_s3_if_match(fs, path, 0, stat.size, stat.version, whole=True)
+                answer = await CONDITIONAL[scheme_of(url)].get(fs, path, None, stat.version)
                 if answer is None:
                     raise _changed(url, f"its ETag is no longer {stat.version}")
                 if len(answer.data) != stat.size:
@@ -542,24 +544,35 @@ def stale_temporaries(url: str) -> list[str]:
     return _glob.glob(os.path.join(_glob.escape(parent), f".{_glob.escape(name)}*.tmp"))
 
 
-def _files(fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
-    """URL -> size and version of the files of a detailed fsspec listing."""
-    return {
-        fs.unstrip_protocol(name): _file_stat(info)
-        for name, info in listing.items()
-        if info.get("type", "file") == "file" and info.get("size") is not None
-    }
+def _files(asked: str, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
+    """URL (in the scheme of the URL `asked`) -> size and version of the files of a detailed
+    fsspec listing."""
+    out = {}
+    for name, info in listing.items():
+        if info.get("type", "file") == "file" and info.get("size") is not None:
+            url = _as_asked(asked, fs, name)
+            out[url] = _file_stat(url, info)
+    return out
 
 
-def _if_match(url: str, stat: FileStat | None) -> bool:
-    """Whether reads of `url` at `stat` ask for that version (If-Match on S3's quoted ETag), so
-    that no older or newer version can answer them."""
-    return stat is not None and stat.version.startswith('"') and scheme_of(url) in S3_SCHEMES
+def _pinned(url: str, stat: FileStat | None) -> bool:
+    """Whether reads of `url` at `stat` ask for that version (`_fs.read_if_version`), so that no
+    older or newer version can answer them."""
+    return stat is not None and can_read_if_version(url, stat.version)
 
 
-def _file_stat(info: dict[str, Any]) -> FileStat:
-    """Size and version from an fsspec `info()` (or detailed listing) entry."""
-    return FileStat(int(info["size"]), next((str(info[f]) for f in _VERSION_FIELDS if info.get(f) is not None), ""))
+def _as_asked(asked: str, fs: Any, name: str) -> str:
+    """The URL of listed `name` with the scheme of the URL `asked` (one client serves several:
+    az:// and abfs://, gs:// and gcs://), so that the memo of `stat` and errors use the user's."""
+    url: str = fs.unstrip_protocol(name)
+    return scheme_of(asked) + url[url.index("://") :]
+
+
+def _file_stat(url: str, info: dict[str, Any]) -> FileStat:
+    """Size and version from an fsspec `info()` (or detailed listing) entry of `url`: the field
+    its store reads conditionally on first (`_fs.version_field`), else the most specific known."""
+    fields = (version_field(url), *_VERSION_FIELDS)
+    return FileStat(int(info["size"]), next((str(info[f]) for f in fields if f and info.get(f) is not None), ""))
 
 
 def _changed(url: str, how: str) -> SourceError:
