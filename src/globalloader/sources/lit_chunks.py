@@ -51,6 +51,7 @@ class LitData(ProcessLocal):
     def __init__(
         self,
         path_or_url: str | os.PathLike[str],
+        *,
         storage_options: dict[str, Any] | None = None,
         cache_limit: int | str | None = None,
     ) -> None:
