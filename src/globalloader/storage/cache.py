@@ -531,9 +531,10 @@ class ObjectCache:
     def _write_once(self, path: pathlib.Path, download: Download, opened: bool) -> _Opened | None:
         """Download into a temporary file and rename it into place, already opened under our shared
         lock when `opened` (no eviction deletes it before we read it); else None (a download
-        ahead, which reads nothing: no second open, lock and stat per small object). Not synced to disk: an entry a crash of the
-        machine left empty or cut short fails its trailer or block CRCs at the next read and is
-        fetched again, so an fsync per object (milliseconds, on every small object) buys nothing."""
+        ahead, which reads nothing: no second open, lock and stat per small object). Not synced to
+        disk: an entry a crash of the machine left empty or cut short fails its trailer or block
+        CRCs at the next read and is fetched again, so an fsync per object (milliseconds, on every
+        small object) buys nothing."""
         sums = _Checksums()
         fd = -1
         try:
