@@ -4,6 +4,7 @@ bounds, and objects deleted or rewritten after the listing."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import subprocess
@@ -162,3 +163,28 @@ def test_processes_fetching_ahead_share_the_machine_budget(tmp_path: pathlib.Pat
 
 async def _never(url: str, stat: object) -> None:
     raise AssertionError(f"nothing is requested: {url}")
+
+
+def test_the_first_answers_are_read_before_a_whole_limit_of_requests_is_sent() -> None:
+    """Sending a request costs the client CPU: the pool starts a few per turn of the event loop,
+    so the first objects (those the first batch waits for) finish while the others are being
+    sent, instead of after all of them."""
+    events: list[tuple[str, int]] = []
+    done = asyncio.Event()
+
+    async def fetch(url: str, number: int) -> None:
+        events.append(("sent", number))
+        await asyncio.sleep(0)  # the answer: at the next turn of the loop
+        events.append(("done", number))
+        if len(events) == 2 * 64:
+            done.set()
+
+    loop = asyncio.new_event_loop()
+    try:
+        pool = fetch_ahead.FetchAhead(fetch, loop, concurrency=64, memory=1 << 20)
+        pool.request((f"s3://b/{i}", 1, i) for i in range(64))
+        loop.run_until_complete(asyncio.wait_for(done.wait(), 30))
+    finally:
+        loop.close()
+    assert events.index(("done", 0)) < events.index(("sent", 63))
+    assert sorted(number for kind, number in events if kind == "done") == list(range(64))  # each once

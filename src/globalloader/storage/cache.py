@@ -384,7 +384,7 @@ class ObjectCache:
 
             def fill(data: bytes) -> None:
                 self._make_room(entry.data_size())
-                os.close(self._write(path, entry, lambda write: write(data)).fd)
+                self._write(path, entry, lambda write: write(data), opened=False)
                 self.evict_if_over_limit()  # one read of the record, not a walk of the folder
 
             yield fill
@@ -400,6 +400,7 @@ class ObjectCache:
             if found is not None:
                 return self._hit(found)
             written = self._write(path, entry, download)
+            assert written is not None  # opened
         self.evict()
         return written
 
@@ -487,11 +488,11 @@ class ObjectCache:
             fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)
             os.close(fd)
 
-    def _write(self, path: pathlib.Path, entry: Entry, download: Download) -> _Opened:
+    def _write(self, path: pathlib.Path, entry: Entry, download: Download, *, opened: bool = True) -> _Opened | None:
         deadline = time.monotonic() + FULL_WAIT
         while True:
             try:
-                return self._write_once(path, download)
+                return self._write_once(path, download, opened)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
@@ -527,11 +528,13 @@ class ObjectCache:
             return {item.name for item in it if item.name != STATS_NAME and item.is_file(follow_symlinks=False)}
         return set()
 
-    def _write_once(self, path: pathlib.Path, download: Download) -> _Opened:
+    def _write_once(self, path: pathlib.Path, download: Download, opened: bool) -> _Opened | None:
         """Download into a temporary file and rename it into place, already opened under our shared
-        lock: no eviction deletes it before we read it. Not synced to disk: an entry a crash of the
-        machine left empty or cut short fails its trailer or block CRCs at the next read and is
-        fetched again, so an fsync per object (milliseconds, on every small object) buys nothing."""
+        lock when `opened` (no eviction deletes it before we read it); else None (a download
+        ahead, which reads nothing: no second open, lock and stat per small object). Not synced to
+        disk: an entry a crash of the machine left empty or cut short fails its trailer or block
+        CRCs at the next read and is fetched again, so an fsync per object (milliseconds, on every
+        small object) buys nothing."""
         sums = _Checksums()
         fd = -1
         try:
@@ -544,8 +547,9 @@ class ObjectCache:
                 download(write)
                 out.write(sums.tail())
                 out.file.flush()
-                fd = _paths.open_file(out.temporary, os.O_RDONLY)[0]
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                if opened:
+                    fd = _paths.open_file(out.temporary, os.O_RDONLY)[0]
+                    fcntl.flock(fd, fcntl.LOCK_SH)
                 with self.stats.update() as record:
                     with contextlib.suppress(FileNotFoundError):
                         old = os.lstat(path)  # a damaged entry nobody could delete: replaced
@@ -556,7 +560,7 @@ class ObjectCache:
                     record["entries"] += 1
                     record["misses"] += 1
                     record["downloaded_bytes"] += sums.length
-            return _Opened(fd, sums.crc, _stamp(os.fstat(fd)))
+            return _Opened(fd, sums.crc, _stamp(os.fstat(fd))) if opened else None
         except BaseException:
             if fd >= 0:
                 os.close(fd)

@@ -52,6 +52,7 @@ DEFAULT_CONCURRENCY = 128  # requests in flight per machine
 DEFAULT_MEMORY = 256 * 10**6  # bytes of answers in memory at once per machine
 FETCHERS = "fetchers"  # the cache folder's sub-folder where pools register
 RECOUNT = 1.0  # seconds between counts of the pools sharing the machine's budget
+STARTS_PER_TURN = 8  # GETs started per turn of the event loop (see `_pump`)
 _ERRORS_KEPT = 64  # the latest permanent failures named in `errors`
 
 
@@ -223,13 +224,21 @@ class FetchAhead:
             }
 
     def _pump(self) -> None:
-        """Start GETs while the limits allow (on the loop's thread)."""
+        """Start GETs while the limits allow (on the loop's thread), STARTS_PER_TURN per turn of
+        the loop: preparing a request costs the client about a millisecond of CPU, so starting a
+        whole limit's worth at once would keep the answers to the first ones (those the first
+        batch waits for) unread for as long as it takes to send the last."""
         now = time.monotonic()
         with self._lock:
             if self._share is not None and now - self._counted_at > RECOUNT:
                 self._counted_at = now
                 self._limit.set_ceiling(self._ceiling())
+            started = 0
             while self._queue and self.in_flight < int(self._limit.value):
+                if started == STARTS_PER_TURN:
+                    self._loop.call_soon(self._pump)  # after the answers that arrived meanwhile
+                    break
+                started += 1
                 url, size, what, tries, since = self._queue[0]
                 if self.in_flight and self.in_flight_bytes + size > self.memory:
                     break

@@ -67,7 +67,16 @@ class Store(ProcessLocal):
     and `fetch_memory` bound the downloads of small objects ahead of the reads (requests in flight
     per machine, bytes of answers in memory; see `storage.fetch_ahead`)."""
 
-    _PROCESS_ONLY = ("_cache", "_infos", "_lock", "_prefetcher", "_fetch_ahead", "_wanted", "_fetched")
+    _PROCESS_ONLY = (
+        "_cache",
+        "_infos",
+        "_lock",
+        "_prefetcher",
+        "_fetch_ahead",
+        "_wanted",
+        "_fetched",
+        "_filesystems",
+    )
 
     def __init__(
         self,
@@ -112,6 +121,8 @@ class Store(ProcessLocal):
         self._wanted: dict[str, FileStat] = {}
         self._fetched: set[tuple[str, FileStat]] = set()  # prefetched by this process: not asked again
         self._cache: ObjectCache | None = None
+        # Per scheme: the shared instance, found once (not its options' key made again per object)
+        self._filesystems: dict[str, Any] = {}
         self._infos: dict[str, tuple[float, FileStat]] = dict(self._infos) if keep_infos else {}
         self._lock = threading.Lock()
         reset_in_forked_children(self)
@@ -136,7 +147,13 @@ class Store(ProcessLocal):
     def filesystem(self, url: str) -> tuple[Any, str]:
         """(fsspec filesystem, path) for `url` with this store's options (for writes and
         listings outside the sources; reads go through the methods below)."""
-        return filesystem(url, self.storage_options)
+        scheme = scheme_of(url)
+        fs = self._filesystems.get(scheme)
+        if fs is None:
+            fs, path = filesystem(url, self.storage_options)
+            self._filesystems[scheme] = fs
+            return fs, path
+        return fs, fs._strip_protocol(url)
 
     def stat(self, url: str) -> FileStat:
         """Size and version of one file; a SourceError naming it when it is missing."""
