@@ -48,7 +48,8 @@ def test_an_exact_epoch_under_throttling_with_many_requests_in_flight(s3: dict[s
     proxy, prefix = s3["proxy"], f"/{s3['bucket']}/images/"
     src = gl.Files(f"s3://{s3['bucket']}/images", "*.jpg", storage_options=s3["options"])
     assert len(src) == len(objects)
-    proxy.latency, proxy.slowdown, proxy.faults_on = 0.01, 0.1, True
+    # 100 ms a request: long enough for a limit of requests to be started while the first wait.
+    proxy.latency, proxy.slowdown, proxy.faults_on = 0.1, 0.1, True
     with gl.Loader(gl.Dataset(src).shuffle(seed=0).batch(16), workers=2) as loader:
         seen = [(k, b) for batch in loader for k, b in zip(batch["__key__"], batch["bytes"], strict=True)]
     assert sorted(k for k, _ in seen) == sorted(objects)  # every object once
