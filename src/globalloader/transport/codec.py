@@ -118,7 +118,7 @@ def _encode(obj: Any, placed: list[tuple[int, np.ndarray]]) -> tuple:
     shipped = _as_array(obj) if kind is not dict and kind is not list else None
     if shipped is not None:
         tag, array = shipped
-        offset = aligned(_end(placed))
+        offset = -(-_end(placed) // ALIGN) * ALIGN  # `aligned`, inline: once per array of every batch
         placed.append((offset, array))
         dtype = array.dtype
         # A dtype string is short and fast to pickle; records and the like need the full dtype.
