@@ -26,6 +26,8 @@ wheel there).
   Goal: >= 1.3x.
 - `litdata`: LitData's optimized chunks read by `gl.LitData` vs LitData's own `StreamingDataset`
   in its `StreamingDataLoader(num_workers=2)`, the same augmentation. Goal: >= 1.3x.
+- `litdata-s3`: the same, cold, from S3 as `mds-s3` (LitData: `StreamingDataset(Dir(path=a fresh
+  cache folder, url="s3://..."))`). Goal: >= 1.3x.
 - `hf`: a Hugging Face dataset written by `datasets` itself (`save_to_disk`, an Image and a
   ClassLabel feature, 4 files): `gl.HFDataset` vs `datasets.load_from_disk` (its Image feature
   decoding with Pillow), workers started inside each timed epoch, one epoch read first, untimed.
@@ -285,36 +287,59 @@ def bench_read_mds(args: argparse.Namespace) -> dict[str, Any]:
     return {"samples": len(source), "shards": len(source.shards), **_compare(runs, {"mosaic": 1.3})}
 
 
-def bench_read_mds_s3(args: argparse.Namespace) -> dict[str, Any]:
-    """The same as `bench_read_mds`, cold, from S3 (moto) at `--latency` seconds per request."""
+def _cold_s3(
+    args: argparse.Namespace,
+    folder: Path,
+    part: str,
+    peer: str,
+    make: Callable[[str, dict[str, Any]], Any],
+    peer_code: str,
+    peer_inputs: Callable[[str, str, str, int], tuple[dict[str, str], dict[str, Any]]],
+) -> dict[str, Any]:
+    """`folder` uploaded to S3 (moto, loopback) behind a proxy adding `--latency` per request, then
+    per round gl's cold epoch (an empty machine cache, timed from the construction of the source,
+    `make(url, storage_options)`) and the peer's (`peer_inputs(url, endpoint, scratch, round)`
+    gives its environment and inputs)."""
     from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
 
-    folder = _mds_dataset(args)
     server = MotoServer()
     proxy = FaultProxy(server.port)
     try:
         bucket = new_bucket(proxy.url)
         store = storage.Store(options(proxy.url))
         for file in folder.iterdir():
-            with store.open_write(f"s3://{bucket}/mds/{file.name}") as out:
+            with store.open_write(f"s3://{bucket}/{part}/{file.name}") as out:
                 out.write(file.read_bytes())
         proxy.latency = args.latency
-        url = f"s3://{bucket}/mds"
-        peer_env = {"S3_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        runs: dict[str, list[tuple[float, float]]] = {"gl": [], "mosaic": []}
-        with tempfile.TemporaryDirectory(prefix="gl-bench-mds-s3-", dir=args.data) as tmp:
+        url = f"s3://{bucket}/{part}"
+        runs: dict[str, list[tuple[float, float]]] = {"gl": [], peer: []}
+        with tempfile.TemporaryDirectory(prefix=f"gl-bench-{part}-", dir=args.data) as tmp:
             for round_ in range(args.rounds):
                 os.environ["GLOBALLOADER_CACHE_DIR"] = f"{tmp}/gl-{round_}"  # an empty machine cache
                 start, cpu0 = time.perf_counter(), _cpu_s()
-                _gl_epoch(_augmented(gl.MDS(url, storage_options=options(proxy.url))), round_)
-                runs["gl"].append((args.samples / (time.perf_counter() - start), args.samples / (_cpu_s() - cpu0)))
-                read = {"folder": f"{tmp}/mosaic-{round_}", "remote": url, "batch": BATCH, "workers": WORKERS}
-                runs["mosaic"] += _peer(args, _PEER_AUGMENT + _MOSAIC_READ, env=peer_env, seeds=[round_], **read)
-                _print_round("mds-s3", round_, args, runs)
+                _gl_epoch(_augmented(make(url, options(proxy.url))), round_)
+                seconds, cpu = time.perf_counter() - start, _cpu_s() - cpu0
+                runs["gl"].append((args.samples / seconds, args.samples / cpu))
+                env, inputs = peer_inputs(url, proxy.url, tmp, round_)
+                runs[peer] += _peer(args, _PEER_AUGMENT + peer_code, env=env, **inputs)
+                _print_round(f"{part}-s3", round_, args, runs)
     finally:
         proxy.stop()
         server.stop()
-    return {"samples": args.samples, "latency_s": args.latency, **_compare(runs, {"mosaic": 1.3})}
+    return {"samples": args.samples, "latency_s": args.latency, **_compare(runs, {peer: 1.3})}
+
+
+def bench_read_mds_s3(args: argparse.Namespace) -> dict[str, Any]:
+    """The same as `bench_read_mds`, cold, from S3 (moto) at `--latency` seconds per request."""
+
+    def mosaic(url: str, endpoint: str, scratch: str, round_: int) -> tuple[dict[str, str], dict[str, Any]]:
+        env = {"S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        inputs = {"folder": f"{scratch}/mosaic-{round_}", "remote": url, "batch": BATCH, "workers": WORKERS}
+        return env, {**inputs, "seeds": [round_]}
+
+    return _cold_s3(
+        args, _mds_dataset(args), "mds", "mosaic", lambda url, o: gl.MDS(url, storage_options=o), _MOSAIC_READ, mosaic
+    )
 
 
 # -- litdata -----------------------------------------------------------------------------------------
@@ -356,6 +381,36 @@ def main(INPUTS):
 """
 
 
+_LITDATA_READ_S3 = """
+import io
+import litdata.streaming.downloader as downloader
+from litdata import StreamingDataLoader, StreamingDataset
+from litdata.streaming.resolver import Dir
+
+downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"  # moto's http:// endpoint
+
+class Augmented(StreamingDataset):
+    def __getitem__(self, index):
+        record = super().__getitem__(index)
+        rng = np.random.default_rng(getattr(index, "index", index))
+        return {"image": augment(Image.open(io.BytesIO(record["image"])), rng), "label": record["label"]}
+
+def main(INPUTS):
+    runs = []
+    for seed in INPUTS["seeds"]:  # cold: a fresh cache folder each epoch
+        start, cpu0, samples = time.perf_counter(), cpu_s(), 0
+        where = Dir(path=f"{INPUTS['cache']}-{seed}", url=INPUTS["url"])
+        data = Augmented(where, shuffle=True, seed=seed, storage_options=INPUTS["storage"])
+        loader = StreamingDataLoader(data, batch_size=INPUTS["batch"], num_workers=INPUTS["workers"])
+        for out in loader:
+            float(out["image"].mean())
+            samples += len(out["label"])
+        del loader
+        runs.append((samples / (time.perf_counter() - start), samples / (cpu_s() - cpu0)))
+    return runs
+"""
+
+
 def bench_read_litdata(args: argparse.Namespace) -> dict[str, Any]:
     """gl.LitData in gl.Loader vs LitData's StreamingDataset in its StreamingDataLoader, warm."""
     folder = args.data / f"litdata-{args.samples}"
@@ -371,6 +426,21 @@ def bench_read_litdata(args: argparse.Namespace) -> dict[str, Any]:
         runs["litdata"] += _peer(args, _PEER_AUGMENT + _LITDATA_READ, **read)
         _print_round("litdata", round_, args, runs)
     return {"samples": len(source), **_compare(runs, {"litdata": 1.3})}
+
+
+def bench_read_litdata_s3(args: argparse.Namespace) -> dict[str, Any]:
+    """The same as `bench_read_litdata`, cold, from S3 (moto) at `--latency` seconds per request."""
+    folder = args.data / f"litdata-{args.samples}"
+    if not (folder / "index.json").exists():
+        _peer(args, _LITDATA_WRITE, items=_items(_jpegs(args)), folder=str(folder))
+
+    def litdata(url: str, endpoint: str, scratch: str, round_: int) -> tuple[dict[str, str], dict[str, Any]]:
+        keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+        inputs = {"url": url, "cache": f"{scratch}/litdata-{round_}", "storage": {"endpoint_url": endpoint, **keys}}
+        return {}, {**inputs, "batch": BATCH, "workers": WORKERS, "seeds": [round_]}
+
+    make = lambda url, o: gl.LitData(url, storage_options=o)  # noqa: E731
+    return _cold_s3(args, folder, "litdata", "litdata", make, _LITDATA_READ_S3, litdata)
 
 
 # -- hf ----------------------------------------------------------------------------------------------
@@ -504,6 +574,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "mds": bench_read_mds,
     "mds-s3": bench_read_mds_s3,
     "litdata": bench_read_litdata,
+    "litdata-s3": bench_read_litdata_s3,
     "hf": bench_read_hf,
     "write": bench_write,
 }

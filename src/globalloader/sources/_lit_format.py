@@ -320,7 +320,7 @@ def framed_tables(header: bytes, items: int, size: int, where: str) -> Framed:
     return Framed(offsets, table, rows)
 
 
-def arrow_footer(chunk: bytes) -> bytes | None:
+def arrow_footer(chunk: bytes | memoryview) -> bytes | memoryview | None:
     """The Arrow IPC file appended to a chunk, if it has one."""
     if len(chunk) < _ARROW_TRAILER or chunk[-len(_ARROW_MAGIC) :] != _ARROW_MAGIC:
         return None
@@ -329,7 +329,7 @@ def arrow_footer(chunk: bytes) -> bytes | None:
     return chunk[start : len(chunk) - _ARROW_TRAILER] if start >= 0 else None
 
 
-def arrow_rows(ipc: bytes, items: int, where: str) -> Any:
+def arrow_rows(ipc: bytes | memoryview, items: int, where: str) -> Any:
     """The rows of an Arrow footer, as a pyarrow Table of `items` rows."""
     pa = _extras.require("pyarrow", "formats")
     try:

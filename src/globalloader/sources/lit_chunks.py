@@ -98,13 +98,14 @@ class LitData(ProcessLocal):
         self.kept_blocks = 2  # inflated chunks (all their frames) kept per process
         self._reset()
 
-    _PROCESS_ONLY = ("_lock", "_tables", "_kept", "_frames")
+    _PROCESS_ONLY = ("_lock", "_tables", "_kept", "_frames", "_mapped")
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._tables: dict[int, Any] = {}  # chunk -> its item offsets (or framed tables)
         self._kept: OrderedDict[tuple[int, int], Any] = OrderedDict()  # (chunk, frame) -> bytes or rows, LRU
         self._frames = 1  # the most frames a chunk read here has: `kept_blocks` chunks keep them all
+        self._mapped: dict[int, Any] = {}  # chunk -> Arrow rows read in place from its memory map
 
     def _find_chunk(self, url: str) -> tuple[str, storage.FileStat, bool]:
         """A chunk's URL, size and version, and whether it is one zstd stream: index.json names a
@@ -152,9 +153,7 @@ class LitData(ProcessLocal):
         if table is None:
             table = self._table(chunk)
         if table == "rows":  # a fresh dict per read: a caller may change it
-            items = self.config.chunks[chunk][1]
-            rows = self._block(chunk, 0, lambda: fmt.arrow_rows(self._arrow_ipc(chunk), items, self.chunks[chunk]))
-            return rows.slice(row, 1).to_pylist()[0]
+            return self._rows(chunk).slice(row, 1).to_pylist()[0]
         if isinstance(table, fmt.Framed):
             frame = row // table.rows
             first, _, offset, length, size = table.frames[frame]
@@ -207,7 +206,25 @@ class LitData(ProcessLocal):
             )
         return data
 
-    def _arrow_ipc(self, chunk: int) -> bytes:
+    def _rows(self, chunk: int) -> Any:
+        """A chunk's Arrow rows. A local chunk stored plain is memory-mapped once per process and
+        read in place (no copy: the pages are shared, and a shuffle across chunks re-reads
+        nothing); others are read whole into the kept blocks (LRU)."""
+        items, url = self.config.chunks[chunk][1], self.chunks[chunk]
+        if self._cached[chunk] or self._packed[chunk]:
+            return self._block(chunk, 0, lambda: fmt.arrow_rows(self._arrow_ipc(chunk), items, url))
+        with self._lock:
+            rows = self._mapped.get(chunk)
+        if rows is None:
+            ipc = fmt.arrow_footer(memoryview(storage.memory_map(url).read_buffer()).cast("B"))
+            if ipc is None:
+                raise SourceError(f"{url} has no item bytes and no Arrow rows: it is corrupt; write the dataset again")
+            rows = fmt.arrow_rows(ipc, items, url)
+            with self._lock:
+                rows = self._mapped.setdefault(chunk, rows)
+        return rows
+
+    def _arrow_ipc(self, chunk: int) -> bytes | memoryview:
         url = self.chunks[chunk]
         whole = self._inflated(chunk) if self._packed[chunk] else self._read(chunk, 0, self._stats[chunk].size)
         ipc = fmt.arrow_footer(whole)
