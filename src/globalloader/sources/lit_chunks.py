@@ -207,16 +207,21 @@ class LitData(ProcessLocal):
         return data
 
     def _rows(self, chunk: int) -> Any:
-        """A chunk's Arrow rows. A local chunk stored plain is memory-mapped once per process and
-        read in place (no copy: the pages are shared, and a shuffle across chunks re-reads
-        nothing); others are read whole into the kept blocks (LRU)."""
+        """A chunk's Arrow rows. A chunk stored plain is memory-mapped once per process (a local
+        file, or its copy in the machine cache) and read in place: no copy, the pages shared, and
+        a shuffle across chunks reads nothing twice. A compressed one is inflated into the kept
+        blocks (LRU)."""
         items, url = self.config.chunks[chunk][1], self.chunks[chunk]
-        if self._cached[chunk] or self._packed[chunk]:
+        if self._packed[chunk]:
             return self._block(chunk, 0, lambda: fmt.arrow_rows(self._arrow_ipc(chunk), items, url))
         with self._lock:
             rows = self._mapped.get(chunk)
         if rows is None:
-            ipc = fmt.arrow_footer(memoryview(storage.memory_map(url).read_buffer()).cast("B"))
+            if self._cached[chunk]:  # the machine cache's copy, checked, then mapped
+                whole = memoryview(self.store.open_cached(url, self._stats[chunk]).mapped())
+            else:
+                whole = memoryview(storage.memory_map(url).read_buffer()).cast("B")
+            ipc = fmt.arrow_footer(whole)
             if ipc is None:
                 raise SourceError(f"{url} has no item bytes and no Arrow rows: it is corrupt; write the dataset again")
             rows = fmt.arrow_rows(ipc, items, url)

@@ -37,6 +37,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import mmap
 import multiprocessing.util
 import os
 import pathlib
@@ -241,6 +242,17 @@ class CachedFile:
                     )
         self.cache._touch(self)
         return data
+
+    def mapped(self) -> mmap.mmap:
+        """The entry's data mapped read-only, for a format read in place (Arrow), every block's
+        CRC-32 checked first (a damaged entry is downloaded again). Entries are never written in
+        place, so the mapping keeps these bytes, even once the entry is closed or evicted (its
+        file lives while mapped)."""
+        self.pread(0, self.length)
+        with self._lock:
+            if self._fd < 0:
+                self._open()
+            return mmap.mmap(self._fd, self.length, prot=mmap.PROT_READ) if self.length else mmap.mmap(-1, 1)
 
     def close(self) -> None:
         """Release the entry (a later read opens it again); the last release of an entry of an
