@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from globalloader import storage
 from globalloader.errors import ArgumentError, check_int
@@ -17,7 +18,9 @@ class ShardSeries:
     """Shards named by `pattern` (a plain path: one shard; with a printf field such as
     `out-%06d.tar`: numbered from `first_shard`), each holding at most `maxcount` samples and
     `maxsize` bytes (as the writer counts them; a sample is never split, a shard holds at least
-    one). Writers call `_starts_shard(nbytes)` before each sample and `_added(nbytes)` after."""
+    one). Writers call `_full(nbytes)` before each sample and `_added(nbytes)` after, and give
+    `_finish()` (publish the shard being filled) and `_drop()` (forget it, never published): the
+    lifecycle (`close`, `abort`, `with`) is this class's."""
 
     def __init__(
         self,
@@ -41,6 +44,37 @@ class ShardSeries:
         self.first_shard = check_int(first_shard, "first_shard")
         self.paths: list[str] = []
         self._count = self._size = 0
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ArgumentError(f"write() on a closed {type(self).__name__}({self.pattern!r})")
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def _drop(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Drop the shard being written (it never appears) and close: for a writer whose input
+        failed, so that no shard short of its samples looks finished."""
+        self._drop()
+        self._closed = True
+
+    def close(self) -> None:
+        """Finish the current shard. Closing twice is harmless."""
+        if not self._closed:
+            self._finish()
+            self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     def _full(self, nbytes: int) -> bool:
         if self.maxcount is not None and self._count >= self.maxcount:

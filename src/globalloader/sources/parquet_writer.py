@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import io
 import os
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
@@ -43,23 +42,21 @@ class ParquetWriter(ShardSeries):
         _extras.require("pyarrow.parquet", "parquet")  # named at construction, not at the first full file
         self.row_group_rows = check_int(row_group_rows, "row_group_rows", 1)
         self._rows: list[dict[str, Any]] | None = None
-        self._closed = False
 
     def write(self, sample: dict[str, Any]) -> None:
         """Append one row; writes the current file first if it is full."""
-        if self._closed:
-            raise ArgumentError(f"write() on a closed ParquetWriter({self.pattern!r})")
+        self._check_open()
         row = sample_row(sample)
         nbytes = sum(_value_size(value) for value in row.values())
         if self._rows is None or self._full(nbytes):
-            self._flush()
+            self._finish()
             self._new_path()
             self._rows = []
         assert self._rows is not None
         self._rows.append(row)
         self._added(nbytes)
 
-    def _flush(self) -> None:
+    def _finish(self) -> None:
         if not self._rows:
             return
         path, rows, self._rows = self.paths[-1], self._rows, None
@@ -67,26 +64,10 @@ class ParquetWriter(ShardSeries):
         with self.store.open_write(path) as out:
             out.write(data)
 
-    def abort(self) -> None:
-        """Drop the file being filled (it never appears) and close."""
+    def _drop(self) -> None:
         if self._rows is not None:
             self.paths.pop()
         self._rows = None
-        self._closed = True
-
-    def close(self) -> None:
-        """Write the current file. Closing twice is harmless."""
-        if not self._closed:
-            self._flush()
-            self._closed = True
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"ParquetWriter({self.pattern!r}, {len(self.paths)} files written)"

@@ -9,8 +9,7 @@ import os
 import queue
 import threading
 import zlib
-from types import TracebackType
-from typing import Any, BinaryIO, Self
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -64,12 +63,10 @@ class TarWriter(ShardSeries):
         self._file: _Digesting | None = None
         self._members: _tar_index.IndexBuilder | None = None
         self._last_key: str | None = None
-        self._closed = False
 
     def write(self, sample: dict[str, Any]) -> None:
         """Append one sample; rolls to the next shard first if this one is full."""
-        if self._closed:
-            raise ArgumentError(f"write() on a closed TarWriter({self.pattern!r})")
+        self._check_open()
         key, members = sample_members(sample)
         nbytes = sum(BLOCK + len(data) + -len(data) % BLOCK for _, data in members)
         if self._file is None or self._full(nbytes):
@@ -82,13 +79,13 @@ class TarWriter(ShardSeries):
         self._last_key = key
 
     def _next_shard(self) -> None:
-        self._finish_shard()
+        self._finish()
         path = self._new_path()
         self._file = _Digesting(self.store.open_write(path))  # published whole, when closed (kept open until then)
         self._members = _tar_index.IndexBuilder(path)
         self._last_key = None
 
-    def _finish_shard(self) -> None:
+    def _finish(self) -> None:
         if self._file is None or self._members is None:
             return
         self._file.write(_tar_format.archive_end(self._file.length))
@@ -100,28 +97,11 @@ class TarWriter(ShardSeries):
                 out.write(sidecar)
         self._file = self._members = None
 
-    def abort(self) -> None:
-        """Drop the shard being written (it never appears, nor its sidecar) and close: for a
-        writer whose input failed, so that no shard short of its samples looks finished."""
+    def _drop(self) -> None:
         if self._file is not None:
-            self._file.discard()
+            self._file.discard()  # nor its sidecar
             self.paths.pop()
         self._file = self._members = None
-        self._closed = True
-
-    def close(self) -> None:
-        """Finish the current shard. Closing twice is harmless."""
-        if not self._closed:
-            self._finish_shard()
-            self._closed = True
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"TarWriter({self.pattern!r}, {len(self.paths)} shards written)"
