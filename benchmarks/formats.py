@@ -358,31 +358,6 @@ def main(INPUTS):
 
 _LITDATA_READ = """
 import io
-from litdata import StreamingDataLoader, StreamingDataset
-
-class Augmented(StreamingDataset):
-    def __getitem__(self, index):
-        record = super().__getitem__(index)
-        rng = np.random.default_rng(getattr(index, "index", index))
-        return {"image": augment(Image.open(io.BytesIO(record["image"])), rng), "label": record["label"]}
-
-def main(INPUTS):
-    runs = []
-    for seed in [1000, *INPUTS["seeds"]]:  # the first epoch warms the page cache
-        start, cpu0, samples = time.perf_counter(), cpu_s(), 0
-        data = Augmented(INPUTS["folder"], shuffle=True, seed=seed)
-        loader = StreamingDataLoader(data, batch_size=INPUTS["batch"], num_workers=INPUTS["workers"])
-        for out in loader:
-            float(out["image"].mean())
-            samples += len(out["label"])
-        del loader  # its workers stop here, so that their CPU time is counted
-        runs.append((samples / (time.perf_counter() - start), samples / (cpu_s() - cpu0)))
-    return runs[1:]
-"""
-
-
-_LITDATA_READ_S3 = """
-import io
 import litdata.streaming.downloader as downloader
 from litdata import StreamingDataLoader, StreamingDataset
 from litdata.streaming.resolver import Dir
@@ -396,18 +371,22 @@ class Augmented(StreamingDataset):
         return {"image": augment(Image.open(io.BytesIO(record["image"])), rng), "label": record["label"]}
 
 def main(INPUTS):
-    runs = []
-    for seed in INPUTS["seeds"]:  # cold: a fresh cache folder each epoch
+    url, runs = INPUTS.get("url"), []
+    seeds = INPUTS["seeds"] if url else [1000, *INPUTS["seeds"]]  # warm: a first epoch fills the page cache
+    for seed in seeds:
         start, cpu0, samples = time.perf_counter(), cpu_s(), 0
-        where = Dir(path=f"{INPUTS['cache']}-{seed}", url=INPUTS["url"])
-        data = Augmented(where, shuffle=True, seed=seed, storage_options=INPUTS["storage"])
+        if url:  # cold: a fresh cache folder each epoch
+            where = Dir(path=f"{INPUTS['cache']}-{seed}", url=url)
+            data = Augmented(where, shuffle=True, seed=seed, storage_options=INPUTS["storage"])
+        else:
+            data = Augmented(INPUTS["folder"], shuffle=True, seed=seed)
         loader = StreamingDataLoader(data, batch_size=INPUTS["batch"], num_workers=INPUTS["workers"])
         for out in loader:
             float(out["image"].mean())
             samples += len(out["label"])
-        del loader
+        del loader  # its workers stop here, so that their CPU time is counted
         runs.append((samples / (time.perf_counter() - start), samples / (cpu_s() - cpu0)))
-    return runs
+    return runs if url else runs[1:]
 """
 
 
@@ -440,7 +419,7 @@ def bench_read_litdata_s3(args: argparse.Namespace) -> dict[str, Any]:
         return {}, {**inputs, "batch": BATCH, "workers": WORKERS, "seeds": [round_]}
 
     make = lambda url, o: gl.LitData(url, storage_options=o)  # noqa: E731
-    return _cold_s3(args, folder, "litdata", "litdata", make, _LITDATA_READ_S3, litdata)
+    return _cold_s3(args, folder, "litdata", "litdata", make, _LITDATA_READ, litdata)
 
 
 # -- hf ----------------------------------------------------------------------------------------------
