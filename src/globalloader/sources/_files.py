@@ -13,10 +13,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 from braceexpand import braceexpand
 
 from globalloader.errors import ArgumentError, SourceError
-from globalloader.storage import Store
+from globalloader.storage import FileStat, Store
 
 _GLOB_CHARS = frozenset("*?[")
 _ZERO_STEP = re.compile(r"\{[^{}]*\.\.[^{}]*\.\.-?0+\}")
@@ -60,3 +61,14 @@ def expand_urls(urls: Any, argument: str, store: Store | None = None) -> list[st
     if not expanded:
         raise ArgumentError(f"{argument} is empty")
     return expanded
+
+
+def prefetch_files(
+    store: Store, starts: Any, indices: Any, files: list[str], stats: list[FileStat], cached: list[bool]
+) -> None:
+    """Download into the machine cache, in the background, the files holding these record
+    indices (file `i` holds the records from `starts[i]` on), in the order first named; files
+    not read through the cache cost nothing."""
+    held = np.searchsorted(starts, np.asarray(indices, dtype=np.int64), side="right") - 1
+    wanted = [i for i in dict.fromkeys(held.tolist()) if 0 <= i < len(files) and cached[i]]
+    store.prefetch([(files[i], stats[i]) for i in wanted])

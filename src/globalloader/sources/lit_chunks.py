@@ -13,6 +13,7 @@ import numpy as np
 from globalloader import storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _lit_format as fmt
+from globalloader.sources._files import prefetch_files
 from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
 
@@ -262,9 +263,7 @@ class LitData(ProcessLocal):
         in the order they are first named (cached chunks cost no request)."""
         if not self.remote:
             return
-        chunks = np.searchsorted(self._starts, np.asarray(indices, dtype=np.int64), side="right") - 1
-        wanted = [i for i in dict.fromkeys(chunks.tolist()) if self._cached[i]]
-        self.store.prefetch([(self.chunks[i], self._stats[i]) for i in wanted])
+        prefetch_files(self.store, self._starts, indices, self.chunks, self._stats, self._cached)
 
     def close(self) -> None:
         """Close this process's open chunk files (later reads reopen them)."""

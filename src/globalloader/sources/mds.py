@@ -14,6 +14,7 @@ import numpy as np
 from globalloader import storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _mds_format
+from globalloader.sources._files import prefetch_files
 from globalloader.sources._mds_format import ShardInfo
 from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
@@ -209,9 +210,7 @@ class MDS(ProcessLocal):
         in the order they are first named (cached shards cost no request)."""
         if not self.remote:
             return
-        shards = np.searchsorted(self._starts, np.asarray(indices, dtype=np.int64), side="right") - 1
-        wanted = [i for i in dict.fromkeys(shards.tolist()) if 0 <= i < len(self.files) and self._cached[i]]
-        self.store.prefetch([(self.files[i], self._stats[i]) for i in wanted])
+        prefetch_files(self.store, self._starts, indices, self.files, self._stats, self._cached)
 
     def close(self) -> None:
         """Close this process's open files (later reads reopen them)."""

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from globalloader import _paths, storage
 from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files, _tar_index
+from globalloader.sources._files import prefetch_files
 from globalloader.sources._tar_format import split_key, walk
 from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
@@ -333,9 +334,7 @@ class TarShards(ProcessLocal):
             return
         if not self._indexed:
             self.build_index()
-        shards = np.searchsorted(self._shard_start, np.asarray(indices, dtype=np.int64), side="right") - 1
-        wanted = [i for i in dict.fromkeys(shards.tolist()) if self._cached[i]]
-        self.store.prefetch([(self.shards[i], self._stats[i]) for i in wanted])
+        prefetch_files(self.store, self._shard_start, indices, self.shards, self._stats, self._cached)
 
     def close(self) -> None:
         """Close this process's open shard files (later reads reopen them)."""
