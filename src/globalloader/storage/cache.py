@@ -228,19 +228,24 @@ class CachedFile:
     def pread(self, start: int, length: int) -> bytes:
         length = max(0, min(length, self.length - start))
         with self._lock:
-            if self._fd < 0:
-                self._open()
+            data = self._read_locked(start, length)
+        self.cache._touch(self)
+        return data
+
+    def _read_locked(self, start: int, length: int) -> bytes:
+        """`pread` under the lock: a damaged entry is downloaded again once."""
+        if self._fd < 0:
+            self._open()
+        data = self._checked_read(start, length)
+        if data is None:
+            self._drop()
+            self._open()
             data = self._checked_read(start, length)
             if data is None:
-                self._drop()
-                self._open()
-                data = self._checked_read(start, length)
-                if data is None:
-                    raise StorageError(
-                        f"cache entry {self.path} of {self.entry.url} is damaged again right after it was "
-                        f"downloaded: check the disk under the object cache {self.cache.root}"
-                    )
-        self.cache._touch(self)
+                raise StorageError(
+                    f"cache entry {self.path} of {self.entry.url} is damaged again right after it was "
+                    f"downloaded: check the disk under the object cache {self.cache.root}"
+                )
         return data
 
     def mapped(self) -> mmap.mmap:
@@ -248,10 +253,8 @@ class CachedFile:
         CRC-32 checked first (a damaged entry is downloaded again). Entries are never written in
         place, so the mapping keeps these bytes, even once the entry is closed or evicted (its
         file lives while mapped)."""
-        self.pread(0, self.length)
-        with self._lock:
-            if self._fd < 0:
-                self._open()
+        with self._lock:  # the file checked is the file mapped
+            self._read_locked(0, self.length)
             return mmap.mmap(self._fd, self.length, prot=mmap.PROT_READ) if self.length else mmap.mmap(-1, 1)
 
     def close(self) -> None:
