@@ -3,11 +3,15 @@ job; reused by other jobs only when asked (`listing_max_age`); a damaged one lis
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import pathlib
 import pickle
 from typing import Any
 
 import pytest
+from moto.core import DEFAULT_ACCOUNT_ID
+from moto.s3.models import s3_backends
 
 import globalloader as gl
 from globalloader import storage
@@ -47,3 +51,47 @@ def test_a_kept_listing_is_mapped_by_workers_and_reused_only_when_asked(
     assert _lists(s3) == 3 and again.fingerprint == src.fingerprint
     with pytest.raises(ArgumentError, match="listing_max_age"):
         gl.Files(root, storage_options=s3["options"], listing_max_age=-1)
+
+
+def _mapped_listings(record: dict[str, Any]) -> dict[str, Any]:
+    """In a loader's worker: its pid and the kept listings its process maps."""
+    with open("/proc/self/maps") as maps:
+        mapped = sorted({line.split()[-1] for line in maps if line.rstrip().endswith(".gll")})
+    return {"pid": os.getpid(), "mapped": mapped}
+
+
+def _job(root: str, opts: dict[str, Any], out: Any, start: Any) -> None:
+    """A job: its source made at the same moment as the other job's, read by 2 process workers."""
+    start.wait(60)
+    src = gl.Files(root, storage_options=opts, listing_max_age=3600)
+    chain = gl.Dataset(src).select(range(0, len(src), 500)).map(_mapped_listings)
+    with gl.Loader(chain, workers=2) as loader:
+        out.put((os.getpid(), len(src), list(loader)))
+
+
+@pytest.mark.slow
+def test_jobs_starting_together_list_a_folder_once_and_their_workers_map_it(
+    s3: dict[str, Any], isolated_cache: pathlib.Path
+) -> None:
+    # 2,500 objects: a listing of 3 pages (S3 answers 1,000 keys a page). They are put through
+    # the in-process moto server's own store: 2,500 PUTs over HTTP would take most of a minute.
+    store = s3_backends[DEFAULT_ACCOUNT_ID]["global"]
+    for i in range(2500):
+        store.put_object(s3["bucket"], f"many/{i:05d}.npy", b"array %d" % i)
+    root = f"s3://{s3['bucket']}/many"
+    ctx = multiprocessing.get_context("spawn")
+    out, start = ctx.Queue(), ctx.Barrier(2)
+    jobs = [ctx.Process(target=_job, args=(root, s3["options"], out, start)) for _ in range(2)]
+    for job in jobs:
+        job.start()
+    results = [out.get(timeout=120) for _ in jobs]
+    for job in jobs:
+        job.join(60)
+        assert job.exitcode == 0
+    assert _lists(s3) == 3  # one listing of the folder for the machine: not one per job
+    kept = sorted(str(p) for p in (isolated_cache / "listings").glob("*.gll"))
+    assert len(kept) == 1
+    for pid, count, rows in results:
+        assert count == 2500 and len(rows) == 5
+        assert all(row["pid"] != pid for row in rows)  # read in the job's worker processes
+        assert all(row["mapped"] == kept for row in rows)  # which map the one kept listing

@@ -12,9 +12,11 @@ Refreshing: by default (`max_age` 0) each construction of a source lists the fol
 source made after a change sees it; its workers map the file rather than list or copy. A folder
 that is not rewritten (a dataset) can be listed once per machine: with `max_age` seconds (argument,
 else $GLOBALLOADER_LISTING_MAX_AGE) the newest kept listing younger than that is used by every job
-as it is. Either way an object rewritten since its listing is never served under the old version
-(its reads ask for the listed ETag: a SourceError telling to construct the source again with a
-fresh listing); one deleted since is a RemoteAccessError naming it. Each listing is a file of its
+as it is, and jobs that start together list it once (the first lists under a lock file per
+folder, the others wait for it and map its listing). Either way an object rewritten since its
+listing is never served under the old version (its reads ask for the listed ETag: a SourceError
+telling to construct the source again with a fresh listing); one deleted since is a
+RemoteAccessError naming it. Each listing is a file of its
 own (named by the folder and the listing time, written whole by `write_atomic`), so a job's
 workers map exactly the listing their source was made from; files of a folder older than
 `KEEP_OLD` seconds are removed when it is listed again.
@@ -23,18 +25,22 @@ workers map exactly the listing their source was made from; files of a folder ol
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
 import struct
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from globalloader import _paths
 from globalloader.errors import ArgumentError, SourceError
+from globalloader.storage.cache import LOCK_TIMEOUT
+from globalloader.storage.cache_stats import lock_exclusive
 
 MAX_AGE_ENV = "GLOBALLOADER_LISTING_MAX_AGE"
 DEFAULT_MAX_AGE = 0.0  # seconds a kept listing is used before the folder is listed again
@@ -87,29 +93,62 @@ class FolderListing:
     @classmethod
     def of(cls, store: Any, root: str, max_age: float | None = None) -> FolderListing:
         """The listing of the remote folder `root` through `store` (a `Store`): the kept one if
-        young enough, else listed now and kept."""
+        young enough, else listed now and kept.
+
+        With `max_age` > 0 the machine lists a folder once: jobs that start together wait for
+        the one that lists (a lock file per folder, LOCK_TIMEOUT at most) and map its listing."""
         age, key = _max_age(max_age), _key(root, store.storage_options)
         folder = _paths.cache_dir("listings")
-        kept = sorted(folder.glob(f"{key}.*.gll"))  # oldest first: the names end with the listing time
-        newest = _load(kept[-1], root) if kept and age > 0 else None
-        if newest is not None and time.time() - newest.listed_at <= age:
-            return newest
-        listed_at = time.time()
-        for old in kept:
-            with contextlib.suppress(OSError):
-                if listed_at - old.stat().st_mtime > KEEP_OLD:
-                    old.unlink()
-        path = folder / f"{key}.{time.time_ns():020d}.gll"
-        found = store.find(root, remember=False)
-        prefix = root.rstrip("/") + "/"
-        rows = sorted((url[len(prefix) :], stat) for url, stat in found.items() if url.startswith(prefix))
-        if not rows:
-            raise SourceError(f"folder not found or empty: {root}")
-        _save(path, root, listed_at, rows)
-        loaded = _load(path, root)
-        if loaded is None:
-            raise SourceError(f"cannot read back the listing of {root} kept in {path}")
-        return loaded
+        if age <= 0:
+            return _list(store, root, folder, key)
+        kept = _young(folder, key, root, age)
+        if kept is not None:
+            return kept
+        with _listing_lock(folder / f"{key}.lock", root):
+            # Another job may have listed the folder while this one waited: then use its listing.
+            kept = _young(folder, key, root, age)
+            return kept if kept is not None else _list(store, root, folder, key)
+
+
+def _young(folder: pathlib.Path, key: str, root: str, age: float) -> FolderListing | None:
+    """The newest kept listing of `root` if it is at most `age` seconds old."""
+    kept = sorted(folder.glob(f"{key}.*.gll"))  # oldest first: the names end with the listing time
+    newest = _load(kept[-1], root) if kept else None
+    return newest if newest is not None and time.time() - newest.listed_at <= age else None
+
+
+def _list(store: Any, root: str, folder: pathlib.Path, key: str) -> FolderListing:
+    """List `root` now, keep the listing in `folder` and map it; remove this folder's listings
+    older than KEEP_OLD."""
+    listed_at = time.time()
+    for old in folder.glob(f"{key}.*.gll"):
+        with contextlib.suppress(OSError):
+            if listed_at - old.stat().st_mtime > KEEP_OLD:
+                old.unlink()
+    path = folder / f"{key}.{time.time_ns():020d}.gll"
+    found = store.find(root, remember=False)
+    prefix = root.rstrip("/") + "/"
+    rows = sorted((url[len(prefix) :], stat) for url, stat in found.items() if url.startswith(prefix))
+    if not rows:
+        raise SourceError(f"folder not found or empty: {root}")
+    _save(path, root, listed_at, rows)
+    loaded = _load(path, root)
+    if loaded is None:
+        raise SourceError(f"cannot read back the listing of {root} kept in {path}")
+    return loaded
+
+
+@contextlib.contextmanager
+def _listing_lock(path: pathlib.Path, root: str) -> Iterator[None]:
+    """The machine's lock on listing `root` (released by the kernel when its holder dies)."""
+    fd = _paths.open_file(path, os.O_RDONLY, _paths.file_mode())[0]
+    try:
+        waited_for = f"another process to list {root}; if none is running, remove {path}"
+        lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.05)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy
+        os.close(fd)
 
 
 def _max_age(max_age: float | None) -> float:
