@@ -96,17 +96,23 @@ class FolderListing:
     def derived(self, name: str, derive: Callable[[], tuple[dict[str, np.ndarray], dict[str, Any]]]) -> KeptArrays:
         """What a source makes of this listing (`derive`: 1-D arrays such as the rows it takes, in
         its order, and their labels, and JSON-able `meta`), made once per machine for `name` and
-        kept beside the listing: the next job maps it instead of passing over a million names."""
+        kept beside the listing: the next job maps it instead of passing over a million names
+        (jobs starting together: one makes it under the folder's lock, the others wait)."""
         path = self.path.with_name(f"{self.path.stem}.{hashlib.sha1(name.encode()).hexdigest()[:16]}.gld")
         kept = _load_derived(path, name)
-        if kept is None:
+        if kept is not None:
+            return kept
+        with _listing_lock(self.path.with_name(f"{self.path.name.split('.')[0]}.lock"), self.root):
+            kept = _load_derived(path, name)  # made by another job while this one waited
+            if kept is not None:
+                return kept
             arrays, meta = derive()
             dtypes = {key: array.dtype.str for key, array in arrays.items()}
             parts = [np.ascontiguousarray(array).tobytes() for array in arrays.values()]
             _write_arrays(path, {"name": name, "dtypes": dtypes, "meta": meta}, parts)
-            kept = _load_derived(path, name)
-            if kept is None:
-                raise SourceError(f"cannot read back what was made of the listing of {self.root} in {path}")
+        kept = _load_derived(path, name)
+        if kept is None:
+            raise SourceError(f"cannot read back what was made of the listing of {self.root} in {path}")
         return kept
 
     @classmethod
@@ -173,10 +179,11 @@ def _list(store: Any, root: str, folder: pathlib.Path, key: str) -> FolderListin
 
 @contextlib.contextmanager
 def _listing_lock(path: pathlib.Path, root: str) -> Iterator[None]:
-    """The machine's lock on listing `root` (released by the kernel when its holder dies)."""
+    """The machine's lock on listing `root` and making things of its listing (released by the
+    kernel when its holder dies)."""
     fd = _paths.open_file(path, os.O_RDONLY, _paths.file_mode())[0]
     try:
-        waited_for = f"another process to list {root}; if none is running, remove {path}"
+        waited_for = f"another process to list {root} or read its listing; if none is running, remove {path}"
         lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.05)
         yield
     finally:
