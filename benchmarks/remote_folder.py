@@ -16,11 +16,16 @@ of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
   seconds per object (its process's CPU time over the objects);
 - torch-s3fs-2 / -16: a torch DataLoader (2 and 16 workers) whose dataset reads each object with
   s3fs `cat_file`;
-- s3torch-2 / -16: Amazon's s3torchconnector `S3MapDataset` in a torch DataLoader (skipped, and
-  said so, when not installed);
-- ray: Ray Data's `read_images` + `map` (skipped when Ray Data does not import).
+- s3torch-2 / -16: Amazon's s3torchconnector `S3MapDataset` in a torch DataLoader;
+- ray: Ray Data's `read_images` (pyarrow's S3 filesystem at the proxy; Ray decodes) and the same
+  crop in `map`, on a local Ray instance of `--workers` CPUs, timed once it runs (`ray_init_s`
+  apart).
 
-Median of `--rounds` (3) with min and max; JSON in benchmarks/results/remote_folder.json.
+Each latency has the same rows; gl's cold epoch is compared with the ceiling (goal: 0.8 of it at
+20 ms, 0.7 at 50 ms) and with each peer (goal: 1.4x s3torchconnector with 16 workers). A peer that
+does not import or fails is run no further and its row says why (`failed` in the JSON), never
+dropped. Median of `--rounds` (3) with min and max; JSON in benchmarks/results/remote_folder.json;
+at the end, the table of docs/remote.md (a row per figure, a column per latency).
 
     python benchmarks/remote.py --mode folder [--samples 1000] [--rounds 3] [--latency 0.02 0.05]
 """
@@ -54,6 +59,15 @@ SYSTEMS = ("gl", "gl-local", "server", "gl-fetch", "torch-s3fs-2", "torch-s3fs-1
 BATCH = 32
 CROP = 112
 SERVER_IN_FLIGHT = 64
+GOAL_VS_CEILING = {0.02: 0.8, 0.05: 0.7}  # the issue's goal for gl's cold epoch, by latency (s)
+GOALS = {"gl_vs_s3torch-16": 1.4, "first_batch_s": 1.0}
+PEERS = {
+    "s3torch-2": "s3torchconnector, 2 workers",
+    "s3torch-16": "s3torchconnector, 16 workers",
+    "torch-s3fs-2": "DataLoader + s3fs, 2 workers",
+    "torch-s3fs-16": "DataLoader + s3fs, 16 workers",
+    "ray": "Ray Data read_images",
+}
 CLASSES = 10
 
 
@@ -158,7 +172,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         )
         return {"epochs": _epochs(loader, start, 2, proxy)}
     if system == "ray":
-        return {"epochs": _ray(spec, start)}
+        return _ray(spec, start)
     raise SystemExit(f"unknown system {system}")
 
 
@@ -222,21 +236,34 @@ def _s3torch(spec: dict[str, Any]) -> Any:
     )
 
 
-def _ray(spec: dict[str, Any], start: float) -> list[dict[str, Any]]:
+def _ray(spec: dict[str, Any], start: float) -> dict[str, Any]:
+    """Ray Data's `read_images` (decoded by Ray) with the same random resized crop per image.
+
+    Timed from the running Ray instance (`ray_init_s` apart): a Ray user's cluster is up before
+    the data is read, as torch's workers are started within the epoch."""
     import pyarrow.fs
     import ray
+    from PIL import Image
 
-    ray.init(num_cpus=spec["workers"], include_dashboard=False, log_to_driver=False)
+    from globalloader import vision
+
+    # address="local": a Ray instance of its own, never another one running on the machine.
+    ray.init(address="local", num_cpus=spec["workers"], include_dashboard=False, log_to_driver=False)
+    ray_init_s, start = time.perf_counter() - start, time.perf_counter()
     fs = pyarrow.fs.S3FileSystem(
         access_key="testing", secret_key="testing", endpoint_override=spec["proxy"], scheme="http", region="us-east-1"
     )
+
+    def ray_crop(row: dict[str, Any]) -> dict[str, Any]:
+        rng = np.random.default_rng([0, zlib.crc32(row["path"].encode())])
+        return {"image": np.asarray(vision.random_resized_crop(Image.fromarray(row["image"]), CROP, rng))}
+
     out, begin = [], _stats(spec["proxy"])
     for epoch in range(2):
         t0 = time.perf_counter()
-        ds = ray.data.read_images(spec["url"].removeprefix("s3://"), filesystem=fs, mode="RGB")
-        ds = ds.map(lambda row: {"image": row["image"][:CROP, :CROP]})
+        ds = ray.data.read_images(spec["url"].removeprefix("s3://"), filesystem=fs, mode="RGB", include_paths=True)
         first, samples = None, 0
-        for batch in ds.iter_batches(batch_size=BATCH):
+        for batch in ds.map(ray_crop).iter_batches(batch_size=BATCH):
             if first is None:
                 first = time.perf_counter() - (start if epoch == 0 else t0)
             samples += len(batch["image"])
@@ -246,7 +273,7 @@ def _ray(spec: dict[str, Any], start: float) -> list[dict[str, Any]]:
             {"samples": samples, "seconds": seconds, "first_batch": first, "bytes": now["bytes"] - begin["bytes"]}
         )
         begin = now
-    return out
+    return {"epochs": out, "ray_init_s": ray_init_s}
 
 
 # -- the session ---------------------------------------------------------------------------------
@@ -259,7 +286,8 @@ def _available(system: str) -> str | None:
     return None if probe.returncode == 0 else f"{module} does not import: {probe.stderr.strip().splitlines()[-1:]}"
 
 
-def _run(system: str, data: dict[str, Any], proxy: FaultProxy, workers: int) -> dict[str, Any] | None:
+def _run(system: str, data: dict[str, Any], proxy: FaultProxy, workers: int) -> dict[str, Any]:
+    """One round of `system` in a fresh process: its figures, or {"error": why it failed}."""
     scratch = Path(tempfile.mkdtemp(prefix="gl-folder-bench-"))
     env = dict(os.environ, GLOBALLOADER_CACHE_DIR=str(scratch / "gl-cache"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -273,12 +301,15 @@ def _run(system: str, data: dict[str, Any], proxy: FaultProxy, workers: int) -> 
         after = os.times()
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
-            tqdm.write(f"{system} failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
-            return None
+            why = f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            tqdm.write(f"{system} failed ({why})")
+            return {"error": why}
         result: dict[str, Any] = json.loads(lines[-1])
         result["proxy_peak_in_flight"] = proxy.most_in_flight
         result["server_cpu_s"] = after.user + after.system - server_cpu.user - server_cpu.system
         return result
+    except subprocess.TimeoutExpired:
+        return {"error": "no result within 1800 s"}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -290,46 +321,107 @@ def _summary(values: list[float | None]) -> dict[str, float] | None:
     return {"median": statistics.median(known), "min": min(known), "max": max(known), "n": len(known)}
 
 
-def _digest(runs: dict[str, list[Any]], data: dict[str, Any]) -> dict[str, Any]:
+def _digest(runs: dict[str, list[Any]], data: dict[str, Any], latency: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for system, rounds in runs.items():
-        ok = [r for r in rounds if r is not None]
+        ok = [r for r in rounds if "error" not in r]
+        errors = [r["error"] for r in rounds if "error" in r]
+        if not ok:
+            out[system] = {"failed": errors}  # recorded, not dropped: the table says why
+            continue
         if system in ("server", "gl-fetch"):
             out[system] = {"objects_per_s": _summary([r["objects"] / r["seconds"] for r in ok])}
             if system == "gl-fetch":
                 out[system]["client_cpu_ms_per_object"] = _summary([1e3 * r["cpu_s"] / r["objects"] for r in ok])
                 out[system]["peak_in_flight"] = _summary([r["pool"]["peak_in_flight"] for r in ok])
-            continue
-        cold, warm = [r["epochs"][0] for r in ok], [r["epochs"][1] for r in ok]
-        out[system] = {
-            "cold_samples_per_s": _summary([e["samples"] / e["seconds"] for e in cold]),
-            "warm_samples_per_s": _summary([e["samples"] / e["seconds"] for e in warm]),
-            "first_batch_s": _summary([e["first_batch"] for e in cold]),
-            "cold_bytes_x": _summary([e["bytes"] / data["bytes"] for e in cold]),
-            "warm_bytes_x": _summary([e["bytes"] / data["bytes"] for e in warm]),
-            "proxy_peak_in_flight": _summary([r["proxy_peak_in_flight"] for r in ok]),
-            "exact": all(e["samples"] == data["samples"] for r in ok for e in r["epochs"]),
-        }
-        if system == "gl":
-            out[system]["pool_peak_in_flight"] = _summary([r["pool"].get("peak_in_flight") for r in ok])
+        else:
+            cold, warm = [r["epochs"][0] for r in ok], [r["epochs"][1] for r in ok]
+            out[system] = {
+                "cold_samples_per_s": _summary([e["samples"] / e["seconds"] for e in cold]),
+                "warm_samples_per_s": _summary([e["samples"] / e["seconds"] for e in warm]),
+                "first_batch_s": _summary([e["first_batch"] for e in cold]),
+                "cold_bytes_x": _summary([e["bytes"] / data["bytes"] for e in cold]),
+                "warm_bytes_x": _summary([e["bytes"] / data["bytes"] for e in warm]),
+                "proxy_peak_in_flight": _summary([r["proxy_peak_in_flight"] for r in ok]),
+                "exact": all(e["samples"] == data["samples"] for r in ok for e in r["epochs"]),
+            }
+            if system == "gl":
+                out[system]["pool_peak_in_flight"] = _summary([r["pool"].get("peak_in_flight") for r in ok])
+            if system == "ray":
+                out[system]["ray_init_s"] = _summary([r["ray_init_s"] for r in ok])
+        if errors:
+            out[system]["failed"] = errors
+    gl_cold = out.get("gl", {}).get("cold_samples_per_s")
     local, server = out.get("gl-local", {}).get("cold_samples_per_s"), out.get("server", {}).get("objects_per_s")
     ceilings = [c["median"] for c in (local, server) if c]
-    if ceilings and out.get("gl", {}).get("cold_samples_per_s"):
+    out["goals"] = {"cold_vs_ceiling": GOAL_VS_CEILING.get(round(latency, 3)), **GOALS}
+    if ceilings and gl_cold:
         out["ceiling_samples_per_s"] = min(ceilings)
-        out["gl_cold_vs_ceiling"] = out["gl"]["cold_samples_per_s"]["median"] / min(ceilings)
+        out["gl_cold_vs_ceiling"] = gl_cold["median"] / min(ceilings)
+    if gl_cold:
+        out["gl_cold_vs_peer"] = {
+            peer: gl_cold["median"] / row["cold_samples_per_s"]["median"]
+            for peer in PEERS
+            if (row := out.get(peer, {})).get("cold_samples_per_s")
+        }
     return out
 
 
-def _print(digest: dict[str, Any], latency: float) -> None:
-    print(f"\nimage folder, {latency * 1e3:.0f} ms per request")
-    for system, row in digest.items():
-        if isinstance(row, dict):
-            cells = ", ".join(
-                f"{k} {v['median']:.3g}" if isinstance(v, dict) else f"{k} {v}" for k, v in row.items() if v
-            )
-            print(f"  {system:14} {cells}")
-    if "gl_cold_vs_ceiling" in digest:
-        print(f"  gl cold / ceiling ({digest['ceiling_samples_per_s']:.0f}/s): {digest['gl_cold_vs_ceiling']:.2f}")
+def _cell(figure: dict[str, float] | None, digits: int = 0) -> str:
+    """`median [min, max]`, or "-" when there is no figure."""
+    if not figure:
+        return "-"
+    return f"{figure['median']:,.{digits}f} [{figure['min']:,.{digits}f}, {figure['max']:,.{digits}f}]"
+
+
+def _ratio(value: float | None, goal: float | None = None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" + (f" (goal >= {goal})" if goal else "")
+
+
+def _table(report: dict[str, Any]) -> list[str]:
+    """The docs' tables (median [min, max] of rounds): gl and its ceilings, a row per figure and
+    a column per latency; then each system in a row per latency, with gl's ratio to it."""
+    columns = list(report["latency"].items())
+    lines = ["| | " + " | ".join(f"{name} a request" for name, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+
+    def row(label: str, cell: Any) -> None:
+        lines.append(f"| {label} | " + " | ".join(cell(d) for _, d in columns) + " |")
+
+    def figure(system: str, key: str, digits: int = 0) -> Any:
+        return lambda digest: _cell(digest.get(system, {}).get(key), digits)
+
+    row("gl cold epoch, samples/s", figure("gl", "cold_samples_per_s"))
+    row("gl warm epoch, samples/s", figure("gl", "warm_samples_per_s"))
+    row("gl time to first batch, s", figure("gl", "first_batch_s", 2))
+    row("gl bytes downloaded cold / warm (x the folder)", lambda d: _bytes(d.get("gl", {})))
+    row("gl peak GETs in flight (at the proxy)", figure("gl", "proxy_peak_in_flight"))
+    row("ceiling: local disk, same chain, samples/s", figure("gl-local", "cold_samples_per_s"))
+    row(f"ceiling: moto, {SERVER_IN_FLIGHT} GETs in flight, objects/s", figure("server", "objects_per_s"))
+    row("gl cold / ceiling", lambda d: _ratio(d.get("gl_cold_vs_ceiling"), d["goals"]["cold_vs_ceiling"]))
+    row("client CPU per object (pool alone), ms", figure("gl-fetch", "client_cpu_ms_per_object", 2))
+    lines += ["", "| system | latency | cold samples/s | gl cold / it | peak GETs in flight | bytes cold / warm (x) |"]
+    lines.append("|---" * 6 + "|")
+    for system, label in {"gl": f"globalloader, {report['workers']} workers", **PEERS}.items():
+        for name, digest in columns:
+            got = digest.get(system)
+            if got is None:
+                continue  # not asked for (--only)
+            if "cold_samples_per_s" not in got:
+                lines.append(f"| {label} | {name} | not run: {got['failed'][0]} | | | |")
+                continue
+            goal = GOALS["gl_vs_s3torch-16"] if system == "s3torch-16" else None
+            ratio = "" if system == "gl" else _ratio(digest.get("gl_cold_vs_peer", {}).get(system), goal)
+            cells = [_cell(got["cold_samples_per_s"]), ratio, _cell(got["proxy_peak_in_flight"]), _bytes(got)]
+            lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _bytes(row: dict[str, Any]) -> str:
+    if "cold_bytes_x" not in row:
+        return "-"
+    return f"{row['cold_bytes_x']['median']:.2f} / {row['warm_bytes_x']['median']:.2f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -366,17 +458,16 @@ def main(argv: list[str] | None = None) -> None:
         systems = [s for s in wanted if s not in skipped]
         for latency in args.latency:
             proxy.latency = latency
-            runs: dict[str, list[Any]] = {}
+            runs: dict[str, list[Any]] = {system: [{"error": why}] for system, why in skipped.items()}
             with tqdm(total=args.rounds * len(systems), desc=f"latency {latency * 1e3:.0f} ms") as bar:
                 for _ in range(args.rounds):
                     for system in systems:
                         runs.setdefault(system, []).append(_run(system, data, proxy, args.workers))
                         bar.update()
-            digest = _digest(runs, data)
-            report["latency"][f"{latency * 1e3:.0f}ms"] = digest
-            _print(digest, latency)
+            report["latency"][f"{latency * 1e3:.0f} ms"] = _digest(runs, data, latency)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
+        print("\n".join(["", f"image folder, {args.samples} objects, {args.workers} workers", *_table(report)]))
         print(f"results: {args.output}")
     finally:
         proxy.stop()

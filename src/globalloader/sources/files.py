@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from globalloader import storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources.base import check_index, fingerprint_of
-from globalloader.storage.listing import FolderListing, flat_strings
+from globalloader.storage.listing import FolderListing, KeptArrays, flat_strings
 
 
 class Files:
@@ -25,10 +26,11 @@ class Files:
     `root` may be a URL (`storage_options=`, `cache_limit=`, `fetch_concurrency=`,
     `fetch_memory=` go to its `storage.Store`): one listing finds every file, kept in the cache
     folder as flat arrays that the workers map instead of copying (`listing_max_age=`: reuse a
-    listing made this many seconds ago by any job of the machine; see `storage.listing`), each
-    file read through the machine cache with the ETag of its listing and downloaded ahead of the
-    reads by the pool of many requests in flight (`prefetch`, `storage.fetch_ahead`). A missing or
-    empty root is a SourceError; a file deleted since the listing is an error naming it.
+    listing made this many seconds ago by any job of the machine; see `storage.listing`), and so
+    are the rows this source takes of it (and an ImageFolder's labels); each file is read through
+    the machine cache with the ETag of its listing and downloaded ahead of the reads by the pool
+    of many requests in flight (`prefetch`, `storage.fetch_ahead`). A missing or empty root is a
+    SourceError; a file deleted since the listing is an error naming it.
     """
 
     _KIND = "Files"
@@ -52,25 +54,39 @@ class Files:
         self.root = os.fspath(root)
         self.patterns = tuple(p.lower() for p in patterns)
         self._listing: FolderListing | None = None
+        self._derived: dict[str, np.ndarray] | KeptArrays
         if storage.scheme_of(self.root):
             self.root = self.root.rstrip("/")
             self.store = storage.Store(
                 storage_options, cache_limit, fetch_concurrency=fetch_concurrency, fetch_memory=fetch_memory
             )
-            self._listing = FolderListing.of(self.store, self.root, listing_max_age)
-            names = self._listing.names
-            rows = [i for i in range(len(self._listing)) if self._wanted(names[i])]
-            self._rows = np.asarray(self._ordered(rows, names.__getitem__), np.int64)
+            listing = self._listing = FolderListing.of(self.store, self.root, listing_max_age)
+            # Which rows, in which order: made once per machine for this listing and kept beside it.
+            self._derived = listing.derived(
+                f"{self._KIND} 1 {self.patterns}", lambda: self._derive(len(listing), listing.names.__getitem__)
+            )
+            self._adopt(self._derived.meta)
         else:
             if not os.path.isdir(self.root):
                 raise SourceError(f"{self._what()} not found: {self.root}")
             self.store = storage.Store()
             found = sorted(rel for rel in _walk(self.root) if self._wanted(rel))
             self._local_names = flat_strings(found)
-            self._rows = np.asarray(self._ordered(list(range(len(found))), found.__getitem__), np.int64)
+            self._derived, meta = self._derive(len(found), found.__getitem__)
+            self._adopt(meta)
         if not len(self._rows):
             raise SourceError(f"no {self._matching()} under {self.root}{self._layout()}")
         self._fingerprint: str | None = None
+
+    @property
+    def _rows(self) -> np.ndarray:
+        """Listing row of each record, in index order (mapped from the kept file when remote)."""
+        return self._derived["rows"]
+
+    def _derive(self, count: int, name: Callable[[int], str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The arrays (`rows`: the wanted ones of `count` names, in this source's order) and the
+        JSON-able meta this source makes of its names."""
+        return self._arrange([i for i in range(count) if self._wanted(name(i))], name)
 
     @property
     def _names(self) -> Any:
@@ -83,8 +99,11 @@ class Files:
         lowered = rel.lower()
         return not _hidden(rel) and any(fnmatch.fnmatchcase(lowered, p) for p in self.patterns)
 
-    def _ordered(self, rows: list[int], name: Any) -> list[int]:
-        return rows
+    def _arrange(self, rows: list[int], name: Callable[[int], str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return {"rows": np.asarray(rows, np.int64)}, {}
+
+    def _adopt(self, meta: dict[str, Any]) -> None:
+        """Take what `_arrange` said besides its arrays (a subclass's class names)."""
 
     def _record(self, index: int, rel: str, data: bytes) -> dict[str, Any]:
         return {"__key__": rel, "bytes": data}

@@ -44,17 +44,27 @@ class ImageFolder(Files):
     def _wanted(self, rel: str) -> bool:
         return "/" in rel and super()._wanted(rel)
 
-    def _ordered(self, rows: list[int], name: Callable[[int], str]) -> list[int]:
+    def _arrange(self, rows: list[int], name: Callable[[int], str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Grouped by class in sorted class order (a class is a folder of `root`), by path within
         one; the labels follow."""
         if self._listing is None:
-            self.classes = sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
+            classes = sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
         else:
-            self.classes = sorted({name(row).split("/", 1)[0] for row in rows})
-        label_of = {c: i for i, c in enumerate(self.classes)}
+            classes = sorted({name(row).split("/", 1)[0] for row in rows})
+        label_of = {c: i for i, c in enumerate(classes)}
         keyed = sorted((label_of[name(row).split("/", 1)[0]], name(row), row) for row in rows)
-        self._labels = np.fromiter((label for label, _, _ in keyed), np.int64, len(keyed))
-        return [row for _, _, row in keyed]
+        arrays = {
+            "rows": np.fromiter((row for _, _, row in keyed), np.int64, len(keyed)),
+            "labels": np.fromiter((label for label, _, _ in keyed), np.int64, len(keyed)),
+        }
+        return arrays, {"classes": classes}
+
+    def _adopt(self, meta: dict[str, Any]) -> None:
+        self.classes = list(meta["classes"])
+
+    @property
+    def _labels(self) -> np.ndarray:
+        return self._derived["labels"]
 
     def _record(self, index: int, rel: str, data: bytes) -> dict[str, Any]:
         return {"__key__": rel.rsplit(".", 1)[0], "image": data, "label": self._labels.item(index)}

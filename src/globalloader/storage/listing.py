@@ -6,15 +6,20 @@ object writes its reference count, so forked workers copy the pages they touch).
 kept in the cache folder (`listings/`, one file per folder URL and endpoint) as flat arrays:
 names and versions as one byte buffer each with their offsets, sizes as int64. Every process
 maps the same file read-only: a job, its workers and the next job on the machine share one copy
-in the page cache and list nothing.
+in the page cache and list nothing. What a source makes of a listing (the rows it takes, in its
+order, and their labels: a pass over a million names, tens of seconds) is kept beside it the
+same way (`FolderListing.derived`), made by the first job and mapped by the others and by every
+worker, which receive the files' paths, not the arrays.
 
 Refreshing: by default (`max_age` 0) each construction of a source lists the folder again, so a
 source made after a change sees it; its workers map the file rather than list or copy. A folder
 that is not rewritten (a dataset) can be listed once per machine: with `max_age` seconds (argument,
 else $GLOBALLOADER_LISTING_MAX_AGE) the newest kept listing younger than that is used by every job
-as it is. Either way an object rewritten since its listing is never served under the old version
-(its reads ask for the listed ETag: a SourceError telling to construct the source again with a
-fresh listing); one deleted since is a RemoteAccessError naming it. Each listing is a file of its
+as it is, and jobs that start together list it once (the first lists under a lock file per
+folder, the others wait for it and map its listing). Either way an object rewritten since its
+listing is never served under the old version (its reads ask for the listed ETag: a SourceError
+telling to construct the source again with a fresh listing); one deleted since is a
+RemoteAccessError naming it. Each listing is a file of its
 own (named by the folder and the listing time, written whole by `write_atomic`), so a job's
 workers map exactly the listing their source was made from; files of a folder older than
 `KEEP_OLD` seconds are removed when it is listed again.
@@ -23,18 +28,22 @@ workers map exactly the listing their source was made from; files of a folder ol
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
 import struct
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from globalloader import _paths
 from globalloader.errors import ArgumentError, SourceError
+from globalloader.storage.cache import LOCK_TIMEOUT
+from globalloader.storage.cache_stats import lock_exclusive
 
 MAX_AGE_ENV = "GLOBALLOADER_LISTING_MAX_AGE"
 DEFAULT_MAX_AGE = 0.0  # seconds a kept listing is used before the folder is listed again
@@ -84,32 +93,102 @@ class FolderListing:
     def __len__(self) -> int:
         return len(self.sizes)
 
+    def derived(self, name: str, derive: Callable[[], tuple[dict[str, np.ndarray], dict[str, Any]]]) -> KeptArrays:
+        """What a source makes of this listing (`derive`: 1-D arrays such as the rows it takes, in
+        its order, and their labels, and JSON-able `meta`), made once per machine for `name` and
+        kept beside the listing: the next job maps it instead of passing over a million names
+        (jobs starting together: one makes it under the folder's lock, the others wait)."""
+        path = self.path.with_name(f"{self.path.stem}.{hashlib.sha1(name.encode()).hexdigest()[:16]}.gld")
+        kept = _load_derived(path, name)
+        if kept is not None:
+            return kept
+        with _listing_lock(self.path.with_name(f"{self.path.name.split('.')[0]}.lock"), self.root):
+            kept = _load_derived(path, name)  # made by another job while this one waited
+            if kept is not None:
+                return kept
+            arrays, meta = derive()
+            dtypes = {key: array.dtype.str for key, array in arrays.items()}
+            parts = [np.ascontiguousarray(array).tobytes() for array in arrays.values()]
+            _write_arrays(path, {"name": name, "dtypes": dtypes, "meta": meta}, parts)
+        kept = _load_derived(path, name)
+        if kept is None:
+            raise SourceError(f"cannot read back what was made of the listing of {self.root} in {path}")
+        return kept
+
     @classmethod
     def of(cls, store: Any, root: str, max_age: float | None = None) -> FolderListing:
         """The listing of the remote folder `root` through `store` (a `Store`): the kept one if
-        young enough, else listed now and kept."""
+        young enough, else listed now and kept.
+
+        With `max_age` > 0 the machine lists a folder once: jobs that start together wait for
+        the one that lists (a lock file per folder, LOCK_TIMEOUT at most) and map its listing."""
         age, key = _max_age(max_age), _key(root, store.storage_options)
         folder = _paths.cache_dir("listings")
-        kept = sorted(folder.glob(f"{key}.*.gll"))  # oldest first: the names end with the listing time
-        newest = _load(kept[-1], root) if kept and age > 0 else None
-        if newest is not None and time.time() - newest.listed_at <= age:
-            return newest
-        listed_at = time.time()
-        for old in kept:
-            with contextlib.suppress(OSError):
-                if listed_at - old.stat().st_mtime > KEEP_OLD:
-                    old.unlink()
-        path = folder / f"{key}.{time.time_ns():020d}.gll"
-        found = store.find(root, remember=False)
-        prefix = root.rstrip("/") + "/"
-        rows = sorted((url[len(prefix) :], stat) for url, stat in found.items() if url.startswith(prefix))
-        if not rows:
-            raise SourceError(f"folder not found or empty: {root}")
-        _save(path, root, listed_at, rows)
-        loaded = _load(path, root)
-        if loaded is None:
-            raise SourceError(f"cannot read back the listing of {root} kept in {path}")
-        return loaded
+        if age <= 0:
+            return _list(store, root, folder, key)
+        kept = _young(folder, key, root, age)
+        if kept is not None:
+            return kept
+        with _listing_lock(folder / f"{key}.lock", root):
+            # Another job may have listed the folder while this one waited: then use its listing.
+            kept = _young(folder, key, root, age)
+            return kept if kept is not None else _list(store, root, folder, key)
+
+
+class KeptArrays:
+    """Arrays made of a kept listing (`FolderListing.derived`), mapped read-only from their file,
+    and their `meta`; sent to another process as the file's path, mapped there again."""
+
+    def __init__(self, path: pathlib.Path, name: str, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        self.path, self.name, self.arrays, self.meta = path, name, arrays, meta
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.arrays[key]
+
+    def __reduce__(self) -> tuple[Any, tuple[pathlib.Path, str]]:
+        return _reopen_derived, (self.path, self.name)
+
+
+def _young(folder: pathlib.Path, key: str, root: str, age: float) -> FolderListing | None:
+    """The newest kept listing of `root` if it is at most `age` seconds old."""
+    kept = sorted(folder.glob(f"{key}.*.gll"))  # oldest first: the names end with the listing time
+    newest = _load(kept[-1], root) if kept else None
+    return newest if newest is not None and time.time() - newest.listed_at <= age else None
+
+
+def _list(store: Any, root: str, folder: pathlib.Path, key: str) -> FolderListing:
+    """List `root` now, keep the listing in `folder` and map it; remove this folder's listings
+    older than KEEP_OLD."""
+    listed_at = time.time()
+    for old in folder.glob(f"{key}.*.gl[ld]"):  # old listings and what was made of them
+        with contextlib.suppress(OSError):
+            if listed_at - old.stat().st_mtime > KEEP_OLD:
+                old.unlink()
+    path = folder / f"{key}.{time.time_ns():020d}.gll"
+    found = store.find(root, remember=False)
+    prefix = root.rstrip("/") + "/"
+    rows = sorted((url[len(prefix) :], stat) for url, stat in found.items() if url.startswith(prefix))
+    if not rows:
+        raise SourceError(f"folder not found or empty: {root}")
+    _save(path, root, listed_at, rows)
+    loaded = _load(path, root)
+    if loaded is None:
+        raise SourceError(f"cannot read back the listing of {root} kept in {path}")
+    return loaded
+
+
+@contextlib.contextmanager
+def _listing_lock(path: pathlib.Path, root: str) -> Iterator[None]:
+    """The machine's lock on listing `root` and making things of its listing (released by the
+    kernel when its holder dies)."""
+    fd = _paths.open_file(path, os.O_RDONLY, _paths.file_mode())[0]
+    try:
+        waited_for = f"another process to list {root} or read its listing; if none is running, remove {path}"
+        lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=0.05)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy
+        os.close(fd)
 
 
 def _max_age(max_age: float | None) -> float:
@@ -138,49 +217,77 @@ def _key(root: str, options: dict[str, Any]) -> str:
     return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
 
 
+def _reopen_derived(path: pathlib.Path, name: str) -> KeptArrays:
+    kept = _load_derived(path, name)
+    if kept is None:
+        raise SourceError(f"{path}, made of a kept listing, is gone or damaged; construct the source again")
+    return kept
+
+
 def _save(path: pathlib.Path, root: str, listed_at: float, rows: list[tuple[str, Any]]) -> None:
     name_offsets, names = _Flat.encode([rel for rel, _ in rows])
     version_offsets, versions = _Flat.encode([stat.version for _, stat in rows])
     sizes = np.fromiter((stat.size for _, stat in rows), np.int64, len(rows))
     parts = [name_offsets.tobytes(), names, sizes.tobytes(), version_offsets.tobytes(), versions]
-    header = json.dumps(
-        {"root": root.rstrip("/"), "listed_at": listed_at, "count": len(rows), "bytes": [len(p) for p in parts]}
-    )
+    _write_arrays(path, {"root": root.rstrip("/"), "listed_at": listed_at, "count": len(rows)}, parts)
+
+
+def _write_arrays(path: pathlib.Path, header: dict[str, Any], parts: list[bytes]) -> None:
+    """`header` (JSON) and `parts`, each 8-byte aligned, written whole to `path` or not at all."""
+    text = json.dumps({**header, "bytes": [len(p) for p in parts]})
     with _paths.write_atomic(path) as out:
-        out.write(_HEAD.pack(_MAGIC, len(header)) + header.encode())
+        out.write(_HEAD.pack(_MAGIC, len(text)) + text.encode())
         for part in parts:
-            out.write(part + b"\0" * (-len(part) % 8))  # each array 8-byte aligned
+            out.write(part + b"\0" * (-len(part) % 8))
+
+
+def _map_arrays(path: pathlib.Path) -> tuple[dict[str, Any], list[np.ndarray]] | None:
+    """The header and the parts (bytes, mapped read-only) of a file `_write_arrays` wrote, or None
+    when there is none or it is damaged or cut short."""
+    try:
+        with open(path, "rb") as f:
+            magic, length = _HEAD.unpack(f.read(_HEAD.size))
+            header = json.loads(f.read(length)) if magic == _MAGIC else None
+        if not isinstance(header, dict):
+            return None
+        whole = np.memmap(path, np.uint8, "r")
+        at, arrays = _HEAD.size + length, []
+        for size in header["bytes"]:
+            arrays.append(whole[at : at + size])
+            at += size + (-size % 8)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return (header, arrays) if at == len(whole) else None
 
 
 def _load(path: pathlib.Path, root: str) -> FolderListing | None:
     """The kept listing at `path` mapped read-only, or None when there is none or it is of
     another folder, damaged or cut short (then it is listed again)."""
-    try:
-        with open(path, "rb") as f:
-            magic, length = _HEAD.unpack(f.read(_HEAD.size))
-            header = json.loads(f.read(length)) if magic == _MAGIC else None
-        if header is None or header["root"] != root.rstrip("/"):
-            return None
-        whole = np.memmap(path, np.uint8, "r")
-    except (OSError, ValueError, KeyError, struct.error):
+    mapped = _map_arrays(path)
+    if mapped is None or mapped[0].get("root") != root.rstrip("/") or len(mapped[1]) != 5:
         return None
-    at, arrays = _HEAD.size + length, []
-    for size in header["bytes"]:
-        arrays.append(whole[at : at + size])
-        at += size + (-size % 8)
-    if at != len(whole):
+    header, (name_offsets, names, sizes, version_offsets, versions) = mapped
+    if len(sizes) != 8 * header["count"]:
         return None
-    count = header["count"]
-    name_offsets, names, sizes, version_offsets, versions = arrays
-    return (
-        FolderListing(
-            path,
-            header["root"],
-            header["listed_at"],
-            _Flat(name_offsets.view(np.int64), names),
-            sizes.view(np.int64),
-            _Flat(version_offsets.view(np.int64), versions),
-        )
-        if len(sizes) == 8 * count
-        else None
+    return FolderListing(
+        path,
+        header["root"],
+        header["listed_at"],
+        _Flat(name_offsets.view(np.int64), names),
+        sizes.view(np.int64),
+        _Flat(version_offsets.view(np.int64), versions),
     )
+
+
+def _load_derived(path: pathlib.Path, name: str) -> KeptArrays | None:
+    """What was made of a listing for `name`, mapped, or None (then it is made again)."""
+    mapped = _map_arrays(path)
+    if mapped is None or mapped[0].get("name") != name:
+        return None
+    header, parts = mapped
+    try:
+        dtypes = [np.dtype(dtype) for dtype in header["dtypes"].values()]
+        views = [part.view(dtype) for part, dtype in zip(parts, dtypes, strict=True)]
+    except (KeyError, AttributeError, TypeError, ValueError):
+        return None
+    return KeptArrays(path, name, dict(zip(header["dtypes"], views, strict=True)), header.get("meta", {}))
