@@ -15,7 +15,8 @@ the peers in a torch DataLoader(num_workers=2, batch_size=32), decoding in their
 is a fresh process with an empty cache folder: the cold epoch (samples/s from the construction
 of the dataset, time to first batch, bytes downloaded / the format's size), then a warm second
 epoch in the same process. Then 2 jobs at once on one machine (one cache folder): both cold
-epochs' bytes / the dataset, and the slower job's time; globalloader also with `share=True`.
+epochs' bytes / the dataset, and the slower job's time; globalloader also with `share=True` (the
+decode as its shared map; K = 1, 2, 4 shared vs independent: remote_share.py).
 Median of `--rounds` (3) with min and max; JSON in benchmarks/results/remote.json.
 
 Where globalloader's cold epoch goes, per round (`phases`): the seconds to construct the source
@@ -264,8 +265,10 @@ def _gl_loader(spec: dict[str, Any]) -> Any:
     constructed = time.perf_counter()
     len(src)  # what the Loader's first iteration would do first: measured apart
     spec["phases"].update(source_s=constructed - spec["start"], index_s=time.perf_counter() - constructed)
-    chain = gl.Dataset(src).shuffle(seed=0, window=2).map(decode).batch(BATCH)
-    share = {"share": True, "server": spec["socket"]} if spec.get("share") else {}
+    # Shared, the decode is the shared prefix: decoded once for both jobs (see remote_share.py).
+    shared = bool(spec.get("share"))
+    chain = gl.Dataset(src).shuffle(seed=0, window=2).map(decode, shared=shared).batch(BATCH)
+    share = {"share": True, "server": spec["socket"]} if shared else {}
     return gl.Loader(chain, workers=WORKERS, **share)
 
 
