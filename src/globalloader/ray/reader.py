@@ -26,12 +26,19 @@ from globalloader.dataset.collate import collate
 from globalloader.dataset.combine import Combined
 from globalloader.dataset.index_plan import IndexPlan
 from globalloader.errors import ArgumentError, SourceError
-from globalloader.sources import TarShards, to_numpy
-from globalloader.sources.base import ArrowBlocks, BatchReads, Blocks, KeepsBlocks, capable, declared_fingerprint
+from globalloader.sources import to_numpy
+from globalloader.sources.base import (
+    ArrowBlocks,
+    BatchReads,
+    Blocks,
+    KeepsBlocks,
+    StreamedShards,
+    capable,
+    declared_fingerprint,
+)
 from globalloader.sources.detect import open_source
 
 PART_ROWS = 65536  # rows per map task of a source with no blocks: fixed, so orders never depend on the machine
-_GZIP_SUFFIXES = (".gz", ".tgz")
 # What to do instead of each operator that needs the order of the records, or makes it.
 _INSTEAD = {
     "batch": "ShufflingDataset cuts batches itself (batch_size=)",
@@ -114,7 +121,7 @@ def _split(source: Any, chain: IndexPlan | None) -> list[Part]:
         )
     if chain is not None:
         fingerprint = chain.resume_fingerprint  # the source's, the select's and the maps'
-    if isinstance(source, TarShards) and any(url.lower().endswith(_GZIP_SUFFIXES) for url in source.shards):
+    if capable(source, StreamedShards) and source.streamed:
         counts = [sum(1 for _ in source.iter_records([shard])) for shard in range(len(source.shards))]
         cuts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         names = [f"tar shard {url}" for url in source.shards]
