@@ -256,8 +256,8 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
             raise StateError(f"not a ShufflingDataset state: {state!r}")
         if state["shuffle"] != self.spec.key:
             raise StateError(f"the state belongs to another shuffle: {state['shuffle']}")
-        if not 0 <= state["batches"] <= (self._batches if self._batches is not None else state["batches"]):
-            raise StateError(f"state batches {state['batches']} is outside 0..{len(self)}")
+        if state["batches"] < 0 or (self._batches is not None and state["batches"] > self._batches):
+            raise StateError(f"state batches {state['batches']} is outside 0..{self._batches}")
         if state["epoch"] < self.spec.num_epochs:
             self.set_epoch(state["epoch"])
         else:

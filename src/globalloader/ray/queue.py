@@ -150,10 +150,8 @@ class BatchQueue:
         makes) once the epoch is cut; ("error", why) if it was freed."""
         try:
             layout = await self._scheduler.layout(epoch)
-        except (
-            rex.RayError,
-            GlobalLoaderError,
-        ) as exc:  # a stage-1 task failed, or the epoch has too few rows: the trainer raises it
+        # A stage-1 task failed, or the epoch has too few rows: the trainer raises it.
+        except (rex.RayError, GlobalLoaderError) as exc:
             return "ok", {"failed": exc}
         if layout is None:
             return "error", self._freed(rank, epoch)

@@ -159,18 +159,13 @@ def read_part(part: Part, columns: Sequence[str] | None, epoch: int = 0) -> dict
         pa = _extras.require("pyarrow", "ray")
         starts = source.block_starts
         blocks = [b for b in range(len(starts)) if part.start <= starts[b] < part.stop]
-        table = pa.concat_tables([source.read_block(b) for b in blocks]) if blocks else None
-        names = table.column_names if table is not None else []
-        _check_columns(part, columns, names)
-        keep = None if part.indices is None else part.indices - part.start
-        return (
-            {
-                name: to_numpy(table.column(name) if keep is None else table.column(name).take(keep))
-                for name in columns or names
-            }
-            if table is not None
-            else {}
-        )
+        if not blocks:
+            return {}
+        table = pa.concat_tables([source.read_block(b) for b in blocks])
+        _check_columns(part, columns, table.column_names)
+        if part.indices is not None:  # a select's rows, in source-index order
+            table = table.take(part.indices - part.start)
+        return {name: to_numpy(table.column(name)) for name in columns or table.column_names}
     indices = np.arange(part.start, part.stop, dtype=np.int64) if part.indices is None else part.indices
     if part.streamed_shard is not None:
         shard = list(source.iter_records([part.streamed_shard]))
