@@ -33,8 +33,9 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
 
     Every rank constructs one with the same arguments and its own `rank`. Rank 0 plans the
     shuffle and starts a named Ray actor (the batch queue) that the other ranks find by name;
-    per epoch, map tasks read the parts of `data` (any source, a bare `gl.Dataset` over one, or
-    files with `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a
+    per epoch, map tasks read the parts of `data` (a `gl.Dataset` whose per-record operators,
+    maps, filters and flat_maps, they run as the Loader does; a source; or files with
+    `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a
     seeded random assignment, reducers permute and cut batches, and each trainer fetches its
     batches from the object store, `prefetch` reducer outputs ahead, at most
     `max_concurrent_epochs` epochs alive at once (memory).
@@ -46,7 +47,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
     Batches are read-only views of Ray's shared memory. With drop_last=False every row appears
     once per epoch across all trainers (each trainer's last batch shares the leftover rows);
     with drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
-    (DDP never hangs), in an order fixed by the data, `seed`, `num_trainers`, `batch_size`,
+    (`len(iter(ds))` after a filter or flat_map: it changes by epoch; DDP never hangs), in an order fixed by the data, `seed`, `num_trainers`, `batch_size`,
     `num_reducers` and `drop_last` alone. Rank 0's process ends the batch queue: it must not exit
     before the others finish. A rank restarted from its `state_dict()` rejoins the running
     shuffle; a lost queue, or a wait beyond `timeout` seconds, is a WorkerError saying why; an

@@ -171,7 +171,12 @@ class BatchQueue:
     async def output(self, rank: int, epoch: int, index: int, wait_s: float) -> tuple[str, Any]:
         """The ref of rank `rank`'s `index`-th output of `epoch`: ("ok", ref) once its reducer
         is submitted, ("wait", why) after `wait_s`, ("error", message) if it is gone."""
-        layout = await self._scheduler.layout(epoch)  # known: the rank took the epoch
+        try:  # known once the rank took the epoch
+            layout = await asyncio.wait_for(self._scheduler.layout(epoch), wait_s)
+        except TimeoutError:
+            return "wait", f"epoch {epoch} is not cut yet ({self._scheduler.describe()})"
+        except (rex.RayError, GlobalLoaderError) as exc:
+            return "error", f"epoch {epoch} failed: {exc}"
         if layout is None:
             return "error", f"epoch {epoch} was released before rank {rank} read it"
         reducer = int(layout.rank_reducers(rank)[index])
