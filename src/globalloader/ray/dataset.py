@@ -44,16 +44,17 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
             ds.set_epoch(epoch)          # optional: iterating again moves to the next epoch
             for batch in ds: ...         # {column: np.ndarray}, rows along axis 0
 
-    Batches are read-only views of Ray's shared memory. With drop_last=False every row appears
-    once per epoch across all trainers (each trainer's last batch shares the leftover rows);
-    with drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
-    (`len(iter(ds))` after a filter or flat_map: it changes by epoch; DDP never hangs), in an order fixed by the data, `seed`, `num_trainers`, `batch_size`,
-    `num_reducers` and `drop_last` alone. Rank 0's process ends the batch queue: it must not exit
-    before the others finish. A rank restarted from its `state_dict()` rejoins the running
-    shuffle; a lost queue, or a wait beyond `timeout` seconds, is a WorkerError saying why; an
-    unreadable file a SourceError naming it. `name`: the shuffle's name in the cluster (default:
-    from the arguments). `epoch_stats`: where time went per epoch, and reducer outputs (and
-    bytes) pulled from another node. docs/ray.md says more.
+    Batches are read-only views of Ray's shared memory. With drop_last=False every row appears once
+    per epoch across all trainers (each trainer's last batch shares the leftover rows); with
+    drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
+    (`len(iter(ds))` after a filter or flat_map: it changes by epoch; DDP never hangs), in an order
+    fixed by the data, `seed`, `num_trainers`, `batch_size`, `num_reducers` and `drop_last` alone.
+    Rank 0's process ends the batch queue: it must not exit before the others finish. A rank
+    restarted from its `state_dict()` rejoins the running shuffle; a lost queue, or a wait beyond
+    `timeout` seconds, is a WorkerError saying why; an unreadable file a SourceError naming it.
+    `name`: the shuffle's name in the cluster (default: from the arguments). `epoch_stats`: where
+    time went per epoch, and reducer outputs (and bytes) pulled from another node. docs/ray.md says
+    more.
     """
 
     def __init__(
