@@ -15,9 +15,9 @@ import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from globalloader._seeding import check_seed
-from globalloader.errors import ArgumentError, StateError, WorkerError, check_int
-from globalloader.ray.layout import default_num_reducers, make_layout
-from globalloader.ray.prefetch import OutputPrefetcher, ask_queue
+from globalloader.errors import ArgumentError, ArgumentTypeError, StateError, WorkerError, check_int
+from globalloader.ray.layout import default_num_reducers
+from globalloader.ray.prefetch import OutputPrefetcher, ask_queue, task_error
 from globalloader.ray.queue import BatchQueue, ShuffleSpec
 from globalloader.ray.reader import parts_of
 
@@ -33,8 +33,9 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
 
     Every rank constructs one with the same arguments and its own `rank`. Rank 0 plans the
     shuffle and starts a named Ray actor (the batch queue) that the other ranks find by name;
-    per epoch, map tasks read the parts of `data` (any source, a bare `gl.Dataset` over one, or
-    files with `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a
+    per epoch, map tasks read the parts of `data` (a `gl.Dataset` whose per-record operators,
+    maps, filters and flat_maps, they run as the Loader does; a source; or files with
+    `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a
     seeded random assignment, reducers permute and cut batches, and each trainer fetches its
     batches from the object store, `prefetch` reducer outputs ahead, at most
     `max_concurrent_epochs` epochs alive at once (memory).
@@ -43,16 +44,17 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
             ds.set_epoch(epoch)          # optional: iterating again moves to the next epoch
             for batch in ds: ...         # {column: np.ndarray}, rows along axis 0
 
-    Batches are read-only views of Ray's shared memory. With drop_last=False every row appears
-    once per epoch across all trainers (each trainer's last batch shares the leftover rows);
-    with drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
-    (DDP never hangs), in an order fixed by the data, `seed`, `num_trainers`, `batch_size`,
-    `num_reducers` and `drop_last` alone. Rank 0's process ends the batch queue: it must not exit
-    before the others finish. A rank restarted from its `state_dict()` rejoins the running
-    shuffle; a lost queue, or a wait beyond `timeout` seconds, is a WorkerError saying why; an
-    unreadable file a SourceError naming it. `name`: the shuffle's name in the cluster (default:
-    from the arguments). `epoch_stats`: where time went per epoch, and reducer outputs (and
-    bytes) pulled from another node. docs/ray.md says more.
+    Batches are read-only views of Ray's shared memory. With drop_last=False every row appears once
+    per epoch across all trainers (each trainer's last batch shares the leftover rows); with
+    drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
+    (`len(iter(ds))` after a filter or flat_map: it changes by epoch; DDP never hangs), in an order
+    fixed by the data, `seed`, `num_trainers`, `batch_size`, `num_reducers` and `drop_last` alone.
+    Rank 0's process ends the batch queue: it must not exit before the others finish. A rank
+    restarted from its `state_dict()` rejoins the running shuffle; a lost queue, or a wait beyond
+    `timeout` seconds, is a WorkerError saying why; an unreadable file a SourceError naming it.
+    `name`: the shuffle's name in the cluster (default: from the arguments). `epoch_stats`: where
+    time went per epoch, and reducer outputs (and bytes) pulled from another node. docs/ray.md says
+    more.
     """
 
     def __init__(
@@ -115,9 +117,8 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         self._node = ray.get_runtime_context().get_node_id()
         self._presence = ray.put(rank)  # owned by this process: the queue sees when it dies
         self._queue, info = self._create() if rank == 0 else self._attach()
-        self._batch_sizes: np.ndarray = np.asarray(info["batch_sizes"])
-        self._runs: np.ndarray = np.asarray(info["reducer_batches"])
-        self.total_rows: int = info["rows"]
+        self._batches: int | None = info["batches"]  # per trainer and epoch; None: known per epoch only
+        self.total_rows: int | None = info["rows"]
         self._epoch: int | None = None  # set by set_epoch / load_state_dict for the next iter
         self._next_epoch = 0
         self._skip = 0  # batches of the next epoch already consumed (after load_state_dict)
@@ -126,10 +127,8 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
 
     def _create(self) -> tuple[Any, dict[str, Any]]:
         """Rank 0: count rows, check the plan, and start the queue (replacing a finished one)."""
-        rows = [part.stop - part.start for part in self.spec.files]
-        make_layout(
-            np.array(rows), self.spec.num_trainers, self.spec.batch_size, self.spec.num_reducers, self.spec.drop_last
-        )  # ArgumentError here, not remote
+        if not self.spec.expands:
+            self.spec.layout(np.array([part.rows for part in self.spec.files]))  # ArgumentError here, not remote
         deadline = time.monotonic() + 10.0
         while True:
             try:
@@ -141,7 +140,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
                     # an actor elsewhere now and then under soft affinity, tying the job to that node.
                     scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
                 )
-                handle = queue.remote(self.spec, rows)
+                handle = queue.remote(self.spec)
                 break
             except ValueError as exc:
                 if "taken" not in str(exc) and not isinstance(exc, _NAME_TAKEN):
@@ -193,8 +192,14 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         raise WorkerError(f"rank {self.rank} could not join shuffle {self.name!r} within {self._timeout:.0f} s: {why}")
 
     def __len__(self) -> int:
-        """Batches every trainer gets per epoch."""
-        return int(self._batch_sizes.shape[0])
+        """Batches every trainer gets per epoch; a chain with a filter or flat_map has no length
+        before it runs (ArgumentTypeError): `len(iter(ds))` is the epoch's, once it is cut."""
+        if self._batches is None:
+            raise ArgumentTypeError(
+                f"shuffle {self.name!r} runs a filter or flat_map: its batches per epoch are known only once "
+                "the epoch's map tasks ran; len(iter(ds)) is the current epoch's"
+            )
+        return self._batches
 
     @property
     def num_epochs(self) -> int:
@@ -216,15 +221,15 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         if self._active is not None:
             self._active.close()
         started = time.perf_counter()
-        self._take(epoch)
-        self._active = _EpochIterator(self, epoch, self._skip, started)
+        batches = self._take(epoch)
+        self._active = _EpochIterator(self, epoch, self._skip, started, batches)
         self._epoch, self._skip, self._next_epoch = None, 0, epoch + 1
         return self._active
 
-    def _take(self, epoch: int) -> None:
+    def _take(self, epoch: int) -> dict[str, Any]:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         ticket = uuid.uuid4().hex
-        ask_queue(
+        return ask_queue(
             lambda wait: ray.get(self._queue.take.remote(self.rank, epoch, wait, ticket), timeout=wait + RPC_GRACE_S),
             _TAKE_POLL_S,
             deadline,
@@ -253,8 +258,8 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
             raise StateError(f"not a ShufflingDataset state: {state!r}")
         if state["shuffle"] != self.spec.key:
             raise StateError(f"the state belongs to another shuffle: {state['shuffle']}")
-        if not 0 <= state["batches"] <= len(self):
-            raise StateError(f"state batches {state['batches']} is outside 0..{len(self)}")
+        if state["batches"] < 0 or (self._batches is not None and state["batches"] > self._batches):
+            raise StateError(f"state batches {state['batches']} is outside 0..{self._batches}")
         if state["epoch"] < self.spec.num_epochs:
             self.set_epoch(state["epoch"])
         else:
@@ -277,7 +282,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self.name!r}, rank {self.rank}/{self.spec.num_trainers}, "
-            f"{len(self.spec.files)} parts, {self.total_rows} rows, {len(self)} batches of "
+            f"{len(self.spec.files)} parts, {self.total_rows} rows, {self._batches} batches of "
             f"{self.spec.batch_size} per epoch)"
         )
 
@@ -285,14 +290,17 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
 class _EpochIterator:
     """One rank's batches of one epoch: slices of reducer outputs fetched in order."""
 
-    def __init__(self, owner: ShufflingDataset, epoch: int, skip: int, started: float) -> None:
+    def __init__(self, owner: ShufflingDataset, epoch: int, skip: int, started: float, batches: dict[str, Any]) -> None:
+        """`batches`: the rank's batch sizes this epoch and the batches each of its reducers makes."""
+        if "failed" in batches:
+            raise task_error(batches["failed"], f"epoch {epoch} of shuffle {owner.name!r}")
         self._owner = owner
         self.epoch = epoch
         self.position = skip  # batches consumed so far
         self.finished = False
-        self._sizes = owner._batch_sizes
+        self._sizes = np.asarray(batches["batch_sizes"])
         self._row_start = np.concatenate([[0], np.cumsum(self._sizes)])
-        runs = owner._runs
+        runs = np.asarray(batches["reducer_batches"])
         first = int(np.searchsorted(runs[:, 1], skip, side="right")) if len(runs) else 0
         self._runs = runs[first:]
         self._next_run = 0
@@ -312,6 +320,10 @@ class _EpochIterator:
 
     def __iter__(self) -> _EpochIterator:
         return self
+
+    def __len__(self) -> int:
+        """Batches this rank gets this epoch (those already consumed too)."""
+        return len(self._sizes)
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self.position >= len(self._sizes):
