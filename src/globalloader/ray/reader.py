@@ -21,8 +21,7 @@ import numpy as np
 from globalloader import _extras
 from globalloader.dataset import Dataset
 from globalloader.errors import ArgumentError, SourceError
-from globalloader.sources import Parquet, TarShards
-from globalloader.sources._arrow_values import to_numpy
+from globalloader.sources import Parquet, TarShards, to_numpy
 from globalloader.sources.base import ArrowBlocks, BatchReads, Blocks, KeepsBlocks, capable, declared_fingerprint
 
 PART_ROWS = 65536  # rows per map task of a source with no blocks: fixed, so orders never depend on the machine

@@ -1,5 +1,7 @@
-"""Sources: records addressable by integer index: `len(src)`, `src[i] -> dict`, `.fingerprint`."""
+"""Sources: records addressable by integer index: `len(src)`, `src[i] -> dict`, `.fingerprint`;
+and `to_numpy`, the one rule by which their Arrow columns become NumPy arrays."""
 
+from globalloader.sources._arrow_values import to_numpy
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import Source
 from globalloader.sources.fields import DecodeFields
@@ -28,5 +30,6 @@ __all__ = [  # noqa: RUF022  # sorted as sorted() sorts (ruff would put the all-
     "TarShards",
     "TarWriter",
     "from_sequence",
+    "to_numpy",
 ]
 assert __all__ == sorted(__all__)
