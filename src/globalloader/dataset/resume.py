@@ -277,12 +277,7 @@ def _elastic(plan: Plan, states: list[SavedState]) -> Position:
     if ops < len(indexed.index_ops) - 1:
         after = ", ".join(str(op.describe()[0]) for op in indexed.index_ops[ops + 1 :])
         raise StateError(f"elastic resume needs shard() to be the last index operator, but {after} follows it")
-    if len({(s.epoch, s.base, s.world, s.uneven) for s in states}) > 1:
-        raise StateError(
-            f"the states were taken at different points (epochs {sorted({s.epoch for s in states})}, "
-            f"shards {sorted({(s.world, s.uneven) for s in states})}): "
-            "give the states every rank saved at the same checkpoint"
-        )
+    states = one_checkpoint(states)
     epoch, world, old_uneven = states[0].epoch, states[0].world, states[0].uneven
     base = states[0].base or Base(())
     shared = [s.consumed is not None for s in states]
@@ -292,14 +287,6 @@ def _elastic(plan: Plan, states: list[SavedState]) -> Position:
             f"this chain's state from rank {states[0].rank} of {world} cannot stand for the other ranks "
             f"({why}): load the list of every rank's state"
         )
-    if len(states) > 1:
-        ranks = sorted(s.rank for s in states)
-        if len(states) != world or ranks != list(range(world)):
-            raise StateError(
-                f"got the states of ranks {ranks} of a world of {world}: load one state (ranks in lockstep) "
-                f"or the list of all {world}"
-            )
-        states = sorted(states, key=lambda s: s.rank)
     if any(shared) and not all(shared):
         raise StateError("the states mix shared mode (consumed sets) and local positions: give one run's states")
     start = epoch_order(plan, epoch, base)
@@ -332,6 +319,24 @@ def _elastic(plan: Plan, states: list[SavedState]) -> Position:
             return Position(epoch, task, offset, None, None, order.base)
     order = epoch_order(plan, epoch, Base((*base.steps, step)), start)
     return Position(epoch, 0, 0, None, None if held is None else held.state(), order.base)
+
+
+def one_checkpoint(states: list[SavedState]) -> list[SavedState]:
+    """`states` by rank, if they stand for one checkpoint: one state (ranks in lockstep), or every
+    rank's of one world at one point; else a StateError saying what to give."""
+    if len({(s.epoch, s.base, s.world, s.uneven) for s in states}) > 1:
+        raise StateError(
+            f"the states were taken at different points (epochs {sorted({s.epoch for s in states})}, "
+            f"shards {sorted({(s.world, s.uneven) for s in states})}): "
+            "give the states every rank saved at the same checkpoint"
+        )
+    world, ranks = states[0].world, sorted(s.rank for s in states)
+    if len(states) > 1 and ranks != list(range(world)):
+        raise StateError(
+            f"got the states of ranks {ranks} of a world of {world}: load one state (ranks in lockstep) "
+            f"or the list of all {world}"
+        )
+    return sorted(states, key=lambda s: s.rank)
 
 
 def _counts(plan: Plan, states: list[SavedState], shares: list[int]) -> list[int]:

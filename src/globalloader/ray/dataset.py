@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from globalloader._seeding import check_seed
 from globalloader.dataset.fingerprint import fingerprint
-from globalloader.dataset.resume import check_same_chain, check_samples
+from globalloader.dataset.resume import check_same_chain, check_samples, one_checkpoint
 from globalloader.dataset.saved_state import SavedState, read_states
 from globalloader.errors import ArgumentError, LoaderTimeoutError, StateError, check_int
 from globalloader.ray.layout import default_num_reducers, make_layout
@@ -310,25 +310,12 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         states = read_states(state, None)
         check_same_chain(self._identity, states)
         for s in states:
-            held = [name for name in ("tail", "base", "consumed") if getattr(s, name) is not None]
-            if held:
+            if s.fingerprint != fingerprint(self._identity) or (s.tail, s.base, s.consumed) != (None, None, None):
                 raise StateError(
-                    f"state dict was taken from a different chain: it holds {held[0]!r} (a Ray shuffle's: none)"
+                    "state dict does not match its 'chain' (another 'fingerprint', or a 'tail', 'base' or "
+                    "'consumed' set, which a Ray shuffle's never holds): was it edited?"
                 )
-            if s.fingerprint != fingerprint(self._identity):
-                raise StateError("state dict field 'fingerprint' does not match its 'chain': was the state edited?")
-        if len({(s.epoch, s.world) for s in states}) > 1:
-            raise StateError(
-                f"the states were taken at different points (epochs {sorted({s.epoch for s in states})}, "
-                f"trainers {sorted({s.world for s in states})}): give the states every rank saved at the same "
-                "checkpoint"
-            )
-        ranks = sorted(s.rank for s in states)
-        if len(states) > 1 and ranks != list(range(states[0].world)):
-            raise StateError(
-                f"got the states of ranks {ranks} of {states[0].world} trainers: load one state (ranks in "
-                f"lockstep) or the list of all {states[0].world}"
-            )
+        states = one_checkpoint(states)
         mine = next((s for s in states if s.rank == self.rank), states[0])
         if mine.started:
             self._check_mid_epoch(mine)
