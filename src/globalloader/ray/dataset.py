@@ -329,17 +329,14 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
 
     def _check_mid_epoch(self, state: SavedState) -> None:
         """A mid-epoch position skips batches of this very layout: refuse one of another."""
-        spec, at = self.spec, f"mid-epoch (epoch {state.epoch}, batch {state.task})"
-        boundary = "save the state at an epoch boundary (after an epoch's last batch) to change it"
-        if state.world != spec.num_trainers:
+        spec = self.spec
+        layout = (spec.num_trainers, spec.batch_size, self._digests["reducers"])
+        if (state.world, state.batch_size, state.chain.get("reducers")) != layout:
             raise StateError(
-                f"state dict was taken {at} by {state.world} trainers, but this shuffle has {spec.num_trainers}: "
-                f"the number of trainers changes between epochs only; {boundary}"
-            )
-        if state.batch_size != spec.batch_size or state.chain.get("reducers") != self._digests["reducers"]:
-            raise StateError(
-                f"state dict was taken {at} with batch_size {state.batch_size} or a num_reducers other than this "
-                f"shuffle's (batch_size {spec.batch_size}, num_reducers {spec.num_reducers}); {boundary}"
+                f"state dict was taken mid-epoch (epoch {state.epoch}, batch {state.task}) by {state.world} "
+                f"trainers with batch_size {state.batch_size} and its num_reducers; this shuffle's "
+                f"{spec.num_trainers} trainers, batch_size {spec.batch_size} and num_reducers {spec.num_reducers} "
+                "cut other batches: save the state at an epoch boundary (after an epoch's last batch) to change them"
             )
         if state.offset or state.task > len(self):
             raise StateError(
