@@ -302,7 +302,7 @@ class TestThreeNodes:
             open_all(trainers, files, args)
             first_life = ray.get(trainers[1].read.remote([0], stop_after=5), timeout=60)
             state = ray.get(trainers[1].state_dict.remote())
-            assert state["epoch"] == 0 and state["batches"] == 5
+            assert state["epoch"] == 0 and state["task"] == 5
             ray.kill(trainers[1], no_restart=True)  # dies mid-epoch, holding epoch 0 of rank 1
             others = [t.read.remote([0, 1]) for t in (trainers[0], trainers[2])]
             trainers[1] = start_trainer("node-b")
@@ -365,7 +365,7 @@ class TestThreeNodes:
             out = []
             for b, a, s in zip(before, after, states, strict=True):
                 partial = b[s["epoch"]] if len(b) > s["epoch"] else []  # the epoch the kill cut short
-                assert len(partial) == s["batches"]  # the state counts exactly the batches delivered
+                assert len(partial) == s["task"]  # the state counts exactly the batches delivered
                 out.append([*b[: s["epoch"]], partial + a[0], *a[1:]])
             assert_same(out, one_node)
             close_all(trainers)

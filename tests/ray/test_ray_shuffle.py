@@ -248,7 +248,7 @@ class TestFailures:
         assert len(ray.get(ranks[1].read.remote([0], stop_after=1))[0]) == 1
         ray.kill(ranks[1])  # dies in the middle of epoch 0
         error = ray.get(ranks[0].read.remote([0, 1, 2]))
-        assert error[0] == "WorkerError" and "rank(s) [1]" in error[1], error
+        assert error[0] == "LoaderTimeoutError" and "rank(s) [1]" in error[1], error
         ray.kill(ranks[0])
 
     def test_rank0_gone_fails_the_others(self, cluster, files):

@@ -28,11 +28,11 @@ import numpy.typing as npt
 from globalloader.dataset.fingerprint import digest
 from globalloader.dataset.index_plan import IndexPlan
 from globalloader.dataset.plan import Plan
-from globalloader.dataset.saved_state import Base, SavedState, Taken
+from globalloader.dataset.saved_state import Base, SavedState, Taken, read_states
 from globalloader.dataset.tail import Tail
 from globalloader.errors import StateError
 from globalloader.sampling.elastic import Layer, Remaining
-from globalloader.sampling.sharding import MAX_WORLD_SIZE, shard_positions
+from globalloader.sampling.sharding import shard_positions
 
 _PART_NAMES = {
     "seed": "the root seed (seed())",
@@ -199,11 +199,7 @@ def _consumed(plan: Plan, task: int, offset: int, size: int, share: int, ended: 
 def load_state(plan: Plan, state: Any) -> Position:
     """Where a state dict (or the list of every rank's) puts the next pass of `plan`; StateError
     naming the field or the part of the chain at fault, before anything is built from it."""
-    raw = state if isinstance(state, list) else [state]
-    if not raw or len(raw) > MAX_WORLD_SIZE:
-        raise StateError(f"expected a state dict or the list of every rank's state dicts, got {state!r:.200}")
-    bound = plan.source_length
-    states = [SavedState.from_json(s, bound) for s in raw]
+    states = read_states(state, plan.source_length)
     for s in states:
         _check_tail(plan, s)
     if len(states) == 1 and states[0].fingerprint == plan.resume_fingerprint:
@@ -242,7 +238,8 @@ def _exact(plan: Plan, state: SavedState) -> Position:
     return Position(epoch, task, offset, None if consumed is None else list(consumed), state.tail, state.base)
 
 
-def _check_samples(state: SavedState, expected: int) -> None:
+def check_samples(state: SavedState, expected: int) -> None:
+    """StateError unless `state` counts `expected` samples for its position (an edited state)."""
     if state.samples != expected:
         raise StateError(
             f"state dict field 'samples' = {state.samples} does not match its position (task {state.task}, "
@@ -274,18 +271,13 @@ def _elastic(plan: Plan, states: list[SavedState]) -> Position:
             "a stream's state loads only into the same chain, rank and world size "
             "(elastic resume needs a random-access source)"
         )
-    _check_same_chain(plan, states)
+    check_same_chain(chain_digests(plan), states)
     indexed = positional(plan)
     ops, shard = indexed.shard()
     if ops < len(indexed.index_ops) - 1:
         after = ", ".join(str(op.describe()[0]) for op in indexed.index_ops[ops + 1 :])
         raise StateError(f"elastic resume needs shard() to be the last index operator, but {after} follows it")
-    if len({(s.epoch, s.base, s.world, s.uneven) for s in states}) > 1:
-        raise StateError(
-            f"the states were taken at different points (epochs {sorted({s.epoch for s in states})}, "
-            f"shards {sorted({(s.world, s.uneven) for s in states})}): "
-            "give the states every rank saved at the same checkpoint"
-        )
+    states = one_checkpoint(states)
     epoch, world, old_uneven = states[0].epoch, states[0].world, states[0].uneven
     base = states[0].base or Base(())
     shared = [s.consumed is not None for s in states]
@@ -295,14 +287,6 @@ def _elastic(plan: Plan, states: list[SavedState]) -> Position:
             f"this chain's state from rank {states[0].rank} of {world} cannot stand for the other ranks "
             f"({why}): load the list of every rank's state"
         )
-    if len(states) > 1:
-        ranks = sorted(s.rank for s in states)
-        if len(states) != world or ranks != list(range(world)):
-            raise StateError(
-                f"got the states of ranks {ranks} of a world of {world}: load one state (ranks in lockstep) "
-                f"or the list of all {world}"
-            )
-        states = sorted(states, key=lambda s: s.rank)
     if any(shared) and not all(shared):
         raise StateError("the states mix shared mode (consumed sets) and local positions: give one run's states")
     start = epoch_order(plan, epoch, base)
@@ -337,12 +321,30 @@ def _elastic(plan: Plan, states: list[SavedState]) -> Position:
     return Position(epoch, 0, 0, None, None if held is None else held.state(), order.base)
 
 
+def one_checkpoint(states: list[SavedState]) -> list[SavedState]:
+    """`states` by rank, if they stand for one checkpoint: one state (ranks in lockstep), or every
+    rank's of one world at one point; else a StateError saying what to give."""
+    if len({(s.epoch, s.base, s.world, s.uneven) for s in states}) > 1:
+        raise StateError(
+            f"the states were taken at different points (epochs {sorted({s.epoch for s in states})}, "
+            f"shards {sorted({(s.world, s.uneven) for s in states})}): "
+            "give the states every rank saved at the same checkpoint"
+        )
+    world, ranks = states[0].world, sorted(s.rank for s in states)
+    if len(states) > 1 and ranks != list(range(world)):
+        raise StateError(
+            f"got the states of ranks {ranks} of a world of {world}: load one state (ranks in lockstep) "
+            f"or the list of all {world}"
+        )
+    return sorted(states, key=lambda s: s.rank)
+
+
 def _counts(plan: Plan, states: list[SavedState], shares: list[int]) -> list[int]:
     """The samples each old rank consumed of its share: its own state's `samples` (checked against
     its position), or, for one state standing for ranks in lockstep, what each rank's share gives
     after as many steps (batches of the state's batch size): ranks' shares may differ by one."""
     for s in states:
-        _check_samples(s, _consumed(plan, s.task, s.offset, _steps_size(plan, s), shares[s.rank]))
+        check_samples(s, _consumed(plan, s.task, s.offset, _steps_size(plan, s), shares[s.rank]))
     if len(states) > 1:
         return [s.samples for s in states]
     s = states[0]
@@ -372,8 +374,8 @@ def _handed_over(plan: Plan, epoch: int, states: list[SavedState], rank: int, wo
     return tail
 
 
-def _check_same_chain(plan: Plan, states: list[SavedState]) -> None:
-    ours = chain_digests(plan)
+def check_same_chain(ours: dict[str, str], states: list[SavedState]) -> None:
+    """StateError naming the parts of the chain (`ours`, digested by part) that a state's differ in."""
     for state in states:
         differ = [_PART_NAMES.get(k, k) for k in ours if state.chain.get(k) != ours[k]]
         if differ:

@@ -122,6 +122,15 @@ class SavedState:
         )
 
 
+def read_states(state: Any, source_length: int | None) -> list[SavedState]:
+    """A state dict, or the list of every rank's, checked (see `SavedState.from_json`): what the
+    Loader and Ray's trainers load alike."""
+    raw = state if isinstance(state, list) else [state]
+    if not raw or len(raw) > MAX_WORLD_SIZE:
+        raise StateError(f"expected a state dict or the list of every rank's state dicts, got {state!r:.200}")
+    return [SavedState.from_json(s, source_length) for s in raw]
+
+
 _REQUIRED = ("fingerprint", "epoch", "task", "offset", "samples", "batch_size", "shard", "chain")
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import time
 import uuid
@@ -15,7 +17,10 @@ import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from globalloader._seeding import check_seed
-from globalloader.errors import ArgumentError, ArgumentTypeError, StateError, WorkerError, check_int
+from globalloader.dataset.fingerprint import fingerprint
+from globalloader.dataset.resume import check_same_chain, check_samples, one_checkpoint
+from globalloader.dataset.saved_state import SavedState, read_states
+from globalloader.errors import ArgumentError, ArgumentTypeError, LoaderTimeoutError, StateError, check_int
 from globalloader.ray.layout import default_num_reducers
 from globalloader.ray.prefetch import OutputPrefetcher, ask_queue, task_error
 from globalloader.ray.queue import BatchQueue, ShuffleSpec
@@ -26,6 +31,10 @@ NAMESPACE = "globalloader"  # queues are found by name from any driver or actor 
 _ATTACH_POLL_S = 0.2
 _TAKE_POLL_S = 5.0
 RPC_GRACE_S = 60.0  # beyond its own wait, how long a call to the batch queue may take
+# What may differ between epochs (a state records the trainers and the batch size itself): the
+# rest of the spec is the shuffle's identity, `num_reducers` its own part, checked mid-epoch only.
+_PER_RUN = frozenset({"num_epochs", "num_trainers", "batch_size", "num_reducers", "max_concurrent_epochs"})
+_NAMED = frozenset({"seed", "files", "columns", "drop_last"})
 
 
 class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
@@ -49,12 +58,13 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
     drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
     (`len(iter(ds))` after a filter or flat_map: it changes by epoch; DDP never hangs), in an order
     fixed by the data, `seed`, `num_trainers`, `batch_size`, `num_reducers` and `drop_last` alone.
-    Rank 0's process ends the batch queue: it must not exit before the others finish. A rank
-    restarted from its `state_dict()` rejoins the running shuffle; a lost queue, or a wait beyond
-    `timeout` seconds, is a WorkerError saying why; an unreadable file a SourceError naming it.
-    `name`: the shuffle's name in the cluster (default: from the arguments). `epoch_stats`: where
-    time went per epoch, and reducer outputs (and bytes) pulled from another node. docs/ray.md says
-    more.
+    Rank 0's process ends the batch queue: it must not exit before the others finish.
+    `state_dict()` has the Loader's form: a rank restarted from it rejoins the running shuffle, and
+    a trainer set of another size continues from any rank's state taken at an epoch boundary. A
+    lost queue is a WorkerError, a wait beyond `timeout` seconds a LoaderTimeoutError, each saying
+    why; an unreadable file a SourceError naming it. `name`: the shuffle's name in the cluster
+    (default: from the arguments). `epoch_stats`: where time went per epoch, and reducer outputs
+    (and bytes) pulled from another node. docs/ray.md says more.
     """
 
     def __init__(
@@ -122,6 +132,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         self._epoch: int | None = None  # set by set_epoch / load_state_dict for the next iter
         self._next_epoch = 0
         self._skip = 0  # batches of the next epoch already consumed (after load_state_dict)
+        self._skip_samples = 0  # and the rows they held
         self._active: _EpochIterator | None = None
         self.epoch_stats: dict[int, dict[str, float]] = {}
 
@@ -189,7 +200,9 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
                 "rank, or an earlier job with the same arguments still holds the name)"
             )
             time.sleep(_ATTACH_POLL_S)
-        raise WorkerError(f"rank {self.rank} could not join shuffle {self.name!r} within {self._timeout:.0f} s: {why}")
+        raise LoaderTimeoutError(
+            f"rank {self.rank} could not join shuffle {self.name!r} within {self._timeout:g} s (timeout=): {why}"
+        )
 
     def __len__(self) -> int:
         """Batches every trainer gets per epoch; a chain with a filter or flat_map has no length
@@ -211,7 +224,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         if epoch >= self.spec.num_epochs:
             raise ArgumentError(f"epoch must be in 0..{self.spec.num_epochs - 1}, got {epoch}")
         if epoch != self._epoch:
-            self._skip = 0
+            self._skip = self._skip_samples = 0
         self._epoch = epoch
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -223,7 +236,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         started = time.perf_counter()
         batches = self._take(epoch)
         self._active = _EpochIterator(self, epoch, self._skip, started, batches)
-        self._epoch, self._skip, self._next_epoch = None, 0, epoch + 1
+        self._epoch, self._skip, self._skip_samples, self._next_epoch = None, 0, 0, epoch + 1
         return self._active
 
     def _take(self, epoch: int) -> dict[str, Any]:
@@ -235,37 +248,123 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
             deadline,
             f"rank {self.rank} cannot take epoch {epoch} of shuffle {self.name!r}",
             lambda why: (
-                f"rank {self.rank} waited {self._timeout:.0f} s for epoch {epoch} of shuffle {self.name!r}: "
+                f"rank {self.rank} waited {self._timeout:g} s (timeout=) for epoch {epoch} of shuffle {self.name!r}: "
                 f"{why} (a trainer may have died or stalled; at most {self.spec.max_concurrent_epochs} epochs are "
                 "shuffled ahead)"
             ),
         )
 
+    @functools.cached_property
+    def _digests(self) -> dict[str, str]:
+        """The shuffle's identity by part, named as a Loader state names a chain's parts: the seed,
+        the source (its parts and columns), the global shuffle, what else decides the rows (the
+        operators), drop_last; and the reducers, which decide a mid-epoch position only. The
+        number of trainers and the batch size are left out: they may change between epochs."""
+        spec = self.spec
+        rest = [(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.name not in _PER_RUN | _NAMED]
+        parts = {
+            "seed": spec.seed,
+            "source": ([(p.name, p.fingerprint, p.start, p.stop) for p in spec.files], spec.columns),
+            "index": "Ray's global shuffle",
+            "maps": rest,
+            "batch": spec.drop_last,
+            "reducers": spec.num_reducers,
+        }
+        # (value,): digested as the Loader digests its parts, so an equal part (the seed) matches
+        return {name: fingerprint((value,), strict=False)[:12] for name, value in parts.items()}
+
+    @property
+    def _identity(self) -> dict[str, str]:
+        """The parts a state must share with this shuffle at any point (all but the reducers)."""
+        return {name: value for name, value in self._digests.items() if name != "reducers"}
+
     def state_dict(self) -> dict[str, Any]:
-        """Where this rank is: the epoch and how many of its batches were consumed."""
-        if self._active is not None and not self._active.finished:
-            return {"shuffle": self.spec.key, "epoch": self._active.epoch, "batches": self._active.position}
-        epoch = self._epoch if self._epoch is not None else self._next_epoch
-        return {"shuffle": self.spec.key, "epoch": epoch, "batches": self._skip}
+        """Where this rank is, in the Loader's state form (`dataset.saved_state`): the epoch, the
+        batches (`task`) and rows (`samples`) of it consumed, this rank and the number of trainers
+        (`shard`), the batch size, and the shuffle's identity without them (`fingerprint`, and
+        `chain` by part). A rank that consumed every batch of an epoch stands at the next one's
+        start: an epoch boundary, where a state loads at any number of trainers."""
+        active = self._active
+        if active is not None and not active.finished:
+            epoch, task, sizes = active.epoch, active.position, active.sizes
+        else:
+            epoch, task, sizes = self._epoch if self._epoch is not None else self._next_epoch, self._skip, None
+        if sizes is not None and task == len(sizes):
+            epoch, task = epoch + 1, 0
+        samples = int(sizes[:task].sum()) if sizes is not None else self._skip_samples
+        return SavedState(
+            fingerprint=fingerprint(self._identity),
+            epoch=epoch,
+            task=task,
+            offset=0,
+            samples=samples,
+            batch_size=self.spec.batch_size,
+            rank=self.rank,
+            world=self.spec.num_trainers,
+            uneven="drop" if self.spec.drop_last else "none",
+            chain=dict(self._digests),
+        ).to_json()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`: the next iteration reads its epoch from its batch on.
-
-        The epoch's shuffle is recomputed (same seed, same batches); batches before the
-        position are skipped, whole reducer outputs without being fetched.
-        """
-        if not isinstance(state, dict) or set(state) != {"shuffle", "epoch", "batches"}:
-            raise StateError(f"not a ShufflingDataset state: {state!r}")
-        if state["shuffle"] != self.spec.key:
-            raise StateError(f"the state belongs to another shuffle: {state['shuffle']}")
-        if state["batches"] < 0 or (self._batches is not None and state["batches"] > self._batches):
-            raise StateError(f"state batches {state['batches']} is outside 0..{self._batches}")
-        if state["epoch"] < self.spec.num_epochs:
-            self.set_epoch(state["epoch"])
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Continue from `state`: this rank's own, any rank's (ranks in lockstep), or the list of
+        every rank's, checked as the Loader checks its own (StateError naming the field or the
+        part of the shuffle that differs). Mid-epoch, the epoch's shuffle is recomputed (same
+        seed, same batches) and the consumed batches skipped, whole reducer outputs without being
+        fetched: the state must come from as many trainers with the same batch size and reducers.
+        At an epoch boundary any number of trainers and batch size will do: the next epoch is this
+        shuffle's, as a fresh run with these arguments reads it."""
+        states = read_states(state, None)
+        check_same_chain(self._identity, states)
+        for s in states:
+            if s.fingerprint != fingerprint(self._identity) or (s.tail, s.base, s.consumed) != (None, None, None):
+                raise StateError(
+                    "state dict does not match its 'chain' (another 'fingerprint', or a 'tail', 'base' or "
+                    "'consumed' set, which a Ray shuffle's never holds): was it edited?"
+                )
+        states = one_checkpoint(states)
+        mine = next((s for s in states if s.rank == self.rank), states[0])
+        if mine.started:
+            self._check_mid_epoch(mine)
+        epoch, task = mine.epoch, mine.task
+        if epoch < self.spec.num_epochs:
+            self.set_epoch(epoch)
         else:
             self._epoch = None
-        self._next_epoch = state["epoch"]
-        self._skip = state["batches"]
+        self._next_epoch = epoch
+        self._skip = task
+        self._skip_samples = self._rows_before(task) if mine.rank != self.rank else mine.samples
+
+    def _fixed_sizes(self) -> np.ndarray | None:
+        """This rank's batch sizes, the same every epoch (None: a chain that expands has them per
+        epoch only, once its map tasks ran)."""
+        if self.spec.expands:
+            return None
+        return self.spec.layout(np.array([part.rows for part in self.spec.files])).batch_sizes[self.rank]
+
+    def _rows_before(self, task: int) -> int:
+        """Rows in this rank's first `task` batches of an epoch (a chain that expands: batch_size
+        each, its last batch of an epoch being the only one that may differ)."""
+        sizes = self._fixed_sizes()
+        return int(sizes[:task].sum()) if sizes is not None else task * self.spec.batch_size
+
+    def _check_mid_epoch(self, state: SavedState) -> None:
+        """A mid-epoch position skips batches of this very layout: refuse one of another."""
+        spec = self.spec
+        layout = (spec.num_trainers, spec.batch_size, self._digests["reducers"])
+        if (state.world, state.batch_size, state.chain.get("reducers")) != layout:
+            raise StateError(
+                f"state dict was taken mid-epoch (epoch {state.epoch}, batch {state.task}) by {state.world} "
+                f"trainers with batch_size {state.batch_size} and its num_reducers; this shuffle's "
+                f"{spec.num_trainers} trainers, batch_size {spec.batch_size} and num_reducers {spec.num_reducers} "
+                "cut other batches: save the state at an epoch boundary (after an epoch's last batch) to change them"
+            )
+        if state.offset or (self._batches is not None and state.task > self._batches):
+            raise StateError(
+                f"state dict fields 'task' = {state.task}, 'offset' = {state.offset} are out of range: a trainer "
+                f"of this shuffle consumes whole batches (offset 0), {self._batches} per epoch"
+            )
+        if state.rank == self.rank and not self.spec.expands:  # another rank's last batch may differ
+            check_samples(state, self._rows_before(state.task))
 
     def close(self) -> None:
         """Stop prefetching; on rank 0 also stop the batch queue (the others can no longer read)."""
@@ -298,8 +397,8 @@ class _EpochIterator:
         self.epoch = epoch
         self.position = skip  # batches consumed so far
         self.finished = False
-        self._sizes = np.asarray(batches["batch_sizes"])
-        self._row_start = np.concatenate([[0], np.cumsum(self._sizes)])
+        self.sizes = np.asarray(batches["batch_sizes"])
+        self._row_start = np.concatenate([[0], np.cumsum(self.sizes)])
         runs = np.asarray(batches["reducer_batches"])
         first = int(np.searchsorted(runs[:, 1], skip, side="right")) if len(runs) else 0
         self._runs = runs[first:]
@@ -323,10 +422,10 @@ class _EpochIterator:
 
     def __len__(self) -> int:
         """Batches this rank gets this epoch (those already consumed too)."""
-        return len(self._sizes)
+        return len(self.sizes)
 
     def __next__(self) -> dict[str, np.ndarray]:
-        if self.position >= len(self._sizes):
+        if self.position >= len(self.sizes):
             self._finish()
             raise StopIteration
         if self.position >= self._run_stop:
@@ -335,7 +434,7 @@ class _EpochIterator:
             self._base = int(self._row_start[start])
             self._next_run += 1
         a = int(self._row_start[self.position]) - self._base
-        b = a + int(self._sizes[self.position])
+        b = a + int(self.sizes[self.position])
         batch = {name: column[a:b] for name, column in self._current.items()}
         if self.epoch not in self._owner.epoch_stats:
             self._owner.epoch_stats[self.epoch] = {"first_batch_s": time.perf_counter() - self._started}

@@ -8,10 +8,11 @@ reducer finishes first. Before pulling an output it notes whether the output was
 another node (`pulled`, `pulled_bytes`): reducers are meant to run where their trainer is.
 
 Ray's failures become this library's errors: a failed task re-raises the task's own
-GlobalLoaderError (an unreadable file names the file); a lost owner (the batch queue), an
-output Ray could not re-create after losing a node, or a stall past `timeout` becomes a
-WorkerError, so a dead peer or shuffle never hangs a trainer forever. (An output lost with a
-node is re-created by Ray from its map tasks first; only when that fails does the trainer see it.)
+GlobalLoaderError (an unreadable file names the file); a lost owner (the batch queue) or an
+output Ray could not re-create after losing a node becomes a WorkerError, and a stall past
+`timeout` the Loader's LoaderTimeoutError, so a dead peer or shuffle never hangs a trainer
+forever. (An output lost with a node is re-created by Ray from its map tasks first; only when
+that fails does the trainer see it.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import ray
 import ray.exceptions as rex
 from ray.experimental import get_object_locations
 
-from globalloader.errors import GlobalLoaderError, StateError, WorkerError
+from globalloader.errors import GlobalLoaderError, LoaderTimeoutError, StateError, WorkerError
 
 _POLL_S = 0.5  # how often a blocked fetch checks whether it was stopped
 _LOCATE_S = 2.0  # longest single wait inside the batch queue for an output's ref
@@ -139,8 +140,8 @@ class OutputPrefetcher:
         if self._stop.is_set():
             raise WorkerError("stopped")
         if deadline is not None and time.monotonic() >= deadline:
-            raise WorkerError(
-                f"{self._describe(i)} was not ready after {self._timeout:.0f} s: the "
+            raise LoaderTimeoutError(
+                f"{self._describe(i)} was not ready after {self._timeout:g} s (timeout=): the "
                 "shuffle tasks may lack CPUs (do the trainers reserve them all?) or a "
                 "node died; pass a larger timeout= for very large epochs"
             )
@@ -152,7 +153,7 @@ class OutputPrefetcher:
             deadline,
             f"{self._describe(i)} cannot be located",
             lambda why: (
-                f"{self._describe(i)} was not started within {self._timeout:.0f} s: {why}; the shuffle "
+                f"{self._describe(i)} was not started within {self._timeout:g} s (timeout=): {why}; the shuffle "
                 "tasks may lack CPUs or a node died; pass a larger timeout= for very large epochs"
             ),
             f"{self._describe(i)}: ",
@@ -184,8 +185,9 @@ def ask_queue(
     stopped: Callable[[], bool] = lambda: False,
 ) -> Any:
     """Ask the batch queue (`call(wait)` -> (status, payload)) until it answers "ok": its payload.
-    "error" is a StateError (`refused` + payload); a queue that is gone, a stop or the deadline
-    passing is a WorkerError (`gone`, or `late(why)`); a slow or unreachable queue is asked again."""
+    "error" is a StateError (`refused` + payload); a queue that is gone or a stop is a WorkerError
+    (`gone`), the deadline passing a LoaderTimeoutError (`late(why)`); a slow or unreachable queue
+    is asked again."""
     while True:
         try:
             status, payload = call(_poll_wait(deadline, poll))
@@ -203,7 +205,7 @@ def ask_queue(
         if stopped():
             raise WorkerError("stopped")
         if deadline is not None and time.monotonic() >= deadline:
-            raise WorkerError(late(payload))
+            raise LoaderTimeoutError(late(payload))
 
 
 def task_error(exc: BaseException, what: str) -> Exception:

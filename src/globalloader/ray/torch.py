@@ -122,7 +122,7 @@ class TorchShufflingDataset(torch.utils.data.IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         return self.dataset.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         self.dataset.load_state_dict(state)
 
     def close(self) -> None:

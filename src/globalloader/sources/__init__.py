@@ -1,6 +1,7 @@
-"""Sources: records addressable by integer index: `len(src)`, `src[i] -> dict`, `.fingerprint`."""
+"""Sources: records addressable by integer index: `len(src)`, `src[i] -> dict`, `.fingerprint`;
+and `to_numpy`, the one rule by which their Arrow columns become NumPy arrays."""
 
-from globalloader.sources._arrow_values import to_numpy  # the one Arrow -> NumPy rule, for engines reading Arrow blocks
+from globalloader.sources._arrow_values import to_numpy
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import Source
 from globalloader.sources.fields import DecodeFields
