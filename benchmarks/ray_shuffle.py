@@ -43,7 +43,8 @@ step (the CPU stays free for the pipeline); `process_cpu_s` is its whole process
 thread: the loader's fetch thread, Ray's own) over the loop. Reported: samples/s over all trainers
 (from creating the data set to the last batch), and as shares of the trainers' loop time: process
 CPU (the goal's figure, an upper bound on time in loader code), CPU in fetch, wall in fetch
-(waiting for the pipeline included: near 1 when the pipeline sets the pace).
+(waiting for the pipeline included: near 1 when the pipeline sets the pace); and the process's CPU
+milliseconds per batch, which does not depend on how long the trainer waited.
 
 **jpeg** (goal: globalloader_ray >= 1.5x ray_data). `--images` synthetic 500x375 photos
 (`globalloader.synthetic`) written once as tar shards of 128 (`gl.write_shards`); decode
@@ -774,6 +775,7 @@ def timed_summary(per_trainer: list[list[dict[str, Any]]], elapsed: float) -> di
         "fetch_cpu_share": total("fetch_cpu_s") / loop,
         "fetch_wall_share": total("fetch_wall_s") / loop,
         "fetch_cpu_ms_per_batch": 1000 * total("fetch_cpu_s") / max(total("batches"), 1),
+        "process_cpu_ms_per_batch": 1000 * total("process_cpu_s") / max(total("batches"), 1),
         "first_batch_s": [max(t[e]["first_batch_s"] or 0.0 for t in per_trainer) for e in range(len(per_trainer[0]))],
         "trainers": per_trainer,
     }
@@ -784,7 +786,14 @@ def report_timed(
 ) -> dict[str, Any]:
     """Print and return a cluster part: per method the median over rounds [min, max] of samples/s
     and of the trainer shares; gl / Ray Data taken within each round."""
-    figures = ("samples_per_s", "trainer_cpu_share", "fetch_cpu_share", "fetch_wall_share", "fetch_cpu_ms_per_batch")
+    figures = (
+        "samples_per_s",
+        "trainer_cpu_share",
+        "fetch_cpu_share",
+        "fetch_wall_share",
+        "fetch_cpu_ms_per_batch",
+        "process_cpu_ms_per_batch",
+    )
     results = {
         name: {**{f: _spread([r[f] for r in method_runs]) for f in figures}, "runs": method_runs}
         for name, method_runs in runs.items()
@@ -810,7 +819,7 @@ def report_timed(
         print(f"  globalloader_ray: {cfg['globalloader_ray']}")
     print(
         f"{'method':18s} {'samples/s':>26s} {'process CPU':>20s} {'CPU in fetch':>20s} {'wall in fetch':>20s} "
-        f"{'delivered':>10s}"
+        f"{'CPU ms/batch':>13s} {'delivered':>10s}"
     )
     for name, r in results.items():
         shares = " ".join(
@@ -820,7 +829,8 @@ def report_timed(
         rate = r["samples_per_s"]
         delivered = min(run["rows_delivered"] for run in r["runs"])
         spread = f"{rate['median']:,.0f} [{rate['min']:,.0f}, {rate['max']:,.0f}]"
-        print(f"{name:18s} {spread:>26s} {shares} {delivered:>10,}")
+        per_batch = f"{r['process_cpu_ms_per_batch']['median']:.2f}"
+        print(f"{name:18s} {spread:>26s} {shares} {per_batch:>13s} {delivered:>10,}")
     for k, v in ratios.items():
         target = ""
         if k in targets:
