@@ -110,7 +110,7 @@ def test_a_source_splits_into_its_files_its_blocks_or_fixed_runs(tmp_path):
 
 
 def test_what_ray_cannot_read_is_named(tmp_path):
-    with pytest.raises(ArgumentError, match="has operators"):
+    with pytest.raises(ArgumentError, match=r"shuffles every epoch itself .*remove \.shuffle"):
         parts_of(gl.Dataset(gl.from_sequence([{"x": 1}])).shuffle(seed=0), None, None)
     with pytest.raises(ArgumentError, match="storage_options= is for files"):
         parts_of(gl.from_sequence([{"x": 1}]), None, {"anon": True})
@@ -158,3 +158,43 @@ def test_a_corrupt_gzip_shard_is_named_never_dropped(tmp_path):
     pathlib.Path(packed[1]).write_bytes(b"\x1f\x8b" + b"not deflate" * 10)
     with pytest.raises(SourceError, match=r"shard-000001\.tar\.gz"):
         parts_of(packed[1:], None, None)
+
+
+def one(r):
+    return r
+
+
+@pytest.mark.parametrize(
+    ("chain", "named"),
+    [
+        (lambda ds: ds.map(one).batch(64), r"cuts batches itself \(batch_size=\): remove \.batch\(64\)"),
+        (lambda ds: ds.filter(one).batch(8), r"cuts batches itself \(batch_size=\): remove \.batch\(8\)"),
+        (lambda ds: ds.bucket_batch(len, [4], 8), r"cuts batches itself .*remove \.bucket_batch\("),
+        (lambda ds: ds.pack(16, key="x"), r"pack each trainer's batches: remove \.pack\("),
+        (lambda ds: ds.shuffle(seed=1), r"shuffles every epoch itself \(seed=\): remove \.shuffle\("),
+        (lambda ds: ds.shard(0, 2), r"its share itself \(rank=, num_trainers=\): remove \.shard\("),
+        (lambda ds: ds.cache().map(one), r"remove \.cache\("),
+        (lambda ds: gl.Dataset.concat([ds, ds]), r"reads one source, not concat"),
+        (lambda ds: gl.Dataset.stream([{"x": 1}]), r"Dataset\.stream"),
+    ],
+)
+def test_an_operator_ray_cannot_run_per_record_names_itself(chain, named):
+    with pytest.raises(ArgumentError, match=named):
+        parts_of(chain(gl.Dataset(gl.from_sequence([{"x": np.arange(3)}] * 4))), None, None)
+
+
+def test_a_select_reads_only_its_rows_of_each_part_with_repeats():
+    records = [{"__key__": str(i), "x": i} for i in range(PART_ROWS + 5)]
+    chain = gl.Dataset(gl.from_sequence(records)).select([PART_ROWS + 3, 2, PART_ROWS + 3, 9])
+    first, second = parts_of(chain, None, None)
+    assert (first.rows, second.rows) == (2, 2)
+    assert read_part(first, ["x"])["x"].tolist() == [2, 9]  # source-index order
+    assert read_part(second, ["x"])["x"].tolist() == [PART_ROWS + 3] * 2
+
+
+def test_a_select_over_arrow_blocks_takes_its_rows_from_the_columns(tmp_path):
+    path = str(tmp_path / "typed.parquet")
+    write_typed(path)
+    (part,) = parts_of(gl.Dataset(gl.Parquet(path)).select([7, 1, 7]), None, None)
+    cols = read_part(part, ["key", "vec"])
+    assert cols["key"].tolist() == [1, 7, 7] and cols["vec"][0].tolist() == [3.0, 4.0, 5.0]

@@ -12,10 +12,10 @@ from globalloader.ray.schedule import ShuffleScheduler
 @pytest.mark.parametrize("nodes", [{}, {0: "a", 1: "a"}, {0: "a", 1: "b"}, {0: "a"}])
 def test_each_reducer_reads_its_own_disjoint_slice_of_one_map_output(nodes):
     layout = make_layout(np.array([900, 0, 1100, 700]), 2, 16, 12, False)
-    scheduler = ShuffleScheduler(["f"] * 4, None, layout, seed=1, limit=3)
+    scheduler = ShuffleScheduler([], None, lambda rows: layout, expands=True, num_reducers=12, seed=1, limit=3)
     scheduler.nodes.update(nodes)
     table = scatter_table(layout, seed=1, epoch=0)
-    group_of, offset = scheduler._groups(table)
+    group_of, offset = scheduler._groups(table, layout)
     assert len(set(group_of.tolist())) <= max(4, len(set(nodes.values())))
     for g in set(group_of.tolist()):
         members = np.flatnonzero(group_of == g)

@@ -301,12 +301,13 @@ class TestFailures:
         presence, gets the same answer; another ticket or another live process does not."""
         with ShufflingDataset(files, 2, 2, BATCH, 0, name=uuid.uuid4().hex) as ds:
             queue = ray.get_actor(ds.name, namespace=NAMESPACE)
-            assert ray.get(queue.take.remote(0, 0, 30.0, "ticket-a")) == ("ok", None)
-            assert ray.get(queue.take.remote(0, 0, 30.0, "ticket-a")) == ("ok", None)
+            first, retried = (ray.get(queue.take.remote(0, 0, 30.0, "ticket-a")) for _ in range(2))
+            assert first[0] == retried[0] == "ok" and len(first[1]["batch_sizes"]) == len(ds)
+            assert all(np.array_equal(first[1][k], retried[1][k]) for k in ("batch_sizes", "reducer_batches"))
             status, message = ray.get(queue.take.remote(0, 0, 30.0, "ticket-b"))
             assert status == "error" and "already read epoch 0" in message
             again = ray.get(queue.attach.remote(0, ds.spec.key, ds._node, [ds._presence]))
-            assert np.array_equal(again["batch_sizes"], ds._batch_sizes)
+            assert again == {"batches": len(ds), "rows": ds.total_rows}
             assert ray.get(queue.attach.remote(0, ds.spec.key, ds._node, [ray.put(0)])) == {"error": "attached"}
 
 

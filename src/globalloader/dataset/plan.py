@@ -20,7 +20,7 @@ import pickle
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -289,6 +289,15 @@ class Plan(ABC):
     def sample(self, epoch: int, index: int, timer: Timer) -> Any:
         """Source index `index` through every per-sample map (chains that do not expand)."""
         return self._sample(epoch, index, MISSING, timer)
+
+    def map_records(self, epoch: int, items: Iterable[tuple[int, Any]]) -> list[Any]:
+        """What the per-sample maps make of source records `(index, record)` in `epoch`, in the
+        order given: one record each, none for a sample a filter drops, a flat_map's records in
+        turn; values equal to a task's, for an engine that reads the source itself (Ray's map tasks)."""
+        timer: Timer = {}
+        if not self.expands:
+            return [self._sample(epoch, index, record, timer) for index, record in items]
+        return [out for index, record in items for out in self._records(epoch, index, record, timer, 0)]
 
     def prefix_sample(self, index: int, timer: Timer | None = None) -> Any:
         """A sample after the shared maps only: what the global loader's server computes."""

@@ -34,6 +34,9 @@ class TailRecord:
     def identity(self, strict: bool) -> Any:
         return self.op.identity(strict)
 
+    def describe(self) -> tuple[object, ...]:
+        return self.op.describe()
+
     def stage(self, seed: int, epoch: int, position: int) -> RecordStage:
         return RecordStage(self.op, seed, epoch, position)
 

@@ -15,9 +15,9 @@ import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from globalloader._seeding import check_seed
-from globalloader.errors import ArgumentError, StateError, WorkerError, check_int
-from globalloader.ray.layout import default_num_reducers, make_layout
-from globalloader.ray.prefetch import OutputPrefetcher, ask_queue
+from globalloader.errors import ArgumentError, ArgumentTypeError, StateError, WorkerError, check_int
+from globalloader.ray.layout import default_num_reducers
+from globalloader.ray.prefetch import OutputPrefetcher, ask_queue, task_error
 from globalloader.ray.queue import BatchQueue, ShuffleSpec
 from globalloader.ray.reader import parts_of
 
@@ -115,9 +115,8 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         self._node = ray.get_runtime_context().get_node_id()
         self._presence = ray.put(rank)  # owned by this process: the queue sees when it dies
         self._queue, info = self._create() if rank == 0 else self._attach()
-        self._batch_sizes: np.ndarray = np.asarray(info["batch_sizes"])
-        self._runs: np.ndarray = np.asarray(info["reducer_batches"])
-        self.total_rows: int = info["rows"]
+        self._batches: int | None = info["batches"]  # per trainer and epoch; None: known per epoch only
+        self.total_rows: int | None = info["rows"]
         self._epoch: int | None = None  # set by set_epoch / load_state_dict for the next iter
         self._next_epoch = 0
         self._skip = 0  # batches of the next epoch already consumed (after load_state_dict)
@@ -126,10 +125,8 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
 
     def _create(self) -> tuple[Any, dict[str, Any]]:
         """Rank 0: count rows, check the plan, and start the queue (replacing a finished one)."""
-        rows = [part.stop - part.start for part in self.spec.files]
-        make_layout(
-            np.array(rows), self.spec.num_trainers, self.spec.batch_size, self.spec.num_reducers, self.spec.drop_last
-        )  # ArgumentError here, not remote
+        if not self.spec.expands:
+            self.spec.layout(np.array([part.rows for part in self.spec.files]))  # ArgumentError here, not remote
         deadline = time.monotonic() + 10.0
         while True:
             try:
@@ -141,7 +138,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
                     # an actor elsewhere now and then under soft affinity, tying the job to that node.
                     scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
                 )
-                handle = queue.remote(self.spec, rows)
+                handle = queue.remote(self.spec)
                 break
             except ValueError as exc:
                 if "taken" not in str(exc) and not isinstance(exc, _NAME_TAKEN):
@@ -193,8 +190,14 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         raise WorkerError(f"rank {self.rank} could not join shuffle {self.name!r} within {self._timeout:.0f} s: {why}")
 
     def __len__(self) -> int:
-        """Batches every trainer gets per epoch."""
-        return int(self._batch_sizes.shape[0])
+        """Batches every trainer gets per epoch; a chain with a filter or flat_map has no length
+        before it runs (ArgumentTypeError): `len(iter(ds))` is the epoch's, once it is cut."""
+        if self._batches is None:
+            raise ArgumentTypeError(
+                f"shuffle {self.name!r} runs a filter or flat_map: its batches per epoch are known only once "
+                "the epoch's map tasks ran; len(iter(ds)) is the current epoch's"
+            )
+        return self._batches
 
     @property
     def num_epochs(self) -> int:
@@ -216,15 +219,15 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
         if self._active is not None:
             self._active.close()
         started = time.perf_counter()
-        self._take(epoch)
-        self._active = _EpochIterator(self, epoch, self._skip, started)
+        batches = self._take(epoch)
+        self._active = _EpochIterator(self, epoch, self._skip, started, batches)
         self._epoch, self._skip, self._next_epoch = None, 0, epoch + 1
         return self._active
 
-    def _take(self, epoch: int) -> None:
+    def _take(self, epoch: int) -> dict[str, Any]:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         ticket = uuid.uuid4().hex
-        ask_queue(
+        return ask_queue(
             lambda wait: ray.get(self._queue.take.remote(self.rank, epoch, wait, ticket), timeout=wait + RPC_GRACE_S),
             _TAKE_POLL_S,
             deadline,
@@ -253,7 +256,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
             raise StateError(f"not a ShufflingDataset state: {state!r}")
         if state["shuffle"] != self.spec.key:
             raise StateError(f"the state belongs to another shuffle: {state['shuffle']}")
-        if not 0 <= state["batches"] <= len(self):
+        if not 0 <= state["batches"] <= (self._batches if self._batches is not None else state["batches"]):
             raise StateError(f"state batches {state['batches']} is outside 0..{len(self)}")
         if state["epoch"] < self.spec.num_epochs:
             self.set_epoch(state["epoch"])
@@ -277,7 +280,7 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self.name!r}, rank {self.rank}/{self.spec.num_trainers}, "
-            f"{len(self.spec.files)} parts, {self.total_rows} rows, {len(self)} batches of "
+            f"{len(self.spec.files)} parts, {self.total_rows} rows, {self._batches} batches of "
             f"{self.spec.batch_size} per epoch)"
         )
 
@@ -285,14 +288,17 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
 class _EpochIterator:
     """One rank's batches of one epoch: slices of reducer outputs fetched in order."""
 
-    def __init__(self, owner: ShufflingDataset, epoch: int, skip: int, started: float) -> None:
+    def __init__(self, owner: ShufflingDataset, epoch: int, skip: int, started: float, batches: dict[str, Any]) -> None:
+        """`batches`: the rank's batch sizes this epoch and the batches each of its reducers makes."""
+        if "failed" in batches:
+            raise task_error(batches["failed"], f"epoch {epoch} of shuffle {owner.name!r}")
         self._owner = owner
         self.epoch = epoch
         self.position = skip  # batches consumed so far
         self.finished = False
-        self._sizes = owner._batch_sizes
+        self._sizes = np.asarray(batches["batch_sizes"])
         self._row_start = np.concatenate([[0], np.cumsum(self._sizes)])
-        runs = owner._runs
+        runs = np.asarray(batches["reducer_batches"])
         first = int(np.searchsorted(runs[:, 1], skip, side="right")) if len(runs) else 0
         self._runs = runs[first:]
         self._next_run = 0
@@ -312,6 +318,10 @@ class _EpochIterator:
 
     def __iter__(self) -> _EpochIterator:
         return self
+
+    def __len__(self) -> int:
+        """Batches this rank gets this epoch (those already consumed too)."""
+        return len(self._sizes)
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self.position >= len(self._sizes):

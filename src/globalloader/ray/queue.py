@@ -33,6 +33,7 @@ import numpy as np
 import ray
 import ray.exceptions as rex
 
+from globalloader.errors import GlobalLoaderError
 from globalloader.ray.layout import ShuffleLayout, make_layout
 from globalloader.ray.reader import Part
 from globalloader.ray.schedule import ShuffleScheduler
@@ -56,18 +57,27 @@ class ShuffleSpec:
     def key(self) -> str:
         return repr(self)
 
+    @property
+    def expands(self) -> bool:
+        """The chain drops or makes rows (filter, flat_map): each epoch's rows are known only once
+        its stage-1 tasks ran, and so are its batch sizes."""
+        return any(part.chain is not None and part.chain.expands for part in self.files)
+
+    def layout(self, file_rows: np.ndarray) -> ShuffleLayout:
+        """The layout of an epoch whose parts hold `file_rows` rows."""
+        return make_layout(file_rows, self.num_trainers, self.batch_size, self.num_reducers, self.drop_last)
+
 
 @ray.remote(num_cpus=0)
 class BatchQueue:
     """Launches each epoch's shuffle and queues each rank's reducer outputs (see module doc)."""
 
-    def __init__(self, spec: ShuffleSpec, file_rows: list[int]) -> None:
+    def __init__(self, spec: ShuffleSpec) -> None:
         self._spec = spec
-        self._layout: ShuffleLayout = make_layout(
-            np.array(file_rows, np.int64), spec.num_trainers, spec.batch_size, spec.num_reducers, spec.drop_last
-        )
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        self._scheduler = ShuffleScheduler(spec.files, spec.columns, self._layout, spec.seed, limit=max(2, cpus + 1))
+        self._scheduler = ShuffleScheduler(
+            spec.files, spec.columns, spec.layout, spec.expands, spec.num_reducers, spec.seed, limit=max(2, cpus + 1)
+        )
         self._nodes = self._scheduler.nodes
         self._pos: dict[int, int] = {}  # rank -> lowest epoch it may still ask for
         self._taken: dict[tuple[int, int], str] = {}  # (rank, epoch) already read -> the ticket that took it
@@ -78,7 +88,8 @@ class BatchQueue:
         self._changed = asyncio.Condition()
 
     async def attach(self, rank: int, key: str, node_id: str, presence: list[ray.ObjectRef]) -> dict[str, Any]:
-        """Register a rank; returns what it needs to cut batches, or why it cannot attach.
+        """Register a rank; returns its batches and rows per epoch (None: a chain that expands),
+        or why it cannot attach.
 
         `presence`: [an object the rank's process owns] (in a list, so Ray passes the ref).
         """
@@ -91,22 +102,23 @@ class BatchQueue:
             self._pos.pop(rank, None)
         self._presence[rank] = presence[0]
         self._nodes[rank] = node_id
-        return {
-            "batch_sizes": self._layout.batch_sizes[rank],
-            "reducer_batches": self._layout.reducer_batches[self._layout.rank_reducers(rank)],
-            "rows": int(self._layout.file_rows.sum()),
-        }
+        fixed = self._scheduler.fixed_layout
+        if fixed is None:
+            return {"batches": None, "rows": None}
+        return {"batches": fixed.num_batches, "rows": int(fixed.file_rows.sum())}
 
     def finished(self) -> bool:
         """True once every rank has moved past the last epoch (the queue can go)."""
         return len(self._pos) == self._spec.num_trainers and min(self._pos.values()) >= self._spec.num_epochs
 
     async def take(self, rank: int, epoch: int, wait_s: float, ticket: str) -> tuple[str, Any]:
-        """Rank `rank` moves to `epoch`: ("ok", None) once it is launched, else after `wait_s`
-        ("wait", why it is held back); ("error", message) if it can never come. `ticket` names
-        one iteration: a call retried with it (its answer was lost) is answered again."""
+        """Rank `rank` moves to `epoch`: ("ok", its batches) once the epoch is cut, else after
+        `wait_s` ("wait", why it is held back); ("error", message) if it can never come. Its
+        batches: {"batch_sizes", "reducer_batches"} (see `_batches`), or {"failed": the error of a
+        stage-1 task}. `ticket` names one iteration: a call retried with it (its answer was lost)
+        is answered again."""
         if self._taken.get((rank, epoch)) == ticket:
-            return "ok", None
+            return await self._batches(rank, epoch)
         if epoch < self._pos.get(rank, 0) or (rank, epoch) in self._taken:
             return "error", (
                 f"rank {rank} already read epoch {epoch} or moved past it (each "
@@ -125,8 +137,30 @@ class BatchQueue:
             return "wait", self._holdup()
         if epoch not in self._live:
             return "error", self._freed(rank, epoch)
-        self._taken[(rank, epoch)] = ticket
-        return "ok", None
+        try:
+            status, batches = await asyncio.wait_for(self._batches(rank, epoch), wait_s)
+        except TimeoutError:
+            return "wait", f"epoch {epoch}'s chain is still running on its parts ({self._scheduler.describe()})"
+        if status == "ok":
+            self._taken[(rank, epoch)] = ticket
+        return status, batches
+
+    async def _batches(self, rank: int, epoch: int) -> tuple[str, Any]:
+        """("ok", rank `rank`'s batch sizes in `epoch` and the batches each of its reducers
+        makes) once the epoch is cut; ("error", why) if it was freed."""
+        try:
+            layout = await self._scheduler.layout(epoch)
+        except (
+            rex.RayError,
+            GlobalLoaderError,
+        ) as exc:  # a stage-1 task failed, or the epoch has too few rows: the trainer raises it
+            return "ok", {"failed": exc}
+        if layout is None:
+            return "error", self._freed(rank, epoch)
+        return "ok", {
+            "batch_sizes": layout.batch_sizes[rank],
+            "reducer_batches": layout.reducer_batches[layout.rank_reducers(rank)],
+        }
 
     @staticmethod
     def _freed(rank: int, epoch: int) -> str:
@@ -139,7 +173,10 @@ class BatchQueue:
     async def output(self, rank: int, epoch: int, index: int, wait_s: float) -> tuple[str, Any]:
         """The ref of rank `rank`'s `index`-th output of `epoch`: ("ok", ref) once its reducer
         is submitted, ("wait", why) after `wait_s`, ("error", message) if it is gone."""
-        reducer = int(self._layout.rank_reducers(rank)[index])
+        layout = await self._scheduler.layout(epoch)  # known: the rank took the epoch
+        if layout is None:
+            return "error", f"epoch {epoch} was released before rank {rank} read it"
+        reducer = int(layout.rank_reducers(rank)[index])
         try:
             ref = await asyncio.wait_for(self._scheduler.output(epoch, reducer), wait_s)
         except TimeoutError:

@@ -2,13 +2,14 @@
 
 `submit_map` and `submit_reduce` start the tasks (the scheduler decides when); each task also
 returns a tiny value that tells the scheduler it has ended without fetching any data. A map
-task reads one part (`reader`) whole and sends each reducer the rows `layout.scatter_table` gave
-it, picked by a seeded permutation; the rows for the reducers of one node travel in one object
-that each slices (an object per reducer costs Ray a few milliseconds each, more than copying
-its rows). A reducer places the rows it receives at seeded random positions and returns one
-dict of columns holding a run of its trainer's batches, which trainers slice without copying.
-Rows are gathered and placed as single fixed-size records: one copy per row whatever its
-width, no per-row Python.
+task reads one part (`reader`) whole and runs the chain's maps on it (or takes the rows that a
+stage-1 task, `submit_run`, made of it: a chain that drops or makes rows), and sends each
+reducer the rows `layout.scatter_table` gave it, picked by a seeded permutation; the rows for
+the reducers of one node travel in one object that each slices (an object per reducer costs Ray
+a few milliseconds each, more than copying its rows). A reducer places the rows it receives at
+seeded random positions and returns one dict of columns holding a run of its trainer's batches,
+which trainers slice without copying. Rows are gathered and placed as single fixed-size
+records: one copy per row whatever its width, no per-row Python.
 """
 
 from __future__ import annotations
@@ -26,8 +27,15 @@ from globalloader.errors import SourceError
 from globalloader.ray.reader import Part, read_part
 
 
+def submit_run(part: Part, columns: Sequence[str] | None, epoch: int) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+    """Start one stage-1 task: (the rows `part` makes in `epoch`, their count)."""
+    # With num_returns > 1 Ray returns a list of refs; its type hints know a single ref only.
+    rows, count = cast("list[ray.ObjectRef[Any]]", _run_part.options(num_returns=2).remote(part, columns, epoch))
+    return rows, count
+
+
 def submit_map(
-    part: Part,
+    part: Part | ray.ObjectRef,
     file_index: int,
     columns: Sequence[str] | None,
     group_rows: np.ndarray,
@@ -36,7 +44,9 @@ def submit_map(
     epoch: int,
 ) -> tuple[list[ray.ObjectRef], ray.ObjectRef]:
     """Start one map task: (one object per reducer group, a small ref that resolves when it
-    ends). `group_rows[g]` rows go to group g, whose reducers slice their own rows out of it."""
+    ends). `group_rows[g]` rows go to group g, whose reducers slice their own rows out of it.
+    `part`: the part to read, or the ref of its rows from `submit_run` (Ray runs the task where
+    they are)."""
     # With num_returns > 1 Ray returns a list of refs; its type hints know a single ref only.
     refs = cast(
         "list[ray.ObjectRef[Any]]",
@@ -70,8 +80,15 @@ def submit_reduce(
 
 
 @ray.remote(num_cpus=1)
+def _run_part(part: Part, columns: Sequence[str] | None, epoch: int) -> tuple[dict[str, np.ndarray], int]:
+    """Stage 1: the rows `part` makes through the chain in `epoch`, and how many."""
+    data = read_part(part, columns, epoch)
+    return data, len(next(iter(data.values()))) if data else 0
+
+
+@ray.remote(num_cpus=1)
 def _map_file(
-    part: Part,
+    part: Part | dict[str, np.ndarray],
     file_index: int,
     columns: Sequence[str] | None,
     group_rows: np.ndarray,
@@ -79,10 +96,11 @@ def _map_file(
     seed: int,
     epoch: int,
 ) -> Any:
-    """Read one part and split a seeded permutation of its rows into `group_rows` per group."""
-    data = read_part(part, columns)
+    """Read one part (or take its stage-1 rows) and split a seeded permutation of its rows into
+    `group_rows` per group."""
+    data = read_part(part, columns, epoch) if isinstance(part, Part) else part
     rows = len(next(iter(data.values()))) if data else 0
-    if rows != expected_rows:
+    if isinstance(part, Part) and rows != expected_rows:
         raise SourceError(
             f"{part.name} holds {rows} rows but held {expected_rows} when the shuffle "
             "was planned: the file changed; start the shuffle again"

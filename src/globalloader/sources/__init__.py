@@ -1,5 +1,6 @@
 """Sources: records addressable by integer index: `len(src)`, `src[i] -> dict`, `.fingerprint`."""
 
+from globalloader.sources._arrow_values import to_numpy  # the one Arrow -> NumPy rule, for engines reading Arrow blocks
 from globalloader.sources.arrow_copy import ArrowCopy
 from globalloader.sources.base import Source
 from globalloader.sources.fields import DecodeFields
@@ -28,5 +29,6 @@ __all__ = [  # noqa: RUF022  # sorted as sorted() sorts (ruff would put the all-
     "TarShards",
     "TarWriter",
     "from_sequence",
+    "to_numpy",
 ]
 assert __all__ == sorted(__all__)

@@ -26,6 +26,7 @@ from globalloader.sources.mds import MDS
 from globalloader.sources.parquet import Parquet
 from globalloader.sources.tar_shards import TarShards
 
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # gzip shards are streamed (no index)
 _JSON_MAX = 64 << 20  # bytes: a larger file is not a small description of a dataset
 
 
@@ -72,8 +73,8 @@ class Location:
         return self._json[name]
 
     def holds(self, suffix: str) -> bool:
-        """Whether the location is files of `suffix`, or a folder holding some."""
-        return self.suffix == suffix or any(name.lower().endswith(suffix) for name in self.names)
+        """Whether the location is files of `suffix` (`.tar.gz` too), or a folder holding some."""
+        return self.url.lower().endswith(suffix) or any(name.lower().endswith(suffix) for name in self.names)
 
     def files(self, suffix: str) -> str:
         """The location itself, or the pattern of the folder's files of `suffix`."""
@@ -106,7 +107,11 @@ KINDS: list[Kind] = [
         lambda at: {"state.json", "dataset_info.json"} <= at.names or "dataset_dict.json" in at.names,
         lambda at: HFDataset(at.url),
     ),
-    Kind("tar shards", lambda at: at.holds(".tar"), lambda at: TarShards(at.files(".tar"), **_remote(at))),
+    Kind(
+        "tar shards",
+        lambda at: any(at.holds(suffix) for suffix in _TAR_SUFFIXES),
+        lambda at: TarShards(at.files(next(s for s in _TAR_SUFFIXES if at.holds(s))), **_remote(at)),
+    ),
     Kind("Parquet files", lambda at: at.holds(".parquet"), lambda at: Parquet(at.files(".parquet"), **_remote(at))),
     Kind("image folder", lambda at: at.is_folder, lambda at: ImageFolder(at.url, **_remote(at))),
 ]
