@@ -51,7 +51,9 @@ milliseconds per batch, which does not depend on how long the trainer waited.
 (`vision.Decode`), random 224x224 crop and flip (`vision.RandomCropFlipNormalize`, uint8), global
 shuffle, batches of 64 into the trainers as torch uint8 tensors, `--jpeg-epochs` epochs, step
 `--step-ms`:
-- globalloader_ray: `ShufflingDataset` over the chain (see GL_JPEG_SIDE: what it runs here).
+- globalloader_ray: `TorchShufflingDataset(gl.Dataset(gl.TarShards(shards)).map(Decode).map(crop),
+  feature_columns="image")`, the maps in Ray's map tasks, each sample's crop from its own generator,
+  new every epoch.
 - ray_data: `read_webdataset(shards, decoder=None)` -> `map_batches` (the same Decode and crop)
   -> `random_shuffle()` -> `streaming_split(4, equal=True)` -> `iter_torch_batches(batch_size=64)`.
   The same per-image code on both sides: the engines differ, not the decoder.
@@ -59,7 +61,7 @@ shuffle, batches of 64 into the trainers as torch uint8 tensors, `--jpeg-epochs`
 **trainer-cost** (goal: globalloader_ray's process CPU share <= 10%). The parquet part's data
 (`--cost-rows` rows in 16 files), 2 epochs of 4096-row batches with a `--cost-step-ms` step, long
 enough that the trainers, not the shuffle, set the pace (wall in fetch small): what the loader
-costs a trainer that is kept fed. Ray Data's figures are beside it for reference.
+costs a trainer that is kept fed (gl only: the jpeg part reports Ray Data's trainers the same way).
 
     python benchmarks/ray_shuffle.py --quick          # every part small, one round: checks the harness
     python benchmarks/ray_shuffle.py --only jpeg,trainer-cost   # the cluster parts (a few minutes)
@@ -184,6 +186,7 @@ def parquet_part(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": args.cpus,
         "object_store_gb": args.object_store_gb,
         "repeats": args.repeats,
+        "quick": args.quick,
         "nodes": args.nodes,
         "node_cpus": args.node_cpus,
         "payload_bytes": PAYLOAD,
@@ -523,6 +526,7 @@ def cluster_parts(args: argparse.Namespace, parts: list[str]) -> dict[str, Any]:
         "node_cpus": args.node_cpus,
         "store_gb_per_node": args.cluster_store_gb,
         "repeats": args.repeats,
+        "quick": args.quick,
     }
     out: dict[str, Any] = {}
     cluster = start_cluster(args.cluster_nodes, args.node_cpus, args.cluster_store_gb)
@@ -537,12 +541,14 @@ def cluster_parts(args: argparse.Namespace, parts: list[str]) -> dict[str, Any]:
                 "epochs": args.jpeg_epochs,
                 "batch_size": JPEG_BATCH,
                 "step_s": args.step_ms / 1000,
-                "globalloader_ray": GL_JPEG_SIDE,
+                "globalloader_ray": "TorchShufflingDataset(gl.Dataset(gl.TarShards(shards)).map(Decode).map(crop), "
+                "num_trainers=4, batch_size=64, feature_columns='image'): the maps in Ray's map tasks, the crop "
+                "drawn from each sample's own generator, a new one every epoch",
                 "ray_data": "read_webdataset(shards, decoder=None) -> map_batches(the same Decode and crop, "
                 "batch_size=64) -> random_shuffle() -> streaming_split(trainers, equal=True) -> "
                 "iter_torch_batches(batch_size=64)",
-                "batches_in_trainer": "torch uint8 tensors (64, 224, 224, 3): Ray Data's iter_torch_batches; "
-                "gl's NumPy batch copied into one with torch.from_numpy, inside the timed fetch",
+                "batches_in_trainer": "torch uint8 tensors (64, 224, 224, 3) of the image column alone: Ray "
+                "Data's iter_torch_batches, gl's TorchShufflingDataset(feature_columns='image')",
             }
             runs = run_rounds(
                 {
@@ -566,10 +572,7 @@ def cluster_parts(args: argparse.Namespace, parts: list[str]) -> dict[str, Any]:
                 "set the pace (fetch_wall_share small): the loader's own cost in the trainer process shows",
             }
             runs = run_rounds(
-                {
-                    name: lambda name=name: run_timed(name, "tokens", cost_files, cfg)
-                    for name in ("globalloader_ray", "ray_data")
-                },
+                {"globalloader_ray": lambda: run_timed("globalloader_ray", "tokens", cost_files, cfg)},
                 args.repeats,
                 f"trainer cost, {args.cluster_nodes} nodes",
             )
@@ -590,8 +593,9 @@ def ensure_jpeg_shards(cache: pathlib.Path, images: int) -> list[str]:
 
 
 def run_timed(name: str, pipeline: str, data: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
-    """One run of `pipeline` ("jpeg" or "tokens") by method `name`, from creating the data set to
-    every trainer's last batch, each trainer timing its fetches and its step."""
+    """One run of `pipeline` ("jpeg", or "tokens": the parquet data, gl only) by method `name`,
+    from creating the data set to every trainer's last batch, each trainer timing its fetches
+    and its step."""
     import ray
 
     trainers = [
@@ -604,8 +608,8 @@ def run_timed(name: str, pipeline: str, data: list[str], cfg: dict[str, Any]) ->
         shuffle = f"bench-{os.getpid()}-{time.monotonic_ns()}"
         per_trainer = ray.get([t.run_gl.remote(pipeline, data, rank, shuffle, cfg) for rank, t in enumerate(trainers)])
     else:
-        splits = _ray_data_pipeline(pipeline, data).streaming_split(cfg["trainers"], equal=True)
-        per_trainer = ray.get([t.run_ray_data.remote(pipeline, s, cfg) for t, s in zip(trainers, splits, strict=True)])
+        splits = _ray_data_jpeg(data).streaming_split(cfg["trainers"], equal=True)
+        per_trainer = ray.get([t.run_ray_data.remote(s, cfg) for t, s in zip(trainers, splits, strict=True)])
     elapsed = time.perf_counter() - start
     ray.get([t.close.remote() for t in trainers[::-1]])
     for t in trainers:
@@ -613,13 +617,11 @@ def run_timed(name: str, pipeline: str, data: list[str], cfg: dict[str, Any]) ->
     return timed_summary(per_trainer, elapsed)
 
 
-def _ray_data_pipeline(pipeline: str, data: list[str]) -> Any:
+def _ray_data_jpeg(shards: list[str]) -> Any:
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False
-    if pipeline == "tokens":
-        return ray.data.read_parquet(data).random_shuffle()
-    raw = ray.data.read_webdataset(data, decoder=None)  # bytes, decoded by the same code as gl's
+    raw = ray.data.read_webdataset(shards, decoder=None)  # bytes, decoded by the same code as gl's
     return raw.map_batches(_decode_and_crop, batch_size=JPEG_BATCH, batch_format="numpy").random_shuffle()
 
 
@@ -640,67 +642,23 @@ class _TimedTrainer:
 
     def run_gl(self, pipeline: str, data: list[str], rank: int, shuffle: str, cfg: dict[str, Any]) -> list[Any]:
         from globalloader.ray import ShufflingDataset
+        from globalloader.ray.torch import TorchShufflingDataset
 
-        source = _gl_jpeg_data(data) if pipeline == "jpeg" else data
-        self.ds = ShufflingDataset(
-            source, cfg["epochs"], cfg["trainers"], cfg["batch_size"], rank, name=shuffle, timeout=600.0
-        )
-        take = _gl_images if pipeline == "jpeg" else _same
-        return [_consume_timed(self.ds, take, cfg["step_s"]) for _ in range(cfg["epochs"])]
+        shape = (cfg["epochs"], cfg["trainers"], cfg["batch_size"], rank)
+        if pipeline == "jpeg":  # tensors of the image column, as iter_torch_batches gives Ray Data's trainers
+            chain = gl.Dataset(gl.TarShards(data)).map(DECODE).map(CROP)
+            self.ds = TorchShufflingDataset(chain, *shape, feature_columns="image", name=shuffle, timeout=600.0)
+        else:
+            self.ds = ShufflingDataset(data, *shape, name=shuffle, timeout=600.0)
+        return [_consume_timed(self.ds, _same, cfg["step_s"]) for _ in range(cfg["epochs"])]
 
-    def run_ray_data(self, pipeline: str, split: Any, cfg: dict[str, Any]) -> list[Any]:
-        if pipeline == "jpeg":
-            return [
-                _consume_timed(split.iter_torch_batches(batch_size=cfg["batch_size"]), _ray_data_images, cfg["step_s"])
-                for _ in range(cfg["epochs"])
-            ]
-        return [
-            _consume_timed(
-                split.iter_batches(batch_size=cfg["batch_size"], batch_format="pyarrow"), _same, cfg["step_s"]
-            )
-            for _ in range(cfg["epochs"])
-        ]
+    def run_ray_data(self, split: Any, cfg: dict[str, Any]) -> list[Any]:
+        batches = split.iter_torch_batches(batch_size=cfg["batch_size"])
+        return [_consume_timed(batches, _ray_data_images, cfg["step_s"]) for _ in range(cfg["epochs"])]
 
     def close(self) -> None:
         if hasattr(self, "ds"):
             self.ds.close()
-
-
-# The gl side until ShufflingDataset runs a chain's operators: then gl.Dataset(TarShards).map(DECODE).map(CROP).
-GL_JPEG_SIDE = (
-    "FALLBACK (ShufflingDataset refuses operators here): a source over the TarShards that decodes and crops "
-    "in its reads, so in Ray's map tasks; the crop is drawn once per image, the same every epoch"
-)
-
-
-def _gl_jpeg_data(shards: list[str]) -> Any:
-    return _DecodedCropShards(shards)
-
-
-class _DecodedCropShards:
-    """The fallback: tar shards whose records come decoded and cropped (seeded by index)."""
-
-    def __init__(self, shards: list[str]) -> None:
-        self._tar = gl.TarShards(shards)
-        self.block_starts = self._tar.block_starts  # one part (map task) per shard, as TarShards
-        self.fingerprint = "decoded-crop " + self._tar.fingerprint
-
-    def __len__(self) -> int:
-        return len(self._tar)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return CROP(DECODE(self._tar[i]), rng=np.random.default_rng([0, i]))
-
-    def __repr__(self) -> str:  # names the parts: the same in every rank's process
-        return f"DecodedCropShards({self._tar!r})"
-
-
-def _gl_images(batch: dict[str, np.ndarray]) -> Any:
-    """A gl batch's images as one torch tensor (its column holds one array per row)."""
-    import torch
-
-    column = batch["image"]
-    return torch.from_numpy(np.stack(column) if column.dtype == object else np.array(column))
 
 
 def _ray_data_images(batch: dict[str, Any]) -> Any:
@@ -712,9 +670,8 @@ def _same(batch: Any) -> Any:
 
 
 def _rows(value: Any) -> int:
-    if isinstance(value, dict):
-        return len(next(iter(value.values())))
-    return int(getattr(value, "num_rows", None) or len(value))
+    """Rows of a batch: a tensor, or a dict of columns."""
+    return len(next(iter(value.values()))) if isinstance(value, dict) else len(value)
 
 
 def _consume_timed(batches: Any, take: Callable[[Any], Any], step_s: float) -> dict[str, Any]:
@@ -799,12 +756,11 @@ def report_timed(
         for name, method_runs in runs.items()
     }
     ours = runs["globalloader_ray"]
-    ratios = {
-        "vs_ray_data": _spread(
+    ratios = {"trainer_cpu_share": results["globalloader_ray"]["trainer_cpu_share"]}
+    if "ray_data" in runs:
+        ratios["vs_ray_data"] = _spread(
             [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, runs["ray_data"], strict=True)]
-        ),
-        "trainer_cpu_share": results["globalloader_ray"]["trainer_cpu_share"],
-    }
+        )
     met = {
         k: ratios[k]["median"] <= v if k == "trainer_cpu_share" else ratios[k]["median"] >= v
         for k, v in targets.items()
@@ -815,8 +771,6 @@ def report_timed(
         f"{cfg['nodes']} nodes x {cfg['node_cpus']} CPU, batch {cfg['batch_size']}, step {cfg['step_s'] * 1000:g} ms "
         f"(a sleep); median of {cfg['repeats']} rounds [min, max]; shares of the trainers' loop time"
     )
-    if part == "jpeg":
-        print(f"  globalloader_ray: {cfg['globalloader_ray']}")
     print(
         f"{'method':18s} {'samples/s':>26s} {'process CPU':>20s} {'CPU in fetch':>20s} {'wall in fetch':>20s} "
         f"{'CPU ms/batch':>13s} {'delivered':>10s}"
