@@ -63,7 +63,7 @@ shuffle, batches of 64 into the trainers as torch uint8 tensors, `--jpeg-epochs`
 enough that the trainers, not the shuffle, set the pace (wall in fetch small): what the loader
 costs a trainer that is kept fed (gl only: the jpeg part reports Ray Data's trainers the same way).
 
-    python benchmarks/ray_shuffle.py --quick          # every part small, one round: checks the harness
+    python benchmarks/ray_shuffle.py --quick          # every part small, one round: checks the harness only
     python benchmarks/ray_shuffle.py --only jpeg,trainer-cost   # the cluster parts (a few minutes)
     python benchmarks/ray_shuffle.py --only parquet   # 10 to 30 minutes on 2 busy cores
     python benchmarks/ray_shuffle.py --only parquet --nodes 3   # and on a 3-node local cluster
@@ -122,7 +122,7 @@ IMAGE_SIZE = (500, 375)  # width, height of the synthetic photos
 IMAGES_PER_SHARD = 128
 JPEG_BATCH = 64
 DECODE = vision.Decode(field="image")
-CROP = vision.RandomCropFlipNormalize(field="image", size=224, normalize=False)  # uint8 224x224x3, flipped half
+CROP = vision.RandomCropFlipNormalize(field="image", size=224, normalize=False)  # uint8 224x224x3, half of them flipped
 COST_FILES = 16
 CLUSTER_TARGETS = {"vs_ray_data": 1.5, "trainer_cpu_share": 0.10}  # jpeg; trainer-cost: the share only
 
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, one round: checks the harness, not speed")
     parser.add_argument("--repeats", type=int, help="timed rounds after one untimed warm-up round (3; --quick 1)")
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE)
-    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "ray_shuffle.json")
+    parser.add_argument("--out", type=pathlib.Path, help="results/ray_shuffle.json (--quick: in --cache)")
     parquet = parser.add_argument_group("parquet part")
     parquet.add_argument("--rows", type=int, help="10,000,000 (--quick 200,000)")
     parquet.add_argument("--files", type=int, help="64 (--quick 8)")
@@ -157,6 +157,8 @@ def main() -> None:
     for name, (full, quick) in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    if args.out is None:  # a quick run never overwrites measured results
+        args.out = args.cache / "ray_shuffle_quick.json" if args.quick else HERE / "results" / "ray_shuffle.json"
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
@@ -306,7 +308,7 @@ def run_numpy_ceiling(files: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ceiling_process(files: list[str], cfg: dict[str, Any], conn: Any) -> None:
-    from globalloader.ray.reader import to_numpy
+    from globalloader.sources import to_numpy
 
     rng = np.random.default_rng(0)
     n, trainers, batch = cfg["rows"], cfg["trainers"], cfg["batch_size"]
@@ -500,10 +502,13 @@ def _tree_pss_bytes(root: int) -> int:
 def _spilled_mib() -> int | None:
     """MiB the object store has spilled to disk so far (this Ray session), or None without grpcio
     (Ray's memory summary asks the raylets over gRPC: the `bench` extra brings it)."""
+    import ray
+
     try:
         from ray._private.internal_api import memory_summary  # private, but the only stats API
 
-        summary = memory_summary(stats_only=True)
+        # This session's address: with none, Ray refuses when other Ray instances run on the machine.
+        summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     except ImportError:
         return None
     found = re.search(r"Spilled (\d+) MiB", summary)
