@@ -195,3 +195,19 @@ def test_stream_argument_errors():
     with pytest.raises(ArgumentError, match="needs the stream's length"):
         gl.Dataset.stream(lambda: iter(range(5))).shard(0, 2)
     assert list(gl.Dataset.stream(lambda: iter(range(5))).shard(1, 2, uneven="none")) == [1, 3]
+
+
+def test_map_records_gives_the_records_iteration_gives_for_those_source_indices():
+    """An engine that reads the source itself (Ray's map tasks) runs the chain's maps through
+    `Plan.map_records`: per epoch, the same records, random streams included, in index order."""
+
+    def split(x, rng):
+        return [x * 10 + j + rng.integers(0, 1000) for j in range(x % 3)]
+
+    chain = gl.Dataset(gl.from_sequence(list(range(40)))).map(lambda x: x + 1).filter(lambda x: x % 4).flat_map(split)
+    source = chain.source
+    for epoch in range(2):
+        items = [(i, source[i]) for i in range(40)]
+        assert chain.plan.map_records(epoch, items) == list(chain.iterator(epoch))
+    maps = gl.Dataset(gl.from_sequence(list(range(10)))).map(lambda x, rng: x + rng.random())
+    assert maps.plan.map_records(1, [(7, 7), (2, 2)]) == [list(maps.iterator(1))[7], list(maps.iterator(1))[2]]

@@ -33,8 +33,9 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
 
     Every rank constructs one with the same arguments and its own `rank`. Rank 0 plans the
     shuffle and starts a named Ray actor (the batch queue) that the other ranks find by name;
-    per epoch, map tasks read the parts of `data` (any source, a bare `gl.Dataset` over one, or
-    files with `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a
+    per epoch, map tasks read the parts of `data` (a `gl.Dataset` whose per-record operators,
+    maps, filters and flat_maps, they run as the Loader does; a source; or files with
+    `storage_options=`; see `reader`) and scatter rows to `num_reducers` reducers by a
     seeded random assignment, reducers permute and cut batches, and each trainer fetches its
     batches from the object store, `prefetch` reducer outputs ahead, at most
     `max_concurrent_epochs` epochs alive at once (memory).
@@ -43,16 +44,17 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
             ds.set_epoch(epoch)          # optional: iterating again moves to the next epoch
             for batch in ds: ...         # {column: np.ndarray}, rows along axis 0
 
-    Batches are read-only views of Ray's shared memory. With drop_last=False every row appears
-    once per epoch across all trainers (each trainer's last batch shares the leftover rows);
-    with drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
-    (DDP never hangs), in an order fixed by the data, `seed`, `num_trainers`, `batch_size`,
-    `num_reducers` and `drop_last` alone. Rank 0's process ends the batch queue: it must not exit
-    before the others finish. A rank restarted from its `state_dict()` rejoins the running
-    shuffle; a lost queue, or a wait beyond `timeout` seconds, is a WorkerError saying why; an
-    unreadable file a SourceError naming it. `name`: the shuffle's name in the cluster (default:
-    from the arguments). `epoch_stats`: where time went per epoch, and reducer outputs (and
-    bytes) pulled from another node. docs/ray.md says more.
+    Batches are read-only views of Ray's shared memory. With drop_last=False every row appears once
+    per epoch across all trainers (each trainer's last batch shares the leftover rows); with
+    drop_last=True every batch is full. Every trainer gets `len(ds)` batches every epoch
+    (`len(iter(ds))` after a filter or flat_map: it changes by epoch; DDP never hangs), in an order
+    fixed by the data, `seed`, `num_trainers`, `batch_size`, `num_reducers` and `drop_last` alone.
+    Rank 0's process ends the batch queue: it must not exit before the others finish. A rank
+    restarted from its `state_dict()` rejoins the running shuffle; a lost queue, or a wait beyond
+    `timeout` seconds, is a WorkerError saying why; an unreadable file a SourceError naming it.
+    `name`: the shuffle's name in the cluster (default: from the arguments). `epoch_stats`: where
+    time went per epoch, and reducer outputs (and bytes) pulled from another node. docs/ray.md says
+    more.
     """
 
     def __init__(
@@ -256,8 +258,8 @@ class ShufflingDataset(contextlib.AbstractContextManager["ShufflingDataset"]):
             raise StateError(f"not a ShufflingDataset state: {state!r}")
         if state["shuffle"] != self.spec.key:
             raise StateError(f"the state belongs to another shuffle: {state['shuffle']}")
-        if not 0 <= state["batches"] <= (self._batches if self._batches is not None else state["batches"]):
-            raise StateError(f"state batches {state['batches']} is outside 0..{len(self)}")
+        if state["batches"] < 0 or (self._batches is not None and state["batches"] > self._batches):
+            raise StateError(f"state batches {state['batches']} is outside 0..{self._batches}")
         if state["epoch"] < self.spec.num_epochs:
             self.set_epoch(state["epoch"])
         else:

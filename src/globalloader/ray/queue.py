@@ -150,10 +150,8 @@ class BatchQueue:
         makes) once the epoch is cut; ("error", why) if it was freed."""
         try:
             layout = await self._scheduler.layout(epoch)
-        except (
-            rex.RayError,
-            GlobalLoaderError,
-        ) as exc:  # a stage-1 task failed, or the epoch has too few rows: the trainer raises it
+        # A stage-1 task failed, or the epoch has too few rows: the trainer raises it.
+        except (rex.RayError, GlobalLoaderError) as exc:
             return "ok", {"failed": exc}
         if layout is None:
             return "error", self._freed(rank, epoch)
@@ -173,7 +171,12 @@ class BatchQueue:
     async def output(self, rank: int, epoch: int, index: int, wait_s: float) -> tuple[str, Any]:
         """The ref of rank `rank`'s `index`-th output of `epoch`: ("ok", ref) once its reducer
         is submitted, ("wait", why) after `wait_s`, ("error", message) if it is gone."""
-        layout = await self._scheduler.layout(epoch)  # known: the rank took the epoch
+        try:  # known once the rank took the epoch
+            layout = await asyncio.wait_for(self._scheduler.layout(epoch), wait_s)
+        except TimeoutError:
+            return "wait", f"epoch {epoch} is not cut yet ({self._scheduler.describe()})"
+        except (rex.RayError, GlobalLoaderError) as exc:
+            return "error", f"epoch {epoch} failed: {exc}"
         if layout is None:
             return "error", f"epoch {epoch} was released before rank {rank} read it"
         reducer = int(layout.rank_reducers(rank)[index])

@@ -26,12 +26,19 @@ from globalloader.dataset.collate import collate
 from globalloader.dataset.combine import Combined
 from globalloader.dataset.index_plan import IndexPlan
 from globalloader.errors import ArgumentError, SourceError
-from globalloader.sources import TarShards, to_numpy
-from globalloader.sources.base import ArrowBlocks, BatchReads, Blocks, KeepsBlocks, capable, declared_fingerprint
+from globalloader.sources import to_numpy
+from globalloader.sources.base import (
+    ArrowBlocks,
+    BatchReads,
+    Blocks,
+    KeepsBlocks,
+    StreamedShards,
+    capable,
+    declared_fingerprint,
+)
 from globalloader.sources.detect import open_source
 
 PART_ROWS = 65536  # rows per map task of a source with no blocks: fixed, so orders never depend on the machine
-_GZIP_SUFFIXES = (".gz", ".tgz")
 # What to do instead of each operator that needs the order of the records, or makes it.
 _INSTEAD = {
     "batch": "ShufflingDataset cuts batches itself (batch_size=)",
@@ -114,7 +121,7 @@ def _split(source: Any, chain: IndexPlan | None) -> list[Part]:
         )
     if chain is not None:
         fingerprint = chain.resume_fingerprint  # the source's, the select's and the maps'
-    if isinstance(source, TarShards) and any(url.lower().endswith(_GZIP_SUFFIXES) for url in source.shards):
+    if capable(source, StreamedShards) and source.streamed:
         counts = [sum(1 for _ in source.iter_records([shard])) for shard in range(len(source.shards))]
         cuts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         names = [f"tar shard {url}" for url in source.shards]
@@ -152,18 +159,13 @@ def read_part(part: Part, columns: Sequence[str] | None, epoch: int = 0) -> dict
         pa = _extras.require("pyarrow", "ray")
         starts = source.block_starts
         blocks = [b for b in range(len(starts)) if part.start <= starts[b] < part.stop]
-        table = pa.concat_tables([source.read_block(b) for b in blocks]) if blocks else None
-        names = table.column_names if table is not None else []
-        _check_columns(part, columns, names)
-        keep = None if part.indices is None else part.indices - part.start
-        return (
-            {
-                name: to_numpy(table.column(name) if keep is None else table.column(name).take(keep))
-                for name in columns or names
-            }
-            if table is not None
-            else {}
-        )
+        if not blocks:
+            return {}
+        table = pa.concat_tables([source.read_block(b) for b in blocks])
+        _check_columns(part, columns, table.column_names)
+        if part.indices is not None:  # a select's rows, in source-index order
+            table = table.take(part.indices - part.start)
+        return {name: to_numpy(table.column(name)) for name in columns or table.column_names}
     indices = np.arange(part.start, part.stop, dtype=np.int64) if part.indices is None else part.indices
     if part.streamed_shard is not None:
         shard = list(source.iter_records([part.streamed_shard]))

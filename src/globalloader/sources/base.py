@@ -114,6 +114,14 @@ class RecordStream(Protocol):
 
 
 @runtime_checkable
+class StreamedShards(Protocol):
+    """When `streamed`, its shards have no index (gzip tar shards): they are read only in order,
+    shard by shard (`iter_records([s])` for shard s of `shards`), and counted by reading them."""
+
+    streamed: bool
+
+
+@runtime_checkable
 class Prefetching(Protocol):
     """Fetches the remote objects of `prefetch(indices)` ahead of the reads, when `remote`: the
     loader names the source indices of the next tasks, in order."""

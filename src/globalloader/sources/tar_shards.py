@@ -26,6 +26,7 @@ from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
 
 _STREAM_BUFFER = 1024 * 1024
+_GZIP_SUFFIXES = (".gz", ".tgz")
 _LARGEST_READ = 256 << 20  # bytes asked of a stream at once
 _READ_ALONE = 8  # samples of a remote shard read alone before it is read whole (see keep_blocks)
 _REWRITTEN = "write the sidecar again (TarWriter) or delete it, then construct the source again"
@@ -321,6 +322,12 @@ class TarShards(ProcessLocal):
             if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(self.shards):
                 raise ArgumentError(f"shards must hold indices in 0..{len(self.shards) - 1}, got {i!r}")
             yield from _stream_shard(self.store, self.shards[i], self._stats[i] if self._remote[i] else None)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether some shard is gzip-compressed (`.tar.gz`, `.tgz`): no index, so the shards are
+        read in order by `iter_records` only (`StreamedShards`)."""
+        return any(url.lower().endswith(_GZIP_SUFFIXES) for url in self.shards)
 
     @property
     def remote(self) -> bool:
