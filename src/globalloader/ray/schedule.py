@@ -10,7 +10,10 @@ order is ours:
 - the maps of epoch e are spread evenly over the reducers of epoch e-1 except its last round
   (one reducer per trainer), so they are done, and the next epoch's first batches nearly so,
   when trainers reach the end of epoch e-1;
-- a reducer becomes ready when every map of its epoch has ended.
+- a reducer becomes ready when every map of its epoch has ended;
+- for a chain that drops or makes rows (filter, flat_map), stage-1 tasks run the chain on every
+  part first, spread over the whole previous epoch: the epoch is cut (its layout and scatter
+  table) once every part's count is known, and its maps then scatter the stage-1 rows.
 
 The CPUs never idle while a task is ready, so throughput does not suffer: only the order
 changes. Runs on the batch queue actor's event loop (single-threaded, no locks).
@@ -109,7 +112,9 @@ class ShuffleScheduler:
 
     def _map_priority(self, epoch: int, m: int) -> float:
         """The maps of epoch e spread evenly over the reducers of epoch e-1 (see the module doc)."""
-        span = max(1, self._reducers - len(self._fixed.batch_sizes) if self._fixed is not None else self._reducers // 2)
+        # Stage 1 spreads over all of them: an epoch that expands is cut only once it has ended.
+        last_round = len(self._fixed.batch_sizes) if self._fixed is not None else 0
+        span = max(1, self._reducers - last_round)
         return (epoch - 1) * self._reducers + (m + 1) * span / (len(self._files) + 1)
 
     def _plan(self, epoch: int, state: _Epoch, layout: ShuffleLayout) -> None:
@@ -117,6 +122,7 @@ class ShuffleScheduler:
         state.table = scatter_table(layout, self._seed, epoch)
         state.group_of, state.offset = self._groups(state.table, layout)
         mapped = [m for m in range(len(self._files)) if layout.file_rows[m] > 0]
+        state.runs = [run if layout.file_rows[m] > 0 else None for m, run in enumerate(state.runs)]
         loop = asyncio.get_running_loop()
         state.maps_left = len(mapped)
         state.parts = [None] * len(self._files)
@@ -124,8 +130,6 @@ class ShuffleScheduler:
         state.layout.set_result(layout)
         for m in mapped:
             self._push(self._map_priority(epoch, m), epoch, _MAP, m)
-        if not mapped:
-            self._reduce(epoch, state)
 
     async def layout(self, epoch: int) -> ShuffleLayout | None:
         """`epoch`'s layout once known (None if the epoch was released); a failed stage-1
