@@ -1,9 +1,15 @@
-"""Benchmark: the Ray global shuffle against Ray Data and a single-process NumPy ceiling.
+"""Benchmark: the Ray global shuffle against Ray Data (and a NumPy ceiling), in three parts.
 
-Data: `--rows` rows (int64 `key` = the row's position in file order, 100-byte random `payload`)
-in `--files` Parquet files, written once into a cache folder. Every method delivers
-`--epochs` epochs of `--batch-size`-row batches, each epoch a fresh global shuffle, to
-`--trainers` consumers:
+One harness; `--only` picks parts (default all), each merged into benchmarks/results/ray_shuffle.json
+under its name (parts not run keep their last results). In every part the methods take turns,
+round after round: one untimed warm-up round (cold object store, first imports), then `--repeats`
+timed rounds; ratios are taken within a round and reported as the median over rounds with their
+range [min, max], so load that comes and goes on a shared machine moves both sides of a ratio.
+
+**parquet** (goal: globalloader_ray >= 3x ray_data). `--rows` rows (int64 `key` = the row's position
+in file order, 100-byte random `payload`, the shape of a token data set) in `--files` Parquet files,
+written once into a cache folder. Every method delivers `--epochs` epochs of `--batch-size`-row
+batches, each epoch a fresh global shuffle, to `--trainers` consumers:
 
 - numpy_ceiling: one process reads every file, draws a permutation, gathers, cuts batches
   (the practical ceiling on this machine: no scheduling, no object store, no copies between
@@ -17,23 +23,50 @@ in `--files` Parquet files, written once into a cache folder. Every method deliv
   fastest path; NumPy batches would turn the binary payload into Python bytes objects).
 
 Both Ray methods run on one local Ray (`--cpus` CPUs, `--object-store-gb` of object store) with
-the same warm worker pool. The methods take turns, round after round: one untimed warm-up round
-(cold object store, first imports), then `--repeats` timed rounds; ratios are taken within a
-round and reported as the median over rounds with their range, so load that comes and goes on a
-shared machine moves both sides of a ratio. With `--nodes N` (N > 1) a second phase starts a
-local cluster of N nodes (each its own raylet and object store, `--node-cpus` CPUs) and runs
-globalloader_ray there, trainers pinned to different nodes, paired round by round with the
-ceiling again. Reported per method: rows/s over all epochs (from creating the dataset to the
-last batch), time to first batch per epoch, peak memory (proportional set size of this process
-tree, which counts the object store's touched pages once), MiB the object store spilled to disk
-so far in the Ray session (needs grpcio), the outputs trainers pulled from other nodes
-(globalloader_ray), and shuffle quality: Spearman correlation between input and output
-position, distinct files per batch, correlation between consecutive epochs' positions of each
-row.
+the same warm worker pool. With `--nodes N` (N > 1) a second phase starts a local cluster of N
+nodes (each its own raylet and object store, `--node-cpus` CPUs) and runs globalloader_ray there,
+trainers pinned to different nodes, paired round by round with the ceiling again. Reported per
+method: rows/s over all epochs (from creating the dataset to the last batch), time to first batch
+per epoch, peak memory (proportional set size of this process tree, which counts the object
+store's touched pages once), MiB the object store spilled to disk so far in the Ray session
+(needs grpcio), the outputs trainers pulled from other nodes (globalloader_ray), and shuffle
+quality: Spearman correlation between input and output position, distinct files per batch,
+correlation between consecutive epochs' positions of each row.
 
-    python benchmarks/ray_shuffle.py                 # the full run (10 to 30 minutes on 2 busy cores)
-    python benchmarks/ray_shuffle.py --nodes 3       # and on a 3-node local cluster
-    python benchmarks/ray_shuffle.py --rows 1000000 --repeats 1 --skip-ray-data   # a quick look
+The next two parts run on one local cluster of `--cluster-nodes` (4) nodes started as the tests
+start one (`ray.cluster_utils.Cluster`, each node its own raylet and object store of
+`--cluster-store-gb`, `--node-cpus` CPUs, a resource `node-i`), one trainer actor per node (rank r
+on node r, no CPU of its own), both methods on the same nodes, CPUs and warm worker pool. Each
+trainer times every fetch of a batch (`iter`, `next`, and making what its step consumes) in wall
+time and in its thread's CPU time, then runs a fixed step, a sleep standing for an accelerator's
+step (the CPU stays free for the pipeline); `process_cpu_s` is its whole process's CPU (every
+thread: the loader's fetch thread, Ray's own) over the loop. Reported: samples/s over all trainers
+(from creating the data set to the last batch), and as shares of the trainers' loop time: process
+CPU (the goal's figure, an upper bound on time in loader code), CPU in fetch, wall in fetch
+(waiting for the pipeline included: near 1 when the pipeline sets the pace); and the process's CPU
+milliseconds per batch, which does not depend on how long the trainer waited.
+
+**jpeg** (goal: globalloader_ray >= 1.5x ray_data). `--images` synthetic 500x375 photos
+(`globalloader.synthetic`) written once as tar shards of 128 (`gl.write_shards`); decode
+(`vision.Decode`), random 224x224 crop and flip (`vision.RandomCropFlipNormalize`, uint8), global
+shuffle, batches of 64 into the trainers as torch uint8 tensors, `--jpeg-epochs` epochs, step
+`--step-ms`:
+- globalloader_ray: `TorchShufflingDataset(gl.Dataset(gl.TarShards(shards)).map(Decode).map(crop),
+  feature_columns="image")`, the maps in Ray's map tasks, each sample's crop from its own generator,
+  new every epoch.
+- ray_data: `read_webdataset(shards, decoder=None)` -> `map_batches` (the same Decode and crop)
+  -> `random_shuffle()` -> `streaming_split(4, equal=True)` -> `iter_torch_batches(batch_size=64)`.
+  The same per-image code on both sides: the engines differ, not the decoder.
+
+**trainer-cost** (goal: globalloader_ray's process CPU share <= 10%). The parquet part's data
+(`--cost-rows` rows in 16 files), 2 epochs of 4096-row batches with a `--cost-step-ms` step, long
+enough that the trainers, not the shuffle, set the pace (wall in fetch small): what the loader
+costs a trainer that is kept fed (gl only: the jpeg part reports Ray Data's trainers the same way).
+
+    python benchmarks/ray_shuffle.py --quick          # every part small, one round: checks the harness only
+    python benchmarks/ray_shuffle.py --only jpeg,trainer-cost   # the cluster parts (a few minutes)
+    python benchmarks/ray_shuffle.py --only parquet   # 10 to 30 minutes on 2 busy cores
+    python benchmarks/ray_shuffle.py --only parquet --nodes 3   # and on a 3-node local cluster
 """
 
 from __future__ import annotations
@@ -60,6 +93,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+import globalloader as gl
+from globalloader import vision
+from globalloader.synthetic import make_jpeg_folder
+
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_CACHE = pathlib.Path(tempfile.gettempdir()) / "globalloader-bench" / "ray_shuffle"
 PAYLOAD = 100
@@ -71,25 +108,76 @@ TARGETS = {
     "files_per_batch": 60,
 }
 LOWER_IS_BETTER = ("later_first_batch_s", "abs_spearman")
+PARTS = ("parquet", "jpeg", "trainer-cost")
+SIZES = {  # argument: (full run, --quick)
+    "repeats": (3, 1),
+    "rows": (10_000_000, 200_000),
+    "files": (64, 8),
+    "epochs": (3, 2),
+    "images": (2048, 256),
+    "jpeg_epochs": (2, 1),
+    "cost_rows": (2_000_000, 200_000),
+}
+IMAGE_SIZE = (500, 375)  # width, height of the synthetic photos
+IMAGES_PER_SHARD = 128
+JPEG_BATCH = 64
+DECODE = vision.Decode(field="image")
+CROP = vision.RandomCropFlipNormalize(field="image", size=224, normalize=False)  # uint8 224x224x3, half of them flipped
+COST_FILES = 16
+CLUSTER_TARGETS = {"vs_ray_data": 1.5, "trainer_cpu_share": 0.10}  # jpeg; trainer-cost: the share only
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=10_000_000)
-    parser.add_argument("--files", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--trainers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4096)
-    parser.add_argument("--cpus", type=int, default=2)
-    parser.add_argument("--object-store-gb", type=float, default=4.0)
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (after one untimed warm-up round)")
-    parser.add_argument("--nodes", type=int, default=1, help="also run globalloader_ray on a local cluster this big")
-    parser.add_argument("--node-cpus", type=int, default=1, help="CPUs of each cluster node (--nodes > 1)")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run: {', '.join(PARTS)}")
+    parser.add_argument("--quick", action="store_true", help="small sizes, one round: checks the harness, not speed")
+    parser.add_argument("--repeats", type=int, help="timed rounds after one untimed warm-up round (3; --quick 1)")
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE)
-    parser.add_argument("--skip-ray-data", action="store_true")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "ray_shuffle.json")
+    parser.add_argument("--out", type=pathlib.Path, help="results/ray_shuffle.json (--quick: in --cache)")
+    parquet = parser.add_argument_group("parquet part")
+    parquet.add_argument("--rows", type=int, help="10,000,000 (--quick 200,000)")
+    parquet.add_argument("--files", type=int, help="64 (--quick 8)")
+    parquet.add_argument("--epochs", type=int, help="3 (--quick 2)")
+    parquet.add_argument("--trainers", type=int, default=2)
+    parquet.add_argument("--batch-size", type=int, default=4096)
+    parquet.add_argument("--cpus", type=int, default=2)
+    parquet.add_argument("--object-store-gb", type=float, default=4.0)
+    parquet.add_argument("--nodes", type=int, default=1, help="also run globalloader_ray on a local cluster this big")
+    parquet.add_argument("--skip-ray-data", action="store_true")
+    cluster = parser.add_argument_group("jpeg and trainer-cost parts (one trainer per node of a local cluster)")
+    cluster.add_argument("--cluster-nodes", type=int, default=4)
+    cluster.add_argument("--node-cpus", type=int, default=1, help="CPUs of each cluster node (also --nodes > 1)")
+    cluster.add_argument("--cluster-store-gb", type=float, default=1.0, help="object store of each cluster node")
+    cluster.add_argument("--images", type=int, help="JPEGs (2048; --quick 256)")
+    cluster.add_argument("--jpeg-epochs", type=int, help="2 (--quick 1)")
+    cluster.add_argument("--step-ms", type=float, default=10.0, help="the jpeg trainers' simulated step per batch")
+    cluster.add_argument("--cost-rows", type=int, help="rows of the trainer-cost part (2,000,000; --quick 200,000)")
+    cluster.add_argument("--cost-step-ms", type=float, default=20.0, help="the trainer-cost part's step per batch")
     args = parser.parse_args()
+    for name, (full, quick) in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.out is None:  # a quick run never overwrites measured results
+        args.out = args.cache / "ray_shuffle_quick.json" if args.quick else HERE / "results" / "ray_shuffle.json"
+    parts = args.only.split(",")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"--only: unknown part(s) {unknown}; the parts are {', '.join(PARTS)}")
 
+    results: dict[str, Any] = {}
+    if "parquet" in parts:
+        results["parquet"] = parquet_part(args)
+    if "jpeg" in parts or "trainer-cost" in parts:
+        results.update(cluster_parts(args, parts))
+    merged = json.loads(args.out.read_text()) if args.out.exists() else {}
+    merged.update(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(merged, indent=2, default=float) + "\n")
+    print(f"results of {', '.join(results)} written to {args.out}")
+
+
+def parquet_part(args: argparse.Namespace) -> dict[str, Any]:
+    """gl against Ray Data's random_shuffle and the NumPy ceiling on one node (and --nodes)."""
     files = ensure_data(args.cache, args.rows, args.files)
     cfg = {
         "rows": args.rows,
@@ -100,6 +188,7 @@ def main() -> None:
         "cpus": args.cpus,
         "object_store_gb": args.object_store_gb,
         "repeats": args.repeats,
+        "quick": args.quick,
         "nodes": args.nodes,
         "node_cpus": args.node_cpus,
         "payload_bytes": PAYLOAD,
@@ -123,7 +212,7 @@ def main() -> None:
     )
     _warm_workers(ray, args.cpus)
     try:
-        runs = run_rounds(methods, args.repeats, "one node")
+        runs = run_rounds(methods, args.repeats, "parquet, one node")
     finally:
         ray.shutdown()
     if args.nodes > 1:
@@ -135,14 +224,14 @@ def main() -> None:
                     "globalloader_ray": lambda: run_on_ray("globalloader_ray", files, cfg, nodes=args.nodes),
                 },
                 args.repeats,
-                f"{args.nodes} nodes",
+                f"parquet, {args.nodes} nodes",
             )
         finally:
             ray.shutdown()
             cluster.shutdown()
         runs["numpy_ceiling_cluster_phase"] = on_cluster["numpy_ceiling"]
         runs[f"globalloader_ray_{args.nodes}_nodes"] = on_cluster["globalloader_ray"]
-    report(cfg, runs, args.out)
+    return report(cfg, runs)
 
 
 def run_rounds(methods: dict[str, Callable[[], dict[str, Any]]], repeats: int, phase: str) -> dict[str, list[Any]]:
@@ -219,7 +308,7 @@ def run_numpy_ceiling(files: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ceiling_process(files: list[str], cfg: dict[str, Any], conn: Any) -> None:
-    from globalloader.ray.reader import to_numpy
+    from globalloader.sources import to_numpy
 
     rng = np.random.default_rng(0)
     n, trainers, batch = cfg["rows"], cfg["trainers"], cfg["batch_size"]
@@ -413,14 +502,309 @@ def _tree_pss_bytes(root: int) -> int:
 def _spilled_mib() -> int | None:
     """MiB the object store has spilled to disk so far (this Ray session), or None without grpcio
     (Ray's memory summary asks the raylets over gRPC: the `bench` extra brings it)."""
+    import ray
+
     try:
         from ray._private.internal_api import memory_summary  # private, but the only stats API
 
-        summary = memory_summary(stats_only=True)
+        # This session's address: with none, Ray refuses when other Ray instances run on the machine.
+        summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     except ImportError:
         return None
     found = re.search(r"Spilled (\d+) MiB", summary)
     return int(found.group(1)) if found else 0
+
+
+# --- cluster parts: the JPEG pipeline and the trainer-side cost -------------------------------
+
+
+def cluster_parts(args: argparse.Namespace, parts: list[str]) -> dict[str, Any]:
+    """The jpeg and trainer-cost parts on one local cluster of `--cluster-nodes` nodes, trainer r
+    on node r; every method on the same nodes, CPUs and warm worker pool."""
+    import ray
+
+    shards = ensure_jpeg_shards(args.cache, args.images) if "jpeg" in parts else []
+    cost_files = ensure_data(args.cache, args.cost_rows, COST_FILES) if "trainer-cost" in parts else []
+    common = {
+        "trainers": args.cluster_nodes,
+        "nodes": args.cluster_nodes,
+        "node_cpus": args.node_cpus,
+        "store_gb_per_node": args.cluster_store_gb,
+        "repeats": args.repeats,
+        "quick": args.quick,
+    }
+    out: dict[str, Any] = {}
+    cluster = start_cluster(args.cluster_nodes, args.node_cpus, args.cluster_store_gb)
+    try:
+        if "jpeg" in parts:
+            cfg = {
+                **common,
+                "images": args.images,
+                "shards": len(shards),
+                "image_size": IMAGE_SIZE,
+                "transforms": [repr(DECODE), repr(CROP)],
+                "epochs": args.jpeg_epochs,
+                "batch_size": JPEG_BATCH,
+                "step_s": args.step_ms / 1000,
+                "globalloader_ray": "TorchShufflingDataset(gl.Dataset(gl.TarShards(shards)).map(Decode).map(crop), "
+                "num_trainers=4, batch_size=64, feature_columns='image'): the maps in Ray's map tasks, the crop "
+                "drawn from each sample's own generator, a new one every epoch",
+                "ray_data": "read_webdataset(shards, decoder=None) -> map_batches(the same Decode and crop, "
+                "batch_size=64) -> random_shuffle() -> streaming_split(trainers, equal=True) -> "
+                "iter_torch_batches(batch_size=64)",
+                "batches_in_trainer": "torch uint8 tensors (64, 224, 224, 3) of the image column alone: Ray "
+                "Data's iter_torch_batches, gl's TorchShufflingDataset(feature_columns='image')",
+            }
+            runs = run_rounds(
+                {
+                    name: lambda name=name: run_timed(name, "jpeg", shards, cfg)
+                    for name in ("globalloader_ray", "ray_data")
+                },
+                args.repeats,
+                f"jpeg, {args.cluster_nodes} nodes",
+            )
+            out["jpeg"] = report_timed("jpeg", cfg, runs, CLUSTER_TARGETS)
+        if "trainer-cost" in parts:
+            cfg = {
+                **common,
+                "rows": args.cost_rows,
+                "files": COST_FILES,
+                "payload_bytes": PAYLOAD,
+                "epochs": 2,
+                "batch_size": 4096,
+                "step_s": args.cost_step_ms / 1000,
+                "notes": "the parquet token data with a step long enough that the trainers, not the shuffle, "
+                "set the pace (fetch_wall_share small): the loader's own cost in the trainer process shows",
+            }
+            runs = run_rounds(
+                {"globalloader_ray": lambda: run_timed("globalloader_ray", "tokens", cost_files, cfg)},
+                args.repeats,
+                f"trainer cost, {args.cluster_nodes} nodes",
+            )
+            out["trainer_cost"] = report_timed(
+                "trainer-cost", cfg, runs, {"trainer_cpu_share": CLUSTER_TARGETS["trainer_cpu_share"]}
+            )
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+def ensure_jpeg_shards(cache: pathlib.Path, images: int) -> list[str]:
+    """Synthetic photos (globalloader.synthetic) written once as tar shards of IMAGES_PER_SHARD."""
+    folder = make_jpeg_folder(cache / f"jpeg-{images}", n=images, size=IMAGE_SIZE)
+    pattern = cache / f"jpeg-{images}-shards" / "shard-%06d.tar"
+    return gl.write_shards(gl.Dataset(gl.ImageFolder(folder)), pattern, maxcount=IMAGES_PER_SHARD, progress=False)
+
+
+def run_timed(name: str, pipeline: str, data: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """One run of `pipeline` ("jpeg", or "tokens": the parquet data, gl only) by method `name`,
+    from creating the data set to every trainer's last batch, each trainer timing its fetches
+    and its step."""
+    import ray
+
+    trainers = [
+        ray.remote(_TimedTrainer).options(num_cpus=0, resources={f"node-{r % cfg['nodes']}": 0.01}).remote()
+        for r in range(cfg["trainers"])
+    ]
+    ray.get([t.ready.remote() for t in trainers])
+    start = time.perf_counter()
+    if name == "globalloader_ray":
+        shuffle = f"bench-{os.getpid()}-{time.monotonic_ns()}"
+        per_trainer = ray.get([t.run_gl.remote(pipeline, data, rank, shuffle, cfg) for rank, t in enumerate(trainers)])
+    else:
+        splits = _ray_data_jpeg(data).streaming_split(cfg["trainers"], equal=True)
+        per_trainer = ray.get([t.run_ray_data.remote(s, cfg) for t, s in zip(trainers, splits, strict=True)])
+    elapsed = time.perf_counter() - start
+    ray.get([t.close.remote() for t in trainers[::-1]])
+    for t in trainers:
+        ray.kill(t)
+    return timed_summary(per_trainer, elapsed)
+
+
+def _ray_data_jpeg(shards: list[str]) -> Any:
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    raw = ray.data.read_webdataset(shards, decoder=None)  # bytes, decoded by the same code as gl's
+    return raw.map_batches(_decode_and_crop, batch_size=JPEG_BATCH, batch_format="numpy").random_shuffle()
+
+
+def _decode_and_crop(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Ray Data's map_batches body: gl's chain's Decode and crop on each record of the batch
+    (Ray Data has no per-sample seeds: one fresh generator per batch)."""
+    rng = np.random.default_rng()
+    return {"image": np.stack([CROP(DECODE({"image": data}), rng=rng)["image"] for data in batch["image"]])}
+
+
+class _TimedTrainer:
+    """One trainer: fetches each batch (into what its step takes) and runs a fixed step on it."""
+
+    def ready(self) -> bool:
+        import torch  # noqa: F401  # imported before the clock starts, by both methods' trainers
+
+        return True
+
+    def run_gl(self, pipeline: str, data: list[str], rank: int, shuffle: str, cfg: dict[str, Any]) -> list[Any]:
+        from globalloader.ray import ShufflingDataset
+        from globalloader.ray.torch import TorchShufflingDataset
+
+        shape = (cfg["epochs"], cfg["trainers"], cfg["batch_size"], rank)
+        if pipeline == "jpeg":  # tensors of the image column, as iter_torch_batches gives Ray Data's trainers
+            chain = gl.Dataset(gl.TarShards(data)).map(DECODE).map(CROP)
+            self.ds = TorchShufflingDataset(chain, *shape, feature_columns="image", name=shuffle, timeout=600.0)
+        else:
+            self.ds = ShufflingDataset(data, *shape, name=shuffle, timeout=600.0)
+        return [_consume_timed(self.ds, _same, cfg["step_s"]) for _ in range(cfg["epochs"])]
+
+    def run_ray_data(self, split: Any, cfg: dict[str, Any]) -> list[Any]:
+        batches = split.iter_torch_batches(batch_size=cfg["batch_size"])
+        return [_consume_timed(batches, _ray_data_images, cfg["step_s"]) for _ in range(cfg["epochs"])]
+
+    def close(self) -> None:
+        if hasattr(self, "ds"):
+            self.ds.close()
+
+
+def _ray_data_images(batch: dict[str, Any]) -> Any:
+    return batch["image"]
+
+
+def _same(batch: Any) -> Any:
+    return batch
+
+
+def _rows(value: Any) -> int:
+    """Rows of a batch: a tensor, or a dict of columns."""
+    return len(next(iter(value.values()))) if isinstance(value, dict) else len(value)
+
+
+def _consume_timed(batches: Any, take: Callable[[Any], Any], step_s: float) -> dict[str, Any]:
+    """One epoch: each fetch (`iter`, `next`, then `take` making what the step consumes) timed in
+    wall and in this thread's CPU, then a fixed step: a sleep, standing for an accelerator's
+    step that leaves the CPU to the pipeline. `process_cpu_s` is every thread of this process
+    (the loader's fetch thread, Ray's own threads) over the whole loop."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    fetch_wall = fetch_cpu = 0.0
+    first = None
+    rows = batches_seen = 0
+    iterator = None
+    while True:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            if iterator is None:
+                iterator = iter(batches)
+            value = take(next(iterator))
+        except StopIteration:
+            break
+        finally:
+            fetch_wall += time.perf_counter() - t0
+            fetch_cpu += time.thread_time() - c0
+        if first is None:
+            first = time.perf_counter() - start
+        rows += _rows(value)
+        batches_seen += 1
+        if step_s:
+            time.sleep(step_s)
+    return {
+        "rows": rows,
+        "batches": batches_seen,
+        "first_batch_s": first,
+        "loop_s": time.perf_counter() - start,
+        "fetch_wall_s": fetch_wall,
+        "fetch_cpu_s": fetch_cpu,
+        "process_cpu_s": time.process_time() - cpu_start,
+    }
+
+
+def timed_summary(per_trainer: list[list[dict[str, Any]]], elapsed: float) -> dict[str, Any]:
+    """samples/s over all trainers, and the shares of the trainers' loop time (all epochs)."""
+    epochs = [e for trainer in per_trainer for e in trainer]
+
+    def total(key: str) -> float:
+        return float(sum(e[key] for e in epochs))
+
+    loop = total("loop_s")
+    return {
+        "samples_per_s": total("rows") / elapsed,
+        "elapsed_s": elapsed,
+        "rows_delivered": int(total("rows")),
+        "batches": int(total("batches")),
+        "trainer_cpu_share": total("process_cpu_s") / loop,
+        "max_trainer_cpu_share": max(
+            sum(e["process_cpu_s"] for e in t) / sum(e["loop_s"] for e in t) for t in per_trainer
+        ),
+        "fetch_cpu_share": total("fetch_cpu_s") / loop,
+        "fetch_wall_share": total("fetch_wall_s") / loop,
+        "fetch_cpu_ms_per_batch": 1000 * total("fetch_cpu_s") / max(total("batches"), 1),
+        "process_cpu_ms_per_batch": 1000 * total("process_cpu_s") / max(total("batches"), 1),
+        "first_batch_s": [max(t[e]["first_batch_s"] or 0.0 for t in per_trainer) for e in range(len(per_trainer[0]))],
+        "trainers": per_trainer,
+    }
+
+
+def report_timed(
+    part: str, cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]], targets: dict[str, float]
+) -> dict[str, Any]:
+    """Print and return a cluster part: per method the median over rounds [min, max] of samples/s
+    and of the trainer shares; gl / Ray Data taken within each round."""
+    figures = (
+        "samples_per_s",
+        "trainer_cpu_share",
+        "fetch_cpu_share",
+        "fetch_wall_share",
+        "fetch_cpu_ms_per_batch",
+        "process_cpu_ms_per_batch",
+    )
+    results = {
+        name: {**{f: _spread([r[f] for r in method_runs]) for f in figures}, "runs": method_runs}
+        for name, method_runs in runs.items()
+    }
+    ours = runs["globalloader_ray"]
+    ratios = {"trainer_cpu_share": results["globalloader_ray"]["trainer_cpu_share"]}
+    if "ray_data" in runs:
+        ratios["vs_ray_data"] = _spread(
+            [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, runs["ray_data"], strict=True)]
+        )
+    met = {
+        k: ratios[k]["median"] <= v if k == "trainer_cpu_share" else ratios[k]["median"] >= v
+        for k, v in targets.items()
+    }
+    expected = cfg.get("images", cfg.get("rows")) * cfg["epochs"]
+    print(
+        f"\n{part}: {expected // cfg['epochs']:,} samples x {cfg['epochs']} epochs, {cfg['trainers']} trainers on "
+        f"{cfg['nodes']} nodes x {cfg['node_cpus']} CPU, batch {cfg['batch_size']}, step {cfg['step_s'] * 1000:g} ms "
+        f"(a sleep); median of {cfg['repeats']} rounds [min, max]; shares of the trainers' loop time"
+    )
+    print(
+        f"{'method':18s} {'samples/s':>26s} {'process CPU':>20s} {'CPU in fetch':>20s} {'wall in fetch':>20s} "
+        f"{'CPU ms/batch':>13s} {'delivered':>10s}"
+    )
+    for name, r in results.items():
+        shares = " ".join(
+            f"{r[f]['median']:6.3f} [{r[f]['min']:.3f},{r[f]['max']:.3f}]"
+            for f in ("trainer_cpu_share", "fetch_cpu_share", "fetch_wall_share")
+        )
+        rate = r["samples_per_s"]
+        delivered = min(run["rows_delivered"] for run in r["runs"])
+        spread = f"{rate['median']:,.0f} [{rate['min']:,.0f}, {rate['max']:,.0f}]"
+        per_batch = f"{r['process_cpu_ms_per_batch']['median']:.2f}"
+        print(f"{name:18s} {spread:>26s} {shares} {per_batch:>13s} {delivered:>10,}")
+    for k, v in ratios.items():
+        target = ""
+        if k in targets:
+            sign = "<=" if k == "trainer_cpu_share" else ">="
+            target = f"target {sign} {targets[k]:<6}  {'met' if met[k] else 'NOT met'}"
+        print(f"  {k:26s} {v['median']:8.3f} [{v['min']:.3f}, {v['max']:.3f}]  {target}")
+    return {
+        "config": cfg,
+        "machine": _machine(),
+        "rows_expected": expected,
+        "results": results,
+        "ratios": ratios,
+        "targets": targets,
+        "targets_met": met,
+    }
 
 
 # --- metrics --------------------------------------------------------------------------------
@@ -475,8 +859,9 @@ def _pearson(a: np.ndarray, b: np.ndarray) -> float:
 # --- report ---------------------------------------------------------------------------------
 
 
-def report(cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]], out: pathlib.Path) -> None:
-    """Medians over rounds with their range; ratios are taken within each round first."""
+def report(cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Print and return the parquet part: medians over rounds with their range; ratios are taken
+    within each round first."""
     ours, ceiling = runs["globalloader_ray"], runs["numpy_ceiling"]
     per_round: dict[str, list[float]] = {
         "vs_numpy_ceiling": [a["rows_per_s"] / b["rows_per_s"] for a, b in zip(ours, ceiling, strict=True)],
@@ -508,21 +893,13 @@ def report(cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]], out: path
         for name, method_runs in runs.items()
     }
     summary = {
-        "benchmark": "ray_shuffle",
         "config": cfg,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "load_average_at_end": os.getloadavg(),
-        },
+        "machine": _machine(),
         "results": results,
         "ratios": ratios,
         "targets": TARGETS,
         "targets_met": met,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2, default=float) + "\n")
 
     print(
         f"\n{cfg['rows']:,} rows x {cfg['epochs']} epochs, {cfg['files']} files, {cfg['trainers']} trainers, "
@@ -543,7 +920,16 @@ def report(cfg: dict[str, Any], runs: dict[str, list[dict[str, Any]]], out: path
             sign = "<=" if k in LOWER_IS_BETTER else ">="
             target = f"target {sign} {TARGETS[k]:<6}  {'met' if met[k] else 'NOT met'}"
         print(f"  {k:26s} {v['median']:8.3f} [{v['min']:.3f}, {v['max']:.3f}]  {target}")
-    print(f"results written to {out}")
+    return summary
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "load_average_at_end": os.getloadavg(),
+    }
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
