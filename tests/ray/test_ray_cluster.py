@@ -416,8 +416,11 @@ def lose_a_worker_mid_epoch(loss_cluster: tuple[Cluster, dict[str, Any]], data: 
         out = ray.get(reads, timeout=120)
         assert all(isinstance(rank, list) for rank in out), out
         assert_same(out, reference)  # Ray made the lost outputs again, from the same seeds
-        for stats in ray.get([t.stats.remote() for t in trainers]):  # trainers' nodes have no CPU:
-            assert all(s["pulled_outputs"] == 2 and s["pulled_bytes"] > 0 for s in stats.values())  # all pulled
+        # Trainers' nodes have no CPU: every output is pulled from another node. An output of epoch 1
+        # lost with its node lives nowhere while Ray makes it again, so the count may miss it there.
+        for stats in ray.get([t.stats.remote() for t in trainers]):
+            assert stats[0]["pulled_outputs"] == 2 and stats[0]["pulled_bytes"] > 0, stats
+            assert 1 <= stats[1]["pulled_outputs"] <= 2 and stats[1]["pulled_bytes"] > 0, stats
         close_all(trainers)
         return out
     finally:

@@ -5,7 +5,8 @@ reducer is submitted) and `ray.get`s it, pulling it to this node and mapping it,
 trainer works on the current one, so a trainer waits only when the shuffle itself is
 behind. Order is fixed (reducer order), so batches are the same for the same seed whichever
 reducer finishes first. Before pulling an output it notes whether the output was made on
-another node (`pulled`, `pulled_bytes`): reducers are meant to run where their trainer is.
+another node (`pulled`, `pulled_bytes`): reducers are meant to run where their trainer is (an
+output lost with a node and being made again lives nowhere when asked, and is not counted).
 
 Ray's failures become this library's errors: a failed task re-raises the task's own
 GlobalLoaderError (an unreadable file names the file); a lost owner (the batch queue) or an
