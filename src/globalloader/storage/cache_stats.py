@@ -182,17 +182,28 @@ def lock_exclusive(fd: int, timeout: float, waited_for: str, pause_max: float = 
 
 def _try_lock(fd: int, timeout: float, pause_max: float = 0.01) -> bool:
     """Whether `fd` was flocked exclusively within `timeout` seconds (one try when 0)."""
+    return try_until(lambda: _flock_now(fd), timeout, pause_max)
+
+
+def _flock_now(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def try_until(attempt: Callable[[], bool], timeout: float, pause_max: float) -> bool:
+    """Whether `attempt()` (a lock taken without waiting) succeeded within `timeout` seconds (one
+    try when 0), tried again after a pause growing from half a millisecond to `pause_max`."""
     deadline = time.monotonic() + timeout
     pause = 0.0005
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause_max, pause * 2)
+    while not attempt():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause_max, pause * 2)
+    return True
 
 
 def _pack(record: dict[str, int]) -> bytes:
