@@ -27,7 +27,9 @@ its setup (`cold_cpu_s`) and without (`cold_epoch_cpu_s`), and those of the S3 s
 baseline does not pay them) over the same spans (`server_cpu_s`: the epoch alone;
 `server_setup_cpu_s`: the setup), each read from /proc by the job at the same instants. For every
 system, the client's CPU seconds per GiB downloaded in the cold epoch (`client_cpu_s_per_gib` with
-the setup, imports included; `client_epoch_cpu_s_per_gib` without), and for gl the ceiling issue
+the setup, imports included; `client_epoch_cpu_s_per_gib` without; `client_download_cpu_s_per_gib`:
+the cold epoch's CPU less the warm epoch's, `warm_cpu_s`: what downloading costs beyond decoding),
+and for gl the ceiling issue
 39 sets (`cold_ceiling`): cold wall <= 1.1 x (warm wall + server CPU s / cores), both for the
 epoch alone (`epoch`: the cold epoch from its first batch asked for) and with the setup
 (`with_setup`: from constructing the source), the warm epoch alone in both. The floor of
@@ -87,7 +89,16 @@ SOURCES = Path(globalloader.__file__).parents[1]  # for the peers' interpreter
 BATCH, WORKERS, SIDE = 32, 2, 160
 KEY, SECRET = "testing", "testing"
 # What `_job` measures per round: setup and epoch, the job's CPU and the S3 server's (see `_job`).
-PHASES = ("source_s", "index_s", "setup_s", "cold_cpu_s", "cold_epoch_cpu_s", "server_setup_cpu_s", "server_cpu_s")
+PHASES = (
+    "source_s",
+    "index_s",
+    "setup_s",
+    "cold_cpu_s",
+    "cold_epoch_cpu_s",
+    "warm_cpu_s",
+    "server_setup_cpu_s",
+    "server_cpu_s",
+)
 FLOOR_STEPS = ("import_s", "client_s", "list_s", "sidecars_s", "first_shard_s")  # in order, before a first decode
 
 
@@ -311,6 +322,8 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
             if None not in (start_server, t0_server, end_server):
                 phases.update(server_setup_cpu_s=t0_server - start_server, server_cpu_s=end_server - t0_server)  # type: ignore[operator]
             phases["setup_s"] = t0 - start
+        elif epoch == 1 and None not in (t0_cpu, end_cpu := _cpu_seconds()):
+            phases["warm_cpu_s"] = end_cpu - t0_cpu  # type: ignore[operator]
         now_bytes = _stats(proxy)
         result["epochs"].append(
             {
@@ -557,6 +570,11 @@ def _digest(runs: dict[str, list[Any]], formats: dict[str, Any]) -> dict[str, An
             if system != "gl-local":
                 out[name]["client_cpu_s_per_gib"] = _per_gib(ok, "cold_cpu_s")
                 out[name]["client_epoch_cpu_s_per_gib"] = _per_gib(ok, "cold_epoch_cpu_s")
+                # What the cold epoch costs the client beyond the warm one (the same decoding): the download's CPU.
+                for r in ok:
+                    if r["phases"].get("warm_cpu_s") is not None and r["phases"].get("cold_epoch_cpu_s") is not None:
+                        r["phases"]["download_cpu_s"] = r["phases"]["cold_epoch_cpu_s"] - r["phases"]["warm_cpu_s"]
+                out[name]["client_download_cpu_s_per_gib"] = _per_gib(ok, "download_cpu_s")
             if system == "gl":
                 out[name]["cold_ceiling"] = _ceiling(ok)
         else:
@@ -666,7 +684,8 @@ def _print(digest: dict[str, Any], latency: float) -> None:
         if d.get("client_cpu_s_per_gib"):
             print(
                 f"{name}: client CPU per GiB downloaded {_fmt(d['client_cpu_s_per_gib'], ' s', 1)} with setup, "
-                f"{_fmt(d['client_epoch_cpu_s_per_gib'], ' s', 1)} epoch alone"
+                f"{_fmt(d['client_epoch_cpu_s_per_gib'], ' s', 1)} epoch alone, "
+                f"{_fmt(d['client_download_cpu_s_per_gib'], ' s', 1)} beyond the warm epoch's"
             )
     ceiling = digest.get("gl", {}).get("cold_ceiling")
     if ceiling:
