@@ -111,7 +111,7 @@ def test_a_planted_entry_or_lock_link_is_never_followed(
     objects = ObjectCache().root
     target = tmp_path / "elsewhere"
     target.write_bytes(_entry_bytes(b"planted " * 500))
-    link = objects / remote["name"] if name == "entry" else objects / "locks" / f"{remote['name']}.lock"
+    link = objects / remote["name"] if name == "entry" else objects / "locks" / "downloads"
     if name == "lock":
         target.unlink()  # a lock opened through the link would create the file there
     link.symlink_to(target)
@@ -139,7 +139,7 @@ def test_what_the_cache_makes_is_private(remote: dict[str, Any], isolated_cache:
     assert modes == {
         "objects": 0o700,
         "objects/locks": 0o700,
-        f"objects/locks/{remote['name']}.lock": 0o600,
+        "objects/locks/downloads": 0o600,
         f"objects/{remote['name']}": 0o600,
         f"objects/{STATS_NAME}": 0o600,
     }
@@ -157,7 +157,7 @@ def test_a_group_shared_cache_is_opt_in_and_checks_other_members_entries(
     assert _modes(objects) == {
         "objects": 0o2770,
         "objects/locks": 0o2770,
-        f"objects/locks/{remote['name']}.lock": 0o640,
+        "objects/locks/downloads": 0o660,  # locked for writing by every member, as the counters
         f"objects/{remote['name']}": 0o640,
         f"objects/{STATS_NAME}": 0o660,
     }

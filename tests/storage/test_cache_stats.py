@@ -10,6 +10,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 from typing import Any
@@ -276,3 +277,27 @@ def _scrape(board: Dashboard) -> tuple[int, str]:
         return reply.status, reply.read().decode()
     finally:
         conn.close()
+
+
+def test_the_threads_of_a_process_never_lose_an_update(tmp_path: pathlib.Path) -> None:
+    """A process keeps one descriptor of the record for all its threads, whose flock does not
+    exclude them from each other: every update still starts from the one before."""
+    cache = ObjectCache(tmp_path / "objects")
+    cache.open(SHARED, lambda write: write(b"s" * 100)).close()
+
+    def hits() -> None:
+        for _ in range(100):
+            cache.open(SHARED, lambda write: write(b"s" * 100)).close()
+
+    threads = [threading.Thread(target=hits) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert cache.stats.read() | {"bytes": 0} == {
+        "downloaded_bytes": 100,
+        "hits": 8 * 100,
+        "misses": 1,
+        "bytes": 0,
+        "entries": 1,
+    }

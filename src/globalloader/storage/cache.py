@@ -11,8 +11,9 @@ every process and job of the user. Properties, each relied on elsewhere:
   mid-download leaves a temporary file, never an entry. Every opening of an entry checks the
   blocks it reads the first time it reads them, and again once the file changed (its ctime): a
   damaged entry is deleted and fetched again, never served, however long a reader has had it open.
-- Concurrent readers of a missing entry wait on one exclusive file lock (flock) per entry while
-  one of them downloads, so K processes download each object once.
+- Concurrent readers of a missing entry wait on the entry's exclusive download lock while one of
+  them downloads, so K processes download each object once. The locks are bytes of one file
+  (`locks/downloads`, a byte-range lock per entry): the folder does not grow by a file per object.
 - Readers hold a shared flock on an entry while it is open; eviction (least recently used by
   access time, which opens set) takes an exclusive one without waiting and skips entries in use,
   so it never deletes what a reader has open. The readers of one cache handle (a source, in a
@@ -55,7 +56,7 @@ from globalloader import _paths
 from globalloader._pids import alive
 from globalloader.errors import ArgumentError, CacheFullError, GlobalLoaderError, StorageError
 from globalloader.storage._fork import reset_in_forked_children
-from globalloader.storage.cache_stats import CacheStats, lock_exclusive
+from globalloader.storage.cache_stats import CacheStats, try_until
 from globalloader.storage.checksum import etag_md5
 
 DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
@@ -182,6 +183,26 @@ def _pieces(fd: int, end: int) -> Iterator[bytes]:
     while offset < end and (piece := os.pread(fd, min(16 << 20, end - offset), offset)):
         yield piece
         offset += len(piece)
+
+
+# The download locks of every entry: one byte each (at 60 bits of the entry's name) of this one
+# file in `locks/`, locked with open file description locks (Linux's F_OFD_SETLK): like flock, two
+# descriptors conflict whether they are of one process or of two, a lock goes when its process
+# dies, and the folder holds one file however many entries the cache has.
+_DOWNLOADS = "downloads"
+_FLOCK = struct.Struct("hhqqi4x")  # Linux's struct flock: type, whence, start, length, pid (0)
+
+
+def _lock_byte(fd: int, byte: int, kind: int) -> bool:
+    """Lock (F_WRLCK) or unlock (F_UNLCK) one byte of the file `fd` without waiting; whether it was
+    granted (false: another descriptor holds it)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
 
 
 class _Opened(NamedTuple):
@@ -478,29 +499,31 @@ class ObjectCache:
     @contextlib.contextmanager
     def _download_lock(self, path: pathlib.Path, entry: Entry, wait: bool = True) -> Iterator[bool]:
         """The entry's download lock, waited for (LOCK_TIMEOUT) or not (`wait` false: yields
-        whether it was free)."""
-        lock_path = self._locks / f"{path.name}.lock"
-        try:  # read-only is enough for flock: a lock file made by another member of a shared cache
-            fd = _paths.open_file(lock_path, os.O_RDONLY, _paths.file_mode())[0]
+        whether it was free): one byte of the folder's one lock file (see `_DOWNLOADS`)."""
+        lock_path = self._locks / _DOWNLOADS
+        # Read-write: a write lock needs it (the file is group-writable in a cache shared with the
+        # group, as the counters are; nothing is ever written into it).
+        mode = _paths.file_mode(group_writes=True)
+        try:
+            fd = _paths.open_file(lock_path, os.O_RDWR, mode)[0]
         except FileNotFoundError:  # the folder was removed under us (rm -rf of the cache)
             _paths.make_folder(self._locks)
-            fd = _paths.open_file(lock_path, os.O_RDONLY, _paths.file_mode())[0]
+            fd = _paths.open_file(lock_path, os.O_RDWR, mode)[0]
+        byte = int(path.name[:15], 16)  # 60 bits of the entry's name: distinct entries, distinct bytes
         try:
-            waited_for = (
-                f"another process to download {entry.url} into the cache {self.root}; "
-                f"if none is running, remove {lock_path}"
-            )
             if wait:
-                lock_exclusive(fd, LOCK_TIMEOUT, waited_for, pause_max=WAIT_POLL)
-            else:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    yield False
-                    return
+                waited_for = (
+                    f"another process to download {entry.url} into the cache {self.root}; "
+                    "a stopped process holds its lock until it goes on or ends"
+                )
+                if not try_until(lambda: _lock_byte(fd, byte, fcntl.F_WRLCK), LOCK_TIMEOUT, WAIT_POLL):
+                    raise StorageError(f"waited {LOCK_TIMEOUT:.0f} s for {waited_for}")
+            elif not _lock_byte(fd, byte, fcntl.F_WRLCK):
+                yield False
+                return
             yield True
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)  # not only close: a forked child may hold a copy (see cache_stats)
+            _lock_byte(fd, byte, fcntl.F_UNLCK)  # not only close: a forked child may hold a copy
             os.close(fd)
 
     def _write(self, path: pathlib.Path, entry: Entry, download: Download, *, opened: bool = True) -> _Opened | None:
@@ -686,14 +709,11 @@ class ObjectCache:
                         os.unlink(item.path)
 
     def clear(self) -> int:
-        """Delete every entry not in use, and the lock files of the deleted ones (a process
-        waiting on one at that moment may then download its entry a second time: wasted bytes,
-        never a wrong entry); returns bytes freed."""
+        """Delete every entry not in use; returns bytes freed."""
         freed = 0
         for path, size, _ in self.entries():
             if self._remove_unused(path):
                 freed += size
-                (self._locks / f"{path.name}.lock").unlink(missing_ok=True)
         self._remove_dead_temporaries()
         return freed
 

@@ -7,6 +7,9 @@ removes an entry while it holds the lock, so the figures follow the folder witho
 The record is written in place by one `pwrite` and carries a CRC-32: a process killed mid-update
 leaves the previous record; a torn or damaged one is detected and started again (counters from
 zero, as after a restart; size and entries from one walk of the folder).
+Each handle keeps its descriptor of the record open (an update is a lock, a read and a write, not
+an open and a close too: one per cache entry written or read), shared by the process's threads
+under a thread lock, and opens it again once the file is gone (`rm -rf` of the cache).
 
 The counters are best-effort: an update never waits for the lock longer than BUSY_WAIT, so a
 process stopped (SIGSTOP, a debugger) or hung while it holds the lock never blocks or fails a
@@ -26,6 +29,7 @@ import pathlib
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from multiprocessing import util as _mp_util
@@ -48,26 +52,69 @@ class CacheStats:
 
     def __init__(self, path: pathlib.Path, scan: Callable[[], tuple[int, int]]) -> None:
         self.path, self._scan = path, scan
+        self._fd = -1
+        self._closer: weakref.finalize[[int], CacheStats] | None = None
+        self._after_fork()
+        reset_in_forked_children(self)
+
+    def _after_fork(self) -> None:
+        # A forked child's copy of the descriptor shares the parent's flock: closed without
+        # unlocking it (only the parent may), and never by the finalizer; the child opens its own.
+        if self._closer is not None:
+            self._closer.detach()
+            _close_quietly(self._fd)
+        self._fd, self._closer = -1, None
+        self._guard = threading.Lock()  # a thread of the parent may have held it at the fork
 
     @contextlib.contextmanager
     def update(self) -> Iterator[dict[str, int]]:
         """The record for the block: change its values to update it (written when the block ends
         without an exception). Changes of the folder's entries belong inside. When the lock is
         busy (see the module doc) the block gets zeros instead, and its changes are deferred."""
-        fd = self._open()
-        try:
-            if not _try_lock(fd, 0.0 if _DEFERRED.has(self.path) else BUSY_WAIT):
+        with self._held(0.0 if _DEFERRED.has(self.path) else BUSY_WAIT) as fd:
+            if fd is None:
                 changes = dict.fromkeys(FIELDS, 0)
                 yield changes
                 _DEFERRED.add(self, changes)
                 return
             with self._locked_record(fd) as record:
                 yield record
+
+    @contextlib.contextmanager
+    def _held(self, timeout: float) -> Iterator[int | None]:
+        """The record's descriptor under its flock, or None when not got within `timeout` seconds.
+        One descriptor per handle, kept open (an open, a check and a close fewer per update: one
+        per cache entry written or read); a flock does not exclude the threads sharing a
+        descriptor, so a thread lock does."""
+        deadline = time.monotonic() + timeout
+        if not self._guard.acquire(timeout=timeout):
+            yield None
+            return
+        try:
+            fd = self._descriptor()
+            if not _try_lock(fd, max(0.0, deadline - time.monotonic())):
+                yield None
+                return
+            try:
+                yield fd
+            finally:
+                # Unlock explicitly: a child forked by another thread meanwhile holds a copy of the
+                # descriptor, and a flock lasts until every copy is closed or one unlocks it.
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            # Unlock explicitly: a child forked by another thread meanwhile holds a copy of the
-            # descriptor, and a flock lasts until every copy is closed or one unlocks it.
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            self._guard.release()
+
+    def _descriptor(self) -> int:
+        """The open record (opened again when its file was removed: `rm -rf` of the cache)."""
+        # Not alive: closed by its finalizer at the interpreter's exit, before the exit hook that
+        # writes the deferred changes.
+        if self._closer is not None and self._closer.alive and os.fstat(self._fd).st_nlink:
+            return self._fd
+        if self._closer is not None:
+            self._closer()
+        self._fd = self._open()
+        self._closer = weakref.finalize(self, _close_quietly, self._fd)
+        return self._fd
 
     @contextlib.contextmanager
     def _locked_record(self, fd: int) -> Iterator[dict[str, int]]:
@@ -98,16 +145,14 @@ class CacheStats:
     def locked(self, timeout: float = LOCK_TIMEOUT) -> Iterator[dict[str, int]]:
         """The record for the block, like `update` but waiting for the lock up to `timeout` seconds
         (else a StorageError): to read it, or to set values rather than add to them."""
-        fd = self._open()
-        try:
-            lock_exclusive(
-                fd, timeout, f"the lock of the cache's counters {self.path}; a process holding it is stopped or hung"
-            )
+        with self._held(timeout) as fd:
+            if fd is None:
+                raise StorageError(
+                    f"waited {timeout:.0f} s for the lock of the cache's counters {self.path}; "
+                    "a process holding it is stopped or hung"
+                )
             with self._locked_record(fd) as record:
                 yield record
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
 
     def read(self, timeout: float = LOCK_TIMEOUT) -> dict[str, int]:
         with self.locked(timeout) as record:
@@ -173,26 +218,35 @@ _DEFERRED = _Deferred()
 reset_in_forked_children(_DEFERRED)
 
 
-def lock_exclusive(fd: int, timeout: float, waited_for: str, pause_max: float = 0.01) -> None:
-    """flock `fd` exclusively within `timeout` seconds (polling with a growing pause), else a
-    StorageError saying what was `waited_for`: a lock held by a stopped process is never a hang."""
-    if not _try_lock(fd, timeout, pause_max):
-        raise StorageError(f"waited {timeout:.0f} s for {waited_for}")
-
-
 def _try_lock(fd: int, timeout: float, pause_max: float = 0.01) -> bool:
     """Whether `fd` was flocked exclusively within `timeout` seconds (one try when 0)."""
+    return try_until(lambda: _flock_now(fd), timeout, pause_max)
+
+
+def _flock_now(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def try_until(attempt: Callable[[], bool], timeout: float, pause_max: float) -> bool:
+    """Whether `attempt()` (a lock taken without waiting) succeeded within `timeout` seconds (one
+    try when 0), tried again after a pause growing from half a millisecond to `pause_max`."""
     deadline = time.monotonic() + timeout
     pause = 0.0005
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause_max, pause * 2)
+    while not attempt():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause_max, pause * 2)
+    return True
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _pack(record: dict[str, int]) -> bytes:

@@ -1,0 +1,232 @@
+"""The client's CPU per small GET, by S3 client library, on one local S3 server (moto).
+
+`--objects` (1,000) objects of `--size` (15 KB, a JPEG of remote.py's) on a moto server behind
+the benchmarks' proxy (kept-alive connections, as a real store; no added latency), each read
+whole with If-Match on its ETag (the conditional read `storage._fs` makes of every object) by
+`--in-flight` (64) requests at once, in a fresh process per client and round:
+
+- aiobotocore: s3fs's async client, the call `_fs._get_s3` makes (globalloader today);
+- obstore: the Rust object_store client (`get_async` with `if_match`);
+- boto3: a thread pool of `--in-flight` threads over one client with as many pooled connections;
+- gl-pool: globalloader's own pool of downloads ahead (`Files.prefetch` into the machine cache:
+  the GET, its checks and the cache write), the figure issue 40 bounds at 0.5 ms per object.
+
+The figure is the client process's CPU time (user + system, all its threads) over the reads,
+divided by the objects, after a warm-up of `--in-flight` reads that opens the connections; the
+server runs in this process, so its CPU is not counted. Median of `--rounds` (3) with min and
+max; JSON in benchmarks/results/s3_clients.json.
+
+    python benchmarks/s3_clients.py [--objects 1000] [--size 15000] [--in-flight 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
+
+RESULTS = Path(__file__).parent / "results" / "s3_clients.json"
+CLIENTS = ("aiobotocore", "obstore", "boto3", "gl-pool")
+KEY, SECRET, REGION = "testing", "testing", "us-east-1"
+
+
+def _cpu() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime
+
+
+async def _gather(read: Any, keys: list[tuple[str, str]], in_flight: int) -> int:
+    """Read every (key, etag) with at most `in_flight` at once; the bytes read."""
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one(key: str, etag: str) -> int:
+        async with gate:
+            return len(await read(key, etag))
+
+    return sum(await asyncio.gather(*(one(k, e) for k, e in keys)))
+
+
+def _aiobotocore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+    from fsspec.asyn import sync
+
+    from globalloader.storage._fs import _get_s3, filesystem
+
+    fs, _ = filesystem(f"s3://{spec['bucket']}", options(spec["endpoint"]))
+
+    async def read(key: str, etag: str) -> bytes:
+        answer = await _get_s3(fs, f"{spec['bucket']}/{key}", None, etag)
+        assert answer is not None
+        return answer.data
+
+    sync(fs.loop, _gather, read, keys[: spec["in_flight"]], spec["in_flight"])  # warm-up
+    cpu = _cpu()
+    got = sync(fs.loop, _gather, read, keys, spec["in_flight"])
+    return _cpu() - cpu, got
+
+
+def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(
+        spec["bucket"],
+        endpoint=spec["endpoint"],
+        access_key_id=KEY,
+        secret_access_key=SECRET,
+        region=REGION,
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": True, "pool_max_idle_per_host": str(spec["in_flight"])},
+    )
+
+    async def read(key: str, etag: str) -> bytes:
+        result = await obstore.get_async(store, key, options={"if_match": etag})
+        return bytes(await result.bytes_async())
+
+    async def both() -> tuple[float, int]:
+        await _gather(read, keys[: spec["in_flight"]], spec["in_flight"])  # warm-up
+        cpu = _cpu()
+        got = await _gather(read, keys, spec["in_flight"])
+        return _cpu() - cpu, got
+
+    return asyncio.run(both())
+
+
+def _boto3(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=spec["endpoint"],
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+        region_name=REGION,
+        config=Config(max_pool_connections=spec["in_flight"], retries={"total_max_attempts": 1}),
+    )
+
+    def read(item: tuple[str, str]) -> int:
+        resp = client.get_object(Bucket=spec["bucket"], Key=item[0], IfMatch=item[1])
+        return len(resp["Body"].read())
+
+    with ThreadPoolExecutor(spec["in_flight"]) as pool:
+        sum(pool.map(read, keys[: spec["in_flight"]]))  # warm-up
+        cpu = _cpu()
+        got = sum(pool.map(read, keys))
+        return _cpu() - cpu, got
+
+
+def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+    import numpy as np
+
+    import globalloader as gl
+
+    src = gl.Files(f"s3://{spec['bucket']}/objects", "*.bin", storage_options=options(spec["endpoint"]))
+    warm = np.arange(spec["in_flight"])
+    src.prefetch(warm)
+    while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(warm):
+        time.sleep(0.002)
+    cpu = _cpu()
+    src.prefetch(np.arange(len(src)))
+    while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(src):
+        time.sleep(0.002)
+    if c["failed"]:
+        raise RuntimeError(f"the pool failed {c['failed']} GETs: {src.store.fetch_counters()}")
+    return _cpu() - cpu, (len(src) - len(warm)) * spec["size"]
+
+
+def _job(spec: dict[str, Any]) -> dict[str, Any]:
+    keys = [(k, e) for k, e in spec["keys"]]
+    run = {"aiobotocore": _aiobotocore, "obstore": _obstore, "boto3": _boto3, "gl-pool": _gl_pool}[spec["client"]]
+    t0 = time.perf_counter()
+    cpu, got = run(spec, keys)
+    objects = len(keys) - (spec["in_flight"] if spec["client"] == "gl-pool" else 0)
+    if got != objects * spec["size"]:
+        raise RuntimeError(f"{spec['client']} read {got} bytes, expected {objects * spec['size']}")
+    return {"objects": objects, "cpu_s": cpu, "seconds": time.perf_counter() - t0}
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--objects", type=int, default=1000)
+    parser.add_argument("--size", type=int, default=15000)
+    parser.add_argument("--in-flight", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default=",".join(CLIENTS))
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        print(json.dumps(_job(json.loads(args.job))), flush=True)
+        return
+    server = MotoServer()
+    proxy = FaultProxy(server.port)
+    scratch = Path(tempfile.mkdtemp(prefix="gl-s3-clients-"))
+    try:
+        bucket = new_bucket(proxy.url)
+        from globalloader.storage import Store
+
+        fs, _ = Store(options(proxy.url)).filesystem(f"s3://{bucket}")
+        body = os.urandom(args.size)
+        for i in range(args.objects):
+            fs.pipe_file(f"{bucket}/objects/{i:07d}.bin", body)
+        keys = [(f"objects/{i:07d}.bin", fs.info(f"{bucket}/objects/{i:07d}.bin")["ETag"]) for i in range(args.objects)]
+        spec = {"bucket": bucket, "endpoint": proxy.url, "keys": keys, "size": args.size, "in_flight": args.in_flight}
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        per_object: dict[str, list[float]] = {}
+        for r in range(args.rounds):
+            for client in [c for c in args.only.split(",") if c]:
+                env["GLOBALLOADER_CACHE_DIR"] = str(scratch / f"{client}-{r}")
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--job", json.dumps({**spec, "client": client})],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=600,
+                )
+                lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+                if proc.returncode != 0 or not lines:
+                    print(f"{client} failed: {proc.stderr.strip().splitlines()[-3:]}")
+                    continue
+                result = json.loads(lines[-1])
+                per_object.setdefault(client, []).append(1e3 * result["cpu_s"] / result["objects"])
+        report = {
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True},
+            "objects": args.objects,
+            "size": args.size,
+            "in_flight": args.in_flight,
+            "rounds": args.rounds,
+            "client_cpu_ms_per_object": {c: _summary(v) for c, v in per_object.items()},
+        }
+        print(f"client CPU per {args.size}-byte GET ({args.in_flight} in flight), median [min, max]:")
+        for client, s in report["client_cpu_ms_per_object"].items():
+            print(f"  {client:12} {s['median']:.3f} ms [{s['min']:.3f}, {s['max']:.3f}]")
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=1))
+        print(f"results: {args.output}")
+    finally:
+        proxy.stop()
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

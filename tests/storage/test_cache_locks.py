@@ -1,0 +1,83 @@
+"""The machine cache's download locks: one file for every entry, each object downloaded once by
+the processes and threads that want it at the same moment, entries read whole."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+import globalloader as gl
+from globalloader import storage
+from globalloader.storage.cache import Entry, ObjectCache
+
+
+def _put(s3: dict[str, Any], count: int, size: int = 3000) -> dict[str, bytes]:
+    fs, _ = storage.Store(s3["options"]).filesystem(f"s3://{s3['bucket']}")
+    objects = {f"s3://{s3['bucket']}/small/{i:03d}.bin": os.urandom(size) for i in range(count)}
+    for url, data in objects.items():
+        fs.pipe_file(url.removeprefix("s3://"), data)
+    return objects
+
+
+def test_a_folder_of_objects_leaves_one_lock_file(s3: dict[str, Any]) -> None:
+    objects = _put(s3, 20)
+    src = gl.Files(f"s3://{s3['bucket']}/small", "*.bin", storage_options=s3["options"])
+    src.prefetch(np.arange(len(src)))  # the pool of downloads ahead
+    store = storage.Store(s3["options"])
+    read = {url: store.read_object(url, store.stat(url)) for url in objects}  # and readers
+    assert read == objects
+    assert sorted(p.name for p in (ObjectCache().root / "locks").iterdir()) == ["downloads"]
+
+
+def _read_objects(urls: list[str], opts: dict[str, Any], start: Any, out: Any) -> None:
+    store = storage.Store(opts)
+    stats = store.stats(urls)
+    start.wait(60)  # both processes ask for the same objects at the same moment
+    got: dict[str, bytes] = {}
+
+    def read(url: str, stat: storage.FileStat) -> None:
+        got[url] = store.read_object(url, stat)
+
+    threads = [threading.Thread(target=read, args=(u, s)) for u, s in zip(urls, stats, strict=True)]
+    threads += [threading.Thread(target=read, args=(urls[0], stats[0])) for _ in range(3)]  # one object, 4 threads
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    out.put(got)
+
+
+def test_processes_and_threads_wanting_one_object_download_it_once(s3: dict[str, Any]) -> None:
+    objects = _put(s3, 12)
+    proxy = s3["proxy"]
+    proxy.latency = 0.2  # the downloads overlap
+    ctx = multiprocessing.get_context("fork")
+    start, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_read_objects, args=(list(objects), s3["options"], start, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert results[0] == results[1] == objects  # every reader got the whole object
+    assert proxy.count("GET", f"/{s3['bucket']}/small/") == len(objects)  # each downloaded once
+
+
+def test_a_half_written_entry_is_never_served(s3: dict[str, Any]) -> None:
+    objects = _put(s3, 6, size=40_000)  # three CRC blocks each
+    store = storage.Store(s3["options"])
+    for url in objects:
+        store.fetch(url)
+    for url in objects:  # each entry's file cut to a part, as a copy or a disk fault would leave it
+        st = store.stat(url)
+        path = store.cache.root / Entry(url, st.size, st.version).name()
+        whole = path.read_bytes()
+        path.write_bytes(whole[: len(whole) // 2])
+    fresh = storage.Store(s3["options"])
+    assert {url: fresh.read_object(url, fresh.stat(url)) for url in objects} == objects
+    assert s3["proxy"].count("GET", f"/{s3['bucket']}/small/") == 2 * len(objects)  # each fetched again
