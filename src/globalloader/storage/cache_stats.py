@@ -218,6 +218,13 @@ _DEFERRED = _Deferred()
 reset_in_forked_children(_DEFERRED)
 
 
+def lock_exclusive(fd: int, timeout: float, waited_for: str, pause_max: float = 0.01) -> None:
+    """flock `fd` exclusively within `timeout` seconds, else a StorageError saying what was
+    `waited_for`: a lock held by a stopped process is never a hang."""
+    if not _try_lock(fd, timeout, pause_max):
+        raise StorageError(f"waited {timeout:.0f} s for {waited_for}")
+
+
 def _try_lock(fd: int, timeout: float, pause_max: float = 0.01) -> bool:
     """Whether `fd` was flocked exclusively within `timeout` seconds (one try when 0)."""
     return try_until(lambda: _flock_now(fd), timeout, pause_max)
