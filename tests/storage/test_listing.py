@@ -1,5 +1,6 @@
 """Listings of remote folders kept in the cache folder: mapped, not copied, by the processes of a
-job; reused by other jobs only when asked (`listing_max_age`); a damaged one listed again."""
+job; shared by jobs that start together, reused by later ones only when asked (`listing_max_age`);
+a damaged one listed again."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import multiprocessing
 import os
 import pathlib
 import pickle
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -17,6 +20,7 @@ from moto.s3.models import s3_backends
 import globalloader as gl
 from globalloader import storage
 from globalloader.errors import ArgumentError
+from globalloader.storage import listing
 
 
 def _put(s3: dict[str, Any], n: int) -> str:
@@ -52,6 +56,27 @@ def test_a_kept_listing_is_mapped_by_workers_and_reused_only_when_asked(
     assert _lists(s3) == 3 and again.fingerprint == src.fingerprint
     with pytest.raises(ArgumentError, match="listing_max_age"):
         gl.Files(root, storage_options=s3["options"], listing_max_age=-1)
+
+
+def test_by_default_a_source_asked_for_while_its_folder_is_listed_maps_that_listing(
+    s3: dict[str, Any], isolated_cache: pathlib.Path
+) -> None:
+    """Jobs that start together list once even without listing_max_age; one made later lists again."""
+    root = _put(s3, 30)
+    store = storage.Store(s3["options"])
+    folder, key = isolated_cache / "listings", listing._key(root, store.storage_options)
+    folder.mkdir(parents=True, exist_ok=True)
+    made: list[Any] = []
+    with listing._listing_lock(folder / f"{key}.lock", root):  # another job is listing the folder
+        waiter = threading.Thread(target=lambda: made.append(gl.Files(root, storage_options=s3["options"])))
+        waiter.start()
+        time.sleep(1.0)  # the waiter asks while the listing is under way (ordering, not timing)
+        listed = listing._list(store, root, folder, key)
+    waiter.join(60)
+    assert _lists(s3) == 1 and [made[0][i]["bytes"] for i in range(30)] == [b"clip %d" % i for i in range(30)]
+    assert made[0].fingerprint == gl.Files(root, storage_options=s3["options"]).fingerprint
+    assert _lists(s3) == 2  # a source made once the listing is done lists again
+    assert len(listed) == 30
 
 
 def _put_fast(s3: dict[str, Any], keys: list[str]) -> None:

@@ -11,12 +11,13 @@ order, and their labels: a pass over a million names, tens of seconds) is kept b
 same way (`FolderListing.derived`), made by the first job and mapped by the others and by every
 worker, which receive the files' paths, not the arrays.
 
-Refreshing: by default (`max_age` 0) each construction of a source lists the folder again, so a
-source made after a change sees it; its workers map the file rather than list or copy. A folder
-that is not rewritten (a dataset) can be listed once per machine: with `max_age` seconds (argument,
-else $GLOBALLOADER_LISTING_MAX_AGE) the newest kept listing younger than that is used by every job
-as it is, and jobs that start together list it once (the first lists under a lock file per
-folder, the others wait for it and map its listing). Either way an object rewritten since its
+Refreshing: by default (`max_age` 0) a source sees the folder as it was when it was constructed:
+jobs that start together list it once (the first lists under a lock file per folder, the others
+wait for it and map its listing, which was under way when they asked), and a source made later
+lists it again; workers map the file rather than list or copy. A folder that is not rewritten (a dataset)
+can be listed once per machine: with `max_age` seconds (argument, else
+$GLOBALLOADER_LISTING_MAX_AGE) the newest kept listing younger than that is used by every job as
+it is. Either way an object rewritten since its
 listing is never served under the old version (its reads ask for the listed ETag: a SourceError
 telling to construct the source again with a fresh listing); one deleted since is a
 RemoteAccessError naming it. Each listing is a file of its
@@ -120,18 +121,17 @@ class FolderListing:
         """The listing of the remote folder `root` through `store` (a `Store`): the kept one if
         young enough, else listed now and kept.
 
-        With `max_age` > 0 the machine lists a folder once: jobs that start together wait for
-        the one that lists (a lock file per folder, LOCK_TIMEOUT at most) and map its listing."""
+        Jobs that start together list a folder once: they wait for the one that lists (a lock
+        file per folder, LOCK_TIMEOUT at most) and map its listing, under way when they asked.
+        With `max_age` > 0 any kept listing at most that old is used, so the machine lists once."""
         age, key = _max_age(max_age), _key(root, store.storage_options)
         folder = _paths.cache_dir("listings")
-        if age <= 0:
-            return _list(store, root, folder, key)
-        kept = _young(folder, key, root, age)
-        if kept is not None:
+        asked = time.time()
+        if age > 0 and (kept := _newest(folder, key, root, asked - age)) is not None:
             return kept
         with _listing_lock(folder / f"{key}.lock", root):
             # Another job may have listed the folder while this one waited: then use its listing.
-            kept = _young(folder, key, root, age)
+            kept = _newest(folder, key, root, asked - age if age > 0 else None, finished_after=asked)
             return kept if kept is not None else _list(store, root, folder, key)
 
 
@@ -149,11 +149,22 @@ class KeptArrays:
         return _reopen_derived, (self.path, self.name)
 
 
-def _young(folder: pathlib.Path, key: str, root: str, age: float) -> FolderListing | None:
-    """The newest kept listing of `root` if it is at most `age` seconds old."""
+def _newest(
+    folder: pathlib.Path, key: str, root: str, since: float | None, finished_after: float | None = None
+) -> FolderListing | None:
+    """The newest kept listing of `root` if it began at `since` or later, or (`finished_after`)
+    was written after that moment: it was under way then, and only a listing job writes one."""
     kept = sorted(folder.glob(f"{key}.*.gll"))  # oldest first: the names end with the listing time
     newest = _load(kept[-1], root) if kept else None
-    return newest if newest is not None and time.time() - newest.listed_at <= age else None
+    if newest is None:
+        return None
+    if since is not None and newest.listed_at >= since:
+        return newest
+    if finished_after is not None:
+        with contextlib.suppress(OSError):
+            if kept[-1].stat().st_mtime >= finished_after:
+                return newest
+    return None
 
 
 def _list(store: Any, root: str, folder: pathlib.Path, key: str) -> FolderListing:
