@@ -381,3 +381,17 @@ def test_files_whose_column_types_differ_are_combined_only_without_a_change() ->
     for rows, like in wrapping:
         with pytest.raises(SourceError, match=r"in b but .* in a, which cannot hold some of its values"):
             _conform(rows, like, "x", "b", "a")
+
+
+def test_integers_with_a_null_in_some_files_only_shuffle_as_float_whatever_the_order(cluster, tmp_path):
+    """One file's integers hold a null (float64 with NaN, by the one Arrow rule), the other's none:
+    every reducer takes the type both fit, so no epoch depends on which file a reducer got first."""
+    pq.write_table(pa.table({"x": pa.array([0, 1, 2, None] * 25, pa.int64())}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"x": pa.array(np.arange(100, 200), pa.int64())}), tmp_path / "b.parquet")
+    files = [str(tmp_path / "b.parquet"), str(tmp_path / "a.parquet")]  # the file without a null first
+    with ShufflingDataset(files, 3, 1, 16, 0, num_reducers=4, name=uuid.uuid4().hex) as ds:
+        for _ in range(3):
+            values = np.concatenate([batch["x"] for batch in ds])
+            assert values.dtype == np.float64
+            assert np.isnan(values).sum() == 25
+            assert sorted(values[~np.isnan(values)].tolist()) == sorted([0, 1, 2] * 25 + list(range(100, 200)))

@@ -131,17 +131,21 @@ def _reduce(
     first_part = parts[0]
     names = list(first_part)
     out: dict[str, np.ndarray] = {}
+    for url, part in zip(urls, parts, strict=True):
+        if part.keys() != first_part.keys():
+            raise SourceError(
+                f"{url} has columns {list(part)} but {urls[0]} has {names}: all files of a shuffle need the same columns"
+            )
     for name in names:
         first = parts[0][name]
-        column = np.empty((total, *first.shape[1:]), first.dtype)
+        # Numbers take the type every part fits, whichever came first (a part whose integers hold
+        # a null is float64); any other type must match the first part's.
+        dtypes = [part[name].dtype for part in parts]
+        dtype = np.result_type(*dtypes) if all(d.kind in "biuf" for d in dtypes) else first.dtype
+        column = np.empty((total, *first.shape[1:]), dtype)
         offset = 0
         for url, part in zip(urls, parts, strict=True):
-            if part.keys() != first_part.keys():
-                raise SourceError(
-                    f"{url} has columns {list(part)} but {urls[0]} has {names}: "
-                    "all files of a shuffle need the same columns"
-                )
-            rows = _conform(part[name], first, name, url, urls[0])
+            rows = _conform(part[name], column, name, url, urls[0])
             _put_rows(column, slots[offset : offset + len(rows)], rows)
             offset += len(rows)
         out[name] = column
