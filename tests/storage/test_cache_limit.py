@@ -257,7 +257,7 @@ def test_a_dataset_four_times_the_cache_downloads_each_shard_once_an_epoch(
     assert _used(root) <= limit
 
 
-def test_a_window_larger_than_half_the_cache_is_a_warning_naming_the_window_that_fits(
+def test_two_windows_larger_than_the_cache_are_a_warning_naming_the_window_that_fits(
     s3: dict[str, Any], isolated_cache: pathlib.Path
 ) -> None:
     """Two windows whose shards do not fit the cache would have them evicted before they are read:

@@ -9,8 +9,8 @@ event loop, each a GET written into the machine cache, up to a limit of requests
 Bounds, all settable (docs/remote.md): requests in flight (`concurrency`,
 $GLOBALLOADER_FETCH_CONCURRENCY, default 128 per machine), bytes of answers held in memory at
 once (`memory`, $GLOBALLOADER_FETCH_MEMORY, default 256 MB: a GET starts only while they fit, one
-at least), bytes waiting to be fetched (`budget`: the newest requests beyond it are dropped;
-their readers fetch them), and room in the cache (`room(size, under_way)`: a GET starts only
+at least), requests waiting (`depth`, as many as the loader's horizon names: the newest beyond
+are dropped, their readers fetch them), and room in the cache (`room(size, under_way)`: a GET starts only
 while the objects fetched and not read yet leave room for it, see `ObjectCache.room_ahead`;
 asked again every ROOM_POLL seconds while it has none). Memory stays flat over an epoch: what is fetched goes to disk.
 
@@ -47,6 +47,7 @@ from globalloader.errors import ArgumentError
 from globalloader.storage import retry
 from globalloader.storage._fs import is_throttling, is_transient
 from globalloader.storage.cache import parse_size
+from globalloader.storage.prefetch import DEPTH
 
 CONCURRENCY_ENV = "GLOBALLOADER_FETCH_CONCURRENCY"
 MEMORY_ENV = "GLOBALLOADER_FETCH_MEMORY"
@@ -154,7 +155,7 @@ os.register_at_fork(after_in_child=_forget_shares_in_child)
 class FetchAhead:
     """Runs `fetch(url, what)` (a coroutine) for requested URLs on `loop`, each URL once, at most
     `limit` at a time (AIMD under `concurrency`) and `memory` bytes of answers at once; the
-    requests waiting hold at most `budget` bytes. Thread-safe: `request` is called from any
+    requests waiting are at most `depth`, and start as `room` allows. Thread-safe: `request` is called from any
     thread; counters are read with `counters()`."""
 
     def __init__(
@@ -164,14 +165,14 @@ class FetchAhead:
         *,
         concurrency: int,
         memory: int,
-        budget: int | None = None,
+        depth: int = DEPTH,
         policy: retry.RetryPolicy = retry.DEFAULT,
         share: pathlib.Path | None = None,
         room: Callable[[int, int], bool] | None = None,
     ) -> None:
         self._fetch, self._loop, self._policy, self._room = fetch, loop, policy, room
         self._room_poll: asyncio.TimerHandle | None = None
-        self.concurrency, self.memory, self.budget = concurrency, memory, budget
+        self.concurrency, self.memory, self.depth = concurrency, memory, depth
         self._share = _MachineShare.of(share) if share is not None else None
         self._limit = _AIMD(self._ceiling())
         self._counted_at = time.monotonic()
@@ -199,7 +200,7 @@ class FetchAhead:
                     self._asked.add(url)
                     self._queue.append((url, size, what, 0, 0.0))
                     self._queued_bytes += size
-            while len(self._queue) > 1 and self.budget is not None and self._queued_bytes > self.budget:
+            while len(self._queue) > self.depth:
                 url, size, *_ = self._queue.pop()
                 self._asked.discard(url)
                 self._queued_bytes -= size
