@@ -388,6 +388,7 @@ class ObjectCache:
         # Entries this handle downloaded ahead, oldest first, with their bytes (see `room_ahead`).
         self._ahead: collections.deque[tuple[pathlib.Path, int]] = collections.deque()
         self._ahead_bytes = 0
+        self._ahead_pruned = 0  # time.time_ns() of the last look at every one (see `room_ahead`)
 
     def open(self, entry: Entry, download: Download, ahead: bool = False) -> CachedFile:
         """The entry, opened; downloaded first if missing (a damaged one is fetched again when a
@@ -401,9 +402,21 @@ class ObjectCache:
         handle._open()
         return handle
 
-    def holds(self, entry: Entry) -> bool:
-        """Whether the entry is in the folder now (one stat; it may be evicted the next moment)."""
-        return (self.root / entry.name()).exists()
+    def found_ahead(self, entry: Entry) -> bool:
+        """Whether the entry is in the folder now, for a download ahead that then skips it: if it
+        is, it counts as used now (unless claimed), so eviction takes the entries read before it
+        first, not it before its read comes."""
+        path = self.root / entry.name()
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        now = time.time_ns()
+        if st.st_atime_ns < now:
+            # Only an entry's owner may set its times (see `_open_existing`); gone meanwhile: fetched.
+            with contextlib.suppress(PermissionError, FileNotFoundError):
+                os.utime(path, ns=(now, st.st_mtime_ns), follow_symlinks=False)
+        return True
 
     def fetched_since(self, entry: Entry, since: float) -> bool:
         """Whether a reader fetched the entry (or waited for its download) after `since` (a
@@ -422,7 +435,7 @@ class ObjectCache:
         is still downloaded once); else None (the entry is there, or on its way). `fill` does disk
         work: call it off an event loop's thread."""
         path = self.root / entry.name()
-        if path.exists():
+        if self.found_ahead(entry):
             yield None
             return
         with self._download_lock(path, entry, wait=False) as held:
@@ -479,19 +492,23 @@ class ObjectCache:
         ahead that no reader opened yet, the caller's downloads ahead under way (`under_way`
         bytes) and it fit in the room the readers' `hold` leaves (any one alone may), so that
         with what is being read none is evicted before it is read. A stat or two (their oldest
-        first: they are read in the order downloaded), so an event loop may ask."""
+        first: they are read in the order downloaded), so an event loop may ask; when there is
+        no room, every one of them is looked at (once a second at most: one never read, a job
+        stopped mid-epoch, must not hold back the others)."""
         now = time.time_ns()
         with self._held_lock:
-            while self._ahead:
-                path, stored = self._ahead[0]
-                try:
-                    if os.stat(path, follow_symlinks=False).st_atime_ns > now:
-                        break  # still claimed
-                except FileNotFoundError:
-                    pass
-                self._ahead.popleft()
-                self._ahead_bytes -= stored
-            taken = self._ahead_bytes + under_way
+            while self._ahead and not _claimed(self._ahead[0][0], now):
+                self._ahead_bytes -= self._ahead.popleft()[1]
+            fits = self._fits_ahead(size, under_way)
+            if not fits and now - self._ahead_pruned > _TOUCH_EVERY:
+                self._ahead_pruned = now
+                self._ahead = collections.deque(item for item in self._ahead if _claimed(item[0], now))
+                self._ahead_bytes = sum(stored for _, stored in self._ahead)
+                fits = self._fits_ahead(size, under_way)
+        return fits
+
+    def _fits_ahead(self, size: int, under_way: int) -> bool:
+        taken = self._ahead_bytes + under_way
         return not taken or taken + stored_size(size) <= self.room - self.hold
 
     def _hit(self, found: _Opened) -> _Opened:
@@ -817,6 +834,15 @@ class ObjectCache:
             record["bytes"] -= st.st_size
             record["entries"] -= 1
             return True
+
+
+def _claimed(path: pathlib.Path, now: int) -> bool:
+    """Whether the entry at `path` is still claimed ahead (no reader opened it since; see the
+    module doc): there, with its access time in the future."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_atime_ns > now
+    except FileNotFoundError:
+        return False
 
 
 class _Checksums:

@@ -419,7 +419,7 @@ class Store(ProcessLocal):
         stat, asked = self._wanted[url]
         for block in self._blocks(stat):
             entry = self._entry(url, stat, block)
-            if not self.cache.holds(entry):
+            if not self.cache.found_ahead(entry):
                 if self.cache.fetched_since(entry, asked):
                     return  # the reader downloads the rest
                 self.open_cached(url, stat, block, ahead=True).close()
