@@ -293,7 +293,7 @@ def test_the_read_ahead_fetches_every_shard_of_every_epoch_as_the_reads_make_roo
         before = sum(proxy.bytes_sent[key] for key in keys)
         src.prefetch(np.arange(len(src)))
         for shard, (url, stat) in enumerate(zip(urls, src._stats, strict=True)):
-            entry = src.store._entry(url, stat, -1)
+            entry = Entry(url, stat.size, stat.version)  # whole: smaller than the cache's whole_max
             deadline = time.monotonic() + 10
             while not (src.store.cache.root / entry.name()).exists():  # fetched ahead, not by this read
                 assert time.monotonic() < deadline, f"epoch {epoch}: shard {shard} was never fetched ahead"
