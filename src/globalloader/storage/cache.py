@@ -463,6 +463,7 @@ class ObjectCache:
             with self._room_for(entry):
                 written = self._write(path, entry, download, ahead=ahead)
             assert written is not None  # opened
+        self._remove_dead_temporaries()  # of downloads killed midway
         self.evict_if_over_limit()  # downloads at once may each have made room for their own only
         return written
 
