@@ -55,6 +55,14 @@ client refuses http:// endpoints unless `allow_http` is in its client options: i
         [--peers-python PYTHON]
 
 `--mode folder` measures a folder of one object per image instead (see remote_folder.py).
+
+Larger than the disk: `--cache-limit-fraction 0.25` adds the row `gl limit`, globalloader's same
+chain with `cache_limit` a quarter of the dataset, over `--limit-epochs` (3) epochs in one
+process: per epoch the bytes downloaded / the dataset (goal <= 1.05), samples/s and its ratio to
+the unlimited cold epoch of the same run (`vs_unlimited_cold`, goal >= 0.9 from the second
+epoch on), and the cache folder's peak size / the limit (sampled every 2 ms; goal <= 1):
+
+    python benchmarks/remote.py --only gl --latency 0.02 --no-concurrent --cache-limit-fraction 0.25
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 import urllib.request
@@ -291,6 +300,30 @@ def _process_cpu(pid: int, waited: bool = False) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+class _CachePeak:
+    """The most bytes the cache folder held (entries and downloads under way), sampled on a
+    thread every 2 ms; `take()` returns it since the last take."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.most = folder, 0
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            used = 0
+            with contextlib.suppress(FileNotFoundError), os.scandir(self.folder) as it:  # not made yet
+                for item in it:
+                    if item.name != "stats" and item.is_file(follow_symlinks=False):
+                        with contextlib.suppress(FileNotFoundError):  # evicted or renamed while counted
+                            used += item.stat(follow_symlinks=False).st_size
+            self.most = max(self.most, used)
+            time.sleep(0.002)
+
+    def take(self) -> int:
+        most, self.most = self.most, 0
+        return most
+
+
 def _job(spec: dict[str, Any]) -> dict[str, Any]:
     """One job: `seconds` of the cold epoch count from constructing the source (imports of the
     loader, listing, index, first batch: the setup), `epoch_s` from the first request of a batch;
@@ -307,6 +340,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     make = {"gl": _gl_loader, "gl-local": _gl_loader, "mosaic": _mosaic_loader, "litdata": _lit_loader}[system]
     phases: dict[str, Any] = {}
     loader = make({**spec, "phases": phases, "start": start})
+    peak = _CachePeak(Path(os.environ["GLOBALLOADER_CACHE_DIR"]) / "objects") if spec.get("cache_limit") else None
     result: dict[str, Any] = {"epochs": [], "phases": phases}
     for epoch in range(epochs):
         t0, first, samples = time.perf_counter(), None, 0
@@ -335,6 +369,8 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
                 "bytes": now_bytes - begin_bytes,
             }
         )
+        if peak is not None:
+            result["epochs"][-1]["cache_peak"] = peak.take()
         begin_bytes = now_bytes
     if hasattr(loader, "close"):
         loader.close()
@@ -345,7 +381,7 @@ def _gl_loader(spec: dict[str, Any]) -> Any:
     import globalloader as gl
 
     opts = options(spec["proxy"]) if spec["system"] == "gl" else None
-    src = gl.TarShards(spec["url"], storage_options=opts)
+    src = gl.TarShards(spec["url"], storage_options=opts, cache_limit=spec.get("cache_limit"))
     constructed = time.perf_counter()
     len(src)  # what the Loader's first iteration would do first: measured apart
     spec["phases"].update(source_s=constructed - spec["start"], index_s=time.perf_counter() - constructed)
@@ -426,9 +462,16 @@ def _finish(proc: subprocess.Popen[str], what: str) -> dict[str, Any] | None:
 
 
 def _run_jobs(
-    system: str, fmt: dict[str, Any], proxy: FaultProxy, jobs: int, share: bool = False, peers_python: str | None = None
+    system: str,
+    fmt: dict[str, Any],
+    proxy: FaultProxy,
+    jobs: int,
+    share: bool = False,
+    peers_python: str | None = None,
+    limit: dict[str, int] | None = None,
 ) -> Any:
-    """One job (its result) or several at once (their results and the bytes served to all)."""
+    """One job (its result) or several at once (their results and the bytes served to all);
+    `limit`: the larger-than-disk row's cache_limit and epochs."""
     scratch = Path(tempfile.mkdtemp(prefix="gl-remote-bench-"))
     env = dict(
         os.environ, GLOBALLOADER_CACHE_DIR=str(scratch / "gl-cache"), GLOBALLOADER_SOCKET=str(scratch / "s.sock")
@@ -444,6 +487,7 @@ def _run_jobs(
         "socket": str(scratch / "s.sock"),
         "server_pid": os.getpid(),  # moto and the proxy run in this process
         "peers_python": peers_python,
+        **(limit or {}),
     }
     try:
         before = proxy.total_bytes()
@@ -489,6 +533,10 @@ def main() -> None:
         default=os.environ.get("GLOBALLOADER_PEERS_PYTHON"),
         help="the peers' interpreter (built by .ci/peers-env); default $GLOBALLOADER_PEERS_PYTHON, else this one",
     )
+    parser.add_argument(
+        "--cache-limit-fraction", type=float, help="add the row `gl limit`: cache_limit this share of the dataset"
+    )
+    parser.add_argument("--limit-epochs", type=int, default=3, help="epochs of the `gl limit` row")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--write-peers", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -522,15 +570,26 @@ def main() -> None:
             if args.concurrent:
                 plan += [(system, 2, False) for system in systems if system != "gl-local"]
                 plan += [("gl", 2, True)] if "gl" in systems else []
+            limit = None
+            if args.cache_limit_fraction and "gl" in systems:
+                limit = {
+                    "cache_limit": int(args.cache_limit_fraction * formats["gl"]["bytes"]),
+                    "epochs": args.limit_epochs,
+                }
+                plan.append(("gl limit", 1, False))
             bar = tqdm(total=args.rounds * len(plan), desc=f"latency {latency * 1e3:.0f} ms")
             for _ in range(args.rounds):
                 for system, jobs, share in plan:
                     name = system + (f" x{jobs}" if jobs > 1 else "") + (" share" if share else "")
+                    if system == "gl limit":
+                        runs.setdefault(name, []).append(_run_jobs("gl", formats["gl"], proxy, 1, limit=limit))
+                        bar.update()
+                        continue
                     fmt = formats["gl" if system == "floor" else system]
                     runs.setdefault(name, []).append(_run_jobs(system, fmt, proxy, jobs, share, args.peers_python))
                     bar.update()
             bar.close()
-            report["latency"][f"{latency * 1e3:.0f}ms"] = _digest(runs, formats)
+            report["latency"][f"{latency * 1e3:.0f}ms"] = _digest(runs, formats, limit and limit["cache_limit"])
             _print(report["latency"][f"{latency * 1e3:.0f}ms"], latency)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
@@ -541,9 +600,30 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _digest(runs: dict[str, list[Any]], formats: dict[str, Any]) -> dict[str, Any]:
+def _digest_limit(rounds: list[Any], size: int, limit: int, unlimited_cold: float | None) -> dict[str, Any]:
+    """The larger-than-disk row, per epoch: bytes downloaded / the dataset, samples/s and their
+    ratio to the unlimited cold epoch of the same run, the cache folder's peak / the limit."""
+    ok = [r for r in rounds if r is not None]
+    epochs = []
+    for n in range(min((len(r["epochs"]) for r in ok), default=0)):
+        per = [r["epochs"][n] for r in ok]
+        speed = _summary([e["samples"] / e["seconds"] for e in per])
+        epochs.append(
+            {
+                "bytes_x": _summary([e["bytes"] / size for e in per]),
+                "samples_per_s": speed,
+                "vs_unlimited_cold": speed["median"] / unlimited_cold if speed and unlimited_cold else None,
+                "cache_peak_x_limit": _summary([e["cache_peak"] / limit for e in per]),
+            }
+        )
+    return {"cache_limit": limit, "epochs": epochs, "failed_rounds": len(rounds) - len(ok)}
+
+
+def _digest(runs: dict[str, list[Any]], formats: dict[str, Any], limit: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, rounds in runs.items():
+        if name == "gl limit":
+            continue  # once the unlimited cold epoch is known, below
         system = name.split()[0]
         if system == "floor":
             ok = [r for r in rounds if r is not None]
@@ -587,6 +667,9 @@ def _digest(runs: dict[str, list[Any]], formats: dict[str, Any]) -> dict[str, An
                 "slowest_job_s": _summary([max(j["epochs"][0]["seconds"] for j in r["jobs"]) for r in ok]),
                 "failed_rounds": len(rounds) - len(ok),
             }
+    if "gl limit" in runs and limit is not None:
+        cold = (out.get("gl") or {}).get("cold_samples_per_s")
+        out["gl limit"] = _digest_limit(runs["gl limit"], formats["gl"]["bytes"], limit, cold and cold["median"])
     gl, local = out.get("gl"), out.get("gl-local")
     peers = [
         out[p]["cold_samples_per_s"]["median"]
@@ -666,7 +749,7 @@ def _print(digest: dict[str, Any], latency: float) -> None:
     print(f"\n== {latency * 1e3:.0f} ms per request (median [min, max]) ==")
     print(f"{'':14} {'cold s/s':>22} {'warm s/s':>22} {'first batch':>22} {'bytes cold':>20} {'bytes warm':>20}")
     for name, d in digest.items():
-        if name in ("ratios", "floor") or " x2" in name:
+        if name in ("ratios", "floor", "gl limit") or " x2" in name:
             continue
         print(
             f"{name:14} {_fmt(d['cold_samples_per_s']):>22} {_fmt(d['warm_samples_per_s']):>22} "
@@ -714,6 +797,16 @@ def _print(digest: dict[str, Any], latency: float) -> None:
             print(
                 f"best cold epoch: local disk's with these steps in place of its own source+index: "
                 f"{floor['best_cold_epoch_s']:.3f} s (steps {floor['chain_s']:.3f} s)"
+            )
+    if "gl limit" in digest:
+        row = digest["gl limit"]
+        print(f"gl limit (cache_limit {row['cache_limit'] / 1e6:.1f} MB, larger than the disk), per epoch:")
+        for n, e in enumerate(row["epochs"]):
+            ratio = f"{e['vs_unlimited_cold']:.2f}" if e["vs_unlimited_cold"] else "-"
+            print(
+                f"  epoch {n}: bytes {_fmt(e['bytes_x'], 'x', 3)}, {_fmt(e['samples_per_s'])} samples/s "
+                f"({ratio} of the unlimited cold epoch), "
+                f"cache peak {_fmt(e['cache_peak_x_limit'], 'x', 3)} of the limit"
             )
     print("ratios:", json.dumps({k: round(v, 3) for k, v in digest.get("ratios", {}).items()}))
 

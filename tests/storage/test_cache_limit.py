@@ -11,10 +11,13 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
+import numpy as np
 import pytest
 
 import globalloader as gl
@@ -196,3 +199,107 @@ def test_a_cache_that_cannot_be_written_is_named_never_taken_for_the_store(
         with pytest.raises(StorageError, match=f"object cache {folder}") as raised, storage.open_read(store, url) as f:
             f.read()
     assert not isinstance(raised.value, RemoteAccessError | RemoteReadError), raised.value
+
+
+class _Peak:
+    """The most bytes the cache folder held, sampled on a thread while the block runs."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        self.root, self.most, self._done = root, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.002):
+            self.most = max(self.most, _used(self.root))
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("block_size", [None, 4096], ids=["shards-through-the-pool", "shards-through-the-threads"])
+def test_a_dataset_four_times_the_cache_downloads_each_shard_once_an_epoch(
+    s3: dict[str, Any], isolated_cache: pathlib.Path, block_size: int | None
+) -> None:
+    """16 shards through a cache that holds 6, a window shuffle of 2 by two worker processes that
+    the loader fetches ahead of, two epochs: every shard is downloaded once an epoch (nothing
+    evicted before it is read), whether the pool of one GET per object or the threads (objects
+    larger than a request's `block_size`, as real shards are) fetched it ahead; the cache stays
+    within its limit but for the entries the readers hold."""
+    proxy = s3["proxy"]
+    urls = write_shards(s3["bucket"], s3["options"], n=64, per_shard=4, size=12_000, index=True)
+    largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
+    limit = 6 * largest  # two windows read, two shards ahead
+    src = TarShards(urls, storage_options=s3["options"], cache_limit=limit)
+    if block_size is not None:
+        src.store.block_size = block_size
+    root = ObjectCache(isolated_cache / "objects").root
+    proxy.latency = 0.005  # downloads take a while: the reads overtake the read-ahead at times
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the window fits: no warning
+        chain = gl.Dataset(src).shuffle(seed=0, window=2).batch(4)
+    keys = ["/" + url.split("://", 1)[1] for url in urls]  # as the proxy counts them
+    sizes = {url: st.size for url, st in zip(urls, src._stats, strict=True)}
+    with _Peak(root) as peak, gl.Loader(chain, workers=2) as loader:
+        for epoch in range(2):
+            before = {key: proxy.bytes_sent[key] for key in keys}
+            assert sorted(k for b in loader for k in b["__key__"]) == [f"s{i:05d}" for i in range(64)]
+            got = {url: proxy.bytes_sent[key] - before[key] for url, key in zip(urls, keys, strict=True)}
+            if epoch == 0:
+                assert got == sizes  # each once
+            else:  # each once at most: some are still in the cache from the first epoch
+                assert {url: got[url] in (0, size) for url, size in sizes.items()} == dict.fromkeys(urls, True), got
+    assert peak.most <= limit + 2 * largest  # what the two workers read at that moment
+    assert _used(root) <= limit
+
+
+def test_two_windows_larger_than_the_cache_are_a_warning_naming_the_window_that_fits(
+    s3: dict[str, Any], isolated_cache: pathlib.Path
+) -> None:
+    """Two windows whose shards do not fit the cache would have them evicted before they are read:
+    a warning at the shuffle() call names the largest window that fits and the limit this one
+    needs; the order is kept (not clamped: it must not depend on the disk)."""
+    urls = write_shards(s3["bucket"], s3["options"], n=32, per_shard=4, size=12_000, index=True)
+    largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
+    src = TarShards(urls, storage_options=s3["options"], cache_limit=6 * largest)
+    with pytest.warns(UserWarning, match=rf"shuffle\(window=4\).* use window=3 or cache_limit={16 * largest} ") as seen:
+        ordered = gl.Dataset(src).shuffle(seed=0, window=4)
+    assert seen[0].filename == __file__
+    same = gl.Dataset(TarShards(urls, storage_options=s3["options"])).shuffle(seed=0, window=4)
+    assert [r["__key__"] for r in ordered] == [r["__key__"] for r in same]
+
+
+@pytest.mark.parametrize("block_size", [None, 4096], ids=["shards-through-the-pool", "shards-through-the-threads"])
+def test_the_read_ahead_fetches_every_shard_of_every_epoch_as_the_reads_make_room(
+    s3: dict[str, Any], isolated_cache: pathlib.Path, block_size: int | None
+) -> None:
+    """The whole epoch announced at once to a cache that holds 6 of its 16 shards: the read-ahead
+    fetches as many as fit beside what the reads hold, and each next one as the reads open the
+    ones it fetched, never dropping the rest of the epoch; the second epoch is fetched ahead
+    again (its shards were evicted meanwhile). Each shard is downloaded once per epoch."""
+    proxy = s3["proxy"]
+    urls = write_shards(s3["bucket"], s3["options"], n=64, per_shard=4, size=12_000, index=True)
+    largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
+    src = TarShards(urls, storage_options=s3["options"], cache_limit=6 * largest)
+    if block_size is not None:
+        src.store.block_size = block_size
+    src.keep_cached(2 * largest)  # as a window of one shard would: this one and the last
+    keys = ["/" + url.split("://", 1)[1] for url in urls]  # as the proxy counts them
+    for epoch in range(2):
+        before = sum(proxy.bytes_sent[key] for key in keys)
+        src.prefetch(np.arange(len(src)))
+        for shard, (url, stat) in enumerate(zip(urls, src._stats, strict=True)):
+            entry = Entry(url, stat.size, stat.version)  # whole: smaller than the cache's whole_max
+            deadline = time.monotonic() + 10
+            while not (src.store.cache.root / entry.name()).exists():  # fetched ahead, not by this read
+                assert time.monotonic() < deadline, f"epoch {epoch}: shard {shard} was never fetched ahead"
+                time.sleep(0.005)
+            assert [src[i]["__key__"] for i in range(4 * shard, 4 * shard + 4)] == [
+                f"s{i:05d}" for i in range(4 * shard, 4 * shard + 4)
+            ]
+        assert sum(proxy.bytes_sent[key] for key in keys) - before <= sum(st.size for st in src._stats)
+    src.close()

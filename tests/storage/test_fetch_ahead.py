@@ -87,16 +87,20 @@ def test_in_flight_requests_memory_and_bytes_ahead_are_bounded(s3: dict[str, Any
         storage_options=s3["options"],
         fetch_concurrency=8,
         fetch_memory=5000,  # five answers of 1,000 bytes
-        cache_limit=80_000,  # bytes waiting: a quarter of it, 20 objects
+        cache_limit=40_000,  # fetched and not read yet: half of it, 19 entries of 1,020 bytes
     )
     proxy.most_in_flight = 0
     src.prefetch(np.arange(40))
-    counters = _wait_for(src.store, 20)
+    counters = _wait_for(src.store, 19)
+    time.sleep(0.2)  # the others wait for the reads, however long
+    counters = src.store.fetch_counters()
     assert counters["peak_in_flight"] == 5 and proxy.most_in_flight <= 5
     assert counters["peak_memory"] <= 5000
-    assert counters["dropped"] == 20 and counters["fetched"] == 20  # the newest, beyond the budget
-    for i in range(len(src)):  # the dropped ones are read all the same
+    assert counters["fetched"] == 19 and counters["queued"] == 21 and counters["dropped"] == 0
+    for i in range(len(src)):  # reading makes room: the others are fetched ahead of their reads
         assert len(src[i]["bytes"]) == 1000
+    assert _wait_for(src.store, 40)["dropped"] == 0
+    assert proxy.count("GET", f"/{s3['bucket']}/images/", ".jpg") == 40  # none twice
 
 
 def test_an_object_deleted_after_the_listing_is_a_named_error_never_retried(s3: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ from globalloader._seeding import BUFFER_SHUFFLE, WINDOW_BLOCKS, WINDOW_ROWS, ch
 from globalloader.dataset.operator import IndexOp, StreamOp
 from globalloader.errors import ArgumentError, check_int
 from globalloader.sampling.permutation import Permutation
-from globalloader.sources.base import Blocks, CachesDecodedBlocks, KeepsBlocks, capable
+from globalloader.sources.base import Blocks, CachedBlocks, CachesDecodedBlocks, KeepsBlocks, capable
 
 if TYPE_CHECKING:
     from globalloader.dataset.operator import Builder
@@ -79,6 +79,27 @@ def _warn_if_rows_scatter(source: Any) -> None:
             f"or shuffle() on its local_copy(), or keep every group decoded (cached_row_groups={blocks}); "
             "see docs/columnar.md",
             stacklevel=5,  # the user's shuffle() call: Dataset.shuffle -> the plan's form -> here
+        )
+
+
+def _keep_windows_cached(source: Any, window: int) -> None:
+    """Let the readers keep two windows of blocks open in the machine cache (the one read and the
+    one a slower worker still finishes), the read-ahead taking the rest. Two windows larger than
+    the cache have blocks evicted before they are read and downloaded again, several times an
+    epoch: a warning names the largest window that fits and the limit this one needs. Not
+    clamped: an epoch's order must not depend on the machine's disk."""
+    largest = np.sort(source.cached_block_bytes())[::-1]
+    needed = int(largest[: 2 * window].sum())
+    if not needed:
+        return
+    room = source.keep_cached(needed)
+    if needed > room:
+        fits = int(np.searchsorted(np.cumsum(largest), room, side="right")) // 2
+        warnings.warn(
+            f"shuffle(window={window}) over {source!r} keeps two windows of blocks in the machine cache "
+            f"({needed} bytes), more than it holds ({room} bytes): blocks would be evicted before they are "
+            f"read and downloaded again; use window={max(1, fits)} or cache_limit={2 * needed} (see docs/remote.md)",
+            stacklevel=6,  # the user's shuffle() call: Dataset.shuffle -> the plan's form -> over -> here
         )
 
 
@@ -182,6 +203,8 @@ class WindowShuffle(IndexOp):
                 f"its local_copy() or gl.TarShards); {type(source).__name__} has none: use shuffle(seed) instead"
             )
         op = cls(seed, window, np.append(np.asarray(source.block_starts, dtype=np.int64), len(source)))
+        if capable(source, CachedBlocks):
+            _keep_windows_cached(source, op.window)
         if capable(source, KeepsBlocks):
             source.keep_blocks(2 * op.window)
         return op

@@ -134,7 +134,8 @@ def _reduce(
     for url, part in zip(urls, parts, strict=True):
         if part.keys() != first_part.keys():
             raise SourceError(
-                f"{url} has columns {list(part)} but {urls[0]} has {names}: all files of a shuffle need the same columns"
+                f"{url} has columns {list(part)} but {urls[0]} has {names}: "
+                "all files of a shuffle need the same columns"
             )
     for name in names:
         first = parts[0][name]

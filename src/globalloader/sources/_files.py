@@ -63,6 +63,11 @@ def expand_urls(urls: Any, argument: str, store: Store | None = None) -> list[st
     return expanded
 
 
+def cached_file_bytes(stats: list[FileStat], cached: list[bool]) -> np.ndarray:
+    """Each file's bytes in the machine cache, 0 for one read without it (`CachedBlocks`)."""
+    return np.array([st.size if held else 0 for st, held in zip(stats, cached, strict=True)], dtype=np.int64)
+
+
 def prefetch_files(
     store: Store, starts: Any, indices: Any, files: list[str], stats: list[FileStat], cached: list[bool]
 ) -> None:

@@ -99,6 +99,18 @@ class KeepsBlocks(Protocol):
 
 
 @runtime_checkable
+class CachedBlocks(Protocol):
+    """Blocks (files) read whole through the machine cache: `cached_block_bytes()` each one's
+    bytes there (0: read without it); `keep_cached(size)` lets the readers keep that many bytes
+    open (a windowed shuffle's two windows, which must fit: a warning says so) and returns what
+    the cache can hold (`Store.keep_open`)."""
+
+    def cached_block_bytes(self) -> np.ndarray: ...
+
+    def keep_cached(self, size: int) -> int: ...
+
+
+@runtime_checkable
 class CachesDecodedBlocks(Protocol):
     """Decodes a whole block to read a row, keeping `cached_blocks` per process: a global shuffle
     over more blocks than that decodes a block for nearly every row (a warning says so)."""

@@ -123,6 +123,15 @@ class TarShards(ProcessLocal):
             self.build_index()
         return np.array(self._shard_start[:-1], dtype=np.int64)
 
+    def cached_block_bytes(self) -> np.ndarray:
+        """Each block's (file's) bytes in the machine cache (`shuffle(window=...)` checks a
+        window fits it)."""
+        return _files.cached_file_bytes(self._stats, self._cached)
+
+    def keep_cached(self, size: int) -> int:
+        """Let the readers keep `size` bytes of shards open (`Store.keep_open`); the cache's room."""
+        return self.store.keep_open(size)
+
     def keep_blocks(self, count: int) -> None:
         """Keep up to `count` remote shards whole in memory, per process: a windowed shuffle reads
         its window's shards in random order, so a shard is read whole once a few of its samples

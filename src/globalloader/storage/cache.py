@@ -16,12 +16,22 @@ every process and job of the user. Properties, each relied on elsewhere:
   (`locks/downloads`, a byte-range lock per entry): the folder does not grow by a file per object.
 - Readers hold a shared flock on an entry while it is open; eviction (least recently used by
   access time, which opens set) takes an exclusive one without waiting and skips entries in use,
-  so it never deletes what a reader has open. The readers of one cache handle (a source, in a
-  process) keep open only the entries they are reading and the most recently read ones up to
-  1/HOLD_SHARE of the cache's room (its limit, or its disk if smaller): the cache exceeds its
-  limit by at most that while they read. The last reader to release an entry of an over-limit
-  cache evicts, and a process releases what it holds when it ends, so a job that has ended
-  leaves the cache within its limit.
+  so it never deletes what a reader has open. A download makes room for itself first. The
+  readers of one cache handle (a source, in a process) keep open only the entries they are
+  reading and the most recently read ones up to `hold` bytes (1/HOLD_SHARE of the cache's room,
+  its limit or its disk if smaller, unless set; the read-ahead has the rest):
+  the cache exceeds its limit by at most what they hold while they read. The last reader to
+  release an entry of an over-limit cache evicts, and a process releases what it holds when it
+  ends, so a job that has ended leaves the cache within its limit.
+- An entry downloaded ahead of its reads (`ahead`) is claimed: its access time is set AHEAD_CLAIM
+  in the future, so eviction takes every entry already read before it, and the first reader's
+  open makes it an ordinary entry. A download ahead starts only while the entries claimed ahead
+  fit in the room the readers' hold leaves (`room_ahead`); eviction to keep the limit never takes
+  a claimed entry (a full disk may): nothing is evicted before it is read, nothing downloaded
+  twice in an epoch, while what the readers use at once fits their hold (a windowed shuffle sets
+  it to two windows, see `Store.keep_open`). A reader's fetch notes its time in the lock file's
+  slot for the entry, so that a download ahead the reads overtook is not made after them
+  (`fetched_since`).
 - A full disk evicts every entry not in use, then waits (FULL_WAIT at most) while other
   readers or downloads hold space, then is a CacheFullError naming the folder.
 - Machine-wide counters (bytes downloaded, hits, misses, size, entries) live in the folder's
@@ -34,6 +44,7 @@ every process and job of the user. Properties, each relied on elsewhere:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -70,10 +81,14 @@ STATS_NAME = "stats"  # the counters' record in the folder (entries are named by
 # costs the CRC of about its own bytes, never of its whole shard.
 CHECK_BLOCK = 1 << 14
 # The readers of one cache handle keep open, besides the entries being read, at most this share of
-# the cache's room, and at most HOLD_FILES descriptors.
-HOLD_SHARE = 16
+# the cache's room by default (the read-ahead has the rest; shards read in random order stay open,
+# not reopened and checked again for each sample), and at most HOLD_FILES descriptors.
+HOLD_SHARE = 2
 HOLD_FILES = 64
 FULL_WAIT = 30.0  # seconds a download on a full disk waits for other readers to release entries
+# An entry downloaded ahead and not read yet: its access time this far in the future (eviction takes
+# it after every entry read), until a reader opens it, or for at most this long if none does.
+AHEAD_CLAIM = 3600 * 10**9  # ns
 _TOUCH_EVERY = 10**9  # ns: an open sets the access time (the LRU clock) if older than this
 _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the cache's size
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
@@ -190,7 +205,23 @@ def _pieces(fd: int, end: int) -> Iterator[bytes]:
 # descriptors conflict whether they are of one process or of two, a lock goes when its process
 # dies, and the folder holds one file however many entries the cache has.
 _DOWNLOADS = "downloads"
+# The first FETCHED_SLOTS * 8 bytes of that file: when a reader last fetched an entry of each slot
+# (the entry's lock byte modulo the slots). Two entries may share a slot: a download ahead then
+# skips an entry not yet read, which its reader fetches itself; never a wrong read.
+FETCHED_SLOTS = 1 << 16
+_FETCHED_AT = struct.Struct("<d")
+
+
+def _fetched_slot(byte: int) -> int:
+    return (byte % FETCHED_SLOTS) * _FETCHED_AT.size
+
+
 _FLOCK = struct.Struct("hhqqi4x")  # Linux's struct flock: type, whence, start, length, pid (0)
+
+
+def _lock_byte_of(name: str) -> int:
+    """The entry's byte of the lock file: 60 bits of its name, so distinct entries, distinct bytes."""
+    return int(name[:15], 16)
 
 
 def _lock_byte(fd: int, byte: int, kind: int) -> bool:
@@ -236,8 +267,8 @@ class CachedFile:
     again once the file changed: a damaged entry is deleted and downloaded again, never served.
     """
 
-    def __init__(self, cache: ObjectCache, entry: Entry, download: Download) -> None:
-        self.cache, self.entry, self._download = cache, entry, download
+    def __init__(self, cache: ObjectCache, entry: Entry, download: Download, ahead: bool = False) -> None:
+        self.cache, self.entry, self._download, self._ahead = cache, entry, download, ahead
         self.path = cache.root / entry.name()
         self.length = entry.data_size()
         self.crc32 = 0  # of the whole data, from the trailer
@@ -287,7 +318,8 @@ class CachedFile:
             self.cache.evict_if_over_limit()
 
     def _open(self) -> None:
-        opened = self.cache._acquire(self.entry, self._download)
+        opened = self.cache._acquire(self.entry, self._download, self._ahead)
+        self._ahead = False  # a later opening (after a release) reads it
         self._fd, self.crc32, self._stamp = opened
         self._checked = bytearray(-(-self.length // CHECK_BLOCK))
         self.cache._hold(self)
@@ -390,17 +422,53 @@ class ObjectCache:
         self._held: OrderedDict[CachedFile, int] = OrderedDict()  # open entries, least recently read first
         self._held_bytes = 0
         self._held_lock = threading.Lock()
+        self._downloading = 0  # bytes of this handle's downloads under way
+        # Entries this handle downloaded ahead, oldest first, with their bytes (see `room_ahead`).
+        self._ahead: collections.deque[tuple[pathlib.Path, int]] = collections.deque()
+        self._ahead_bytes = 0
+        self._ahead_pruned = 0  # time.time_ns() of the last look at every one (see `room_ahead`)
 
-    def open(self, entry: Entry, download: Download) -> CachedFile:
+    def open(self, entry: Entry, download: Download, ahead: bool = False) -> CachedFile:
         """The entry, opened; downloaded first if missing (a damaged one is fetched again when a
-        read finds it).
+        read finds it); `ahead`: by a download ahead of the reads, which claims it (see the
+        module doc).
 
         `download(write)` must call `write(chunk)` with the entry's bytes in order; it runs in
         one process of the machine at a time per entry, the others wait for it.
         """
-        handle = CachedFile(self, entry, download)
+        handle = CachedFile(self, entry, download, ahead)
         handle._open()
         return handle
+
+    def found_ahead(self, entry: Entry) -> bool:
+        """Whether the entry is in the folder now, for a download ahead that then skips it: if it
+        is, it counts as used now (unless claimed), so eviction takes the entries read before it
+        first, not it before its read comes."""
+        path = self.root / entry.name()
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        now = time.time_ns()
+        if st.st_atime_ns < now:
+            # Only an entry's owner may set its times (see `_open_existing`); gone meanwhile: fetched.
+            with contextlib.suppress(PermissionError, FileNotFoundError):
+                os.utime(path, ns=(now, st.st_mtime_ns), follow_symlinks=False)
+        return True
+
+    def fetched_since(self, entry: Entry, since: float) -> bool:
+        """Whether a reader fetched the entry (or waited for its download) after `since` (a
+        time.time()): a download ahead asked for before that was overtaken by the reads, and the
+        entry, gone now, was read and evicted; fetched again it would be downloaded twice."""
+        try:
+            fd = _paths.open_file(self._locks / _DOWNLOADS, os.O_RDONLY, _paths.file_mode(group_writes=True))[0]
+        except FileNotFoundError:
+            return False
+        try:
+            raw = os.pread(fd, _FETCHED_AT.size, _fetched_slot(_lock_byte_of(entry.name())))
+        finally:
+            os.close(fd)
+        return len(raw) == _FETCHED_AT.size and _FETCHED_AT.unpack(raw)[0] >= since
 
     @contextlib.contextmanager
     def claim(self, entry: Entry) -> Iterator[Callable[[bytes], None] | None]:
@@ -410,7 +478,7 @@ class ObjectCache:
         is still downloaded once); else None (the entry is there, or on its way). `fill` does disk
         work: call it off an event loop's thread."""
         path = self.root / entry.name()
-        if path.exists():
+        if self.found_ahead(entry):
             yield None
             return
         with self._download_lock(path, entry, wait=False) as held:
@@ -420,12 +488,12 @@ class ObjectCache:
 
             def fill(data: bytes) -> None:
                 self._make_room(entry.data_size())
-                self._write(path, entry, lambda write: write(data), opened=False)
-                self.evict_if_over_limit()  # one read of the record, not a walk of the folder
+                with self._room_for(entry):
+                    self._write(path, entry, lambda write: write(data), opened=False, ahead=True)
 
             yield fill
 
-    def _acquire(self, entry: Entry, download: Download) -> _Opened:
+    def _acquire(self, entry: Entry, download: Download, ahead: bool = False) -> _Opened:
         self._make_room(entry.data_size())
         path = self.root / entry.name()
         found = self._open_existing(path, entry)
@@ -435,10 +503,57 @@ class ObjectCache:
             found = self._open_existing(path, entry)  # another process finished it while we waited
             if found is not None:
                 return self._hit(found)
-            written = self._write(path, entry, download)
+            with self._room_for(entry):
+                written = self._write(path, entry, download, ahead=ahead)
             assert written is not None  # opened
-        self.evict()
+        self._remove_dead_temporaries()  # of downloads killed midway
+        self.evict_if_over_limit()  # downloads at once may each have made room for their own only
         return written
+
+    @contextlib.contextmanager
+    def _room_for(self, entry: Entry) -> Iterator[None]:
+        """Around a download: first evict until the entry fits under the limit beside the others
+        and the downloads of this handle under way (one read of the record when it fits, not a
+        walk of the folder)."""
+        incoming = stored_size(entry.data_size())
+        with self._held_lock:
+            self._downloading += incoming
+            needed = self._downloading
+        try:
+            try:
+                fits = self.stats.read(_RECORD_WAIT)["bytes"] + needed <= self.limit
+            except StorageError:  # a process holding the counters' lock is stopped or slow
+                fits = False
+            if not fits:
+                self.evict(target=max(0, self.limit - needed))
+            yield
+        finally:
+            with self._held_lock:
+                self._downloading -= incoming
+
+    def room_ahead(self, size: int, under_way: int = 0) -> bool:
+        """Whether a download ahead of `size` bytes may start: the entries this handle downloaded
+        ahead that no reader opened yet, the caller's downloads ahead under way (`under_way`
+        bytes) and it fit in the room the readers' `hold` leaves (any one alone may), so that
+        with what is being read none is evicted before it is read. A stat or two (their oldest
+        first: they are read in the order downloaded), so an event loop may ask; when there is
+        no room, every one of them is looked at (once a second at most: one never read, a job
+        stopped mid-epoch, must not hold back the others)."""
+        now = time.time_ns()
+        with self._held_lock:
+            while self._ahead and not _claimed(self._ahead[0][0], now):
+                self._ahead_bytes -= self._ahead.popleft()[1]
+            fits = self._fits_ahead(size, under_way)
+            if not fits and now - self._ahead_pruned > _TOUCH_EVERY:
+                self._ahead_pruned = now
+                self._ahead = collections.deque(item for item in self._ahead if _claimed(item[0], now))
+                self._ahead_bytes = sum(stored for _, stored in self._ahead)
+                fits = self._fits_ahead(size, under_way)
+        return fits
+
+    def _fits_ahead(self, size: int, under_way: int) -> bool:
+        taken = self._ahead_bytes + under_way
+        return not taken or taken + stored_size(size) <= self.room - self.hold
 
     def _hit(self, found: _Opened) -> _Opened:
         try:
@@ -484,7 +599,8 @@ class ObjectCache:
                 os.close(fd)
                 return None
             now = time.time_ns()
-            if now - st.st_atime_ns > _TOUCH_EVERY:  # least recently used = oldest access
+            # Least recently used = oldest access; one in the future was claimed ahead: now read.
+            if abs(now - st.st_atime_ns) > _TOUCH_EVERY:
                 # Only an entry's owner may set its times: another member's entry in a cache
                 # shared with the group keeps its owner's last access.
                 with contextlib.suppress(PermissionError):
@@ -501,15 +617,15 @@ class ObjectCache:
         """The entry's download lock, waited for (LOCK_TIMEOUT) or not (`wait` false: yields
         whether it was free): one byte of the folder's one lock file (see `_DOWNLOADS`)."""
         lock_path = self._locks / _DOWNLOADS
-        # Read-write: a write lock needs it (the file is group-writable in a cache shared with the
-        # group, as the counters are; nothing is ever written into it).
+        # Read-write: a write lock needs it, and its first bytes hold the fetch times (the file is
+        # group-writable in a cache shared with the group, as the counters are).
         mode = _paths.file_mode(group_writes=True)
         try:
             fd = _paths.open_file(lock_path, os.O_RDWR, mode)[0]
         except FileNotFoundError:  # the folder was removed under us (rm -rf of the cache)
             _paths.make_folder(self._locks)
             fd = _paths.open_file(lock_path, os.O_RDWR, mode)[0]
-        byte = int(path.name[:15], 16)  # 60 bits of the entry's name: distinct entries, distinct bytes
+        byte = _lock_byte_of(path.name)
         try:
             if wait:
                 waited_for = (
@@ -518,6 +634,8 @@ class ObjectCache:
                 )
                 if not try_until(lambda: _lock_byte(fd, byte, fcntl.F_WRLCK), LOCK_TIMEOUT, WAIT_POLL):
                     raise StorageError(f"waited {LOCK_TIMEOUT:.0f} s for {waited_for}")
+                # When a reader last fetched an entry of this slot (see `fetched_since`).
+                os.pwrite(fd, _FETCHED_AT.pack(time.time()), _fetched_slot(byte))
             elif not _lock_byte(fd, byte, fcntl.F_WRLCK):
                 yield False
                 return
@@ -526,11 +644,13 @@ class ObjectCache:
             _lock_byte(fd, byte, fcntl.F_UNLCK)  # not only close: a forked child may hold a copy
             os.close(fd)
 
-    def _write(self, path: pathlib.Path, entry: Entry, download: Download, *, opened: bool = True) -> _Opened | None:
+    def _write(
+        self, path: pathlib.Path, entry: Entry, download: Download, *, opened: bool = True, ahead: bool = False
+    ) -> _Opened | None:
         deadline = time.monotonic() + FULL_WAIT
         while True:
             try:
-                return self._write_once(path, download, opened)
+                return self._write_once(path, download, opened, ahead)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
@@ -545,7 +665,7 @@ class ObjectCache:
         busy = None
         while True:
             self._release_idle()
-            if self.evict(target=0):
+            if self.evict(target=0, claimed=True):
                 return
             now_busy = self._busy()
             if busy is not None and not busy <= now_busy:  # something another process held is gone
@@ -566,10 +686,11 @@ class ObjectCache:
             return {item.name for item in it if item.name != STATS_NAME and item.is_file(follow_symlinks=False)}
         return set()
 
-    def _write_once(self, path: pathlib.Path, download: Download, opened: bool) -> _Opened | None:
+    def _write_once(self, path: pathlib.Path, download: Download, opened: bool, ahead: bool) -> _Opened | None:
         """Download into a temporary file and rename it into place, already opened under our shared
         lock when `opened` (no eviction deletes it before we read it); else None (a download
-        ahead, which reads nothing: no second open, lock and stat per small object). Not synced to
+        ahead, which reads nothing: no second open, lock and stat per small object). `ahead`: it
+        appears claimed (see the module doc). Not synced to
         disk: an entry a crash of the machine left empty or cut short fails its trailer or block
         CRCs at the next read and is fetched again, so an fsync per object (milliseconds, on every
         small object) buys nothing."""
@@ -585,6 +706,9 @@ class ObjectCache:
                 download(write)
                 out.write(sums.tail())
                 out.file.flush()
+                if ahead:
+                    now = time.time_ns()
+                    os.utime(out.file.fileno(), ns=(now + AHEAD_CLAIM, now))
                 if opened:
                     fd = _paths.open_file(out.temporary, os.O_RDONLY)[0]
                     fcntl.flock(fd, fcntl.LOCK_SH)
@@ -598,6 +722,10 @@ class ObjectCache:
                     record["entries"] += 1
                     record["misses"] += 1
                     record["downloaded_bytes"] += sums.length
+            if ahead:
+                with self._held_lock:
+                    self._ahead.append((path, stored_size(sums.length)))
+                    self._ahead_bytes += stored_size(sums.length)
             return _Opened(fd, sums.crc, _stamp(os.fstat(fd))) if opened else None
         except BaseException:
             if fd >= 0:
@@ -616,15 +744,17 @@ class ObjectCache:
                     found.append((pathlib.Path(item.path), st.st_size, st.st_atime))
         return found
 
-    def evict(self, target: int | None = None) -> int:
+    def evict(self, target: int | None = None, *, claimed: bool = False) -> int:
         """Delete least recently used entries not in use until the cache holds at most `target`
-        bytes (default: its limit); remove temporary files of dead downloads. Returns bytes freed."""
+        bytes (default: its limit); remove temporary files of dead downloads. Entries claimed
+        ahead (see the module doc) only if `claimed` (a full disk), and last. Returns bytes freed."""
         self._remove_dead_temporaries()
         entries = self.entries()
         total = sum(size for _, size, _ in entries)
-        freed = 0
-        for path, size, _ in sorted(entries, key=lambda e: e[2]):
-            if total - freed <= (self.limit if target is None else target):
+        target = self.limit if target is None else target
+        freed, now = 0, time.time()
+        for path, size, used in sorted(entries, key=lambda e: e[2]):
+            if total - freed <= target or (used > now and not claimed):
                 break
             if self._remove_unused(path):
                 freed += size
@@ -747,6 +877,15 @@ class ObjectCache:
             record["bytes"] -= st.st_size
             record["entries"] -= 1
             return True
+
+
+def _claimed(path: pathlib.Path, now: int) -> bool:
+    """Whether the entry at `path` is still claimed ahead (no reader opened it since; see the
+    module doc): there, with its access time in the future."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_atime_ns > now
+    except FileNotFoundError:
+        return False
 
 
 class _Checksums:

@@ -9,8 +9,10 @@ event loop, each a GET written into the machine cache, up to a limit of requests
 Bounds, all settable (docs/remote.md): requests in flight (`concurrency`,
 $GLOBALLOADER_FETCH_CONCURRENCY, default 128 per machine), bytes of answers held in memory at
 once (`memory`, $GLOBALLOADER_FETCH_MEMORY, default 256 MB: a GET starts only while they fit, one
-at least), and bytes waiting to be fetched (`budget`: the newest requests beyond it are dropped;
-their readers fetch them). Memory stays flat over an epoch: what is fetched goes to disk.
+at least), requests waiting (`depth`, as many as the loader's horizon names: the newest beyond
+are dropped, their readers fetch them), and room in the cache (`room(size, under_way)`: a GET starts only
+while the objects fetched and not read yet leave room for it, see `ObjectCache.room_ahead`;
+asked again every ROOM_POLL seconds while it has none). Memory stays flat over an epoch: what is fetched goes to disk.
 
 The machine's budget is shared, not multiplied: each pool registers in the cache folder
 (`fetchers/`, one file per process under an flock held while it lives) and takes
@@ -45,6 +47,7 @@ from globalloader.errors import ArgumentError
 from globalloader.storage import retry
 from globalloader.storage._fs import is_throttling, is_transient
 from globalloader.storage.cache import parse_size
+from globalloader.storage.prefetch import DEPTH
 
 CONCURRENCY_ENV = "GLOBALLOADER_FETCH_CONCURRENCY"
 MEMORY_ENV = "GLOBALLOADER_FETCH_MEMORY"
@@ -52,6 +55,7 @@ DEFAULT_CONCURRENCY = 128  # requests in flight per machine
 DEFAULT_MEMORY = 256 * 10**6  # bytes of answers in memory at once per machine
 FETCHERS = "fetchers"  # the cache folder's sub-folder where pools register
 RECOUNT = 1.0  # seconds between counts of the pools sharing the machine's budget
+ROOM_POLL = 0.005  # seconds between two asks for room in the cache while there is none
 STARTS_PER_TURN = 8  # GETs started per turn of the event loop (see `_pump`)
 _ERRORS_KEPT = 64  # the latest permanent failures named in `errors`
 
@@ -151,7 +155,7 @@ os.register_at_fork(after_in_child=_forget_shares_in_child)
 class FetchAhead:
     """Runs `fetch(url, what)` (a coroutine) for requested URLs on `loop`, each URL once, at most
     `limit` at a time (AIMD under `concurrency`) and `memory` bytes of answers at once; the
-    requests waiting hold at most `budget` bytes. Thread-safe: `request` is called from any
+    requests waiting are at most `depth`, and start as `room` allows. Thread-safe: `request` is called from any
     thread; counters are read with `counters()`."""
 
     def __init__(
@@ -161,12 +165,14 @@ class FetchAhead:
         *,
         concurrency: int,
         memory: int,
-        budget: int | None = None,
+        depth: int = DEPTH,
         policy: retry.RetryPolicy = retry.DEFAULT,
         share: pathlib.Path | None = None,
+        room: Callable[[int, int], bool] | None = None,
     ) -> None:
-        self._fetch, self._loop, self._policy = fetch, loop, policy
-        self.concurrency, self.memory, self.budget = concurrency, memory, budget
+        self._fetch, self._loop, self._policy, self._room = fetch, loop, policy, room
+        self._room_poll: asyncio.TimerHandle | None = None
+        self.concurrency, self.memory, self.depth = concurrency, memory, depth
         self._share = _MachineShare.of(share) if share is not None else None
         self._limit = _AIMD(self._ceiling())
         self._counted_at = time.monotonic()
@@ -194,7 +200,7 @@ class FetchAhead:
                     self._asked.add(url)
                     self._queue.append((url, size, what, 0, 0.0))
                     self._queued_bytes += size
-            while len(self._queue) > 1 and self.budget is not None and self._queued_bytes > self.budget:
+            while len(self._queue) > self.depth:
                 url, size, *_ = self._queue.pop()
                 self._asked.discard(url)
                 self._queued_bytes -= size
@@ -242,6 +248,10 @@ class FetchAhead:
                 url, size, what, tries, since = self._queue[0]
                 if self.in_flight and self.in_flight_bytes + size > self.memory:
                     break
+                if self._room is not None and not self._room(size, self.in_flight_bytes):
+                    if self._room_poll is None:  # the readers make room, not an answer: ask again
+                        self._room_poll = self._loop.call_later(ROOM_POLL, self._poll_room)
+                    break
                 self._queue.popleft()
                 self._queued_bytes -= size
                 self.in_flight += 1
@@ -249,6 +259,10 @@ class FetchAhead:
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                 self.peak_memory = max(self.peak_memory, self.in_flight_bytes)
                 self._loop.create_task(self._one(url, size, what, tries, since or now, self._limit.round))
+
+    def _poll_room(self) -> None:
+        self._room_poll = None
+        self._pump()
 
     async def _one(self, url: str, size: int, what: Any, tries: int, since: float, sent_in_round: int) -> None:
         again = False

@@ -2,9 +2,13 @@
 
 A few daemon threads per process take URL requests in order, skip ones already queued or
 downloading, and fetch each into the cache (an object already there costs an open, no request);
-at most `depth` requests and `budget` bytes wait in the queue (the newest requests beyond either
-are dropped: the readers fetch them themselves when they get there). A failed prefetch is not an
-error: the read that needs the object fetches it again and raises what fails. Daemon threads never delay the exit.
+at most `depth` requests wait in the queue (the newest requests beyond are dropped: the readers
+fetch them themselves when they get there). With `room(bytes, in_flight)`, the next request starts
+only once it says there is room for it beside the downloads under way (the cache's room for
+objects fetched and not read yet, see `ObjectCache.room_ahead`), asked again every ROOM_POLL
+seconds: requests start in order, never the later ones first. A failed prefetch is not an error:
+the read that needs the object fetches it again and raises what fails. Daemon threads never
+delay the exit.
 """
 
 from __future__ import annotations
@@ -19,19 +23,24 @@ IN_FLIGHT = 4  # objects downloading at once per process
 # Requests waiting at most: as many as the loader's horizon names (4096 samples ahead, one object
 # each at most, as for ImageFolder), so that none it names is dropped and left to the workers.
 DEPTH = 4096
+ROOM_POLL = 0.005  # seconds between two asks for room while there is none
 
 
 class Prefetcher:
-    """Runs `fetch(url)` for requested URLs on `threads` daemon threads, each URL once; the
-    requests waiting hold at most `depth` URLs and `budget` bytes (one, whatever its size)."""
+    """Runs `fetch(url)` for requested (URL, bytes) on `threads` daemon threads, each URL once, in
+    order as `room` allows; the requests waiting hold at most `depth` URLs."""
 
     def __init__(
-        self, fetch: Callable[[str], None], threads: int = IN_FLIGHT, depth: int = DEPTH, budget: int | None = None
+        self,
+        fetch: Callable[[str], None],
+        threads: int = IN_FLIGHT,
+        depth: int = DEPTH,
+        room: Callable[[int, int], bool] | None = None,
     ) -> None:
-        self._fetch, self._threads, self._depth, self._budget = fetch, threads, depth, budget
+        self._fetch, self._threads, self._depth, self._room = fetch, threads, depth, room
         self._queue: collections.deque[tuple[str, int]] = collections.deque()  # (url, bytes)
-        self._queued_bytes = 0
         self._asked: set[str] = set()  # queued or downloading
+        self._in_flight = 0  # bytes downloading
         self._cond = threading.Condition()
         self._started = False
         self.failures = 0  # prefetches that failed (the reads then fetch and report)
@@ -43,13 +52,8 @@ class Prefetcher:
                 if url not in self._asked:
                     self._asked.add(url)
                     self._queue.append((url, size))
-                    self._queued_bytes += size
-            while len(self._queue) > 1 and (
-                len(self._queue) > self._depth or (self._budget is not None and self._queued_bytes > self._budget)
-            ):
-                url, size = self._queue.pop()
-                self._asked.discard(url)
-                self._queued_bytes -= size
+            while len(self._queue) > self._depth:
+                self._asked.discard(self._queue.pop()[0])
             if not self._started:
                 self._started = True
                 for n in range(self._threads):
@@ -59,10 +63,12 @@ class Prefetcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
+                while not self._queue or (
+                    self._room is not None and not self._room(self._queue[0][1], self._in_flight)
+                ):
+                    self._cond.wait(ROOM_POLL if self._queue else None)
                 url, size = self._queue.popleft()
-                self._queued_bytes -= size
+                self._in_flight += size
             try:
                 self._fetch(url)
             except (GlobalLoaderError, OSError):
@@ -70,3 +76,5 @@ class Prefetcher:
             finally:
                 with self._cond:
                     self._asked.discard(url)
+                    self._in_flight -= size
+                    self._cond.notify_all()

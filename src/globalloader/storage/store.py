@@ -74,7 +74,6 @@ class Store(ProcessLocal):
         "_prefetcher",
         "_fetch_ahead",
         "_wanted",
-        "_fetched",
         "_filesystems",
     )
 
@@ -108,6 +107,7 @@ class Store(ProcessLocal):
         # URL and version, with where and what to do: a setting, so worker processes check their
         # downloads against them too.
         self.crc32s: dict[tuple[str, FileStat], tuple[int, str, str]] = {}
+        self.read_hold: int | None = None  # see `keep_open`
         self._reset()
 
     def _after_fork(self) -> None:
@@ -118,8 +118,7 @@ class Store(ProcessLocal):
     def _reset(self, keep_infos: bool = False) -> None:
         self._prefetcher: Prefetcher | None = None
         self._fetch_ahead: fetch_ahead.FetchAhead | None = None
-        self._wanted: dict[str, FileStat] = {}
-        self._fetched: set[tuple[str, FileStat]] = set()  # prefetched by this process: not asked again
+        self._wanted: dict[str, tuple[FileStat, float]] = {}  # prefetched: (version, when asked)
         self._cache: ObjectCache | None = None
         # Per scheme: the shared instance, found once (not its options' key made again per object)
         self._filesystems: dict[str, Any] = {}
@@ -132,7 +131,16 @@ class Store(ProcessLocal):
         """This process's handle on the machine cache (made on first use)."""
         if self._cache is None:
             self._cache = ObjectCache(limit=self.cache_limit)
+        if self.read_hold is not None:
+            self._cache.hold = min(self._cache.room, self.read_hold)
         return self._cache
+
+    def keep_open(self, size: int) -> int:
+        """Let the readers of each process keep `size` bytes of cache entries open (a windowed
+        shuffle's two windows: the current one and the one a slower worker still reads), the
+        read-ahead taking what that leaves of the cache; returns what the cache can hold."""
+        self.read_hold = max(self.read_hold or 0, int(size))
+        return self.cache.room
 
     @property
     def whole_max(self) -> int:
@@ -282,9 +290,10 @@ class Store(ProcessLocal):
         """The checks of whole downloads of `url` at `stat` (see `storage.checksum`)."""
         return Digest(url, *self.crc32s.get((url, stat), ()))
 
-    def open_cached(self, url: str, stat: FileStat, block: int = -1) -> CachedFile:
+    def open_cached(self, url: str, stat: FileStat, block: int = -1, *, ahead: bool = False) -> CachedFile:
         """The whole object (block -1) or one block of it, from the machine cache (downloaded
-        there first if missing). A store whose object no longer has `stat` is a SourceError.
+        there first if missing; `ahead`: by a download ahead of the reads, see `storage.cache`).
+        A store whose object no longer has `stat` is a SourceError.
 
         A whole object is checked end to end before it enters the cache: a download in one
         request by `read_range`, one in several once assembled, against the MD5 its ETag vouches
@@ -293,7 +302,7 @@ class Store(ProcessLocal):
         checksum of a range exists): TCP's and TLS's checks are all it has.
         """
         size = self.block_size
-        entry = Entry(url, stat.size, stat.version, block, size if block >= 0 else 0)
+        entry = self._entry(url, stat, block)
         # A whole object in several answers is checked once assembled; in one, by `_get`.
         several = block < 0 and stat.size > size
         digest = self._digest(url, stat) if several else None
@@ -320,7 +329,7 @@ class Store(ProcessLocal):
                 digest.check()  # before the cache renames the entry into place
 
         # A corrupted transfer is retried here (the others were retried by `_get`, or are final).
-        return retry.call(lambda _: self._open_entry(entry, download, url), url, "download", self.retry_policy)
+        return retry.call(lambda _: self._open_entry(entry, download, url, ahead), url, "download", self.retry_policy)
 
     def open_derived(self, url: str, stat: FileStat, what: str, size: int, make: Any) -> CachedFile:
         """A file of `size` bytes made from the object `url` (`what`: e.g. "decompressed"), kept in
@@ -328,11 +337,11 @@ class Store(ProcessLocal):
         Keyed by the object's location, size and version, so a rewritten object makes another."""
         return self._open_entry(Entry(f"{url}#{what}", size, f"{stat.size}:{stat.version}"), make, f"{url} ({what})")
 
-    def _open_entry(self, entry: Entry, make: Any, what: str) -> CachedFile:
+    def _open_entry(self, entry: Entry, make: Any, what: str, ahead: bool = False) -> CachedFile:
         """`cache.open`, where an OSError other than a corrupted transfer is the local cache's,
         never the store's (not "access denied"): a StorageError naming the cache folder."""
         try:
-            return self.cache.open(entry, make)
+            return self.cache.open(entry, make, ahead)
         except TransferCorrupted:
             raise
         except OSError as exc:
@@ -342,35 +351,32 @@ class Store(ProcessLocal):
         """Download these objects into the machine cache in the background: small S3 objects
         (one GET each) through the pool of many requests in flight (`storage.fetch_ahead`), the
         others (shards, blocks of large files) on a few threads (`storage.prefetch`), whose
-        downloads each hold a cache entry open while written, so few run at once."""
-        # An object this process prefetched before is in the cache (or was evicted since: its reader
-        # then fetches it): each later epoch would otherwise open every entry again for nothing.
-        # Small objects are not remembered (a million would fill the memory): the pool asks the
-        # cache folder, one stat of a file each.
+        downloads each hold a cache entry open while written, so few run at once. Those are
+        claimed until read and each waits for room under the cache's limit
+        (`ObjectCache.room_ahead`): a cache smaller than the dataset evicts none of
+        them before it is read."""
+        # Asked for whether the cache holds them now or not (it may evict them before their turn):
+        # each costs a stat of a file when its turn comes, no open if the cache holds it then.
         objects = [(url, stat) for url, stat in objects if self.cached(url)]
         small = [(url, stat) for url, stat in objects if self._one_get(url, stat)]
-        large = [
-            (url, stat) for url, stat in objects if not self._one_get(url, stat) and (url, stat) not in self._fetched
-        ]
+        large = [(url, stat) for url, stat in objects if not self._one_get(url, stat)]
         if not small and not large:
             return
         with self._lock:
-            # Waiting to be downloaded: at most a quarter of what the cache can hold (a deep horizon
-            # never queues more than the cache would keep).
-            budget = self.cache.room // 4
             if large and self._prefetcher is None:
-                self._prefetcher = Prefetcher(self._prefetch_one, budget=budget)
+                self._prefetcher = Prefetcher(self._prefetch_one, room=self.cache.room_ahead)
             if small and self._fetch_ahead is None:
                 self._fetch_ahead = fetch_ahead.FetchAhead(
                     self._fetch_small,
                     fetch_ahead.client_loop(),
                     concurrency=self.fetch_concurrency,
                     memory=self.fetch_memory,
-                    budget=budget,
                     policy=self.retry_policy,
                     share=self.cache.root / fetch_ahead.FETCHERS,
+                    room=self.cache.room_ahead,
                 )
-            self._wanted.update(large)
+            now = time.time()
+            self._wanted.update((url, (stat, now)) for url, stat in large)
         if small:
             assert self._fetch_ahead is not None
             self._fetch_ahead.request((url, stat.size, stat) for url, stat in small)
@@ -408,9 +414,22 @@ class Store(ProcessLocal):
                 await asyncio.get_running_loop().run_in_executor(None, fill, answer.data)
 
     def _prefetch_one(self, url: str) -> None:
-        stat = self._wanted[url]
-        self.fetch(url, stat)
-        self._fetched.add((url, stat))
+        """Download the object (each block of it) ahead, unless the reads overtook it (fetched
+        since it was asked for: read, and maybe evicted since)."""
+        stat, asked = self._wanted[url]
+        for block in self._blocks(stat):
+            entry = self._entry(url, stat, block)
+            if not self.cache.found_ahead(entry):
+                if self.cache.fetched_since(entry, asked):
+                    return  # the reader downloads the rest
+                self.open_cached(url, stat, block, ahead=True).close()
+
+    def _blocks(self, stat: FileStat) -> range:
+        """The entries of an object in the cache: whole (-1) up to `whole_max`, else its blocks."""
+        return range(-1, 0) if stat.size <= self.whole_max else range(-(-stat.size // self.block_size))
+
+    def _entry(self, url: str, stat: FileStat, block: int) -> Entry:
+        return Entry(url, stat.size, stat.version, block, self.block_size if block >= 0 else 0)
 
     def read_object(self, url: str, stat: FileStat) -> bytes:
         """A whole file or object of this size and version: through the machine cache when it is
@@ -422,9 +441,8 @@ class Store(ProcessLocal):
         elif not self.cached(url):
             data = self.read_range(url, 0, stat.size, stat)
         else:
-            blocks = [-1] if stat.size <= self.whole_max else range(-(-stat.size // self.block_size))
             parts = []
-            for block in blocks:
+            for block in self._blocks(stat):
                 handle = self.open_cached(url, stat, block)
                 try:
                     parts.append(handle.pread(0, stat.size if block < 0 else self.block_size))
@@ -440,8 +458,7 @@ class Store(ProcessLocal):
         stat = stat or self.stat(url)
         if not self.cached(url):
             return
-        blocks = [-1] if stat.size <= self.whole_max else range(-(-stat.size // self.block_size))
-        for block in blocks:
+        for block in self._blocks(stat):
             self.open_cached(url, stat, block).close()
 
     def open_write(self, url: str) -> StagedWrite:
