@@ -442,18 +442,21 @@ class ObjectCache:
 
     def found_ahead(self, entry: Entry) -> bool:
         """Whether the entry is in the folder now, for a download ahead that then skips it: if it
-        is, it counts as used now (unless claimed), so eviction takes the entries read before it
-        first, not it before its read comes."""
+        is, it is claimed as one downloaded ahead (counted in `room_ahead`; eviction keeping the
+        limit never takes it before a reader opens it), or left as it is when already claimed."""
         path = self.root / entry.name()
         try:
             st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             return False
         now = time.time_ns()
-        if st.st_atime_ns < now:
+        if st.st_atime_ns <= now:
             # Only an entry's owner may set its times (see `_open_existing`); gone meanwhile: fetched.
             with contextlib.suppress(PermissionError, FileNotFoundError):
-                os.utime(path, ns=(now, st.st_mtime_ns), follow_symlinks=False)
+                os.utime(path, ns=(now + AHEAD_CLAIM, st.st_mtime_ns), follow_symlinks=False)
+                with self._held_lock:
+                    self._ahead.append((path, st.st_size))
+                    self._ahead_bytes += st.st_size
         return True
 
     def fetched_since(self, entry: Entry, since: float) -> bool:

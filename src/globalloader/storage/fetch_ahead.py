@@ -180,7 +180,9 @@ class FetchAhead:
         # url, bytes, what `fetch` is given with it, tries so far, time of the first
         self._queue: collections.deque[tuple[str, int, Any, int, float]] = collections.deque()
         self._queued_bytes = 0
-        self._asked: set[str] = set()  # queued, in flight or waiting to be tried again
+        # Queued or waiting to be tried again; not in flight: an object asked for again while its
+        # GET is under way (a new epoch's) is queued again, and skipped then if it is still cached.
+        self._asked: set[str] = set()
         self.in_flight = self.in_flight_bytes = 0
         self.peak_in_flight = self.peak_memory = 0
         self.fetched = self.bytes = self.throttled = self.retried = self.failed = self.dropped = 0
@@ -253,6 +255,7 @@ class FetchAhead:
                         self._room_poll = self._loop.call_later(ROOM_POLL, self._poll_room)
                     break
                 self._queue.popleft()
+                self._asked.discard(url)
                 self._queued_bytes -= size
                 self.in_flight += 1
                 self.in_flight_bytes += size
@@ -265,11 +268,10 @@ class FetchAhead:
         self._pump()
 
     async def _one(self, url: str, size: int, what: Any, tries: int, since: float, sent_in_round: int) -> None:
-        again = False
         try:
             await asyncio.wait_for(self._fetch(url, what), self._policy.attempt_deadline(size))
         except Exception as exc:  # noqa: BLE001 - counted and named; the read that needs it raises it
-            again = self._failed(exc, (url, size, what, tries, since), sent_in_round)
+            self._failed(exc, (url, size, what, tries, since), sent_in_round)
         else:
             with self._lock:
                 self._limit.succeeded()
@@ -279,13 +281,11 @@ class FetchAhead:
             with self._lock:
                 self.in_flight -= 1
                 self.in_flight_bytes -= size
-                if not again:
-                    self._asked.discard(url)
             self._pump()
 
-    def _failed(self, exc: Exception, item: tuple[str, int, Any, int, float], sent_in_round: int) -> bool:
-        """Count a failed GET; True when it is tried again later (a transient fault within the
-        policy's attempts and deadline)."""
+    def _failed(self, exc: Exception, item: tuple[str, int, Any, int, float], sent_in_round: int) -> None:
+        """Count a failed GET; try it again later if it is a transient fault within the policy's
+        attempts and deadline."""
         url, size, what, tries, since = item
         pause = self._policy.delay(tries)
         transient = isinstance(exc, TimeoutError) or is_transient(exc)
@@ -300,14 +300,14 @@ class FetchAhead:
             ):
                 self.retried += 1
                 self._loop.call_later(pause, self._again, (url, size, what, tries + 1, since))
-                return True
+                return
             self.failed += 1
             self.errors.append(f"{url}: {type(exc).__name__}: {exc}")
-            return False
 
     def _again(self, item: tuple[str, int, Any, int, float]) -> None:
         with self._lock:
             self._queue.appendleft(item)
+            self._asked.add(item[0])
             self._queued_bytes += item[1]
         self._pump()
 
