@@ -451,13 +451,18 @@ def keep(r: dict[str, Any]) -> bool:
     return r["noise"] < 0.6  # a random set of rows, another each epoch
 
 
+def split(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every third row twice, the copy under a key of its own with the same payload (key % 251)."""
+    return [r, {**r, "key": r["key"] + 251 * 4000}] if r["key"] % 3 == 0 else [r]
+
+
 @pytest.mark.slow
 class TestNodeLossWithAChain:
-    """As TestNodeLoss, with a chain whose random map and filter run in the map tasks (two
-    stages: the rows of an epoch are known only once the chain ran on every part)."""
+    """As TestNodeLoss, with a chain whose maps, random map, filter and flat_map run in the map
+    tasks (two stages: the rows of an epoch are known only once the chain ran on every part)."""
 
     def test_a_worker_node_lost_mid_epoch_gives_the_chains_rows_exactly(self, loss_cluster, files):
-        chain = gl.Dataset(gl.Parquet(files)).map(unpack).map(jitter).filter(keep)
+        chain = gl.Dataset(gl.Parquet(files)).map(unpack).map(jitter).filter(keep).flat_map(split)
         reference = read_in_process(chain, LOSS_ARGS)
         out = lose_a_worker_mid_epoch(loss_cluster, chain, reference)
         for e in range(LOSS_ARGS["num_epochs"]):

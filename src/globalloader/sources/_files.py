@@ -63,9 +63,23 @@ def expand_urls(urls: Any, argument: str, store: Store | None = None) -> list[st
     return expanded
 
 
-def cached_file_bytes(stats: list[FileStat], cached: list[bool]) -> np.ndarray:
-    """Each file's bytes in the machine cache, 0 for one read without it (`CachedBlocks`)."""
-    return np.array([st.size if held else 0 for st, held in zip(stats, cached, strict=True)], dtype=np.int64)
+class CachedShardFiles:
+    """`CachedBlocks` for a source whose blocks are its files (`_stats`, `_cached`, `store`):
+    TarShards, MDS and LitData."""
+
+    _stats: list[FileStat]
+    _cached: list[bool]
+    store: Store
+
+    def cached_block_bytes(self) -> np.ndarray:
+        """Each block's (file's) bytes in the machine cache, 0 for one read without it
+        (`shuffle(window=...)` checks a window fits it)."""
+        held = zip(self._stats, self._cached, strict=True)
+        return np.array([st.size if cached else 0 for st, cached in held], dtype=np.int64)
+
+    def keep_cached(self, size: int) -> int:
+        """Let the readers keep `size` bytes of shards open (`Store.keep_open`); the cache's room."""
+        return self.store.keep_open(size)
 
 
 def prefetch_files(

@@ -13,12 +13,12 @@ import numpy as np
 from globalloader import storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _lit_format as fmt
-from globalloader.sources._files import cached_file_bytes, prefetch_files
+from globalloader.sources._files import CachedShardFiles, prefetch_files
 from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
 
 
-class LitData(ProcessLocal):
+class LitData(ProcessLocal, CachedShardFiles):
     """Records of a LitData optimized dataset (the folder `litdata.optimize` wrote), by index.
 
     `path_or_url`: the folder (or its `index.json`), local or any fsspec URL (`s3://...`;
@@ -130,15 +130,6 @@ class LitData(ProcessLocal):
     def block_starts(self) -> np.ndarray:
         """Each chunk's first item: the blocks `shuffle(window=...)` permutes."""
         return self._starts[:-1].copy()
-
-    def cached_block_bytes(self) -> np.ndarray:
-        """Each block's (file's) bytes in the machine cache (`shuffle(window=...)` checks a
-        window fits it)."""
-        return cached_file_bytes(self._stats, self._cached)
-
-    def keep_cached(self, size: int) -> int:
-        """Let the readers keep `size` bytes of shards open (`Store.keep_open`); the cache's room."""
-        return self.store.keep_open(size)
 
     def keep_blocks(self, count: int) -> None:
         """Keep up to `count` inflated chunks (all their frames) per process, for a windowed shuffle."""

@@ -14,7 +14,7 @@ import numpy as np
 from globalloader import storage
 from globalloader.errors import ArgumentError, SourceError
 from globalloader.sources import _mds_format
-from globalloader.sources._files import cached_file_bytes, prefetch_files
+from globalloader.sources._files import CachedShardFiles, prefetch_files
 from globalloader.sources._mds_format import ShardInfo
 from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal, reset_in_forked_children
@@ -26,7 +26,7 @@ _UNPACKED_KEPT = 16  # decompressed shards a process keeps open in the machine c
 _OFFSETS_KEPT = 256
 
 
-class MDS(ProcessLocal):
+class MDS(ProcessLocal, CachedShardFiles):
     """The samples of a Mosaic Streaming (MDS) dataset, addressable by global index, without
     Mosaic Streaming installed.
 
@@ -118,15 +118,6 @@ class MDS(ProcessLocal):
     def block_starts(self) -> np.ndarray:
         """Each shard's first sample: the blocks `shuffle(window=...)` permutes."""
         return self._starts[:-1].copy()
-
-    def cached_block_bytes(self) -> np.ndarray:
-        """Each block's (file's) bytes in the machine cache (`shuffle(window=...)` checks a
-        window fits it)."""
-        return cached_file_bytes(self._stats, self._cached)
-
-    def keep_cached(self, size: int) -> int:
-        """Let the readers keep `size` bytes of shards open (`Store.keep_open`); the cache's room."""
-        return self.store.keep_open(size)
 
     def __len__(self) -> int:
         return self._len

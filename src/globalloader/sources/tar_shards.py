@@ -20,7 +20,7 @@ from tqdm import tqdm
 from globalloader import _paths, storage
 from globalloader.errors import ArgumentError, SourceError, check_int
 from globalloader.sources import _files, _tar_index
-from globalloader.sources._files import prefetch_files
+from globalloader.sources._files import CachedShardFiles, prefetch_files
 from globalloader.sources._tar_format import split_key, walk
 from globalloader.sources.base import check_index, fingerprint_of
 from globalloader.storage._fork import ProcessLocal
@@ -33,7 +33,7 @@ _REWRITTEN = "write the sidecar again (TarWriter) or delete it, then construct t
 REMOTE_INDEX_THREADS = 16  # sidecars of remote shards read at once (each a small request)
 
 
-class TarShards(ProcessLocal):
+class TarShards(ProcessLocal, CachedShardFiles):
     """Records from tar shards in the WebDataset layout, addressable by global index.
 
     Members are grouped into samples as `webdataset` groups them: the key is the member path up
@@ -122,15 +122,6 @@ class TarShards(ProcessLocal):
         if not self._indexed:
             self.build_index()
         return np.array(self._shard_start[:-1], dtype=np.int64)
-
-    def cached_block_bytes(self) -> np.ndarray:
-        """Each block's (file's) bytes in the machine cache (`shuffle(window=...)` checks a
-        window fits it)."""
-        return _files.cached_file_bytes(self._stats, self._cached)
-
-    def keep_cached(self, size: int) -> int:
-        """Let the readers keep `size` bytes of shards open (`Store.keep_open`); the cache's room."""
-        return self.store.keep_open(size)
 
     def keep_blocks(self, count: int) -> None:
         """Keep up to `count` remote shards whole in memory, per process: a windowed shuffle reads
