@@ -30,7 +30,6 @@ K=2 <= 0.6, K=4 <= 0.35). JSON in benchmarks/results/remote_share.json.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
@@ -44,35 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from remote import _jpeg, decode  # the same pictures and decode as remote.py's
 from tqdm.auto import tqdm
 
 from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
 
 RESULTS = Path(__file__).parent / "results" / "remote_share.json"
-BATCH, WORKERS, SIDE = 32, 2, 160
+BATCH, WORKERS = 32, 2
 MODES = ("independent", "shared")
-
-
-def _jpeg(i: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(i)
-    y, x = np.mgrid[0:SIDE, 0:SIDE]
-    base = (np.sin(x / (7 + i % 5)) + np.cos(y / (5 + i % 3))) * 60 + 128
-    pixels = np.stack([base, base[::-1], base.T], axis=-1) + rng.normal(0, 12, (SIDE, SIDE, 3))
-    out = io.BytesIO()
-    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, format="JPEG", quality=90)
-    return out.getvalue()
-
-
-def decode(sample: dict[str, Any]) -> dict[str, Any]:
-    """JPEG -> uint8 array, label -> int: the shared map (or each job's own, independent)."""
-    from PIL import Image
-
-    image = np.asarray(Image.open(io.BytesIO(sample["jpg"])).convert("RGB"))
-    cls = sample["cls"]
-    return {"image": image, "cls": int(cls.decode() if isinstance(cls, bytes) else cls)}
 
 
 def _write_shards(bucket: str, endpoint: str, samples: int, per_shard: int) -> int:

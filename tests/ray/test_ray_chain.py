@@ -3,14 +3,11 @@ trainers are exactly the chain's own (values and dtypes; only the order is Ray's
 
 from __future__ import annotations
 
-import sys
 import uuid
 from typing import Any
 
 import numpy as np
 import pytest
-import ray
-import ray.cloudpickle
 
 import globalloader as gl
 from globalloader.dataset.collate import collate
@@ -21,21 +18,6 @@ pytestmark = pytest.mark.integration
 
 ROWS = 300
 EPOCHS = 2
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the chains' functions are defined here
-    cache = tmp_path_factory.mktemp("ray-cache")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=200 * 2**20,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"GLOBALLOADER_CACHE_DIR": str(cache)}},
-    )
-    yield
-    ray.shutdown()
 
 
 def source() -> Any:

@@ -36,21 +36,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors defined here
-    cache = tmp_path_factory.mktemp("ray-cache")  # workers, like tests, keep out of user caches
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=200 * 2**20,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"GLOBALLOADER_CACHE_DIR": str(cache)}},
-    )
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def files(tmp_path_factory) -> list[str]:
     """Parquet files whose row with key k has payload bytes k % 251 and score k / 2."""
     folder = tmp_path_factory.mktemp("shuffle")

@@ -3,7 +3,6 @@ and the Loader's timeout error when a wait runs out. Trainers are Ray actor proc
 
 from __future__ import annotations
 
-import sys
 import uuid
 from typing import Any
 
@@ -24,22 +23,6 @@ TOTAL = sum(FILE_ROWS)
 BATCH = 16
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors defined here
-    cache = tmp_path_factory.mktemp("ray-cache")
-    ray.init(
-        address="local",  # a cluster of its own, whatever other Ray jobs run on this machine
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=100 * 2**20,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"GLOBALLOADER_CACHE_DIR": str(cache)}},
-    )
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
