@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import decimal
 import math
+import multiprocessing
 import os
 import re
 import select
@@ -396,3 +397,18 @@ def small_filesystem(folder: Path, size: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def at_once(method: str, target: Callable[..., None], *args: Any, processes: int = 2) -> list[Any]:
+    """Run `target(*args, out, start)` in `processes` processes (`method`: fork or spawn) that wait
+    at the barrier `start` together, and return what each put on the queue `out`; each must end well."""
+    ctx = multiprocessing.get_context(method)
+    out, start = ctx.Queue(), ctx.Barrier(processes)
+    procs = [ctx.Process(target=target, args=(*args, out, start)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return results

@@ -4,7 +4,6 @@ processes with one download per object, evicted within its limit, safe against k
 from __future__ import annotations
 
 import errno
-import multiprocessing
 import os
 import pathlib
 import signal
@@ -21,6 +20,7 @@ from globalloader.demo.s3 import write_shards
 from globalloader.errors import ArgumentError, CacheFullError, SourceError
 from globalloader.sources import TarShards
 from globalloader.storage.cache import Entry, ObjectCache, parse_size, resolve_limit
+from helpers import at_once
 
 
 def _dataset_bytes(src: TarShards) -> int:
@@ -77,15 +77,7 @@ def test_two_processes_at_once_download_each_object_once(s3: dict[str, Any]) -> 
     urls = write_shards(s3["bucket"], s3["options"], n=40, per_shard=4)
     proxy, prefix = s3["proxy"], f"/{s3['bucket']}/shard"
     proxy.latency = 0.2  # downloads overlap
-    ctx = multiprocessing.get_context("spawn")
-    out, start = ctx.Queue(), ctx.Barrier(2)
-    procs = [ctx.Process(target=_read_all, args=(urls, s3["options"], out, start)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = at_once("spawn", _read_all, urls, s3["options"])
     assert results[0] == results[1] == [f"s{i:05d}" for i in range(40)]
     sizes = TarShards(urls, storage_options=s3["options"])._stats
     assert proxy.total_bytes(prefix) == sum(st.size for st in sizes)  # each shard once

@@ -3,7 +3,6 @@ the processes and threads that want it at the same moment, entries read whole.""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
 from typing import Any
@@ -13,6 +12,7 @@ import numpy as np
 import globalloader as gl
 from globalloader import storage
 from globalloader.storage.cache import Entry, ObjectCache
+from helpers import at_once
 
 
 def _put(s3: dict[str, Any], count: int, size: int = 3000) -> dict[str, bytes]:
@@ -33,7 +33,7 @@ def test_a_folder_of_objects_leaves_one_lock_file(s3: dict[str, Any]) -> None:
     assert sorted(p.name for p in (ObjectCache().root / "locks").iterdir()) == ["downloads"]
 
 
-def _read_objects(urls: list[str], opts: dict[str, Any], start: Any, out: Any) -> None:
+def _read_objects(urls: list[str], opts: dict[str, Any], out: Any, start: Any) -> None:
     store = storage.Store(opts)
     stats = store.stats(urls)
     start.wait(60)  # both processes ask for the same objects at the same moment
@@ -55,15 +55,7 @@ def test_processes_and_threads_wanting_one_object_download_it_once(s3: dict[str,
     objects = _put(s3, 12)
     proxy = s3["proxy"]
     proxy.latency = 0.2  # the downloads overlap
-    ctx = multiprocessing.get_context("fork")
-    start, out = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_read_objects, args=(list(objects), s3["options"], start, out)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = at_once("fork", _read_objects, list(objects), s3["options"])
     assert results[0] == results[1] == objects  # every reader got the whole object
     assert proxy.count("GET", f"/{s3['bucket']}/small/") == len(objects)  # each downloaded once
 

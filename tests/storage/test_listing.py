@@ -4,7 +4,6 @@ a damaged one listed again."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pathlib
 import pickle
@@ -21,6 +20,7 @@ import globalloader as gl
 from globalloader import storage
 from globalloader.errors import ArgumentError
 from globalloader.storage import listing
+from helpers import at_once
 
 
 def _put(s3: dict[str, Any], n: int) -> str:
@@ -135,15 +135,7 @@ def test_jobs_starting_together_list_a_folder_once_and_their_workers_map_it(
 ) -> None:
     _put_fast(s3, [f"many/{i:05d}.npy" for i in range(2500)])  # a listing of 3 pages of 1,000 keys
     root = f"s3://{s3['bucket']}/many"
-    ctx = multiprocessing.get_context("spawn")
-    out, start = ctx.Queue(), ctx.Barrier(2)
-    jobs = [ctx.Process(target=_job, args=(root, s3["options"], out, start)) for _ in range(2)]
-    for job in jobs:
-        job.start()
-    results = [out.get(timeout=120) for _ in jobs]
-    for job in jobs:
-        job.join(60)
-        assert job.exitcode == 0
+    results = at_once("spawn", _job, root, s3["options"])
     assert _lists(s3) == 3  # one listing of the folder for the machine: not one per job
     kept = sorted(str(p) for p in (isolated_cache / "listings").glob("*.gl[ld]"))
     assert len(kept) == 2  # the listing and the source's rows
