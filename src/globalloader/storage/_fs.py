@@ -157,8 +157,13 @@ async def _get_s3(fs: Any, path: str, span: tuple[int, int] | None, version: str
     """S3: If-Match on the ETag (412 PreconditionFailed: changed), through obstore where its
     runtime works in this process, else through s3fs's async call (its `cat_file` takes no
     conditions)."""
-    if _obstore_usable():
-        return await _get_s3_obstore(fs, path, span, version)
+    get = _get_s3_obstore if _obstore_usable() else _get_s3_s3fs
+    return await get(fs, path, span, version)
+
+
+async def _get_s3_s3fs(fs: Any, path: str, span: tuple[int, int] | None, version: str) -> Answer | None:
+    """`_get_s3` through s3fs (aiobotocore): its answers name the encryption, so the MD5 is
+    known from the answer alone."""
     bucket, key, version_id = fs.split_path(path)
     pinned = {"VersionId": version_id} if version_id else {}  # a version_aware client's "?versionId="
     ranged = _range_header(span)
