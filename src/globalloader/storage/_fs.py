@@ -5,14 +5,16 @@ client (s3fs over aiobotocore) is made with one attempt per call in both of its 
 (s3fs's `retries` and botocore's `total_max_attempts`), a connect and a read timeout; S3 GETs of
 object data go through obstore (Rust's object_store: a third of aiobotocore's CPU per GET) with
 its retries off and the same timeouts, its errors translated as s3fs translates botocore's
-(see `_obstore_error`); listing, HEAD and writes stay on s3fs. obstore's runtime does not survive
-a fork: a process forked after its parent's first obstore GET reads through s3fs (see
-`_obstore_usable`). GCS's
+(see `_obstore_error`); listing, HEAD and writes stay on s3fs. Two cases read through s3fs
+still: a whole object whose ETag is no MD5 (the store's checksum headers, which obstore does not
+return, are all that checks it), and any GET of a process forked after its parent's first
+obstore GET (obstore's runtime does not survive a fork; see `_obstore_usable`). GCS's
 (gcsfs) and Azure's (adlfs over the Azure SDK) with their retry loops off too. Reads of one
 version of an object (If-Match on S3's and Azure's ETag, `ifGenerationMatch` on GCS) are made
-per store from one table, `CONDITIONAL`. Options
-from the caller (`storage_options=`: endpoint, key/secret, anon, ...) are passed to fsspec as
-they are; where they say nothing, the standard AWS/GCS environment and config files apply.
+per store from one table, `CONDITIONAL`. Options from the caller (`storage_options=`: endpoint,
+key/secret, anon, ...) are passed to fsspec as they are, and to obstore translated
+(`_make_object_store`); where they say nothing, the standard AWS/GCS environment and config files
+apply.
 
 One filesystem instance per process and options serves every thread (fsspec would make one per
 thread, and an S3 client costs a tenth of a second or more to make), and S3 clients share one
@@ -156,8 +158,11 @@ class Answer(NamedTuple):
 async def _get_s3(fs: Any, path: str, span: tuple[int, int] | None, version: str) -> Answer | None:
     """S3: If-Match on the ETag (412 PreconditionFailed: changed), through obstore where its
     runtime works in this process, else through s3fs's async call (its `cat_file` takes no
-    conditions)."""
-    get = _get_s3_obstore if _obstore_usable() else _get_s3_s3fs
+    conditions). obstore neither returns nor verifies the store's checksum headers
+    (`x-amz-checksum-*`): a whole object whose ETag is no MD5 (a multipart upload), for which they
+    are the store's only checksum, is read through s3fs, whose botocore verifies them."""
+    checked_without_headers = span is not None or etag_md5(version) is not None  # a range has no checksum
+    get = _get_s3_obstore if checked_without_headers and _obstore_usable() else _get_s3_s3fs
     return await get(fs, path, span, version)
 
 
