@@ -33,6 +33,7 @@ _ERROR = (
 _CODES = {
     403: ("AccessDenied", "Access Denied"),
     404: ("NoSuchKey", "The specified key does not exist."),
+    500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
 }
 
@@ -63,7 +64,7 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     Rates are per request, drawn from a seeded generator: `slowdown` answers 503 SlowDown,
     `reset` drops the connection (half of them after part of the body). `forced` maps a key
-    substring to a status (403, 404 or 503) answered for every request on it. `latency` seconds are
+    substring to a status (403, 404, 500 or 503) answered for every request on it. `latency` seconds are
     added to each request. `corrupt` maps a key substring to how many more GET bodies of it get
     one byte flipped (the headers unchanged: a transfer damaged in transit); `no_checksums` drops
     the store's `x-amz-checksum-*` headers (an object stored without an additional checksum);
