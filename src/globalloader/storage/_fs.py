@@ -36,11 +36,14 @@ import threading
 import types
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from globalloader import _extras
 from globalloader.errors import SourceError
 from globalloader.storage.checksum import TransferCorrupted, answer_md5, etag_md5
+
+if TYPE_CHECKING:
+    from obstore import GetOptions
 
 CONNECT_TIMEOUT = 10.0  # seconds for one TCP connect to the object store
 READ_TIMEOUT = 30.0  # seconds without a byte on an open response
@@ -191,23 +194,24 @@ async def _get_s3_s3fs(fs: Any, path: str, span: tuple[int, int] | None, version
 async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, version: str) -> Answer | None:
     """`_get_s3` through obstore. Its answers carry no encryption headers, so the MD5 is the
     ETag's when it looks like one: a mismatch asks `etag_is_md5` before it counts as corrupted."""
+    bucket, key, version_id = fs.split_path(path)
+    store = _object_store(fs, bucket)  # a MissingExtraError without obstore
     import obstore
 
-    bucket, key, version_id = fs.split_path(path)
-    options: dict[str, Any] = {"if_match": version}
+    options: GetOptions = {"if_match": version}
     if span is not None:
         options["range"] = span
     if version_id:
         options["version"] = version_id
     _OBSTORE_PID[:] = [os.getpid()]
     try:
-        result = await obstore.get_async(_object_store(fs, bucket), key, options=options)  # type: ignore[arg-type]
+        result = await obstore.get_async(store, key, options=options)
         body = bytes(await result.bytes_async())
-    except Exception as exc:  # noqa: BLE001 - translated, or None for a refused condition
+    except Exception as exc:  # obstore's: translated, or None for a refused condition
         translated = _obstore_error(exc, path)
         if translated is None:
             return None
-        raise translated from None
+        raise translated from exc
     return Answer(body, etag_md5(result.meta.get("e_tag") or ""))
 
 
