@@ -21,6 +21,7 @@ from globalloader import storage
 from globalloader.demo.s3 import write_shards
 from globalloader.errors import SourceError
 from globalloader.sources import Parquet, TarShards
+from globalloader.storage import _fs
 from helpers import Server, check_resume, damaged_tars
 
 
@@ -224,3 +225,22 @@ def test_publish_puts_a_file_another_process_wrote_at_its_url_whole(tmp_path: pa
     with pytest.raises(SourceError, match="cannot write"):
         store.publish(str(temporary), str(tmp_path / "no-such-folder" / "a.bin"))
     assert not temporary.exists()
+
+
+# obstore (the S3 GETs' client) keeps a tokio runtime whose threads a fork does not copy: every
+# call in a child forked after the parent's first GET through it would hang, even with a store
+# made in the child. Such a child reads through s3fs.
+@pytest.mark.timeout(120)
+def test_process_workers_forked_after_the_parent_read_through_obstore_read_every_record(
+    s3: dict[str, Any], isolated_cache: pathlib.Path
+) -> None:
+    urls = write_shards(s3["bucket"], s3["options"], n=24, per_shard=4, size=300, index=True)
+    src = TarShards(urls, storage_options=s3["options"])  # indexed from the sidecars: no GET of a shard
+    assert src[0]["__key__"] == "s00000"  # the parent reads shard 0: a GET through obstore here
+    assert [os.getpid()] == _fs._OBSTORE_PID
+    proxy = s3["proxy"]
+    before = proxy.count("GET", suffix=".tar")
+    with gl.Loader(gl.Dataset(src), workers=2) as loader:
+        keys = sorted(r["__key__"] for r in loader)
+    assert keys == [f"s{i:05d}" for i in range(24)]
+    assert proxy.count("GET", suffix=".tar") - before == len(urls) - 1  # the workers downloaded the others

@@ -3,6 +3,7 @@ within bounds and epochs stay exact; permanent ones are named at once, never ret
 
 from __future__ import annotations
 
+import pathlib
 import time
 from typing import Any
 
@@ -113,3 +114,35 @@ def test_a_try_s_deadline_grows_with_its_bytes() -> None:
     assert policy.attempt_deadline(0) == 2.0
     assert policy.attempt_deadline(5000) == 7.0
     assert policy.attempt_deadline(None) == 60.0  # a listing: the policy's deadline
+
+
+# The GETs of object data (obstore's) answer as s3fs's calls do: 5xx and throttling retried as the
+# policy says, 403 and 404 named after one request; whole objects, ranges and the pool ahead alike.
+@pytest.mark.parametrize("status", [500, 503, 403, 404])
+@pytest.mark.parametrize("read", ["whole", "range", "ahead"])
+def test_a_get_answered_with_an_error_status_is_retried_or_named_by_its_status(
+    s3: dict[str, Any], isolated_cache: pathlib.Path, status: int, read: str
+) -> None:
+    url, key = f"s3://{s3['bucket']}/obj.bin", f"/{s3['bucket']}/obj.bin"
+    with storage.Store(s3["options"]).open_write(url) as out:
+        out.write(b"x" * 3000)
+    policy = storage.RetryPolicy(attempts=3, base=0.01, cap=0.02, deadline=30.0)
+    store = storage.Store(s3["options"], retry_policy=policy, cache=read == "ahead")
+    stat = store.stat(url)
+    proxy = s3["proxy"]
+    proxy.forced["obj.bin"] = status
+    transient = status >= 500
+    if read == "ahead":
+        store.prefetch([(url, stat)])
+        deadline = time.monotonic() + 20
+        while store.fetch_counters().get("failed", 0) == 0:
+            assert time.monotonic() < deadline, store.fetch_counters()
+            time.sleep(0.01)
+        assert store.fetch_counters()["throttled"] == (3 if status == 503 else 0)
+    else:
+        start, end = (0, stat.size) if read == "whole" else (10, 20)
+        named = r"cannot read .* 3 attempt\(s\)" if transient else "access denied" if status == 403 else "not found"
+        with pytest.raises(RemoteReadError if transient else RemoteAccessError, match=named) as info:
+            store.read_range(url, start, end, stat)
+        assert url in str(info.value)
+    assert proxy.count("GET", key) == (3 if transient else 1)

@@ -207,3 +207,21 @@ def _records(src: Any, *but: str) -> list[dict[str, Any]]:
 
 def _requests(proxy: Any, name: str) -> int:
     return sum(proxy.count(method, suffix=name) for method in ("GET", "HEAD"))
+
+
+def test_s3_gets_reach_the_store_from_client_kwargs_and_the_environment(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GETs' client (obstore) is made from the same options as s3fs: here the endpoint in
+    `client_kwargs` and the credentials and region from the environment (botocore's chain)."""
+    url, data = f"s3://{s3['bucket']}/env.bin", os.urandom(2000)
+    with storage.Store(s3["options"]).open_write(url) as out:
+        out.write(data)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    store = storage.Store({"client_kwargs": {"endpoint_url": s3["proxy"].url}}, cache=False)
+    stat = store.stat(url)
+    assert store.read_range(url, 0, stat.size, stat) == data
+    assert store.read_range(url, 100, 200, stat) == data[100:200]
+    assert s3["proxy"].count("GET", f"/{s3['bucket']}/env.bin") == 2

@@ -10,6 +10,7 @@ The demo's remote act, `benchmarks/remote.py` and the tests use it; it needs mot
 from __future__ import annotations
 
 import collections
+import hashlib
 import http.client
 import http.server
 import json
@@ -32,6 +33,7 @@ _ERROR = (
 _CODES = {
     403: ("AccessDenied", "Access Denied"),
     404: ("NoSuchKey", "The specified key does not exist."),
+    500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
 }
 
@@ -62,12 +64,14 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     Rates are per request, drawn from a seeded generator: `slowdown` answers 503 SlowDown,
     `reset` drops the connection (half of them after part of the body). `forced` maps a key
-    substring to a status (403, 404 or 503) answered for every request on it. `latency` seconds are
+    substring to a status (403, 404, 500 or 503) answered for every request on it. `latency` seconds are
     added to each request. `corrupt` maps a key substring to how many more GET bodies of it get
     one byte flipped (the headers unchanged: a transfer damaged in transit); `no_checksums` drops
     the store's `x-amz-checksum-*` headers (an object stored without an additional checksum);
     `trickle` maps a key substring to the seconds between the bytes of its GET bodies, each sent
-    alone. `bytes_sent[key]` counts the body bytes of successful GETs; GET /__stats__ answers
+    alone. `opaque_etags` holds key substrings whose ETags are shown as no MD5 (as S3 shows those
+    of objects encrypted with KMS; moto's are the MD5 still): another hex in answers, mapped back
+    in If-Match. `bytes_sent[key]` counts the body bytes of successful GETs; GET /__stats__ answers
     their total and the count of GETs as JSON, for other processes.
     """
 
@@ -89,6 +93,8 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.corrupt: dict[str, int] = {}
         self.no_checksums = False
         self.trickle: dict[str, float] = {}
+        self.opaque_etags: set[str] = set()
+        self._true_etags: dict[str, str] = {}  # an opaque ETag shown -> the store's own
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.bytes_sent: collections.Counter[str] = collections.Counter()
@@ -180,6 +186,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
         try:
             headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+            with proxy.lock:  # HTTP header names are case-insensitive: obstore sends "if-match"
+                headers = {k: proxy._true_etags.get(v, v) if k.lower() == "if-match" else v for k, v in headers.items()}
             upstream.request(method, self.path, body=body, headers=headers)
             response = upstream.getresponse()
             data = response.read()
@@ -190,6 +198,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if key.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date") and not (
                 proxy.no_checksums and key.lower().startswith("x-amz-checksum-")
             ):
+                if key.lower() == "etag" and any(part in path for part in proxy.opaque_etags):
+                    value = _opaque(proxy, value)
                 self.send_header(key, value)
         length = response.getheader("Content-Length") if method == "HEAD" else None
         self.send_header("Content-Length", length or str(len(data)))
@@ -255,6 +265,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.close_connection = True
         self.connection.close()
+
+
+def _opaque(proxy: FaultProxy, etag: str) -> str:
+    """Another 32-hex ETag for `etag` (an encrypted object's look), remembered to map it back."""
+    shown = f'"{hashlib.md5(etag.encode(), usedforsecurity=False).hexdigest()}"'
+    with proxy.lock:
+        proxy._true_etags[shown] = etag
+    return shown
 
 
 def new_bucket(endpoint: str) -> str:

@@ -2,12 +2,19 @@
 
 Every retry happens in `storage.retry`, so the total behaviour is bounded in one place: S3's
 client (s3fs over aiobotocore) is made with one attempt per call in both of its retry layers
-(s3fs's `retries` and botocore's `total_max_attempts`), a connect and a read timeout; GCS's
+(s3fs's `retries` and botocore's `total_max_attempts`), a connect and a read timeout; S3 GETs of
+object data go through obstore (Rust's object_store: a third of aiobotocore's CPU per GET) with
+its retries off and the same timeouts, its errors translated as s3fs translates botocore's
+(see `_obstore_error`); listing, HEAD and writes stay on s3fs. Two cases read through s3fs
+still: a whole object whose ETag is no MD5 (the store's checksum headers, which obstore does not
+return, are all that checks it), and any GET of a process forked after its parent's first
+obstore GET (obstore's runtime does not survive a fork; see `_obstore_usable`). GCS's
 (gcsfs) and Azure's (adlfs over the Azure SDK) with their retry loops off too. Reads of one
 version of an object (If-Match on S3's and Azure's ETag, `ifGenerationMatch` on GCS) are made
-per store from one table, `CONDITIONAL`. Options
-from the caller (`storage_options=`: endpoint, key/secret, anon, ...) are passed to fsspec as
-they are; where they say nothing, the standard AWS/GCS environment and config files apply.
+per store from one table, `CONDITIONAL`. Options from the caller (`storage_options=`: endpoint,
+key/secret, anon, ...) are passed to fsspec as they are, and to obstore translated
+(`_make_object_store`); where they say nothing, the standard AWS/GCS environment and config files
+apply.
 
 One filesystem instance per process and options serves every thread (fsspec would make one per
 thread, and an S3 client costs a tenth of a second or more to make), and S3 clients share one
@@ -19,19 +26,24 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import errno
 import json
 import os
+import re
 import sys
 import threading
 import types
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from globalloader import _extras
 from globalloader.errors import SourceError
-from globalloader.storage.checksum import TransferCorrupted, answer_md5
+from globalloader.storage.checksum import TransferCorrupted, answer_md5, etag_md5
+
+if TYPE_CHECKING:
+    from obstore import GetOptions
 
 CONNECT_TIMEOUT = 10.0  # seconds for one TCP connect to the object store
 READ_TIMEOUT = 30.0  # seconds without a byte on an open response
@@ -147,8 +159,19 @@ class Answer(NamedTuple):
 
 
 async def _get_s3(fs: Any, path: str, span: tuple[int, int] | None, version: str) -> Answer | None:
-    """S3: If-Match on the ETag (412 PreconditionFailed: changed). Through s3fs's async call: its
-    `cat_file` takes no conditions."""
+    """S3: If-Match on the ETag (412 PreconditionFailed: changed), through obstore where its
+    runtime works in this process, else through s3fs's async call (its `cat_file` takes no
+    conditions). obstore neither returns nor verifies the store's checksum headers
+    (`x-amz-checksum-*`): a whole object whose ETag is no MD5 (a multipart upload), for which they
+    are the store's only checksum, is read through s3fs, whose botocore verifies them."""
+    checked_without_headers = span is not None or etag_md5(version) is not None  # a range has no checksum
+    get = _get_s3_obstore if checked_without_headers and _obstore_usable() else _get_s3_s3fs
+    return await get(fs, path, span, version)
+
+
+async def _get_s3_s3fs(fs: Any, path: str, span: tuple[int, int] | None, version: str) -> Answer | None:
+    """`_get_s3` through s3fs (aiobotocore): its answers name the encryption, so the MD5 is
+    known from the answer alone."""
     bucket, key, version_id = fs.split_path(path)
     pinned = {"VersionId": version_id} if version_id else {}  # a version_aware client's "?versionId="
     ranged = _range_header(span)
@@ -166,6 +189,177 @@ async def _get_s3(fs: Any, path: str, span: tuple[int, int] | None, version: str
     return Answer(
         body, answer_md5(resp.get("ETag", ""), resp.get("ServerSideEncryption"), resp.get("SSECustomerAlgorithm"))
     )
+
+
+async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, version: str) -> Answer | None:
+    """`_get_s3` through obstore. Its answers carry no encryption headers, so the MD5 is the
+    ETag's when it looks like one: a mismatch asks `etag_is_md5` before it counts as corrupted."""
+    bucket, key, version_id = fs.split_path(path)
+    store = _object_store(fs, bucket)  # a MissingExtraError without obstore
+    import obstore
+
+    options: GetOptions = {"if_match": version}
+    if span is not None:
+        options["range"] = span
+    if version_id:
+        options["version"] = version_id
+    _OBSTORE_PID[:] = [os.getpid()]
+    try:
+        result = await obstore.get_async(store, key, options=options)
+        body = bytes(await result.bytes_async())
+    except Exception as exc:  # obstore's: translated, or None for a refused condition
+        translated = _obstore_error(exc, path)
+        if translated is None:
+            return None
+        raise translated from exc
+    return Answer(body, etag_md5(result.meta.get("e_tag") or ""))
+
+
+def _obstore_usable() -> bool:
+    """Whether obstore's runtime (tokio's threads) runs in this process: not in a child forked
+    after its parent made a GET through it, where every call would hang (obstore is not fork-safe,
+    even with a store made after the fork)."""
+    return not _OBSTORE_PID or _OBSTORE_PID[0] == os.getpid()
+
+
+def _object_store(fs: Any, bucket: str) -> Any:
+    """The obstore S3Store of `bucket`, made once per filesystem from its `storage_options`."""
+    key = (id(fs), bucket)
+    store = _OBJECT_STORES.get(key)
+    if store is None:
+        with _INSTANCES_LOCK:
+            store = _OBJECT_STORES.get(key)
+            if store is None:
+                store = _OBJECT_STORES[key] = _make_object_store(fs.storage_options, bucket)
+    return store
+
+
+def _make_object_store(options: dict[str, Any], bucket: str) -> Any:
+    """An obstore S3Store reaching `bucket` as s3fs with these options does: endpoint, region,
+    credentials (given, anonymous, else botocore's own chain: environment, config files,
+    instance roles), addressing style, requester pays; one attempt per call and `_fs`'s timeouts."""
+    obstore_store = _extras.require("obstore.store", "remote")
+    client = dict(options.get("client_kwargs") or {})
+    config = dict(options.get("config_kwargs") or {})
+    settings: dict[str, Any] = {}
+    endpoint = (
+        options.get("endpoint_url")
+        or client.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    if endpoint:
+        settings["endpoint"] = endpoint
+        # botocore addresses a custom endpoint by path unless told "virtual"
+        settings["virtual_hosted_style_request"] = (config.get("s3") or {}).get("addressing_style") == "virtual"
+    if options.get("requester_pays"):
+        settings["request_payer"] = True
+    key = options.get("key") or client.get("aws_access_key_id")
+    secret = options.get("secret") or client.get("aws_secret_access_key")
+    token = options.get("token") or client.get("aws_session_token")
+    provider = None
+    if options.get("anon"):
+        settings["skip_signature"] = True
+    elif key and secret:
+        settings.update(access_key_id=key, secret_access_key=secret)
+        if token:
+            settings["token"] = token
+    else:
+        provider = _botocore_credentials(options.get("profile"))
+    region = client.get("region_name") or _botocore_region(options.get("profile"))
+    if region:
+        settings["region"] = region
+    connect = config.get("connect_timeout", CONNECT_TIMEOUT)
+    read = config.get("read_timeout", READ_TIMEOUT)
+    http = {
+        "allow_http": str(endpoint or "").startswith("http://"),
+        "connect_timeout": datetime.timedelta(seconds=connect),
+        "read_timeout": datetime.timedelta(seconds=read),
+        # A backstop only: each try's own deadline (`RetryPolicy.attempt_deadline`) cancels it first.
+        "timeout": datetime.timedelta(hours=1),
+        "pool_max_idle_per_host": str(config.get("max_pool_connections", MAX_CONNECTIONS)),
+    }
+    no_retries = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=read)}
+    return obstore_store.S3Store(
+        bucket, client_options=http, retry_config=no_retries, credential_provider=provider, **settings
+    )
+
+
+def _botocore_credentials(profile: str | None) -> Callable[[], dict[str, Any]] | None:
+    """obstore's credential callback over botocore's chain (the one s3fs follows), or None when
+    that chain finds none (obstore then looks at the environment itself)."""
+    import botocore.session  # type: ignore[import-untyped]
+
+    found = botocore.session.Session(profile=profile).get_credentials()
+    if found is None:
+        return None
+
+    def credentials() -> dict[str, Any]:
+        frozen = found.get_frozen_credentials()  # refreshed by botocore when they near their end
+        temporary = hasattr(found, "refresh_needed")  # botocore's RefreshableCredentials: ask again soon
+        soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": soon if temporary else None,
+        }
+
+    return credentials
+
+
+def _botocore_region(profile: str | None) -> str | None:
+    """The region botocore finds (AWS_REGION, AWS_DEFAULT_REGION, the config file), if any."""
+    import botocore.session
+
+    region: str | None = botocore.session.Session(profile=profile).get_config_variable("region")
+    return region
+
+
+_STATUS = re.compile(r"status code: (\d{3})")
+
+
+def _obstore_error(exc: Exception, path: str) -> Exception | None:
+    """obstore's error as s3fs would raise it for botocore's (so `is_transient`, `is_denied`,
+    `is_throttling` and `storage.retry` judge both alike), or None for a refused If-Match (412)."""
+    import obstore.exceptions as failed
+
+    if isinstance(exc, failed.PreconditionError):
+        return None
+    said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    match = _STATUS.search(said)
+    status = int(match.group(1)) if match else None
+    if isinstance(exc, FileNotFoundError) or status == 404:
+        return FileNotFoundError(errno.ENOENT, said, path)
+    if isinstance(exc, (failed.PermissionDeniedError, failed.UnauthenticatedError)) or status in (401, 403):
+        return PermissionError(errno.EACCES, said, path)
+    if status in (429, 503):  # throttling: s3fs's EBUSY
+        return OSError(errno.EBUSY, said, path)
+    if status is not None and (status >= 500 or status == 408):
+        return OSError(errno.EREMOTEIO, said, path)
+    if status is not None or not isinstance(exc, failed.GenericError):
+        return OSError(errno.EINVAL, said, path)  # a request the store refuses: not tried again
+    return ConnectionError(said)  # no answer: a reset, a cut body, a timeout
+
+
+def etag_is_md5(fs: Any, path: str, etag: str) -> bool:
+    """Whether S3's ETag `etag` of the object at `path` is its MD5: one HEAD through s3fs (whose
+    answer names the encryption) when a GET's bytes did not match it, kept per object version.
+    An object no longer at that ETag is said to have an MD5 ETag: the mismatch is then retried,
+    and the conditional GET names the change."""
+    bucket, key, version_id = fs.split_path(path)
+    known = _ETAG_IS_MD5.get((path, etag))
+    if known is None:
+        pinned = {"VersionId": version_id} if version_id else {}
+        head = fs.call_s3("head_object", Bucket=bucket, Key=key, **pinned)
+        encryption, customer_key = head.get("ServerSideEncryption"), head.get("SSECustomerAlgorithm")
+        if head.get("ETag") != etag:
+            return True
+        known = answer_md5(etag, encryption, customer_key) is not None
+        if len(_ETAG_IS_MD5) >= _ETAG_IS_MD5_KEPT:
+            _ETAG_IS_MD5.pop(next(iter(_ETAG_IS_MD5)))
+        _ETAG_IS_MD5[path, etag] = known
+    return known
 
 
 async def _get_gcs(fs: Any, path: str, span: tuple[int, int] | None, version: str) -> Answer | None:
@@ -321,6 +515,10 @@ def _make(url: str, scheme: str, kwargs: dict[str, Any]) -> Any:
 
 
 _INSTANCES: dict[tuple[int, str, str], Any] = {}  # (pid, scheme, options) -> filesystem
+_OBJECT_STORES: dict[tuple[int, str], Any] = {}  # (id of an S3 filesystem, bucket) -> obstore S3Store
+_OBSTORE_PID: list[int] = []  # the process that started obstore's runtime (its first GET)
+_ETAG_IS_MD5: dict[tuple[str, str], bool] = {}  # (path, ETag) -> whether the ETag is the MD5
+_ETAG_IS_MD5_KEPT = 65536  # answers kept, the oldest dropped first
 _INSTANCES_LOCK = threading.Lock()
 _SESSION: list[Any] = []  # the aiobotocore session S3 clients share (made once, kept across forks)
 # Options that shape the aiobotocore session itself: given any, s3fs makes its own.

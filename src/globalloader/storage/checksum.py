@@ -3,7 +3,9 @@ so that bytes corrupted in transit are fetched again, never cached or served.
 
 What a whole object is checked against, every one that is known:
 - the MD5 its S3 ETag is: a plain 32-hex ETag (no "-N" of a multipart upload) of an object not
-  encrypted with KMS or a customer key (their ETags are no MD5), as the answer itself says;
+  encrypted with KMS or a customer key (their ETags are no MD5), as the answer itself says, or,
+  for a client whose answers do not name the encryption, as a HEAD says once the bytes differ
+  from the ETag (`Digest`'s `etag_is_md5`);
 - a CRC-32 the project recorded when it wrote the object (a tar shard's `.idx` sidecar);
 - the store's own checksum of a whole-object answer (S3's `x-amz-checksum-*` headers), which the
   S3 client verifies as it reads the body (botocore's FlexibleChecksumError).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
+from collections.abc import Callable
 
 from globalloader.errors import SourceError
 
@@ -53,11 +56,21 @@ class Digest:
     Corruption in transit is random: a try whose bytes are wrong is a TransferCorrupted (tried
     again), but the same wrong bytes twice mean the object itself differs from its checksum (a
     shard rewritten behind its sidecar, a store whose ETags are no MD5s): a SourceError at once,
-    naming where the CRC-32 was recorded (`recorded_in`) and what to do (`fix`).
+    naming where the CRC-32 was recorded (`recorded_in`) and what to do (`fix`). Bytes that differ
+    from an MD5 an answer only presumed from the ETag are checked by `etag_is_md5()` first: an
+    ETag it says is no MD5 (an encrypted object) leaves nothing to check the MD5 against.
     """
 
-    def __init__(self, url: str, crc32: int | None = None, recorded_in: str = "", fix: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        crc32: int | None = None,
+        recorded_in: str = "",
+        fix: str = "",
+        etag_is_md5: Callable[[], bool] | None = None,
+    ) -> None:
         self.url, self.crc32, self.recorded_in, self.fix = url, crc32, recorded_in, fix
+        self.etag_is_md5 = etag_is_md5
         self._wrong: set[tuple[str, int]] = set()
         self.restart(None)
 
@@ -77,6 +90,9 @@ class Digest:
         """Nothing if the try's bytes match every known checksum; else a TransferCorrupted, or
         a SourceError when an earlier try had the same wrong bytes."""
         md5 = self._md5.hexdigest() if self._md5 is not None else ""
+        if md5 != (self.md5 or "") and self.etag_is_md5 is not None and not self.etag_is_md5():
+            md5 = ""  # an encrypted object's ETag: no MD5 to check
+            self._md5 = None
         if self._md5 is not None and md5 != self.md5:
             problem = f"the MD5 of the bytes received from {self.url} is {md5}, its ETag says {self.md5}"
             again = "the store's ETag of it is no MD5 (an encrypted object?) or the object is damaged at the store"

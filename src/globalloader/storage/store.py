@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import glob as _glob
 import io
 import os
@@ -35,6 +36,7 @@ from globalloader.storage._fs import (
     Answer,
     bounded,
     can_read_if_version,
+    etag_is_md5,
     filesystem,
     local_errors,
     read_if_version,
@@ -287,8 +289,14 @@ class Store(ProcessLocal):
         self.crc32s[url, stat] = (crc32, recorded_in, fix)
 
     def _digest(self, url: str, stat: FileStat) -> Digest:
-        """The checks of whole downloads of `url` at `stat` (see `storage.checksum`)."""
-        return Digest(url, *self.crc32s.get((url, stat), ()))
+        """The checks of whole downloads of `url` at `stat` (see `storage.checksum`); on S3, an
+        ETag the bytes do not match is asked about once (`_fs.etag_is_md5`: an encrypted object's
+        is no MD5)."""
+        digest = Digest(url, *self.crc32s.get((url, stat), ()))
+        if scheme_of(url) in S3_SCHEMES:
+            fs, path = self.filesystem(url)
+            digest.etag_is_md5 = functools.partial(etag_is_md5, fs, path, stat.version)
+        return digest
 
     def open_cached(self, url: str, stat: FileStat, block: int = -1, *, ahead: bool = False) -> CachedFile:
         """The whole object (block -1) or one block of it, from the machine cache (downloaded
@@ -409,9 +417,14 @@ class Store(ProcessLocal):
                     raise _changed(url, f"{len(answer.data)} bytes, its listing said {stat.size}")
                 digest = self._digest(url, stat)
                 digest.restart(answer.md5)
-                digest.update(answer.data)
-                digest.check()
-                await asyncio.get_running_loop().run_in_executor(None, fill, answer.data)
+
+                def check_and_fill(data: bytes) -> None:
+                    # off the loop: the hashing, and the HEAD a mismatch may ask (`_digest`)
+                    digest.update(data)
+                    digest.check()
+                    fill(data)
+
+                await asyncio.get_running_loop().run_in_executor(None, check_and_fill, answer.data)
 
     def _prefetch_one(self, url: str) -> None:
         """Download the object (each block of it) ahead, unless the reads overtook it (fetched
