@@ -14,7 +14,6 @@ A Store holds only its settings, so it pickles to worker processes; clients, the
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import glob as _glob
 import io
@@ -398,7 +397,8 @@ class Store(ProcessLocal):
     async def _fetch_small(self, url: str, stat: FileStat) -> None:
         """One object of the pool: nothing if the cache holds it or another process is
         downloading it, else one GET with If-Match, checked against its checksums, written into
-        the cache under the entry's download lock (the disk work on the loop's threads)."""
+        the cache under the entry's download lock (the disk work off the loop, batched: see
+        `fetch_ahead.DiskWork`)."""
         with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0)) as fill:
             if fill is not None:
                 fs, path = self.filesystem(url)
@@ -411,7 +411,8 @@ class Store(ProcessLocal):
                 digest.restart(answer.md5)
                 digest.update(answer.data)
                 digest.check()
-                await asyncio.get_running_loop().run_in_executor(None, fill, answer.data)
+                assert self._fetch_ahead is not None  # the pool running this
+                await self._fetch_ahead.disk.run(fill, answer.data)
 
     def _prefetch_one(self, url: str) -> None:
         """Download the object (each block of it) ahead, unless the reads overtook it (fetched
