@@ -330,7 +330,8 @@ class FetchAhead:
 
     async def _one(self, url: str, size: int, what: Any, tries: int, since: float, sent_in_round: int) -> None:
         try:
-            await asyncio.wait_for(self._fetch(url, what), self._policy.attempt_deadline(size))
+            async with asyncio.timeout(self._policy.attempt_deadline(size)):  # no task of its own, as wait_for's
+                await self._fetch(url, what)
         except Exception as exc:  # noqa: BLE001 - counted and named; the read that needs it raises it
             self._failed(exc, (url, size, what, tries, since), sent_in_round)
         else:
