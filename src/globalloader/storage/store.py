@@ -356,9 +356,11 @@ class Store(ProcessLocal):
         them before it is read."""
         # Asked for whether the cache holds them now or not (it may evict them before their turn):
         # each costs a stat of a file when its turn comes, no open if the cache holds it then.
-        objects = [(url, stat) for url, stat in objects if self.cached(url)]
-        small = [(url, stat) for url, stat in objects if self._one_get(url, stat)]
-        large = [(url, stat) for url, stat in objects if not self._one_get(url, stat)]
+        small: list[tuple[str, FileStat]] = []
+        large: list[tuple[str, FileStat]] = []
+        for url, stat in objects:  # each looked at once: an epoch asks for every object
+            if self.cached(url):
+                (small if self._one_get(url, stat) else large).append((url, stat))
         if not small and not large:
             return
         with self._lock:
