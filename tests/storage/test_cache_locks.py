@@ -3,7 +3,9 @@ the processes and threads that want it at the same moment, entries read whole.""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import shutil
 import threading
 from typing import Any
 
@@ -73,3 +75,52 @@ def test_a_half_written_entry_is_never_served(s3: dict[str, Any]) -> None:
     fresh = storage.Store(s3["options"])
     assert {url: fresh.read_object(url, fresh.stat(url)) for url in objects} == objects
     assert s3["proxy"].count("GET", f"/{s3['bucket']}/small/") == 2 * len(objects)  # each fetched again
+
+
+def _claim_in_child(cache: ObjectCache, entry: Entry, out: Any) -> None:
+    with cache.claim(entry) as fill:
+        out.put(fill is not None)
+
+
+def test_a_download_lock_excludes_the_handle_s_threads_and_forked_children(tmp_path: Any) -> None:
+    """The lock file stays open per cache handle: while one claim holds an entry, another thread
+    of the handle and a child forked with the handle do not get the entry, once released they do;
+    after the lock file was removed, the handle locks the new one."""
+    cache = ObjectCache(tmp_path / "cache")
+    entry = Entry("s3://b/one.bin", 5, "v")
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+
+    def in_thread() -> bool:
+        got: list[bool] = []
+        thread = threading.Thread(target=lambda: got.append(_claim_fill(cache, entry)))
+        thread.start()
+        thread.join(30)
+        return got[0]
+
+    def in_child() -> bool:
+        child = ctx.Process(target=_claim_in_child, args=(cache, entry, out))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        return bool(out.get(timeout=5))
+
+    with cache.claim(entry) as fill:
+        assert fill is not None
+        assert not in_thread()
+        assert not in_child()
+    assert in_thread() and in_child()
+    with cache.claim(entry) as fill:
+        assert fill is not None
+        shutil.rmtree(tmp_path / "cache" / "locks")  # the held lock goes with its file (as ever)
+        assert not in_thread()  # the handle still knows its own
+        assert _claim_fill(ObjectCache(tmp_path / "cache"), entry)  # another handle: the new file
+    other = ObjectCache(tmp_path / "cache")
+    with cache.claim(entry) as fill:  # the handle locks the new file now
+        assert fill is not None
+        assert not _claim_fill(other, entry) and not in_child()
+
+
+def _claim_fill(cache: ObjectCache, entry: Entry) -> bool:
+    with cache.claim(entry) as fill:
+        return fill is not None

@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -193,3 +194,35 @@ def test_the_first_answers_are_read_before_a_whole_limit_of_requests_is_sent() -
         loop.close()
     assert events.index(("done", 0)) < events.index(("sent", 63))
     assert sorted(number for kind, number in events if kind == "done") == list(range(64))  # each once
+
+
+def test_disk_work_runs_calls_in_order_off_the_loop_and_hands_back_their_errors() -> None:
+    """The pool's disk work: each call once, in the order asked, on another thread than the
+    loop's; a call's exception reaches the coroutine that awaits it; a call whose awaiting was
+    cancelled before it started is not made."""
+    calls: list[tuple[int, int]] = []
+    gate = threading.Event()
+
+    def work(number: int) -> None:
+        gate.wait(30)  # the first call holds the drain while the others queue behind it
+        calls.append((number, threading.get_ident()))
+        if number == 3:
+            raise OSError(28, "No space left on device")
+
+    async def main() -> list[object]:
+        disk = fetch_ahead.DiskWork(asyncio.get_running_loop())
+        futures = [disk.run(work, n) for n in range(6)]
+        futures[4].cancel()
+        gate.set()
+        return await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 30)
+
+    loop = asyncio.new_event_loop()
+    try:
+        outcomes = loop.run_until_complete(main())
+        loop_thread = threading.get_ident()
+    finally:
+        loop.close()
+    assert [number for number, _ in calls] == [0, 1, 2, 3, 5]
+    assert all(thread != loop_thread for _, thread in calls)
+    assert isinstance(outcomes[3], OSError) and isinstance(outcomes[4], asyncio.CancelledError)
+    assert [outcomes[n] for n in (0, 1, 2, 5)] == [None] * 4

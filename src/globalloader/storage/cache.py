@@ -236,6 +236,75 @@ def _lock_byte(fd: int, byte: int, kind: int) -> bool:
     return True
 
 
+class _DownloadLocks:
+    """The download locks of one cache handle: bytes of the folder's lock file (see `_DOWNLOADS`)
+    through one descriptor kept open, not an open and a close per entry. Locks taken through one
+    descriptor never conflict with each other, so the bytes this handle holds are also kept here
+    and its threads exclude each other by them. The file is opened again once it was removed
+    (`rm -rf` of the cache), the old descriptor closed once none of its bytes is held. A forked
+    child closes its copies without unlocking them (the parent's) and opens its own."""
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        self.folder = folder
+        self._fd = -1
+        self._held: dict[int, int] = {}  # byte -> the descriptor it is locked through
+        self._guard = threading.Lock()
+        reset_in_forked_children(self)
+
+    def _after_fork(self) -> None:
+        for fd in {self._fd, *self._held.values()} - {-1}:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fd, self._held, self._guard = -1, {}, threading.Lock()
+
+    def __del__(self) -> None:
+        for fd in {self._fd, *self._held.values()} - {-1}:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def descriptor(self) -> int:
+        """The lock file, open read-write (a write lock needs it, and its first bytes hold the fetch
+        times; it is group-writable in a cache shared with the group, as the counters are). Call
+        under the guard."""
+        if self._fd >= 0 and os.fstat(self._fd).st_nlink:
+            return self._fd
+        if self._fd >= 0 and self._fd not in self._held.values():
+            os.close(self._fd)
+        path, mode = self.folder / _DOWNLOADS, _paths.file_mode(group_writes=True)
+        try:
+            self._fd = _paths.open_file(path, os.O_RDWR, mode)[0]
+        except FileNotFoundError:  # the folder was removed under us (rm -rf of the cache)
+            _paths.make_folder(self.folder)
+            self._fd = _paths.open_file(path, os.O_RDWR, mode)[0]
+        return self._fd
+
+    def try_lock(self, byte: int) -> bool:
+        """Whether the entry's byte was free and is now held by this handle (without waiting)."""
+        with self._guard:
+            if byte in self._held:
+                return False
+            fd = self.descriptor()
+            if not _lock_byte(fd, byte, fcntl.F_WRLCK):
+                return False
+            self._held[byte] = fd
+            return True
+
+    def unlock(self, byte: int) -> None:
+        with self._guard:
+            fd = self._held.pop(byte)
+            _lock_byte(fd, byte, fcntl.F_UNLCK)  # not only close: a child forked meanwhile holds a copy
+            if fd != self._fd and fd not in self._held.values():
+                os.close(fd)  # of a lock file removed since: its last byte is released
+
+    def pread(self, length: int, offset: int) -> bytes:
+        with self._guard:
+            return os.pread(self.descriptor(), length, offset)
+
+    def pwrite(self, data: bytes, offset: int) -> None:
+        with self._guard:
+            os.pwrite(self.descriptor(), data, offset)
+
+
 class _Opened(NamedTuple):
     """An entry's descriptor under a shared lock, what its trailer says, and its stamp."""
 
@@ -411,6 +480,7 @@ class ObjectCache:
             raise StorageError(f"cannot create the object cache {self.root}: {exc.strerror}") from None
         _paths.check_folder(self.root, follow=root is not None)  # a folder the caller named may be a link
         _paths.check_folder(self._locks)
+        self._downloads = _DownloadLocks(self._locks)
         # What the cache can hold: its limit, or its disk if smaller.
         self.room = min(self.limit, disk.f_blocks * disk.f_frsize)
         self.hold = self.room // HOLD_SHARE  # bytes this handle's readers keep open besides those read now
@@ -463,14 +533,7 @@ class ObjectCache:
         """Whether a reader fetched the entry (or waited for its download) after `since` (a
         time.time()): a download ahead asked for before that was overtaken by the reads, and the
         entry, gone now, was read and evicted; fetched again it would be downloaded twice."""
-        try:
-            fd = _paths.open_file(self._locks / _DOWNLOADS, os.O_RDONLY, _paths.file_mode(group_writes=True))[0]
-        except FileNotFoundError:
-            return False
-        try:
-            raw = os.pread(fd, _FETCHED_AT.size, _fetched_slot(_lock_byte_of(entry.name())))
-        finally:
-            os.close(fd)
+        raw = self._downloads.pread(_FETCHED_AT.size, _fetched_slot(_lock_byte_of(entry.name())))
         return len(raw) == _FETCHED_AT.size and _FETCHED_AT.unpack(raw)[0] >= since
 
     @contextlib.contextmanager
@@ -618,34 +681,26 @@ class ObjectCache:
     @contextlib.contextmanager
     def _download_lock(self, path: pathlib.Path, entry: Entry, wait: bool = True) -> Iterator[bool]:
         """The entry's download lock, waited for (LOCK_TIMEOUT) or not (`wait` false: yields
-        whether it was free): one byte of the folder's one lock file (see `_DOWNLOADS`)."""
-        lock_path = self._locks / _DOWNLOADS
-        # Read-write: a write lock needs it, and its first bytes hold the fetch times (the file is
-        # group-writable in a cache shared with the group, as the counters are).
-        mode = _paths.file_mode(group_writes=True)
-        try:
-            fd = _paths.open_file(lock_path, os.O_RDWR, mode)[0]
-        except FileNotFoundError:  # the folder was removed under us (rm -rf of the cache)
-            _paths.make_folder(self._locks)
-            fd = _paths.open_file(lock_path, os.O_RDWR, mode)[0]
+        whether it was free): one byte of the folder's one lock file (see `_DownloadLocks`)."""
         byte = _lock_byte_of(path.name)
+        locks = self._downloads
+        if wait:
+            waited_for = (
+                f"another process to download {entry.url} into the cache {self.root}; "
+                "a stopped process holds its lock until it goes on or ends"
+            )
+            if not try_until(lambda: locks.try_lock(byte), LOCK_TIMEOUT, WAIT_POLL):
+                raise StorageError(f"waited {LOCK_TIMEOUT:.0f} s for {waited_for}")
+        elif not locks.try_lock(byte):
+            yield False
+            return
         try:
             if wait:
-                waited_for = (
-                    f"another process to download {entry.url} into the cache {self.root}; "
-                    "a stopped process holds its lock until it goes on or ends"
-                )
-                if not try_until(lambda: _lock_byte(fd, byte, fcntl.F_WRLCK), LOCK_TIMEOUT, WAIT_POLL):
-                    raise StorageError(f"waited {LOCK_TIMEOUT:.0f} s for {waited_for}")
                 # When a reader last fetched an entry of this slot (see `fetched_since`).
-                os.pwrite(fd, _FETCHED_AT.pack(time.time()), _fetched_slot(byte))
-            elif not _lock_byte(fd, byte, fcntl.F_WRLCK):
-                yield False
-                return
+                locks.pwrite(_FETCHED_AT.pack(time.time()), _fetched_slot(byte))
             yield True
         finally:
-            _lock_byte(fd, byte, fcntl.F_UNLCK)  # not only close: a forked child may hold a copy
-            os.close(fd)
+            locks.unlock(byte)
 
     def _write(
         self, path: pathlib.Path, entry: Entry, download: Download, *, opened: bool = True, ahead: bool = False

@@ -22,7 +22,13 @@ the pool fetched, or fetch one object themselves when they get there first.
 
 Throttling (503 SlowDown, 429) halves the limit at once, at most once per round of requests sent
 under it (a burst of refusals to one round is one signal), and each success adds 1/limit (one
-request per round): AIMD, as TCP does, so a store that asks for less gets less. A refused or
+request per round): AIMD, as TCP does, so a store that asks for less gets less.
+
+The disk work of the downloads (`disk.run`: the cache write) runs off the event loop in
+batches: one task of the loop's executor writes every answer that arrived meanwhile, in order,
+so a small object costs one queue append, not a thread hop and a future of its own (a hop per
+object, with the executor's threads contending for the interpreter, cost more CPU than the
+write itself). A refused or
 transient fault is tried again after `RetryPolicy.delay`, within the policy's attempts and
 deadline; a permanent one (403, 404, a changed object) is never tried again: it is counted and
 named in `errors`, and the read that needs the object raises it. Every GET has the policy's
@@ -152,6 +158,60 @@ def _forget_shares_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_shares_in_child)
 
 
+class DiskWork:
+    """Calls made off the event loop `loop`, in the order asked, by one task of its executor at a
+    time that takes every call queued meanwhile (see the module doc). `run` is called on the
+    loop's thread; a call whose awaiting was cancelled before it started is skipped."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[Callable[..., None], tuple[Any, ...], asyncio.Future[None]]]
+        self._queue = collections.deque()
+        self._draining = False
+
+    def run(self, call: Callable[..., None], *args: Any) -> asyncio.Future[None]:
+        """`call(*args)` off the loop; the future is its outcome."""
+        done: asyncio.Future[None] = self._loop.create_future()
+        with self._lock:
+            self._queue.append((call, args, done))
+            if self._draining:
+                return done
+            self._draining = True
+        self._loop.run_in_executor(None, self._drain)
+        return done
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._draining = False
+                    return
+                batch = list(self._queue)
+                self._queue.clear()
+            outcomes: list[tuple[asyncio.Future[None], BaseException | None]] = []
+            for call, args, done in batch:
+                if done.cancelled():  # its download gave up (deadline): its lock is released
+                    continue
+                try:
+                    call(*args)
+                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                    outcomes.append((done, exc))
+                else:
+                    outcomes.append((done, None))
+            self._loop.call_soon_threadsafe(_settle, outcomes)
+
+
+def _settle(outcomes: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for done, exc in outcomes:
+        if done.cancelled():
+            continue
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+
 class FetchAhead:
     """Runs `fetch(url, what)` (a coroutine) for requested URLs on `loop`, each URL once, at most
     `limit` at a time (AIMD under `concurrency`) and `memory` bytes of answers at once; the
@@ -174,6 +234,7 @@ class FetchAhead:
         self._room_poll: asyncio.TimerHandle | None = None
         self.concurrency, self.memory, self.depth = concurrency, memory, depth
         self._share = _MachineShare.of(share) if share is not None else None
+        self.disk = DiskWork(loop)  # for `fetch`'s disk work
         self._limit = _AIMD(self._ceiling())
         self._counted_at = time.monotonic()
         self._lock = threading.Lock()
@@ -269,7 +330,8 @@ class FetchAhead:
 
     async def _one(self, url: str, size: int, what: Any, tries: int, since: float, sent_in_round: int) -> None:
         try:
-            await asyncio.wait_for(self._fetch(url, what), self._policy.attempt_deadline(size))
+            async with asyncio.timeout(self._policy.attempt_deadline(size)):  # no task of its own, as wait_for's
+                await self._fetch(url, what)
         except Exception as exc:  # noqa: BLE001 - counted and named; the read that needs it raises it
             self._failed(exc, (url, size, what, tries, since), sent_in_round)
         else:

@@ -14,7 +14,6 @@ A Store holds only its settings, so it pickles to worker processes; clients, the
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import glob as _glob
@@ -365,9 +364,11 @@ class Store(ProcessLocal):
         them before it is read."""
         # Asked for whether the cache holds them now or not (it may evict them before their turn):
         # each costs a stat of a file when its turn comes, no open if the cache holds it then.
-        objects = [(url, stat) for url, stat in objects if self.cached(url)]
-        small = [(url, stat) for url, stat in objects if self._one_get(url, stat)]
-        large = [(url, stat) for url, stat in objects if not self._one_get(url, stat)]
+        small: list[tuple[str, FileStat]] = []
+        large: list[tuple[str, FileStat]] = []
+        for url, stat in objects:  # each looked at once: an epoch asks for every object
+            if self.cached(url):
+                (small if self._one_get(url, stat) else large).append((url, stat))
         if not small and not large:
             return
         with self._lock:
@@ -406,7 +407,8 @@ class Store(ProcessLocal):
     async def _fetch_small(self, url: str, stat: FileStat) -> None:
         """One object of the pool: nothing if the cache holds it or another process is
         downloading it, else one GET with If-Match, checked against its checksums, written into
-        the cache under the entry's download lock (the disk work on the loop's threads)."""
+        the cache under the entry's download lock (the disk work off the loop, batched: see
+        `fetch_ahead.DiskWork`)."""
         with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0)) as fill:
             if fill is not None:
                 fs, path = self.filesystem(url)
@@ -424,7 +426,8 @@ class Store(ProcessLocal):
                     digest.check()
                     fill(data)
 
-                await asyncio.get_running_loop().run_in_executor(None, check_and_fill, answer.data)
+                assert self._fetch_ahead is not None  # the pool running this
+                await self._fetch_ahead.disk.run(check_and_fill, answer.data)
 
     def _prefetch_one(self, url: str) -> None:
         """Download the object (each block of it) ahead, unless the reads overtook it (fetched
