@@ -94,20 +94,24 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the session ---------------------------------------------------------------------------------
-def _cpu_of(pid: int) -> float:
-    """CPU seconds of a live process and its live children (the server's decode workers)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+def _cpu_of(pid: int) -> tuple[float, float]:
+    """CPU seconds of a live process, and of its live children (the server's decode workers)."""
+    tick, own, children = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
     pids = [pid]
     while pids:
         p = pids.pop()
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            for children in Path(f"/proc/{p}/task").glob("*/children"):
-                pids += [int(c) for c in children.read_text().split()]
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+            if p == pid:
+                own = seconds
+            else:
+                children += seconds
+            for task in Path(f"/proc/{p}/task").glob("*/children"):
+                pids += [int(c) for c in task.read_text().split()]
         except OSError:
             continue
-    return total
+    return own, children
 
 
 def _answers(socket: Path) -> bool:
@@ -172,7 +176,9 @@ def _run(mode: str, jobs: int, url: str, proxy: FaultProxy, server_workers: int 
         out["gets"] = proxy.count("GET") - before_gets
         out["jobs"] = results
         if server is not None:
-            out["server_cpu_s"] = _cpu_of(server.pid) - server_cpu
+            own, workers = _cpu_of(server.pid)
+            out["server_main_cpu_s"] = own - server_cpu[0]  # the scheduler and connections: per ticket
+            out["server_cpu_s"] = own + workers - sum(server_cpu)
             status = launcher.status(socket)
             out["decodes"], out["requests"] = status["decodes"], status["requests"]
             out["server_load_s"] = status["decode_s"]  # the decode workers' seconds in loads (read, maps, write)
@@ -219,7 +225,7 @@ def _digest(runs: list[dict[str, Any]], size: int, samples: int) -> dict[str, An
             for j in r["jobs"]
         ),
     }
-    for key in ("server_cpu_s", "server_load_s", "server_start_s", "decodes"):
+    for key in ("server_cpu_s", "server_main_cpu_s", "server_load_s", "server_start_s", "decodes"):
         if all(key in r for r in runs):
             out[key] = _summary([r[key] for r in runs])
     return out
@@ -296,7 +302,11 @@ def main() -> None:
         for name, d in digest.items():
             extra = ""
             if "server_cpu_s" in d:
-                extra = f", gl server {_fmt(d['server_cpu_s'], 1, ' s')} (decodes {_fmt(d['decodes'], 0)})"
+                extra = (
+                    f", gl server {_fmt(d['server_cpu_s'], 1, ' s')} "
+                    f"(its main loop {_fmt(d['server_main_cpu_s'], 2, ' s')}, "
+                    f"in loads {_fmt(d['server_load_s'], 2, ' s')}; decodes {_fmt(d['decodes'], 0)})"
+                )
             print(
                 f"{name:15} wall {_fmt(d['wall_s'], 2, ' s')}, slowest job {_fmt(d['slowest_job_s'], 2, ' s')}, "
                 f"bytes {_fmt(d['bytes_x'], 2, 'x')}, GETs {_fmt(d['gets'], 0)}, "
