@@ -113,13 +113,16 @@ FLOOR_STEPS = ("import_s", "client_s", "list_s", "sidecars_s", "first_shard_s") 
 
 
 # -- data ----------------------------------------------------------------------------------------
-def _jpeg(i: int) -> bytes:
+def _jpeg(i: int, size: tuple[int, int] = (SIDE, SIDE)) -> bytes:
+    """Picture `i`, `size` (width, height) pixels: waves and noise, ~15 KB at 160x160, ~85 KB at 500x375."""
     from PIL import Image
 
+    width, height = size
     rng = np.random.default_rng(i)
-    y, x = np.mgrid[0:SIDE, 0:SIDE]
+    y, x = np.mgrid[0:height, 0:width]
     base = (np.sin(x / (7 + i % 5)) + np.cos(y / (5 + i % 3))) * 60 + 128
-    pixels = np.stack([base, base[::-1], base.T], axis=-1) + rng.normal(0, 12, (SIDE, SIDE, 3))
+    third = base.T if width == height else base[::-1, ::-1]
+    pixels = np.stack([base, base[::-1], third], axis=-1) + rng.normal(0, 12, (height, width, 3))
     out = io.BytesIO()
     Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, format="JPEG", quality=90)
     return out.getvalue()

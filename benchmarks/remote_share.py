@@ -1,7 +1,8 @@
 """Sharing over the network: K jobs through one server (`share=True`) vs K independent jobs.
 
-remote.py's pictures (`--samples` 3000 JPEGs of 160x160, ~15 KB, `--shard-samples` 200 per tar
-shard) on one moto S3 server (server mode, loopback) behind the proxy that adds `--latency`
+remote.py's pictures (`--samples` 3000 JPEGs of `--size` 160x160, ~15 KB; `--size 500x375` makes
+ImageNet-like ones of ~85 KB, whose decode is a realistic share of the work; `--shard-samples` 200
+per tar shard) on one moto S3 server (server mode, loopback) behind the proxy that adds `--latency`
 (20 ms) per request and counts the bytes it serves (`globalloader.demo.s3`). K = `--jobs`
 (1 2 4) jobs, each a fresh process, all started together on one machine cache folder (empty
 at the start of each run), one cold epoch each of
@@ -21,10 +22,12 @@ the shards' size (`bytes_x`; 1.0: the dataset downloaded once), every job's samp
 be its whole set, once), the CPU seconds of the S3 server and the proxy (this process) and, in
 shared mode, of the globalloader server and its decode workers, with its decodes. Median of
 `--rounds` (3) with [min, max]; the ratios shared / independent of the medians, per K (goals:
-K=2 <= 0.6, K=4 <= 0.35). JSON in benchmarks/results/remote_share.json.
+K=2 <= 0.6, K=4 <= 0.35), and `floor_wall`: the shared run's CPU seconds (jobs, gl server and its
+workers) over the cores, over the independent wall: the least ratio this machine allows whatever
+the scheduling. JSON in benchmarks/results/remote_share.json (`picture_size`: the `--size` used).
 
-    python benchmarks/remote_share.py [--samples 3000] [--jobs 1 2 4] [--rounds 3] [--latency 0.02]
-        [--server-workers N] [--modes independent,shared]
+    python benchmarks/remote_share.py [--samples 3000] [--size 160x160] [--jobs 1 2 4] [--rounds 3]
+        [--latency 0.02] [--server-workers N] [--modes independent,shared]
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ BATCH, WORKERS = 32, 2
 MODES = ("independent", "shared")
 
 
-def _write_shards(bucket: str, endpoint: str, samples: int, per_shard: int) -> int:
+def _write_shards(bucket: str, endpoint: str, samples: int, per_shard: int, size: tuple[int, int]) -> int:
     """The tar shards (with index sidecars) written straight to the bucket; returns their bytes."""
     from globalloader import storage
     from globalloader.sources import TarWriter
@@ -61,7 +64,7 @@ def _write_shards(bucket: str, endpoint: str, samples: int, per_shard: int) -> i
     url = f"s3://{bucket}/tar/shard-%04d.tar"
     with TarWriter(url, maxcount=per_shard, storage_options=options(endpoint), index=True) as writer:
         for i in tqdm(range(samples), desc="shards", leave=False):
-            writer.write({"__key__": f"s{i:06d}", "jpg": _jpeg(i), "cls": i % 100})
+            writer.write({"__key__": f"s{i:06d}", "jpg": _jpeg(i, size), "cls": i % 100})
     fs, _ = storage.Store(options(endpoint)).filesystem(url)
     return sum(int(fs.size(path)) for path in writer.paths)
 
@@ -91,20 +94,36 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the session ---------------------------------------------------------------------------------
-def _cpu_of(pid: int) -> float:
-    """CPU seconds of a live process and its live children (the server's decode workers)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+def _cpu_of(pid: int) -> tuple[float, float]:
+    """CPU seconds of a live process, and of its live children (the server's decode workers)."""
+    tick, own, children = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
     pids = [pid]
     while pids:
         p = pids.pop()
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            for children in Path(f"/proc/{p}/task").glob("*/children"):
-                pids += [int(c) for c in children.read_text().split()]
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+            if p == pid:
+                own = seconds
+            else:
+                children += seconds
+            for task in Path(f"/proc/{p}/task").glob("*/children"):
+                pids += [int(c) for c in task.read_text().split()]
         except OSError:
             continue
-    return total
+    return own, children
+
+
+def _answers(socket: Path) -> bool:
+    """Whether the server answers a status request (ready: bound, its decode workers started)."""
+    from globalloader.errors import GlobalLoaderError
+    from globalloader.service import launcher
+
+    try:
+        launcher.status(socket)
+    except (GlobalLoaderError, OSError):
+        return False
+    return True
 
 
 def _run(mode: str, jobs: int, url: str, proxy: FaultProxy, server_workers: int | None) -> dict[str, Any]:
@@ -123,7 +142,7 @@ def _run(mode: str, jobs: int, url: str, proxy: FaultProxy, server_workers: int 
             log = open(scratch / "server.log", "wb")  # noqa: SIM115 - closed with the server below
             command = launcher.server_command(socket, "1G", server_workers)
             server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-            while not launcher.is_running(socket):
+            while not _answers(socket):
                 if server.poll() is not None or time.perf_counter() - t0 > 60:
                     raise RuntimeError(f"the server did not start: {(scratch / 'server.log').read_text()[-500:]}")
                 time.sleep(0.05)
@@ -157,9 +176,12 @@ def _run(mode: str, jobs: int, url: str, proxy: FaultProxy, server_workers: int 
         out["gets"] = proxy.count("GET") - before_gets
         out["jobs"] = results
         if server is not None:
-            out["server_cpu_s"] = _cpu_of(server.pid) - server_cpu
+            own, workers = _cpu_of(server.pid)
+            out["server_main_cpu_s"] = own - server_cpu[0]  # the scheduler and connections: per ticket
+            out["server_cpu_s"] = own + workers - sum(server_cpu)
             status = launcher.status(socket)
             out["decodes"], out["requests"] = status["decodes"], status["requests"]
+            out["server_load_s"] = status["decode_s"]  # the decode workers' seconds in loads (read, maps, write)
     finally:
         if server is not None:
             try:
@@ -170,6 +192,15 @@ def _run(mode: str, jobs: int, url: str, proxy: FaultProxy, server_workers: int 
                 server.wait(timeout=10)
         shutil.rmtree(scratch, ignore_errors=True)
     return out
+
+
+def _size(text: str) -> tuple[int, int]:
+    """`--size` WIDTHxHEIGHT."""
+    try:
+        width, height = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--size must be WIDTHxHEIGHT (e.g. 500x375), got {text!r}") from None
+    return width, height
 
 
 def _summary(values: list[float]) -> dict[str, float] | None:
@@ -194,7 +225,7 @@ def _digest(runs: list[dict[str, Any]], size: int, samples: int) -> dict[str, An
             for j in r["jobs"]
         ),
     }
-    for key in ("server_cpu_s", "server_start_s", "decodes"):
+    for key in ("server_cpu_s", "server_main_cpu_s", "server_load_s", "server_start_s", "decodes"):
         if all(key in r for r in runs):
             out[key] = _summary([r[key] for r in runs])
     return out
@@ -210,6 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--shard-samples", type=int, default=200)
+    parser.add_argument("--size", type=_size, default=(160, 160), help="the pictures' WIDTHxHEIGHT")
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2, 4], help="K: jobs at once")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--latency", type=float, default=0.02, help="seconds added per request")
@@ -228,7 +260,7 @@ def main() -> None:
     try:
         proxy = FaultProxy(server.port)
         bucket = new_bucket(proxy.url)
-        size = _write_shards(bucket, proxy.url, args.samples, args.shard_samples)
+        size = _write_shards(bucket, proxy.url, args.samples, args.shard_samples, args.size)
         proxy.latency = args.latency
         url = f"s3://{bucket}/tar/shard-*.tar"
         runs: dict[str, list[dict[str, Any]]] = {}
@@ -239,16 +271,20 @@ def main() -> None:
                     runs.setdefault(f"{mode} x{k}", []).append(_run(mode, k, url, proxy, args.server_workers))
                     bar.update()
         digest = {name: _digest(rs, size, args.samples) for name, rs in runs.items()}
-        ratios = {}
+        ratios: dict[str, dict[str, float]] = {}
+        cores = os.cpu_count() or 1
         for k in args.jobs:
             shared, alone = digest.get(f"shared x{k}"), digest.get(f"independent x{k}")
             if shared and alone:
                 ratios[f"K={k}"] = {
                     key: shared[key]["median"] / alone[key]["median"] for key in ("wall_s", "slowest_job_s", "cpu_s")
                 }
+                # The least wall the shared run could take on this machine: its CPU over the cores.
+                ratios[f"K={k}"]["floor_wall"] = shared["cpu_s"]["median"] / cores / alone["wall_s"]["median"]
         report = {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True},
             "samples": args.samples,
+            "picture_size": list(args.size),
             "shard_bytes": size,
             "latency_s": args.latency,
             "rounds": args.rounds,
@@ -259,11 +295,18 @@ def main() -> None:
             "goals": {"K=2": 0.6, "K=4": 0.35},
             "raw": runs,
         }
-        print(f"\n== {args.samples} samples, {size / 1e6:.1f} MB of shards, {args.latency * 1e3:.0f} ms per request ==")
+        print(
+            f"\n== {args.samples} samples of {args.size[0]}x{args.size[1]}, {size / 1e6:.1f} MB of shards, "
+            f"{args.latency * 1e3:.0f} ms per request =="
+        )
         for name, d in digest.items():
             extra = ""
             if "server_cpu_s" in d:
-                extra = f", gl server {_fmt(d['server_cpu_s'], 1, ' s')} (decodes {_fmt(d['decodes'], 0)})"
+                extra = (
+                    f", gl server {_fmt(d['server_cpu_s'], 1, ' s')} "
+                    f"(its main loop {_fmt(d['server_main_cpu_s'], 2, ' s')}, "
+                    f"in loads {_fmt(d['server_load_s'], 2, ' s')}; decodes {_fmt(d['decodes'], 0)})"
+                )
             print(
                 f"{name:15} wall {_fmt(d['wall_s'], 2, ' s')}, slowest job {_fmt(d['slowest_job_s'], 2, ' s')}, "
                 f"bytes {_fmt(d['bytes_x'], 2, 'x')}, GETs {_fmt(d['gets'], 0)}, "

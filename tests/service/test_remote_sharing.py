@@ -69,3 +69,19 @@ def test_two_jobs_share_remote_shards_each_epoch_exact_each_shard_downloaded_onc
     status = request(server.socket, "status")[1]
     assert status["requests"] == 2 * SAMPLES
     assert status["decodes"] == SAMPLES, "a sample was decoded for each job instead of once for both"
+
+
+def clients_imported(index: int) -> dict[str, Any]:
+    """The shared map run by a decode worker: whether the S3 client was there before any read."""
+    import sys
+
+    return {"index": index, "s3fs": "s3fs" in sys.modules}
+
+
+def test_decode_workers_start_with_the_remote_clients_imported(server):
+    # A local source: nothing in the worker imports s3fs, unless the server did before forking it
+    # (else each worker, and each restarted one, imports it on its first remote load).
+    chain = gl.Dataset(gl.from_sequence(list(range(8)))).map(clients_imported, shared=True).batch(4)
+    with gl.Loader(chain, share=True, server=str(server.socket)) as loader:
+        imported = [bool(flag) for batch in loader for flag in batch["s3fs"]]
+    assert imported == [True] * 8

@@ -30,6 +30,7 @@ from globalloader.transport.names import (
     create_mapping,
     free_bytes,
     map_existing,
+    populate,
     unlink,
 )
 
@@ -56,7 +57,11 @@ class Arena:
         self._holders = 0  # sessions of this process using it (`hold`)
 
     def write(self, offset: int, placed: list[tuple[int, np.ndarray]]) -> None:
-        """Copy a sample's arrays (from `encode`) to `offset`."""
+        """Copy a sample's arrays (from `encode`) to `offset`, its pages mapped first in one call
+        (`names.populate`: a decode worker writes the whole pool over and over)."""
+        if placed:
+            last, array = placed[-1]
+            populate(self.mapping, offset, offset + last + array.nbytes)
         copy_arrays(self.mapping, offset, placed)
 
     def read(self, offset: int, layout: tuple[int, Any]) -> Any:
@@ -111,7 +116,8 @@ def encode(sample: Any) -> tuple[tuple[int, Any], list[tuple[int, np.ndarray]]]:
 
 def create(capacity: int) -> Arena:
     """A new arena for this server process (`gl-pool-<pid>`), its memory reserved up front: a
-    /dev/shm too small for the arena fails here, naming /dev/shm and --memory, not with a SIGBUS later."""
+    /dev/shm too small for the arena fails here, naming /dev/shm and --memory, not with a SIGBUS later.
+    Reserved by writing it once, so that the decode workers map its pages cheaply (`Arena.write`)."""
     name = f"{ARENA_PREFIX}{os.getpid()}"
     free = free_bytes()
     if free is not None and capacity > free:
@@ -121,11 +127,11 @@ def create(capacity: int) -> Arena:
         )
     try:
         try:
-            mapped = create_mapping(name, capacity, hold=True)
+            mapped = create_mapping(name, capacity, hold=True, written=True)
         except FileExistsError:  # a server of another PID namespace sharing /dev/shm has this pid (the
             # start-up sweep, `names.remove_unheld`, removed it if that server is dead)
             name += f"-{secrets.token_hex(4)}"
-            mapped = create_mapping(name, capacity, hold=True)
+            mapped = create_mapping(name, capacity, hold=True, written=True)
     except OSError as exc:
         raise ServerStartError(
             f"cannot reserve a {capacity:,}-byte pool in {SHM_DIR}: {exc.strerror or exc}; "
