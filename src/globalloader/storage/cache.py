@@ -91,6 +91,10 @@ FULL_WAIT = 30.0  # seconds a download on a full disk waits for other readers to
 AHEAD_CLAIM = 3600 * 10**9  # ns
 _TOUCH_EVERY = 10**9  # ns: an open sets the access time (the LRU clock) if older than this
 _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the cache's size
+# Seconds a download waits for the counters' lock to reserve its bytes (held for a few system calls
+# at a time): longer only if a process holding it is stopped, and then it evicts without reserving.
+_RESERVE_WAIT = 2.0
+_EVICT_MARGIN = 32  # a download ahead that evicts frees this share of the limit beyond its own bytes
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
 _SLOT = struct.Struct("<I")  # one block's CRC-32 in the table between the data and the trailer
 _MAGIC = b"GLC2"  # GLC1 entries had no table: they read as damaged and are fetched again
@@ -491,8 +495,9 @@ class ObjectCache:
 
             def fill(data: bytes) -> None:
                 self._make_room(entry.data_size())
-                with self._room_for(entry):
-                    self._write(path, entry, lambda write: write(data), opened=False, ahead=True)
+                with self._room_for(entry, ahead=True) as reservation:
+                    if reservation is not None:  # else dropped: its reader fetches it
+                        self._write(path, entry, lambda write: write(data), reservation, opened=False, ahead=True)
 
             yield fill
 
@@ -506,42 +511,75 @@ class ObjectCache:
             found = self._open_existing(path, entry)  # another process finished it while we waited
             if found is not None:
                 return self._hit(found)
-            with self._room_for(entry):
-                written = self._write(path, entry, download, ahead=ahead)
+            with self._room_for(entry, ahead) as reservation:
+                if reservation is None:
+                    raise CacheFullError(f"no room ahead of the reads for {entry.url} in the object cache {self.root}")
+                written = self._write(path, entry, download, reservation, ahead=ahead)
             assert written is not None  # opened
         self._remove_dead_temporaries()  # of downloads killed midway
         self.evict_if_over_limit()  # downloads at once may each have made room for their own only
         return written
 
     @contextlib.contextmanager
-    def _room_for(self, entry: Entry) -> Iterator[None]:
-        """Around a download: first evict until the entry fits under the limit beside the others
-        and the downloads of this handle under way (one read of the record when it fits, not a
-        walk of the folder)."""
-        incoming = stored_size(entry.data_size())
-        with self._held_lock:
-            self._downloading += incoming
-            needed = self._downloading
+    def _room_for(self, entry: Entry, ahead: bool = False) -> Iterator[_Reservation | None]:
+        """Around a download: its bytes reserved first (`_reserve`), returned when it ends unless
+        its entry took them; None for a download `ahead` that has no room (it is dropped)."""
+        reservation = self._reserve(entry, ahead)
         try:
-            try:
-                fits = self.stats.read(_RECORD_WAIT)["bytes"] + needed <= self.limit
-            except StorageError:  # a process holding the counters' lock is stopped or slow
-                fits = False
-            if not fits:
-                self.evict(target=max(0, self.limit - needed))
-            yield
+            yield reservation
         finally:
-            with self._held_lock:
-                self._downloading -= incoming
+            if reservation is not None and reservation.size:
+                with self.stats.update() as record:
+                    record["reserved"] -= reservation.size
+
+    def _reserve(self, entry: Entry, ahead: bool) -> _Reservation | None:
+        """Reserve the entry's bytes in the record once they fit under the limit beside every
+        entry and every download under way on the machine (the reservation is atomic with the
+        check: two processes never both take the last room), evicting entries no reader holds,
+        least recently used first. Then a download ahead gives up (None): it never waits for the
+        reads nor takes their room. A read evicts entries claimed ahead too (their reader
+        fetches them again) and then waits for readers to release entries, FULL_WAIT at most:
+        a CacheFullError naming the limit needed. An entry larger than the limit fits an
+        otherwise empty cache."""
+        incoming = stored_size(entry.data_size())
+        deadline, pause = time.monotonic() + FULL_WAIT, WAIT_POLL
+        while True:
+            try:
+                with self.stats.locked(_RESERVE_WAIT) as record:
+                    taken = record["bytes"] + record["reserved"]
+                    if not taken or taken + incoming <= self.limit:
+                        record["reserved"] += incoming
+                        return _Reservation(incoming)
+                    others = record["reserved"]
+            except StorageError:  # a process holding the counters' lock is stopped: evict, unreserved
+                self.evict(target=max(0, self.limit - incoming))
+                return _Reservation(0)
+            target = max(0, self.limit - others - incoming)
+            if self.evict(target) or (not ahead and self.evict(target, claimed=True)):
+                continue
+            if ahead:
+                return None
+            if time.monotonic() > deadline:
+                raise CacheFullError(
+                    f"no room for {entry.url} ({incoming} bytes) in the object cache {self.root} within its "
+                    f"limit of {self.limit} bytes: entries read or claimed ahead take {taken - others} bytes and "
+                    f"downloads reserve {others}; the readers of every process keep two windows of a windowed shuffle "
+                    f"open, so set cache_limit (or {LIMIT_ENV}) to at least {taken + incoming} bytes or use a "
+                    "smaller window"
+                )
+            time.sleep(pause)  # for a reader to release an entry
+            pause = min(0.1, 2 * pause)
 
     def room_ahead(self, size: int, under_way: int = 0) -> bool:
         """Whether a download ahead of `size` bytes may start: the entries this handle downloaded
         ahead that no reader opened yet, the caller's downloads ahead under way (`under_way`
         bytes) and it fit in the room the readers' `hold` leaves (any one alone may), so that
-        with what is being read none is evicted before it is read. A stat or two (their oldest
-        first: they are read in the order downloaded), so an event loop may ask; when there is
-        no room, every one of them is looked at (once a second at most: one never read, a job
-        stopped mid-epoch, must not hold back the others)."""
+        with what is being read none is evicted before it is read; and they fit under the limit
+        beside every entry and reservation of the machine (`_room_on_machine`): the read-ahead
+        waits for the reads, it never takes their room. A stat or two (their oldest first: they
+        are read in the order downloaded) and a read of the record, so an event loop may ask;
+        when there is no room, every one of them is looked at (once a second at most: one never
+        read, a job stopped mid-epoch, must not hold back the others)."""
         now = time.time_ns()
         with self._held_lock:
             while self._ahead and not _claimed(self._ahead[0][0], now):
@@ -552,7 +590,25 @@ class ObjectCache:
                 self._ahead = collections.deque(item for item in self._ahead if _claimed(item[0], now))
                 self._ahead_bytes = sum(stored for _, stored in self._ahead)
                 fits = self._fits_ahead(size, under_way)
-        return fits
+        return fits and self._room_on_machine(stored_size(size) + under_way)
+
+    def _room_on_machine(self, needed: int) -> bool:
+        """Whether `needed` bytes fit under the limit beside the machine's entries and downloads
+        under way (the record), entries no reader holds or claimed evicted first when they do not,
+        with a margin (1/_EVICT_MARGIN of the limit), so that one walk of the folder makes room for
+        many downloads ahead, not one each."""
+        for evicted in (False, True):
+            try:
+                record = self.stats.read(_RECORD_WAIT)
+            except StorageError:  # a process holding the counters' lock is stopped: the reservation decides
+                return True
+            taken = record["bytes"] + record["reserved"]
+            if not taken or taken + needed <= self.limit:
+                return True
+            target = self.limit - record["reserved"] - needed - self.limit // _EVICT_MARGIN
+            if evicted or not self.evict(max(0, target)):
+                return False
+        return False
 
     def _fits_ahead(self, size: int, under_way: int) -> bool:
         taken = self._ahead_bytes + under_way
@@ -648,12 +704,19 @@ class ObjectCache:
             os.close(fd)
 
     def _write(
-        self, path: pathlib.Path, entry: Entry, download: Download, *, opened: bool = True, ahead: bool = False
+        self,
+        path: pathlib.Path,
+        entry: Entry,
+        download: Download,
+        reservation: _Reservation,
+        *,
+        opened: bool = True,
+        ahead: bool = False,
     ) -> _Opened | None:
         deadline = time.monotonic() + FULL_WAIT
         while True:
             try:
-                return self._write_once(path, download, opened, ahead)
+                return self._write_once(path, download, reservation, opened, ahead)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
@@ -689,8 +752,13 @@ class ObjectCache:
             return {item.name for item in it if item.name != STATS_NAME and item.is_file(follow_symlinks=False)}
         return set()
 
-    def _write_once(self, path: pathlib.Path, download: Download, opened: bool, ahead: bool) -> _Opened | None:
-        """Download into a temporary file and rename it into place, already opened under our shared
+    def _write_once(
+        self, path: pathlib.Path, download: Download, reservation: _Reservation, opened: bool, ahead: bool
+    ) -> _Opened | None:
+        """Download into a temporary file (as large as its `reservation` from the start, so that the
+        temporary of a process killed midway says what it had reserved, see
+        `_remove_dead_temporaries`) and rename it into place, the reservation becoming the entry's
+        bytes in the record; already opened under our shared
         lock when `opened` (no eviction deletes it before we read it); else None (a download
         ahead, which reads nothing: no second open, lock and stat per small object). `ahead`: it
         appears claimed (see the module doc). Not synced to
@@ -701,6 +769,7 @@ class ObjectCache:
         fd = -1
         try:
             with _paths.write_atomic(path, mode=_paths.file_mode(), buffering=_WRITE_CHUNK) as out:
+                os.ftruncate(out.file.fileno(), reservation.size)
 
                 def write(chunk: bytes) -> None:
                     out.write(chunk)
@@ -709,6 +778,7 @@ class ObjectCache:
                 download(write)
                 out.write(sums.tail())
                 out.file.flush()
+                out.file.truncate()  # at its end: no byte of the reservation beyond it
                 if ahead:
                     now = time.time_ns()
                     os.utime(out.file.fileno(), ns=(now + AHEAD_CLAIM, now))
@@ -721,6 +791,8 @@ class ObjectCache:
                         record["bytes"] -= old.st_size
                         record["entries"] -= 1
                     out.commit()
+                    record["reserved"] -= reservation.size
+                    reservation.size = 0
                     record["bytes"] += stored_size(sums.length)
                     record["entries"] += 1
                     record["misses"] += 1
@@ -834,12 +906,17 @@ class ObjectCache:
         self._reset_held()
 
     def _remove_dead_temporaries(self) -> None:
+        """Remove the temporary files of dead downloads, with the bytes they had reserved (their
+        size: see `_write_once`)."""
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
             for item in it:
                 pid = _paths.temporary_writer(item.name)
                 if pid is not None and not alive(pid):
                     with contextlib.suppress(OSError):
+                        size = item.stat(follow_symlinks=False).st_size
                         os.unlink(item.path)
+                        with self.stats.update() as record:
+                            record["reserved"] -= size
 
     def clear(self) -> int:
         """Delete every entry not in use; returns bytes freed."""
@@ -889,6 +966,14 @@ def _claimed(path: pathlib.Path, now: int) -> bool:
         return os.stat(path, follow_symlinks=False).st_atime_ns > now
     except FileNotFoundError:
         return False
+
+
+class _Reservation:
+    """Bytes a download reserved in the record (see `ObjectCache._reserve`): 0 once its entry
+    took them, or when the record could not be had."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
 
 
 class _Checksums:
