@@ -57,6 +57,7 @@ import re
 import struct
 import threading
 import time
+import warnings
 import weakref
 import zlib
 from collections import OrderedDict
@@ -86,6 +87,9 @@ CHECK_BLOCK = 1 << 14
 HOLD_SHARE = 2
 HOLD_FILES = 64
 FULL_WAIT = 30.0  # seconds a download on a full disk waits for other readers to release entries
+# Seconds a read waits for readers to release entries when the cache is at its limit, before it
+# goes beyond (see `ObjectCache._reserve`).
+HELD_WAIT = 1.0
 # An entry downloaded ahead and not read yet: its access time this far in the future (eviction takes
 # it after every entry read), until a reader opens it, or for at most this long if none does.
 AHEAD_CLAIM = 3600 * 10**9  # ns
@@ -94,7 +98,6 @@ _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the
 # Seconds a download waits for the counters' lock to reserve its bytes (held for a few system calls
 # at a time): longer only if a process holding it is stopped, and then it evicts without reserving.
 _RESERVE_WAIT = 2.0
-_EVICT_MARGIN = 32  # a download ahead that evicts frees this share of the limit beyond its own bytes
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
 _SLOT = struct.Struct("<I")  # one block's CRC-32 in the table between the data and the trailer
 _MAGIC = b"GLC2"  # GLC1 entries had no table: they read as damaged and are fetched again
@@ -495,7 +498,7 @@ class ObjectCache:
 
             def fill(data: bytes) -> None:
                 self._make_room(entry.data_size())
-                with self._room_for(entry, ahead=True) as reservation:
+                with self._room_for(entry, ahead=True, downloaded=True) as reservation:
                     if reservation is not None:  # else dropped: its reader fetches it
                         self._write(path, entry, lambda write: write(data), reservation, opened=False, ahead=True)
 
@@ -521,10 +524,10 @@ class ObjectCache:
         return written
 
     @contextlib.contextmanager
-    def _room_for(self, entry: Entry, ahead: bool = False) -> Iterator[_Reservation | None]:
+    def _room_for(self, entry: Entry, ahead: bool = False, downloaded: bool = False) -> Iterator[_Reservation | None]:
         """Around a download: its bytes reserved first (`_reserve`), returned when it ends unless
         its entry took them; None for a download `ahead` that has no room (it is dropped)."""
-        reservation = self._reserve(entry, ahead)
+        reservation = self._reserve(entry, ahead, downloaded)
         try:
             yield reservation
         finally:
@@ -532,43 +535,53 @@ class ObjectCache:
                 with self.stats.update() as record:
                     record["reserved"] -= reservation.size
 
-    def _reserve(self, entry: Entry, ahead: bool) -> _Reservation | None:
+    def _reserve(self, entry: Entry, ahead: bool, downloaded: bool = False) -> _Reservation | None:
         """Reserve the entry's bytes in the record once they fit under the limit beside every
         entry and every download under way on the machine (the reservation is atomic with the
         check: two processes never both take the last room), evicting entries no reader holds,
-        least recently used first. Then a download ahead gives up (None): it never waits for the
-        reads nor takes their room. A read evicts entries claimed ahead too (their reader
-        fetches them again) and then waits for readers to release entries, FULL_WAIT at most:
-        a CacheFullError naming the limit needed. An entry larger than the limit fits an
-        otherwise empty cache."""
+        least recently used first. Then a download ahead gives up (None): it never takes the
+        reads' room, and waits for it (HELD_WAIT at most) only once its bytes are `downloaded`
+        (a GET answered: dropped, they would be downloaded again). A read releases the entries
+        its own handle keeps open but is not reading, then waits HELD_WAIT at most for readers to release
+        entries, then evicts entries claimed ahead (the last claimed first: their reader fetches
+        them again); past that, the readers of the machine hold more than the limit leaves (a
+        limit smaller than what they keep open: every process keeps two windows of a windowed
+        shuffle), and it reserves beyond the limit, with a warning naming the limit needed,
+        rather than wait for readers that may be waiting for it. An entry larger than the limit
+        fits an otherwise empty cache."""
         incoming = stored_size(entry.data_size())
-        deadline, pause = time.monotonic() + FULL_WAIT, WAIT_POLL
+        deadline, pause, over = time.monotonic() + HELD_WAIT, WAIT_POLL, False
         while True:
             try:
                 with self.stats.locked(_RESERVE_WAIT) as record:
                     taken = record["bytes"] + record["reserved"]
-                    if not taken or taken + incoming <= self.limit:
+                    if not taken or taken + incoming <= self.limit or over:
                         record["reserved"] += incoming
-                        return _Reservation(incoming)
+                        break
                     others = record["reserved"]
             except StorageError:  # a process holding the counters' lock is stopped: evict, unreserved
                 self.evict(target=max(0, self.limit - incoming))
                 return _Reservation(0)
             target = max(0, self.limit - others - incoming)
-            if self.evict(target) or (not ahead and self.evict(target, claimed=True)):
+            if self.evict(target):
                 continue
-            if ahead:
+            if ahead and not (downloaded and time.monotonic() <= deadline):
                 return None
-            if time.monotonic() > deadline:
-                raise CacheFullError(
-                    f"no room for {entry.url} ({incoming} bytes) in the object cache {self.root} within its "
-                    f"limit of {self.limit} bytes: entries read or claimed ahead take {taken - others} bytes and "
-                    f"downloads reserve {others}; the readers of every process keep two windows of a windowed shuffle "
-                    f"open, so set cache_limit (or {LIMIT_ENV}) to at least {taken + incoming} bytes or use a "
-                    "smaller window"
-                )
-            time.sleep(pause)  # for a reader to release an entry
-            pause = min(0.1, 2 * pause)
+            if not ahead and self._release_idle():  # what this handle keeps open beyond its reads first
+                continue
+            if time.monotonic() <= deadline:
+                time.sleep(pause)  # for a reader to release an entry
+                pause = min(0.1, 2 * pause)
+            elif not self.evict(target, claimed=True):
+                over = True
+        if taken and taken + incoming > self.limit:
+            warnings.warn(
+                f"the object cache {self.root} exceeds its limit of {self.limit} bytes to hold {entry.url}: "
+                f"its readers keep {taken} bytes open (every process two windows of a windowed shuffle); "
+                f"set cache_limit (or {LIMIT_ENV}) to at least {taken + incoming} bytes or use a smaller window",
+                stacklevel=2,
+            )
+        return _Reservation(incoming)
 
     def room_ahead(self, size: int, under_way: int = 0) -> bool:
         """Whether a download ahead of `size` bytes may start: the entries this handle downloaded
@@ -594,9 +607,7 @@ class ObjectCache:
 
     def _room_on_machine(self, needed: int) -> bool:
         """Whether `needed` bytes fit under the limit beside the machine's entries and downloads
-        under way (the record), entries no reader holds or claimed evicted first when they do not,
-        with a margin (1/_EVICT_MARGIN of the limit), so that one walk of the folder makes room for
-        many downloads ahead, not one each."""
+        under way (the record), entries no reader holds or claimed evicted first when they do not."""
         for evicted in (False, True):
             try:
                 record = self.stats.read(_RECORD_WAIT)
@@ -605,8 +616,7 @@ class ObjectCache:
             taken = record["bytes"] + record["reserved"]
             if not taken or taken + needed <= self.limit:
                 return True
-            target = self.limit - record["reserved"] - needed - self.limit // _EVICT_MARGIN
-            if evicted or not self.evict(max(0, target)):
+            if evicted or not self.evict(max(0, self.limit - record["reserved"] - needed)):
                 return False
         return False
 
@@ -819,16 +829,33 @@ class ObjectCache:
                     found.append((pathlib.Path(item.path), st.st_size, st.st_atime))
         return found
 
+    def on_disk(self) -> int:
+        """Bytes the folder's entries and downloads under way take on disk now (each file's size,
+        once), counted under the counters' lock, which every change of them takes but a
+        download's writes within its reservation: never two states mixed (an entry evicted and
+        the download that took its room), so it measures the limit exactly."""
+        seen, used = set(), 0
+        with self.stats.locked(), contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
+            for item in it:
+                if item.name != STATS_NAME and item.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):  # a dead download's, removed meanwhile
+                        st = item.stat(follow_symlinks=False)
+                        if st.st_ino not in seen:
+                            seen.add(st.st_ino)
+                            used += st.st_size
+        return used
+
     def evict(self, target: int | None = None, *, claimed: bool = False) -> int:
         """Delete least recently used entries not in use until the cache holds at most `target`
         bytes (default: its limit); remove temporary files of dead downloads. Entries claimed
-        ahead (see the module doc) only if `claimed` (a full disk), and last. Returns bytes freed."""
+        ahead (see the module doc) only if `claimed`, and last, the last claimed first (the last
+        to be read). Returns bytes freed."""
         self._remove_dead_temporaries()
         entries = self.entries()
         total = sum(size for _, size, _ in entries)
         target = self.limit if target is None else target
         freed, now = 0, time.time()
-        for path, size, used in sorted(entries, key=lambda e: e[2]):
+        for path, size, used in sorted(entries, key=lambda e: (e[2] > now, -e[2] if e[2] > now else e[2])):
             if total - freed <= target or (used > now and not claimed):
                 break
             if self._remove_unused(path):
