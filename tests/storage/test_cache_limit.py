@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -74,6 +75,35 @@ def test_a_cache_smaller_than_a_shard_ends_within_its_limit_and_stays_bounded_me
     largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
     assert peak <= limit + (2 + IN_FLIGHT) * largest
     assert _used(root) <= limit
+
+
+def _download_forever(root: str, started: Any) -> None:
+    def download(write: Any) -> None:
+        write(b"x" * 1000)
+        started.set()
+        time.sleep(600)  # killed here, mid-download
+
+    ObjectCache(root, limit=10_000).open(Entry("s3://b/killed", 4000, "v"), download)
+
+
+def test_a_download_killed_midway_gives_its_reservation_back(tmp_path: pathlib.Path) -> None:
+    """A process killed with SIGKILL mid-download leaves its temporary file, as large as the bytes
+    it reserved from the start: the next download removes both, so the cache's room is whole
+    again (a reservation lost with its process would shrink the cache for good)."""
+    root = tmp_path / "objects"
+    cache = ObjectCache(root, limit=10_000)
+    ctx = multiprocessing.get_context("spawn")
+    started = ctx.Event()
+    child = ctx.Process(target=_download_forever, args=(str(root), started))
+    child.start()
+    assert started.wait(60)
+    assert cache.status()["reserved"] > 0
+    assert cache.on_disk() == cache.status()["reserved"]  # its temporary, at its reserved size
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(60)
+    cache.open(Entry("s3://b/next", 9000, "v"), lambda write: write(b"n" * 9000)).close()
+    assert cache.status()["reserved"] == 0
+    assert cache.on_disk() == cache.status()["bytes"] <= 10_000
 
 
 @pytest.fixture

@@ -847,10 +847,11 @@ class ObjectCache:
 
     def evict(self, target: int | None = None, *, claimed: bool = False) -> int:
         """Delete least recently used entries not in use until the cache holds at most `target`
-        bytes (default: its limit); remove temporary files of dead downloads. Entries claimed
+        bytes (default: its limit); remove temporary files of dead downloads (counted as freed:
+        their reservations go with them). Entries claimed
         ahead (see the module doc) only if `claimed`, and last, the last claimed first (the last
         to be read). Returns bytes freed."""
-        self._remove_dead_temporaries()
+        dead = self._remove_dead_temporaries()
         entries = self.entries()
         total = sum(size for _, size, _ in entries)
         target = self.limit if target is None else target
@@ -860,7 +861,7 @@ class ObjectCache:
                 break
             if self._remove_unused(path):
                 freed += size
-        return freed
+        return dead + freed
 
     def evict_if_over_limit(self) -> None:
         """Evict if the record says the cache is over its limit (one small read; if its lock stays
@@ -932,9 +933,10 @@ class ObjectCache:
             handle._forget()
         self._reset_held()
 
-    def _remove_dead_temporaries(self) -> None:
+    def _remove_dead_temporaries(self) -> int:
         """Remove the temporary files of dead downloads, with the bytes they had reserved (their
-        size: see `_write_once`)."""
+        size: see `_write_once`); returns those bytes."""
+        freed = 0
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
             for item in it:
                 pid = _paths.temporary_writer(item.name)
@@ -944,6 +946,8 @@ class ObjectCache:
                         os.unlink(item.path)
                         with self.stats.update() as record:
                             record["reserved"] -= size
+                        freed += size
+        return freed
 
     def clear(self) -> int:
         """Delete every entry not in use; returns bytes freed."""
