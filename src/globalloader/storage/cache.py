@@ -16,20 +16,28 @@ every process and job of the user. Properties, each relied on elsewhere:
   (`locks/downloads`, a byte-range lock per entry): the folder does not grow by a file per object.
 - Readers hold a shared flock on an entry while it is open; eviction (least recently used by
   access time, which opens set) takes an exclusive one without waiting and skips entries in use,
-  so it never deletes what a reader has open. A download makes room for itself first. The
-  readers of one cache handle (a source, in a process) keep open only the entries they are
-  reading and the most recently read ones up to `hold` bytes (1/HOLD_SHARE of the cache's room,
-  its limit or its disk if smaller, unless set; the read-ahead has the rest):
-  the cache exceeds its limit by at most what they hold while they read. The last reader to
-  release an entry of an over-limit cache evicts, and a process releases what it holds when it
-  ends, so a job that has ended leaves the cache within its limit.
+  so it never deletes what a reader has open. The readers of one cache handle (a source, in a
+  process) keep open only the entries they are reading and the most recently read ones up to
+  `hold` bytes (1/HOLD_SHARE of the cache's room, its limit or its disk if smaller, unless set;
+  the read-ahead has the rest). The last reader to release an entry of an over-limit cache
+  evicts, and a process releases what it holds when it ends.
+- Within the limit at every moment: a download first reserves its bytes in the counters'
+  record, where checking that they fit beside every entry and every other reservation of the
+  machine and taking them is one step under the record's lock, evicting entries no reader holds
+  until they do (`_reserve`). Its temporary file is as large as its reservation from the start,
+  so a download killed midway gives it back when its temporary is removed. A read that finds
+  the cache full of entries held, claimed or being written waits (HELD_WAIT) for readers, then
+  drops claims; it goes beyond the limit, with a warning naming the limit needed, only when the
+  readers of the machine hold more than the limit leaves.
 - An entry downloaded ahead of its reads (`ahead`) is claimed: its access time is set AHEAD_CLAIM
   in the future, so eviction takes every entry already read before it, and the first reader's
   open makes it an ordinary entry. A download ahead starts only while the entries claimed ahead
-  fit in the room the readers' hold leaves (`room_ahead`); eviction to keep the limit never takes
-  a claimed entry (a full disk may): nothing is evicted before it is read, nothing downloaded
-  twice in an epoch, while what the readers use at once fits their hold (a windowed shuffle sets
-  it to two windows, see `Store.keep_open`). A reader's fetch notes its time in the lock file's
+  fit in the room the readers' hold leaves and the machine's cache has room for it
+  (`room_ahead`), and gives up when its reservation finds none: it never takes the reads' room.
+  Only a read with no other room, or a full disk, evicts a claimed entry: nothing is evicted
+  before it is read, nothing downloaded twice in an epoch, while what the readers of the machine
+  use at once fits their hold (a windowed shuffle sets it to two windows per process, see
+  `Store.keep_open`). A reader's fetch notes its time in the lock file's
   slot for the entry, so that a download ahead the reads overtook is not made after them
   (`fetched_since`).
 - A full disk evicts every entry not in use, then waits (FULL_WAIT at most) while other
@@ -429,7 +437,6 @@ class ObjectCache:
         self._held: OrderedDict[CachedFile, int] = OrderedDict()  # open entries, least recently read first
         self._held_bytes = 0
         self._held_lock = threading.Lock()
-        self._downloading = 0  # bytes of this handle's downloads under way
         # Entries this handle downloaded ahead, oldest first, with their bytes (see `room_ahead`).
         self._ahead: collections.deque[tuple[pathlib.Path, int]] = collections.deque()
         self._ahead_bytes = 0
@@ -542,9 +549,9 @@ class ObjectCache:
         least recently used first. Then a download ahead gives up (None): it never takes the
         reads' room, and waits for it (HELD_WAIT at most) only once its bytes are `downloaded`
         (a GET answered: dropped, they would be downloaded again). A read releases the entries
-        its own handle keeps open but is not reading, then waits HELD_WAIT at most for readers to release
-        entries, then evicts entries claimed ahead (the last claimed first: their reader fetches
-        them again); past that, the readers of the machine hold more than the limit leaves (a
+        its own handle keeps open but is not reading, then waits HELD_WAIT at most for readers
+        to release entries, then evicts entries claimed ahead (the last claimed first: their
+        reader fetches them again); past that, the readers of the machine hold more than the limit leaves (a
         limit smaller than what they keep open: every process keeps two windows of a windowed
         shuffle), and it reserves beyond the limit, with a warning naming the limit needed,
         rather than wait for readers that may be waiting for it. An entry larger than the limit
@@ -848,9 +855,8 @@ class ObjectCache:
     def evict(self, target: int | None = None, *, claimed: bool = False) -> int:
         """Delete least recently used entries not in use until the cache holds at most `target`
         bytes (default: its limit); remove temporary files of dead downloads (counted as freed:
-        their reservations go with them). Entries claimed
-        ahead (see the module doc) only if `claimed`, and last, the last claimed first (the last
-        to be read). Returns bytes freed."""
+        their reservations go with them). Entries claimed ahead (see the module doc) only if
+        `claimed`, and last, the last claimed first (the last to be read). Returns bytes freed."""
         dead = self._remove_dead_temporaries()
         entries = self.entries()
         total = sum(size for _, size, _ in entries)
