@@ -594,9 +594,11 @@ class ObjectCache:
         """Whether a download ahead of `size` bytes may start: the entries this handle downloaded
         ahead that no reader opened yet, the caller's downloads ahead under way (`under_way`
         bytes) and it fit in the room the readers' `hold` leaves (any one alone may), so that
-        with what is being read none is evicted before it is read; and they fit under the limit
-        beside every entry and reservation of the machine (`_room_on_machine`): the read-ahead
-        waits for the reads, it never takes their room. A stat or two (their oldest first: they
+        with what is being read none is evicted before it is read; and it fits under the limit
+        beside every entry and reservation of the machine (`_room_on_machine`; those under way
+        reserve their bytes when they write, evicting then what the reads have left, not sooner:
+        an entry one worker has read may still be read by another): the read-ahead waits for the
+        reads, it never takes their room. A stat or two (their oldest first: they
         are read in the order downloaded) and a read of the record, so an event loop may ask;
         when there is no room, every one of them is looked at (once a second at most: one never
         read, a job stopped mid-epoch, must not hold back the others)."""
@@ -610,7 +612,7 @@ class ObjectCache:
                 self._ahead = collections.deque(item for item in self._ahead if _claimed(item[0], now))
                 self._ahead_bytes = sum(stored for _, stored in self._ahead)
                 fits = self._fits_ahead(size, under_way)
-        return fits and self._room_on_machine(stored_size(size) + under_way)
+        return fits and self._room_on_machine(stored_size(size))
 
     def _room_on_machine(self, needed: int) -> bool:
         """Whether `needed` bytes fit under the limit beside the machine's entries and downloads
