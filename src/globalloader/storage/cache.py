@@ -505,7 +505,7 @@ class ObjectCache:
 
             def fill(data: bytes) -> None:
                 self._make_room(entry.data_size())
-                with self._room_for(entry, ahead=True, downloaded=True) as reservation:
+                with self._room_for(entry, ahead=True) as reservation:
                     if reservation is not None:  # else dropped: its reader fetches it
                         self._write(path, entry, lambda write: write(data), reservation, opened=False, ahead=True)
 
@@ -531,10 +531,10 @@ class ObjectCache:
         return written
 
     @contextlib.contextmanager
-    def _room_for(self, entry: Entry, ahead: bool = False, downloaded: bool = False) -> Iterator[_Reservation | None]:
+    def _room_for(self, entry: Entry, ahead: bool = False) -> Iterator[_Reservation | None]:
         """Around a download: its bytes reserved first (`_reserve`), returned when it ends unless
         its entry took them; None for a download `ahead` that has no room (it is dropped)."""
-        reservation = self._reserve(entry, ahead, downloaded)
+        reservation = self._reserve(entry, ahead)
         try:
             yield reservation
         finally:
@@ -542,13 +542,13 @@ class ObjectCache:
                 with self.stats.update() as record:
                     record["reserved"] -= reservation.size
 
-    def _reserve(self, entry: Entry, ahead: bool, downloaded: bool = False) -> _Reservation | None:
+    def _reserve(self, entry: Entry, ahead: bool) -> _Reservation | None:
         """Reserve the entry's bytes in the record once they fit under the limit beside every
         entry and every download under way on the machine (the reservation is atomic with the
         check: two processes never both take the last room), evicting entries no reader holds,
-        least recently used first. Then a download ahead gives up (None): it never takes the
-        reads' room, and waits for it (HELD_WAIT at most) only once its bytes are `downloaded`
-        (a GET answered: dropped, they would be downloaded again). A read releases the entries
+        least recently used first. Then a download ahead waits for the reads to leave room
+        (HELD_WAIT at most: downloads ahead under way may each have found room for itself
+        alone), then gives up (None): it never takes the reads' room. A read releases the entries
         its own handle keeps open but is not reading, then waits HELD_WAIT at most for readers
         to release entries, then evicts entries claimed ahead (the last claimed first: their
         reader fetches them again); past that, the readers of the machine hold more than the limit leaves (a
@@ -572,7 +572,7 @@ class ObjectCache:
             target = max(0, self.limit - others - incoming)
             if self.evict(target):
                 continue
-            if ahead and not (downloaded and time.monotonic() <= deadline):
+            if ahead and time.monotonic() > deadline:
                 return None
             if not ahead and self._release_idle():  # what this handle keeps open beyond its reads first
                 continue
