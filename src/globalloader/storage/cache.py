@@ -549,7 +549,8 @@ class ObjectCache:
         least recently used first. Then a download ahead waits for the reads to leave room
         (HELD_WAIT at most: downloads ahead under way may each have found room for itself
         alone), then gives up (None): it never takes the reads' room. A read releases the entries
-        its own handle keeps open but is not reading, then waits HELD_WAIT at most for readers
+        its own handle keeps open but is not reading (the least recently read first, one at a
+        time: another process may still read the others), then waits HELD_WAIT at most for readers
         to release entries, then evicts entries claimed ahead (the last claimed first: their
         reader fetches them again); past that, the readers of the machine hold more than the limit leaves (a
         limit smaller than what they keep open: every process keeps two windows of a windowed
@@ -574,7 +575,7 @@ class ObjectCache:
                 continue
             if ahead and time.monotonic() > deadline:
                 return None
-            if not ahead and self._release_idle():  # what this handle keeps open beyond its reads first
+            if not ahead and self._release_oldest():  # what this handle keeps open beyond its reads first
                 continue
             if time.monotonic() <= deadline:
                 time.sleep(pause)  # for a reader to release an entry
@@ -933,6 +934,21 @@ class ObjectCache:
                 finally:
                     handle._lock.release()
         return last
+
+    def _release_oldest(self) -> bool:
+        """Release the least recently read entry this handle keeps open and is not reading now;
+        whether there was one."""
+        with self._held_lock:
+            handles = list(self._held)
+        for handle in handles:
+            if handle._lock.acquire(blocking=False):
+                try:
+                    if handle._fd >= 0:
+                        handle._release()
+                        return True
+                finally:
+                    handle._lock.release()
+        return False
 
     def _after_fork(self) -> None:
         # The descriptors a forked child inherited share their locks with the parent's: closed
