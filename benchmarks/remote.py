@@ -60,7 +60,8 @@ Larger than the disk: `--cache-limit-fraction 0.25` adds the row `gl limit`, glo
 chain with `cache_limit` a quarter of the dataset, over `--limit-epochs` (3) epochs in one
 process: per epoch the bytes downloaded / the dataset (goal <= 1.05), samples/s and its ratio to
 the unlimited cold epoch of the same run (`vs_unlimited_cold`, goal >= 0.9 from the second
-epoch on), and the cache folder's peak size / the limit (sampled every 2 ms; goal <= 1):
+epoch on), and the cache folder's peak size on disk / the limit (sampled every 2 ms, downloads
+under way included; goal <= 1):
 
     python benchmarks/remote.py --only gl --latency 0.02 --no-concurrent --cache-limit-fraction 0.25
 """
@@ -304,22 +305,19 @@ def _process_cpu(pid: int, waited: bool = False) -> float:
 
 
 class _CachePeak:
-    """The most bytes the cache folder held (entries and downloads under way), sampled on a
-    thread every 2 ms; `take()` returns it since the last take."""
+    """The most bytes the cache folder held on disk (entries and downloads under way, each file
+    once, as `ObjectCache.on_disk` counts them), sampled on a thread every 2 ms; `take()` returns
+    it since the last take."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder, self.most = folder, 0
+        from globalloader.storage.cache import ObjectCache
+
+        self.cache, self.most = ObjectCache(folder), 0
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
         while True:
-            used = 0
-            with contextlib.suppress(FileNotFoundError), os.scandir(self.folder) as it:  # not made yet
-                for item in it:
-                    if item.name != "stats" and item.is_file(follow_symlinks=False):
-                        with contextlib.suppress(FileNotFoundError):  # evicted or renamed while counted
-                            used += item.stat(follow_symlinks=False).st_size
-            self.most = max(self.most, used)
+            self.most = max(self.most, self.cache.on_disk())
             time.sleep(0.002)
 
     def take(self) -> int:

@@ -5,10 +5,10 @@ it before."""
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +27,7 @@ from globalloader.errors import RemoteAccessError, RemoteReadError, SourceError,
 from globalloader.sources import TarShards
 from globalloader.storage.cache import Entry, ObjectCache
 from globalloader.storage.prefetch import IN_FLIGHT
-from helpers import small_filesystem
+from helpers import at_once, small_filesystem
 
 _JOB = """
 import globalloader as gl
@@ -48,13 +48,8 @@ def _run_job(code: str, log: pathlib.Path) -> subprocess.Popen[bytes]:
 
 
 def _used(root: pathlib.Path) -> int:
-    """Bytes of the cache's entries and downloads in flight (everything but its counters and locks)."""
-    used = 0
-    for item in os.scandir(root):
-        if item.is_file(follow_symlinks=False) and item.name != "stats":
-            with contextlib.suppress(FileNotFoundError):  # evicted or renamed while we looked
-                used += item.stat(follow_symlinks=False).st_size
-    return used
+    """Bytes of the cache's entries and downloads in flight on disk (`ObjectCache.on_disk`)."""
+    return ObjectCache(root).on_disk()
 
 
 @pytest.mark.slow
@@ -80,6 +75,35 @@ def test_a_cache_smaller_than_a_shard_ends_within_its_limit_and_stays_bounded_me
     largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
     assert peak <= limit + (2 + IN_FLIGHT) * largest
     assert _used(root) <= limit
+
+
+def _download_forever(root: str, started: Any) -> None:
+    def download(write: Any) -> None:
+        write(b"x" * 1000)
+        started.set()
+        time.sleep(600)  # killed here, mid-download
+
+    ObjectCache(root, limit=10_000).open(Entry("s3://b/killed", 4000, "v"), download)
+
+
+def test_a_download_killed_midway_gives_its_reservation_back(tmp_path: pathlib.Path) -> None:
+    """A process killed with SIGKILL mid-download leaves its temporary file, as large as the bytes
+    it reserved from the start: the next download removes both, so the cache's room is whole
+    again (a reservation lost with its process would shrink the cache for good)."""
+    root = tmp_path / "objects"
+    cache = ObjectCache(root, limit=10_000)
+    ctx = multiprocessing.get_context("spawn")
+    started = ctx.Event()
+    child = ctx.Process(target=_download_forever, args=(str(root), started))
+    child.start()
+    assert started.wait(60)
+    assert cache.status()["reserved"] > 0
+    assert cache.on_disk() == cache.status()["reserved"]  # its temporary, at its reserved size
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(60)
+    cache.open(Entry("s3://b/next", 9000, "v"), lambda write: write(b"n" * 9000)).close()
+    assert cache.status()["reserved"] == 0
+    assert cache.on_disk() == cache.status()["bytes"] <= 10_000
 
 
 @pytest.fixture
@@ -202,15 +226,16 @@ def test_a_cache_that_cannot_be_written_is_named_never_taken_for_the_store(
 
 
 class _Peak:
-    """The most bytes the cache folder held, sampled on a thread while the block runs."""
+    """The most bytes the cache folder held on disk, sampled on a thread while the block runs."""
 
     def __init__(self, root: pathlib.Path) -> None:
-        self.root, self.most, self._done = root, 0, threading.Event()
+        self.cache, self.most, self.samples, self._done = ObjectCache(root), 0, 0, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while not self._done.wait(0.002):
-            self.most = max(self.most, _used(self.root))
+            self.most = max(self.most, self.cache.on_disk())
+            self.samples += 1
 
     def __enter__(self) -> Self:
         self._thread.start()
@@ -221,19 +246,52 @@ class _Peak:
         self._thread.join(10)
 
 
+def _read_windows(urls: list[str], options: dict[str, Any], limit: int, out: Any, start: Any) -> None:
+    """One job's two epochs of a window shuffle (its own seed) through the machine cache, started
+    with the other's: the keys each epoch read."""
+    src = TarShards(urls, storage_options=options, cache_limit=limit)
+    chain = gl.Dataset(src).shuffle(seed=os.getpid(), window=1).batch(4)
+    start.wait(60)
+    with gl.Loader(chain, workers=0) as loader:
+        out.put([sorted(k for b in loader for k in b["__key__"]) for _ in range(2)])
+
+
+@pytest.mark.slow
+def test_two_jobs_reading_ahead_at_once_never_take_the_cache_over_its_limit(
+    s3: dict[str, Any], isolated_cache: pathlib.Path
+) -> None:
+    """Two jobs at once, each reading 16 shards twice in windows of one and downloading ahead of its
+    reads, through a cache that holds 6: what both hold open, claim ahead and write at once fits
+    the limit at every sample of the folder on disk (downloads under way included), not only once
+    they end: every download reserves its bytes beside everything else on the machine before it
+    writes, and the read-ahead waits for the room the reads leave."""
+    proxy = s3["proxy"]
+    urls = write_shards(s3["bucket"], s3["options"], n=64, per_shard=4, size=12_000, index=True)
+    largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
+    limit = 6 * largest
+    root = ObjectCache(isolated_cache / "objects").root
+    proxy.latency = 0.005  # downloads take a while: many are under way at once
+    with _Peak(root) as peak:
+        results = at_once("spawn", _read_windows, urls, s3["options"], limit)
+    assert results == [[[f"s{i:05d}" for i in range(64)]] * 2] * 2
+    assert peak.samples > 0
+    assert peak.most <= limit
+    assert _used(root) <= limit
+
+
 @pytest.mark.parametrize("block_size", [None, 4096], ids=["shards-through-the-pool", "shards-through-the-threads"])
 def test_a_dataset_four_times_the_cache_downloads_each_shard_once_an_epoch(
     s3: dict[str, Any], isolated_cache: pathlib.Path, block_size: int | None
 ) -> None:
-    """16 shards through a cache that holds 6, a window shuffle of 2 by two worker processes that
+    """40 shards through a cache that holds 10, a window shuffle of 2 by two worker processes that
     the loader fetches ahead of, two epochs: every shard is downloaded once an epoch (nothing
     evicted before it is read), whether the pool of one GET per object or the threads (objects
     larger than a request's `block_size`, as real shards are) fetched it ahead; the cache stays
-    within its limit but for the entries the readers hold."""
+    within its limit at every sample, the entries the readers hold included."""
     proxy = s3["proxy"]
-    urls = write_shards(s3["bucket"], s3["options"], n=64, per_shard=4, size=12_000, index=True)
+    urls = write_shards(s3["bucket"], s3["options"], n=160, per_shard=4, size=12_000, index=True)
     largest = max(st.size for st in storage.Store(s3["options"]).stats(urls))
-    limit = 6 * largest  # two windows read, two shards ahead
+    limit = 10 * largest  # two windows read by each worker, two shards ahead
     src = TarShards(urls, storage_options=s3["options"], cache_limit=limit)
     if block_size is not None:
         src.store.block_size = block_size
@@ -247,13 +305,13 @@ def test_a_dataset_four_times_the_cache_downloads_each_shard_once_an_epoch(
     with _Peak(root) as peak, gl.Loader(chain, workers=2) as loader:
         for epoch in range(2):
             before = {key: proxy.bytes_sent[key] for key in keys}
-            assert sorted(k for b in loader for k in b["__key__"]) == [f"s{i:05d}" for i in range(64)]
+            assert sorted(k for b in loader for k in b["__key__"]) == [f"s{i:05d}" for i in range(160)]
             got = {url: proxy.bytes_sent[key] - before[key] for url, key in zip(urls, keys, strict=True)}
             if epoch == 0:
                 assert got == sizes  # each once
             else:  # each once at most: some are still in the cache from the first epoch
                 assert {url: got[url] in (0, size) for url, size in sizes.items()} == dict.fromkeys(urls, True), got
-    assert peak.most <= limit + 2 * largest  # what the two workers read at that moment
+    assert peak.most <= limit
     assert _used(root) <= limit
 
 

@@ -215,7 +215,14 @@ def test_a_damaged_record_starts_again_from_the_folder(tmp_path: pathlib.Path) -
     for damage in (good[:-1], good[:10] + bytes([good[10] ^ 1]) + good[11:], b""):
         record.write_bytes(damage)  # a torn write, a flipped bit, an empty file
         counts = cache.stats.read()
-        expected = {"downloaded_bytes": 0, "hits": 0, "misses": 0, "bytes": 3 * stored_size(50), "entries": 3}
+        expected = {
+            "downloaded_bytes": 0,
+            "hits": 0,
+            "misses": 0,
+            "bytes": 3 * stored_size(50),
+            "entries": 3,
+            "reserved": 0,
+        }
         assert counts == expected, damage
         record.write_bytes(good)
     assert cache.status()["misses"] == 3
@@ -300,4 +307,5 @@ def test_the_threads_of_a_process_never_lose_an_update(tmp_path: pathlib.Path) -
         "misses": 1,
         "bytes": 0,
         "entries": 1,
+        "reserved": 0,
     }

@@ -98,7 +98,8 @@ def _keep_windows_cached(source: Any, window: int) -> None:
         warnings.warn(
             f"shuffle(window={window}) over {source!r} keeps two windows of blocks in the machine cache "
             f"({needed} bytes), more than it holds ({room} bytes): blocks would be evicted before they are "
-            f"read and downloaded again; use window={max(1, fits)} or cache_limit={2 * needed} (see docs/remote.md)",
+            f"read and downloaded again; use window={max(1, fits)} or cache_limit={2 * needed} (more with several "
+            "workers: each keeps its own two windows open; see docs/remote.md)",
             stacklevel=6,  # the user's shuffle() call: Dataset.shuffle -> the plan's form -> over -> here
         )
 

@@ -16,20 +16,28 @@ every process and job of the user. Properties, each relied on elsewhere:
   (`locks/downloads`, a byte-range lock per entry): the folder does not grow by a file per object.
 - Readers hold a shared flock on an entry while it is open; eviction (least recently used by
   access time, which opens set) takes an exclusive one without waiting and skips entries in use,
-  so it never deletes what a reader has open. A download makes room for itself first. The
-  readers of one cache handle (a source, in a process) keep open only the entries they are
-  reading and the most recently read ones up to `hold` bytes (1/HOLD_SHARE of the cache's room,
-  its limit or its disk if smaller, unless set; the read-ahead has the rest):
-  the cache exceeds its limit by at most what they hold while they read. The last reader to
-  release an entry of an over-limit cache evicts, and a process releases what it holds when it
-  ends, so a job that has ended leaves the cache within its limit.
+  so it never deletes what a reader has open. The readers of one cache handle (a source, in a
+  process) keep open only the entries they are reading and the most recently read ones up to
+  `hold` bytes (1/HOLD_SHARE of the cache's room, its limit or its disk if smaller, unless set;
+  the read-ahead has the rest). The last reader to release an entry of an over-limit cache
+  evicts, and a process releases what it holds when it ends.
+- Within the limit at every moment: a download first reserves its bytes in the counters'
+  record, where checking that they fit beside every entry and every other reservation of the
+  machine and taking them is one step under the record's lock, evicting entries no reader holds
+  until they do (`_reserve`). Its temporary file is as large as its reservation from the start,
+  so a download killed midway gives it back when its temporary is removed. A read that finds
+  the cache full of entries held, claimed or being written waits (HELD_WAIT) for readers, then
+  drops claims; it goes beyond the limit, with a warning naming the limit needed, only when the
+  readers of the machine hold more than the limit leaves.
 - An entry downloaded ahead of its reads (`ahead`) is claimed: its access time is set AHEAD_CLAIM
   in the future, so eviction takes every entry already read before it, and the first reader's
   open makes it an ordinary entry. A download ahead starts only while the entries claimed ahead
-  fit in the room the readers' hold leaves (`room_ahead`); eviction to keep the limit never takes
-  a claimed entry (a full disk may): nothing is evicted before it is read, nothing downloaded
-  twice in an epoch, while what the readers use at once fits their hold (a windowed shuffle sets
-  it to two windows, see `Store.keep_open`). A reader's fetch notes its time in the lock file's
+  fit in the room the readers' hold leaves and the machine's cache has room for it
+  (`room_ahead`), and gives up when its reservation finds none: it never takes the reads' room.
+  Only a read with no other room, or a full disk, evicts a claimed entry: nothing is evicted
+  before it is read, nothing downloaded twice in an epoch, while what the readers of the machine
+  use at once fits their hold (a windowed shuffle sets it to two windows per process, see
+  `Store.keep_open`). A reader's fetch notes its time in the lock file's
   slot for the entry, so that a download ahead the reads overtook is not made after them
   (`fetched_since`).
 - A full disk evicts every entry not in use, then waits (FULL_WAIT at most) while other
@@ -57,6 +65,7 @@ import re
 import struct
 import threading
 import time
+import warnings
 import weakref
 import zlib
 from collections import OrderedDict
@@ -86,11 +95,17 @@ CHECK_BLOCK = 1 << 14
 HOLD_SHARE = 2
 HOLD_FILES = 64
 FULL_WAIT = 30.0  # seconds a download on a full disk waits for other readers to release entries
+# Seconds a read waits for readers to release entries when the cache is at its limit, before it
+# goes beyond (see `ObjectCache._reserve`).
+HELD_WAIT = 1.0
 # An entry downloaded ahead and not read yet: its access time this far in the future (eviction takes
 # it after every entry read), until a reader opens it, or for at most this long if none does.
 AHEAD_CLAIM = 3600 * 10**9  # ns
 _TOUCH_EVERY = 10**9  # ns: an open sets the access time (the LRU clock) if older than this
 _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the cache's size
+# Seconds a download waits for the counters' lock to reserve its bytes (held for a few system calls
+# at a time): longer only if a process holding it is stopped, and then it evicts without reserving.
+_RESERVE_WAIT = 2.0
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
 _SLOT = struct.Struct("<I")  # one block's CRC-32 in the table between the data and the trailer
 _MAGIC = b"GLC2"  # GLC1 entries had no table: they read as damaged and are fetched again
@@ -492,7 +507,6 @@ class ObjectCache:
         self._held: OrderedDict[CachedFile, int] = OrderedDict()  # open entries, least recently read first
         self._held_bytes = 0
         self._held_lock = threading.Lock()
-        self._downloading = 0  # bytes of this handle's downloads under way
         # Entries this handle downloaded ahead, oldest first, with their bytes (see `room_ahead`).
         self._ahead: collections.deque[tuple[pathlib.Path, int]] = collections.deque()
         self._ahead_bytes = 0
@@ -554,8 +568,9 @@ class ObjectCache:
 
             def fill(data: bytes) -> None:
                 self._make_room(entry.data_size())
-                with self._room_for(entry):
-                    self._write(path, entry, lambda write: write(data), opened=False, ahead=True)
+                with self._room_for(entry, ahead=True) as reservation:
+                    if reservation is not None:  # else dropped: its reader fetches it
+                        self._write(path, entry, lambda write: write(data), reservation, opened=False, ahead=True)
 
             yield fill
 
@@ -569,42 +584,88 @@ class ObjectCache:
             found = self._open_existing(path, entry)  # another process finished it while we waited
             if found is not None:
                 return self._hit(found)
-            with self._room_for(entry):
-                written = self._write(path, entry, download, ahead=ahead)
+            with self._room_for(entry, ahead) as reservation:
+                if reservation is None:
+                    raise CacheFullError(f"no room ahead of the reads for {entry.url} in the object cache {self.root}")
+                written = self._write(path, entry, download, reservation, ahead=ahead)
             assert written is not None  # opened
         self._remove_dead_temporaries()  # of downloads killed midway
         self.evict_if_over_limit()  # downloads at once may each have made room for their own only
         return written
 
     @contextlib.contextmanager
-    def _room_for(self, entry: Entry) -> Iterator[None]:
-        """Around a download: first evict until the entry fits under the limit beside the others
-        and the downloads of this handle under way (one read of the record when it fits, not a
-        walk of the folder)."""
-        incoming = stored_size(entry.data_size())
-        with self._held_lock:
-            self._downloading += incoming
-            needed = self._downloading
+    def _room_for(self, entry: Entry, ahead: bool = False) -> Iterator[_Reservation | None]:
+        """Around a download: its bytes reserved first (`_reserve`), returned when it ends unless
+        its entry took them; None for a download `ahead` that has no room (it is dropped)."""
+        reservation = self._reserve(entry, ahead)
         try:
-            try:
-                fits = self.stats.read(_RECORD_WAIT)["bytes"] + needed <= self.limit
-            except StorageError:  # a process holding the counters' lock is stopped or slow
-                fits = False
-            if not fits:
-                self.evict(target=max(0, self.limit - needed))
-            yield
+            yield reservation
         finally:
-            with self._held_lock:
-                self._downloading -= incoming
+            if reservation is not None and reservation.size:
+                with self.stats.update() as record:
+                    record["reserved"] -= reservation.size
+
+    def _reserve(self, entry: Entry, ahead: bool) -> _Reservation | None:
+        """Reserve the entry's bytes in the record once they fit under the limit beside every
+        entry and every download under way on the machine (the reservation is atomic with the
+        check: two processes never both take the last room), evicting entries no reader holds,
+        least recently used first. Then a download ahead waits for the reads to leave room
+        (HELD_WAIT at most: downloads ahead under way may each have found room for itself
+        alone), then gives up (None): it never takes the reads' room. A read releases the entries
+        its own handle keeps open but is not reading (the least recently read first, one at a
+        time: another process may still read the others), then waits HELD_WAIT at most for readers
+        to release entries, then evicts entries claimed ahead (the last claimed first: their
+        reader fetches them again); past that, the readers of the machine hold more than the limit leaves (a
+        limit smaller than what they keep open: every process keeps two windows of a windowed
+        shuffle), and it reserves beyond the limit, with a warning naming the limit needed,
+        rather than wait for readers that may be waiting for it. An entry larger than the limit
+        fits an otherwise empty cache."""
+        incoming = stored_size(entry.data_size())
+        deadline, pause, over = time.monotonic() + HELD_WAIT, WAIT_POLL, False
+        while True:
+            try:
+                with self.stats.locked(_RESERVE_WAIT) as record:
+                    taken = record["bytes"] + record["reserved"]
+                    if not taken or taken + incoming <= self.limit or over:
+                        record["reserved"] += incoming
+                        break
+                    others = record["reserved"]
+            except StorageError:  # a process holding the counters' lock is stopped: evict, unreserved
+                self.evict(target=max(0, self.limit - incoming))
+                return _Reservation(0)
+            target = max(0, self.limit - others - incoming)
+            if self.evict(target):
+                continue
+            if ahead and time.monotonic() > deadline:
+                return None
+            if not ahead and self._release_oldest():  # what this handle keeps open beyond its reads first
+                continue
+            if time.monotonic() <= deadline:
+                time.sleep(pause)  # for a reader to release an entry
+                pause = min(0.1, 2 * pause)
+            elif not self.evict(target, claimed=True):
+                over = True
+        if taken and taken + incoming > self.limit:
+            warnings.warn(
+                f"the object cache {self.root} exceeds its limit of {self.limit} bytes to hold {entry.url}: "
+                f"its readers keep {taken} bytes open (every process two windows of a windowed shuffle); "
+                f"set cache_limit (or {LIMIT_ENV}) to at least {taken + incoming} bytes or use a smaller window",
+                stacklevel=2,
+            )
+        return _Reservation(incoming)
 
     def room_ahead(self, size: int, under_way: int = 0) -> bool:
         """Whether a download ahead of `size` bytes may start: the entries this handle downloaded
         ahead that no reader opened yet, the caller's downloads ahead under way (`under_way`
         bytes) and it fit in the room the readers' `hold` leaves (any one alone may), so that
-        with what is being read none is evicted before it is read. A stat or two (their oldest
-        first: they are read in the order downloaded), so an event loop may ask; when there is
-        no room, every one of them is looked at (once a second at most: one never read, a job
-        stopped mid-epoch, must not hold back the others)."""
+        with what is being read none is evicted before it is read; and it fits under the limit
+        beside every entry and reservation of the machine (`_room_on_machine`; those under way
+        reserve their bytes when they write, evicting then what the reads have left, not sooner:
+        an entry one worker has read may still be read by another): the read-ahead waits for the
+        reads, it never takes their room. A stat or two (their oldest first: they
+        are read in the order downloaded) and a read of the record, so an event loop may ask;
+        when there is no room, every one of them is looked at (once a second at most: one never
+        read, a job stopped mid-epoch, must not hold back the others)."""
         now = time.time_ns()
         with self._held_lock:
             while self._ahead and not _claimed(self._ahead[0][0], now):
@@ -615,7 +676,22 @@ class ObjectCache:
                 self._ahead = collections.deque(item for item in self._ahead if _claimed(item[0], now))
                 self._ahead_bytes = sum(stored for _, stored in self._ahead)
                 fits = self._fits_ahead(size, under_way)
-        return fits
+        return fits and self._room_on_machine(stored_size(size))
+
+    def _room_on_machine(self, needed: int) -> bool:
+        """Whether `needed` bytes fit under the limit beside the machine's entries and downloads
+        under way (the record), entries no reader holds or claimed evicted first when they do not."""
+        for evicted in (False, True):
+            try:
+                record = self.stats.read(_RECORD_WAIT)
+            except StorageError:  # a process holding the counters' lock is stopped: the reservation decides
+                return True
+            taken = record["bytes"] + record["reserved"]
+            if not taken or taken + needed <= self.limit:
+                return True
+            if evicted or not self.evict(max(0, self.limit - record["reserved"] - needed)):
+                return False
+        return False
 
     def _fits_ahead(self, size: int, under_way: int) -> bool:
         taken = self._ahead_bytes + under_way
@@ -703,12 +779,19 @@ class ObjectCache:
             locks.unlock(byte)
 
     def _write(
-        self, path: pathlib.Path, entry: Entry, download: Download, *, opened: bool = True, ahead: bool = False
+        self,
+        path: pathlib.Path,
+        entry: Entry,
+        download: Download,
+        reservation: _Reservation,
+        *,
+        opened: bool = True,
+        ahead: bool = False,
     ) -> _Opened | None:
         deadline = time.monotonic() + FULL_WAIT
         while True:
             try:
-                return self._write_once(path, download, opened, ahead)
+                return self._write_once(path, download, reservation, opened, ahead)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
@@ -744,8 +827,13 @@ class ObjectCache:
             return {item.name for item in it if item.name != STATS_NAME and item.is_file(follow_symlinks=False)}
         return set()
 
-    def _write_once(self, path: pathlib.Path, download: Download, opened: bool, ahead: bool) -> _Opened | None:
-        """Download into a temporary file and rename it into place, already opened under our shared
+    def _write_once(
+        self, path: pathlib.Path, download: Download, reservation: _Reservation, opened: bool, ahead: bool
+    ) -> _Opened | None:
+        """Download into a temporary file (as large as its `reservation` from the start, so that the
+        temporary of a process killed midway says what it had reserved, see
+        `_remove_dead_temporaries`) and rename it into place, the reservation becoming the entry's
+        bytes in the record; already opened under our shared
         lock when `opened` (no eviction deletes it before we read it); else None (a download
         ahead, which reads nothing: no second open, lock and stat per small object). `ahead`: it
         appears claimed (see the module doc). Not synced to
@@ -756,6 +844,7 @@ class ObjectCache:
         fd = -1
         try:
             with _paths.write_atomic(path, mode=_paths.file_mode(), buffering=_WRITE_CHUNK) as out:
+                os.ftruncate(out.file.fileno(), reservation.size)
 
                 def write(chunk: bytes) -> None:
                     out.write(chunk)
@@ -764,6 +853,7 @@ class ObjectCache:
                 download(write)
                 out.write(sums.tail())
                 out.file.flush()
+                out.file.truncate()  # at its end: no byte of the reservation beyond it
                 if ahead:
                     now = time.time_ns()
                     os.utime(out.file.fileno(), ns=(now + AHEAD_CLAIM, now))
@@ -776,6 +866,8 @@ class ObjectCache:
                         record["bytes"] -= old.st_size
                         record["entries"] -= 1
                     out.commit()
+                    record["reserved"] -= reservation.size
+                    reservation.size = 0
                     record["bytes"] += stored_size(sums.length)
                     record["entries"] += 1
                     record["misses"] += 1
@@ -802,21 +894,38 @@ class ObjectCache:
                     found.append((pathlib.Path(item.path), st.st_size, st.st_atime))
         return found
 
+    def on_disk(self) -> int:
+        """Bytes the folder's entries and downloads under way take on disk now (each file's size,
+        once), counted under the counters' lock, which every change of them takes but a
+        download's writes within its reservation: never two states mixed (an entry evicted and
+        the download that took its room), so it measures the limit exactly."""
+        seen, used = set(), 0
+        with self.stats.locked(), contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
+            for item in it:
+                if item.name != STATS_NAME and item.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):  # a dead download's, removed meanwhile
+                        st = item.stat(follow_symlinks=False)
+                        if st.st_ino not in seen:
+                            seen.add(st.st_ino)
+                            used += st.st_size
+        return used
+
     def evict(self, target: int | None = None, *, claimed: bool = False) -> int:
         """Delete least recently used entries not in use until the cache holds at most `target`
-        bytes (default: its limit); remove temporary files of dead downloads. Entries claimed
-        ahead (see the module doc) only if `claimed` (a full disk), and last. Returns bytes freed."""
-        self._remove_dead_temporaries()
+        bytes (default: its limit); remove temporary files of dead downloads (counted as freed:
+        their reservations go with them). Entries claimed ahead (see the module doc) only if
+        `claimed`, and last, the last claimed first (the last to be read). Returns bytes freed."""
+        dead = self._remove_dead_temporaries()
         entries = self.entries()
         total = sum(size for _, size, _ in entries)
         target = self.limit if target is None else target
         freed, now = 0, time.time()
-        for path, size, used in sorted(entries, key=lambda e: e[2]):
+        for path, size, used in sorted(entries, key=lambda e: (e[2] > now, -e[2] if e[2] > now else e[2])):
             if total - freed <= target or (used > now and not claimed):
                 break
             if self._remove_unused(path):
                 freed += size
-        return freed
+        return dead + freed
 
     def evict_if_over_limit(self) -> None:
         """Evict if the record says the cache is over its limit (one small read; if its lock stays
@@ -881,6 +990,21 @@ class ObjectCache:
                     handle._lock.release()
         return last
 
+    def _release_oldest(self) -> bool:
+        """Release the least recently read entry this handle keeps open and is not reading now;
+        whether there was one."""
+        with self._held_lock:
+            handles = list(self._held)
+        for handle in handles:
+            if handle._lock.acquire(blocking=False):
+                try:
+                    if handle._fd >= 0:
+                        handle._release()
+                        return True
+                finally:
+                    handle._lock.release()
+        return False
+
     def _after_fork(self) -> None:
         # The descriptors a forked child inherited share their locks with the parent's: closed
         # here without touching the locks; the child opens its own.
@@ -888,13 +1012,21 @@ class ObjectCache:
             handle._forget()
         self._reset_held()
 
-    def _remove_dead_temporaries(self) -> None:
+    def _remove_dead_temporaries(self) -> int:
+        """Remove the temporary files of dead downloads, with the bytes they had reserved (their
+        size: see `_write_once`); returns those bytes."""
+        freed = 0
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
             for item in it:
                 pid = _paths.temporary_writer(item.name)
                 if pid is not None and not alive(pid):
                     with contextlib.suppress(OSError):
+                        size = item.stat(follow_symlinks=False).st_size
                         os.unlink(item.path)
+                        with self.stats.update() as record:
+                            record["reserved"] -= size
+                        freed += size
+        return freed
 
     def clear(self) -> int:
         """Delete every entry not in use; returns bytes freed."""
@@ -944,6 +1076,14 @@ def _claimed(path: pathlib.Path, now: int) -> bool:
         return os.stat(path, follow_symlinks=False).st_atime_ns > now
     except FileNotFoundError:
         return False
+
+
+class _Reservation:
+    """Bytes a download reserved in the record (see `ObjectCache._reserve`): 0 once its entry
+    took them, or when the record could not be had."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
 
 
 class _Checksums:

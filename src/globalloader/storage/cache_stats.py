@@ -2,8 +2,9 @@
 
 Every process of the machine (jobs, their workers, the shared server's decode workers) adds to
 the same record under an exclusive flock: bytes downloaded, misses (downloads), hits (opens
-served without a download), and the folder's size and entry count, changed by whoever adds or
-removes an entry while it holds the lock, so the figures follow the folder without walking it.
+served without a download), the folder's size and entry count, changed by whoever adds or
+removes an entry while it holds the lock, so the figures follow the folder without walking it,
+and the bytes reserved by downloads under way (the cache's limit counts them).
 The record is written in place by one `pwrite` and carries a CRC-32: a process killed mid-update
 leaves the previous record; a torn or damaged one is detected and started again (counters from
 zero, as after a restart; size and entries from one walk of the folder).
@@ -38,13 +39,15 @@ from globalloader import _paths
 from globalloader.errors import StorageError
 from globalloader.storage._fork import reset_in_forked_children
 
-FIELDS = ("downloaded_bytes", "hits", "misses", "bytes", "entries")
+# `reserved`: bytes of the downloads under way, reserved before they are written (see
+# `ObjectCache._reserve`), which become an entry's `bytes` when it is renamed into place.
+FIELDS = ("downloaded_bytes", "hits", "misses", "bytes", "entries", "reserved")
 LOCK_TIMEOUT = 30.0  # seconds `read` waits; the lock is held for a few system calls at a time
 BUSY_WAIT = 0.05  # seconds an update waits for the lock before it defers its changes
 EXIT_WAIT = 0.5  # seconds a process ending waits for the lock to write what it deferred
-_RECORD = struct.Struct("<4s5Q")
+_RECORD = struct.Struct("<4s6Q")
 _CRC = struct.Struct("<I")
-_MAGIC = b"GLS1"
+_MAGIC = b"GLS2"  # GLS1 records had no `reserved`: they read as damaged and start again
 
 
 class CacheStats:
