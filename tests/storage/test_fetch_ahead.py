@@ -226,3 +226,29 @@ def test_disk_work_runs_calls_in_order_off_the_loop_and_hands_back_their_errors(
     assert all(thread != loop_thread for _, thread in calls)
     assert isinstance(outcomes[3], OSError) and isinstance(outcomes[4], asyncio.CancelledError)
     assert [outcomes[n] for n in (0, 1, 2, 5)] == [None] * 4
+
+
+_EXIT_EARLY = """
+import sys, numpy as np, globalloader as gl
+src = gl.Files(sys.argv[1], "*.jpg", storage_options={options!r})
+src.prefetch(np.arange(len(src)))
+while src.store.fetch_counters().get("fetched", 0) < 5:
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_process_ending_with_gets_in_flight_exits_cleanly(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """A job that ends (or fails) while its pool has GETs in flight exits with 0, not a crash:
+    the pool waits for them at exit before the interpreter finalizes (answers arriving from the S3
+    client's runtime after that killed the process with SIGSEGV in about half of such exits)."""
+    _folder(s3, 300, size=15_000)
+    s3["proxy"].latency = 0.02  # many GETs still in flight when the script ends
+    script = _EXIT_EARLY.format(options=s3["options"])
+    codes = []
+    for run in range(6):
+        env = dict(os.environ, GLOBALLOADER_CACHE_DIR=str(tmp_path / str(run)))
+        url = f"s3://{s3['bucket']}/images"
+        done = subprocess.run([sys.executable, "-c", script, url], env=env, capture_output=True, timeout=120)
+        codes.append((done.returncode, done.stderr.decode()[-300:]))
+    assert codes == [(0, "")] * 6

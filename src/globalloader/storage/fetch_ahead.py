@@ -38,6 +38,7 @@ deadline of one try.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import fcntl
@@ -45,6 +46,7 @@ import os
 import pathlib
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -63,6 +65,7 @@ FETCHERS = "fetchers"  # the cache folder's sub-folder where pools register
 RECOUNT = 1.0  # seconds between counts of the pools sharing the machine's budget
 ROOM_POLL = 0.005  # seconds between two asks for room in the cache while there is none
 STARTS_PER_TURN = 8  # GETs started per turn of the event loop (see `_pump`)
+EXIT_WAIT = 10.0  # seconds a process ending waits for its GETs in flight (see `FetchAhead.close`)
 _ERRORS_KEPT = 64  # the latest permanent failures named in `errors`
 
 
@@ -178,7 +181,13 @@ class DiskWork:
             if self._draining:
                 return done
             self._draining = True
-        self._loop.run_in_executor(None, self._drain)
+        try:
+            self._loop.run_in_executor(None, self._drain)
+        except RuntimeError as exc:  # the executor is shut down (the interpreter is ending)
+            with self._lock:
+                waiting, self._draining = list(self._queue), False
+                self._queue.clear()
+            _settle([(future, exc) for _, _, future in waiting])
         return done
 
     def _drain(self) -> None:
@@ -248,6 +257,24 @@ class FetchAhead:
         self.peak_in_flight = self.peak_memory = 0
         self.fetched = self.bytes = self.throttled = self.retried = self.failed = self.dropped = 0
         self.errors: collections.deque[str] = collections.deque(maxlen=_ERRORS_KEPT)
+        self._closed, self._pid = False, os.getpid()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def close(self, timeout: float = EXIT_WAIT) -> None:
+        """Start no more GETs (what waits is dropped) and wait, `timeout` seconds at most, for those
+        in flight: a GET's answer arriving from obstore's runtime into an interpreter that is
+        finalizing crashes the process (SIGSEGV at exit). Only in the process that made the pool."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            self._closed = True
+            self.dropped += len(self._queue)
+            self._queue.clear()
+            self._asked.clear()
+            self._queued_bytes = 0
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def _ceiling(self) -> int:
         shared_by = self._share.live() if self._share is not None else 1
@@ -299,6 +326,8 @@ class FetchAhead:
         batch waits for) unread for as long as it takes to send the last."""
         now = time.monotonic()
         with self._lock:
+            if self._closed:
+                return
             if self._share is not None and now - self._counted_at > RECOUNT:
                 self._counted_at = now
                 self._limit.set_ceiling(self._ceiling())
@@ -368,10 +397,18 @@ class FetchAhead:
 
     def _again(self, item: tuple[str, int, Any, int, float]) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._queue.appendleft(item)
             self._asked.add(item[0])
             self._queued_bytes += item[1]
         self._pump()
+
+
+def _close_at_exit(pool: weakref.ref[FetchAhead]) -> None:
+    alive = pool()
+    if alive is not None:
+        alive.close()
 
 
 def client_loop() -> asyncio.AbstractEventLoop:
