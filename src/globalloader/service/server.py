@@ -12,8 +12,6 @@ jobs go on.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import math
 import os
 import selectors
@@ -30,14 +28,11 @@ from globalloader.service import launcher, protocol
 from globalloader.service.connections import Connection, Connections, log
 from globalloader.service.decoder import Decoders
 from globalloader.service.scheduler import Scheduler
+from globalloader.storage import import_clients
 from globalloader.storage.cache import ObjectCache, default_root
 from globalloader.transport import arena
 
 CHECK_S = 0.25  # how often liveness, deadlines and idleness are checked
-# The remote stores' clients (fsspec implementations) a decode worker imports on its first read of
-# a remote source: imported once here, before the workers fork, so that no worker (nor a
-# restarted one) pays for it on its first load.
-REMOTE_CLIENTS = ("s3fs", "gcsfs", "adlfs")
 
 
 class Server:
@@ -47,7 +42,9 @@ class Server:
         """Bind `socket_path` (whose lock the caller holds), then make the arena and workers."""
         self.socket_path = Path(socket_path)
         self.idle_exit = idle_exit
-        _preload(REMOTE_CLIENTS)  # before the socket answers: a job connecting finds the server ready
+        # Before the decode workers fork (none, nor a restarted one, imports them on its first
+        # remote load) and before the socket answers (a job connecting finds the server ready).
+        import_clients()
         self._selector = selectors.DefaultSelector()
         self.io = Connections(self.socket_path, self._selector, self._handle, self._drop)
         try:
@@ -140,16 +137,6 @@ class Server:
         self.io.close_all()
         self.scheduler.decoders.close()
         self.arena.close()
-
-
-def _preload(modules: tuple[str, ...]) -> None:
-    """Import the installed ones of `modules` (the decode workers forked after share them).
-
-    Measured: importing s3fs costs a process ~0.16 CPU s, more than a hundred decodes of a small
-    JPEG; each decode worker paid it on its first load from S3, on the jobs' critical path."""
-    for name in modules:
-        with contextlib.suppress(Exception):  # one that fails here is named by the load that needs it
-            importlib.import_module(name)
 
 
 def _object_cache_status() -> dict[str, Any] | None:

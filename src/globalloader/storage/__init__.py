@@ -9,7 +9,7 @@ it; see docs/remote.md.
 
 from globalloader._paths import write_atomic
 from globalloader.storage._fork import reset_in_forked_children
-from globalloader.storage._fs import scheme_of
+from globalloader.storage._fs import import_clients, scheme_of
 from globalloader.storage.cache import ObjectCache, parse_size
 from globalloader.storage.local import memory_map, read_whole
 from globalloader.storage.ranges import RangeFile, RangeReader, open_arrow, open_read
@@ -25,6 +25,7 @@ __all__ = [
     "StagedWrite",
     "Store",
     "cache_key",
+    "import_clients",
     "memory_map",
     "open_arrow",
     "open_read",

@@ -28,6 +28,7 @@ import base64
 import contextlib
 import datetime
 import errno
+import importlib
 import json
 import os
 import re
@@ -55,6 +56,7 @@ LOCAL_SCHEMES = frozenset({"file", "local", "memory"})
 S3_SCHEMES = frozenset({"s3", "s3a"})  # the schemes s3fs serves
 GCS_SCHEMES = frozenset({"gs", "gcs"})  # the schemes gcsfs serves
 AZURE_SCHEMES = frozenset({"az", "abfs", "abfss"})  # the schemes adlfs serves
+CLIENT_MODULES = ("s3fs", "obstore", "gcsfs", "adlfs")  # the stores' client libraries, see `import_clients`
 
 # Errno values of faults that may pass: s3fs maps 503/SlowDown to EBUSY and 500 to EREMOTEIO.
 _TRANSIENT_ERRNOS = frozenset(
@@ -98,6 +100,16 @@ _TRANSIENT_NAMES = frozenset(
 # them with the status; s3fs maps them to the errnos above).
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _THROTTLING = ("SlowDown", "reduce your request rate", "Throttl", "ServiceUnavailable", "InternalError")
+
+
+def import_clients() -> None:
+    """Import the installed client libraries of the object stores now: for a process that forks
+    workers which read remote data (importing s3fs costs a process about 0.15 CPU s, the `import`
+    step `benchmarks/remote.py` prints), so that each does not pay it on its first read. One that
+    fails to import is named by the read that needs it."""
+    for name in CLIENT_MODULES:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def scheme_of(url: str) -> str:
@@ -203,7 +215,8 @@ async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, vers
         options["range"] = span
     if version_id:
         options["version"] = version_id
-    _OBSTORE_PID[:] = [os.getpid()]
+    if not _OBSTORE_PID:
+        _OBSTORE_PID.append(os.getpid())
     try:
         result = await obstore.get_async(store, key, options=options)
         body = bytes(await result.bytes_async())

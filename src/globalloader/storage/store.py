@@ -293,9 +293,11 @@ class Store(ProcessLocal):
         is no MD5)."""
         digest = Digest(url, *self.crc32s.get((url, stat), ()))
         if scheme_of(url) in S3_SCHEMES:
-            fs, path = self.filesystem(url)
-            digest.etag_is_md5 = functools.partial(etag_is_md5, fs, path, stat.version)
+            digest.etag_is_md5 = functools.partial(self._etag_is_md5, url, stat.version)
         return digest
+
+    def _etag_is_md5(self, url: str, etag: str) -> bool:
+        return etag_is_md5(*self.filesystem(url), etag)
 
     def open_cached(self, url: str, stat: FileStat, block: int = -1, *, ahead: bool = False) -> CachedFile:
         """The whole object (block -1) or one block of it, from the machine cache (downloaded
