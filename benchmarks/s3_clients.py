@@ -80,6 +80,8 @@ def _aiobotocore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[flo
 
 
 def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+    from fsspec.asyn import sync
+
     from globalloader.storage._fs import _get_s3, filesystem
 
     fs, _ = filesystem(f"s3://{spec['bucket']}", options(spec["endpoint"]))
@@ -89,13 +91,12 @@ def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, 
         assert answer is not None
         return answer.data
 
-    async def both() -> tuple[float, int]:
-        await _gather(read, keys[: spec["in_flight"]], spec["in_flight"])  # warm-up
-        cpu = _cpu()
-        got = await _gather(read, keys, spec["in_flight"])
-        return _cpu() - cpu, got
-
-    return asyncio.run(both())
+    # On the storage clients' own event loop, as globalloader runs it (a loop closed by
+    # asyncio.run under obstore's runtime made the process abort at exit in a third of rounds).
+    sync(fs.loop, _gather, read, keys[: spec["in_flight"]], spec["in_flight"])  # warm-up
+    cpu = _cpu()
+    got = sync(fs.loop, _gather, read, keys, spec["in_flight"])
+    return _cpu() - cpu, got
 
 
 def _boto3(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
@@ -198,7 +199,7 @@ def main() -> None:
                 )
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 if proc.returncode != 0 or not lines:
-                    print(f"{client} failed: {proc.stderr.strip().splitlines()[-3:]}")
+                    print(f"{client} failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
                     continue
                 result = json.loads(lines[-1])
                 per_object.setdefault(client, []).append(1e3 * result["cpu_s"] / result["objects"])

@@ -106,8 +106,8 @@ def create_mapping(
     `hold=True` keeps a shared flock on the file for as long as the returned `holder` (or a forked
     copy of it) is open: what tells `remove_unheld` that its creator lives. `written=True`
     reserves by writing zeros over it rather than by fallocate: pages written once can be mapped
-    16 to a fault by every process (`populate`), fallocated ones only one by one (measured, 1 GiB:
-    0.34 CPU s to create instead of 0.28; a worker then writes 1.7 GB into it in 0.22 s, not 0.52).
+    16 to a fault by every process (`populate`), fallocated ones only one by one (`tests/transport/test_arena.py`
+    counts a worker's faults).
     """
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     if hold:
