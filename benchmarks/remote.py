@@ -57,11 +57,13 @@ client refuses http:// endpoints unless `allow_http` is in its client options: i
 `--mode folder` measures a folder of one object per image instead (see remote_folder.py).
 
 Larger than the disk: `--cache-limit-fraction 0.25` adds the row `gl limit`, globalloader's same
-chain with `cache_limit` a quarter of the dataset, over `--limit-epochs` (3) epochs in one
-process: per epoch the bytes downloaded / the dataset (goal <= 1.05), samples/s and its ratio to
-the unlimited cold epoch of the same run (`vs_unlimited_cold`, goal >= 0.9 from the second
-epoch on), and the cache folder's peak size on disk / the limit (sampled every 2 ms, downloads
-under way included; goal <= 1):
+chain with `cache_limit` a quarter of the dataset and a window of `--limit-window` (1) shards,
+over `--limit-epochs` (3) epochs in one process (each worker keeps two windows open, so with 2
+workers a window of 1 leaves 7.5 - 4 shards of the quarter for the read-ahead, as docs/remote.md
+sizes it; the unlimited rows read windows of 2): per epoch the bytes downloaded / the dataset
+(goal <= 1.05), samples/s and its ratio to the unlimited cold epoch of the same run
+(`vs_unlimited_cold`, goal >= 0.9 from the second epoch on), and the cache folder's peak size on
+disk / the limit (sampled every 2 ms, downloads under way included; goal <= 1):
 
     python benchmarks/remote.py --only gl --latency 0.02 --no-concurrent --cache-limit-fraction 0.25
 """
@@ -388,7 +390,7 @@ def _gl_loader(spec: dict[str, Any]) -> Any:
     spec["phases"].update(source_s=constructed - spec["start"], index_s=time.perf_counter() - constructed)
     # Shared, the decode is the shared prefix: decoded once for both jobs (see remote_share.py).
     shared = bool(spec.get("share"))
-    chain = gl.Dataset(src).shuffle(seed=0, window=2).map(decode, shared=shared).batch(BATCH)
+    chain = gl.Dataset(src).shuffle(seed=0, window=spec.get("window", 2)).map(decode, shared=shared).batch(BATCH)
     share = {"share": True, "server": spec["socket"]} if shared else {}
     return gl.Loader(chain, workers=WORKERS, **share)
 
@@ -472,7 +474,7 @@ def _run_jobs(
     limit: dict[str, int] | None = None,
 ) -> Any:
     """One job (its result) or several at once (their results and the bytes served to all);
-    `limit`: the larger-than-disk row's cache_limit and epochs."""
+    `limit`: the larger-than-disk row's cache_limit, epochs and window."""
     scratch = Path(tempfile.mkdtemp(prefix="gl-remote-bench-"))
     env = dict(
         os.environ, GLOBALLOADER_CACHE_DIR=str(scratch / "gl-cache"), GLOBALLOADER_SOCKET=str(scratch / "s.sock")
@@ -538,6 +540,7 @@ def main() -> None:
         "--cache-limit-fraction", type=float, help="add the row `gl limit`: cache_limit this share of the dataset"
     )
     parser.add_argument("--limit-epochs", type=int, default=3, help="epochs of the `gl limit` row")
+    parser.add_argument("--limit-window", type=int, default=1, help="shards per shuffle window of the `gl limit` row")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--write-peers", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -576,6 +579,7 @@ def main() -> None:
                 limit = {
                     "cache_limit": int(args.cache_limit_fraction * formats["gl"]["bytes"]),
                     "epochs": args.limit_epochs,
+                    "window": args.limit_window,
                 }
                 plan.append(("gl limit", 1, False))
             bar = tqdm(total=args.rounds * len(plan), desc=f"latency {latency * 1e3:.0f} ms")
@@ -590,7 +594,7 @@ def main() -> None:
                     runs.setdefault(name, []).append(_run_jobs(system, fmt, proxy, jobs, share, args.peers_python))
                     bar.update()
             bar.close()
-            report["latency"][f"{latency * 1e3:.0f}ms"] = _digest(runs, formats, limit and limit["cache_limit"])
+            report["latency"][f"{latency * 1e3:.0f}ms"] = _digest(runs, formats, limit)
             _print(report["latency"][f"{latency * 1e3:.0f}ms"], latency)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
@@ -601,10 +605,10 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _digest_limit(rounds: list[Any], size: int, limit: int, unlimited_cold: float | None) -> dict[str, Any]:
+def _digest_limit(rounds: list[Any], size: int, spec: dict[str, int], unlimited_cold: float | None) -> dict[str, Any]:
     """The larger-than-disk row, per epoch: bytes downloaded / the dataset, samples/s and their
     ratio to the unlimited cold epoch of the same run, the cache folder's peak / the limit."""
-    ok = [r for r in rounds if r is not None]
+    ok, limit = [r for r in rounds if r is not None], spec["cache_limit"]
     epochs = []
     for n in range(min((len(r["epochs"]) for r in ok), default=0)):
         per = [r["epochs"][n] for r in ok]
@@ -617,10 +621,10 @@ def _digest_limit(rounds: list[Any], size: int, limit: int, unlimited_cold: floa
                 "cache_peak_x_limit": _summary([e["cache_peak"] / limit for e in per]),
             }
         )
-    return {"cache_limit": limit, "epochs": epochs, "failed_rounds": len(rounds) - len(ok)}
+    return {"cache_limit": limit, "window": spec["window"], "epochs": epochs, "failed_rounds": len(rounds) - len(ok)}
 
 
-def _digest(runs: dict[str, list[Any]], formats: dict[str, Any], limit: int | None = None) -> dict[str, Any]:
+def _digest(runs: dict[str, list[Any]], formats: dict[str, Any], limit: dict[str, int] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, rounds in runs.items():
         if name == "gl limit":
@@ -801,7 +805,8 @@ def _print(digest: dict[str, Any], latency: float) -> None:
             )
     if "gl limit" in digest:
         row = digest["gl limit"]
-        print(f"gl limit (cache_limit {row['cache_limit'] / 1e6:.1f} MB, larger than the disk), per epoch:")
+        size = f"cache_limit {row['cache_limit'] / 1e6:.1f} MB, larger than the disk, window {row['window']}"
+        print(f"gl limit ({size}), per epoch:")
         for n, e in enumerate(row["epochs"]):
             ratio = f"{e['vs_unlimited_cold']:.2f}" if e["vs_unlimited_cold"] else "-"
             print(

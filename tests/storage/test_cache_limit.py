@@ -25,7 +25,8 @@ from globalloader import storage
 from globalloader.demo.s3 import write_shards
 from globalloader.errors import RemoteAccessError, RemoteReadError, SourceError, StorageError
 from globalloader.sources import TarShards
-from globalloader.storage.cache import Entry, ObjectCache
+from globalloader.storage.cache import Entry, ObjectCache, stored_size
+from globalloader.storage.cache_stats import try_until
 from globalloader.storage.prefetch import IN_FLIGHT
 from helpers import at_once, small_filesystem
 
@@ -104,6 +105,52 @@ def test_a_download_killed_midway_gives_its_reservation_back(tmp_path: pathlib.P
     cache.open(Entry("s3://b/next", 9000, "v"), lambda write: write(b"n" * 9000)).close()
     assert cache.status()["reserved"] == 0
     assert cache.on_disk() == cache.status()["bytes"] <= 10_000
+
+
+_READER = """
+import os, sys
+from globalloader.storage.cache import Entry, ObjectCache
+cache = ObjectCache({root!r}, limit={limit!r})
+cache.hold = {hold!r}  # as a windowed shuffle sets it (`Store.keep_open`)
+entry = cache.open(Entry(f"s3://b/read-{{os.getpid()}}", 100, "v"), lambda write: write(b"r" * 100))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_read_ahead_leaves_every_reading_process_the_room_it_keeps_open(tmp_path: pathlib.Path) -> None:
+    """Two worker processes read through the cache, each keeping up to 4 entries' bytes open (its
+    hold); the read-ahead of a third process, which reads nothing, claims ahead only what the limit
+    of 10 leaves beside both holds (2), not beside its own hold alone (9): else the workers, to
+    open their next entries, release and evict ones their other worker has still to read. A
+    worker that dies gives its room back to the read-ahead."""
+    unit = stored_size(10_000)
+    root = tmp_path / "objects"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    code = _READER.format(root=str(root), limit=10 * unit, hold=4 * unit)
+    readers = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    try:
+        for reader in readers:
+            assert reader.stdout is not None and reader.stdout.readline() == b"ready\n"
+        cache = ObjectCache(root, limit=10 * unit)
+        cache.hold = unit
+        claimed = 0
+        while cache.room_ahead(10_000) and claimed < 10:
+            with cache.claim(Entry(f"s3://b/ahead-{claimed}", 10_000, "v"), time.time()) as fill:
+                assert fill is not None
+                fill(b"a" * 10_000)
+            claimed += 1
+        assert claimed == 2
+        readers[0].kill()
+        readers[0].wait(60)
+        assert try_until(lambda: cache.room_ahead(10_000), 10.0, 0.01)  # counted again: its 4 are free
+    finally:
+        for reader in readers:
+            reader.kill()
+            reader.wait(60)
 
 
 @pytest.fixture

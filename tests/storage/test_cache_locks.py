@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import shutil
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,7 @@ def test_a_half_written_entry_is_never_served(s3: dict[str, Any]) -> None:
 
 
 def _claim_in_child(cache: ObjectCache, entry: Entry, out: Any) -> None:
-    with cache.claim(entry) as fill:
+    with cache.claim(entry, time.time()) as fill:
         out.put(fill is not None)
 
 
@@ -105,22 +106,37 @@ def test_a_download_lock_excludes_the_handle_s_threads_and_forked_children(tmp_p
         assert child.exitcode == 0
         return bool(out.get(timeout=5))
 
-    with cache.claim(entry) as fill:
+    with cache.claim(entry, time.time()) as fill:
         assert fill is not None
         assert not in_thread()
         assert not in_child()
     assert in_thread() and in_child()
-    with cache.claim(entry) as fill:
+    with cache.claim(entry, time.time()) as fill:
         assert fill is not None
         shutil.rmtree(tmp_path / "cache" / "locks")  # the held lock goes with its file (as ever)
         assert not in_thread()  # the handle still knows its own
         assert _claim_fill(ObjectCache(tmp_path / "cache"), entry)  # another handle: the new file
     other = ObjectCache(tmp_path / "cache")
-    with cache.claim(entry) as fill:  # the handle locks the new file now
+    with cache.claim(entry, time.time()) as fill:  # the handle locks the new file now
         assert fill is not None
         assert not _claim_fill(other, entry) and not in_child()
 
 
 def _claim_fill(cache: ObjectCache, entry: Entry) -> bool:
-    with cache.claim(entry) as fill:
+    with cache.claim(entry, time.time()) as fill:
         return fill is not None
+
+
+def test_a_download_ahead_the_reads_overtook_is_not_made(tmp_path: Any) -> None:
+    """A reader fetched the entry after the pool was asked for it, and it was evicted since: the
+    pool's claim yields nothing (fetched again it would be downloaded twice in the epoch); asked
+    for after that read, it is fetched."""
+    cache = ObjectCache(tmp_path / "cache")
+    entry = Entry("s3://b/one.bin", 5, "v")
+    asked = time.time()
+    cache.open(entry, lambda write: write(b"abcde")).close()
+    assert cache.evict(target=0) > 0
+    with cache.claim(entry, asked) as fill:
+        assert fill is None
+    with cache.claim(entry, time.time()) as fill:
+        assert fill is not None

@@ -140,6 +140,8 @@ def test_what_the_cache_makes_is_private(remote: dict[str, Any], isolated_cache:
         "objects": 0o700,
         "objects/locks": 0o700,
         "objects/locks/downloads": 0o600,
+        "objects/readers": 0o700,  # this process read: its hold is registered (`storage.registry`)
+        f"objects/readers/{os.getpid()}": 0o600,
         f"objects/{remote['name']}": 0o600,
         f"objects/{STATS_NAME}": 0o600,
     }
@@ -158,6 +160,8 @@ def test_a_group_shared_cache_is_opt_in_and_checks_other_members_entries(
         "objects": 0o2770,
         "objects/locks": 0o2770,
         "objects/locks/downloads": 0o660,  # locked for writing by every member, as the counters
+        "objects/readers": 0o2770,
+        f"objects/readers/{os.getpid()}": 0o640,
         f"objects/{remote['name']}": 0o640,
         f"objects/{STATS_NAME}": 0o660,
     }

@@ -20,6 +20,7 @@ import globalloader as gl
 from globalloader import storage
 from globalloader.errors import RemoteAccessError, SourceError
 from globalloader.storage import fetch_ahead
+from globalloader.storage.registry import live
 
 
 def _folder(s3: dict[str, Any], n: int, size: int = 0) -> dict[str, bytes]:
@@ -148,8 +149,8 @@ def test_processes_fetching_ahead_share_the_machine_budget(tmp_path: pathlib.Pat
     folder = tmp_path / "fetchers"
     holder = (
         "import pathlib, sys\n"
-        "from globalloader.storage.fetch_ahead import _MachineShare\n"
-        f"_MachineShare.of(pathlib.Path({str(folder)!r}))\n"
+        "from globalloader.storage.registry import Registration\n"
+        f"Registration.of(pathlib.Path({str(folder)!r}))\n"
         "print('ready', flush=True)\n"
         "sys.stdin.read()\n"
     )
@@ -163,7 +164,7 @@ def test_processes_fetching_ahead_share_the_machine_budget(tmp_path: pathlib.Pat
         assert other.stdin is not None
         other.stdin.close()
         other.wait(timeout=30)
-    assert fetch_ahead._MachineShare.of(folder).live() == 1  # the ended one's file is removed
+    assert len(live(folder)) == 1  # the ended one's file is removed
     assert [p.name for p in folder.iterdir()] == [str(os.getpid())]
 
 

@@ -32,11 +32,14 @@ every process and job of the user. Properties, each relied on elsewhere:
 - An entry downloaded ahead of its reads (`ahead`) is claimed: its access time is set AHEAD_CLAIM
   in the future, so eviction takes every entry already read before it, and the first reader's
   open makes it an ordinary entry. A download ahead starts only while the entries claimed ahead
-  fit in the room the readers' hold leaves and the machine's cache has room for it
+  fit in the room the holds of every reading process of the machine leave (each registers its
+  hold in `readers/`, see `storage.registry`: the workers of a job read the same windows at
+  different moments, and a worker that released an entry another has still to read must not see
+  it evicted for the read-ahead) and the machine's cache has room for it
   (`room_ahead`), and gives up when its reservation finds none: it never takes the reads' room.
   Only a read with no other room, or a full disk, evicts a claimed entry: nothing is evicted
   before it is read, nothing downloaded twice in an epoch, while what the readers of the machine
-  use at once fits their hold (a windowed shuffle sets it to two windows per process, see
+  use at once fits their holds (a windowed shuffle sets it to two windows per process, see
   `Store.keep_open`). A reader's fetch notes its time in the lock file's
   slot for the entry, so that a download ahead the reads overtook is not made after them
   (`fetched_since`).
@@ -78,6 +81,7 @@ from globalloader.errors import ArgumentError, CacheFullError, GlobalLoaderError
 from globalloader.storage._fork import reset_in_forked_children
 from globalloader.storage.cache_stats import CacheStats, try_until
 from globalloader.storage.checksum import etag_md5
+from globalloader.storage.registry import Registration, live
 
 DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
 LIMIT_ENV = "GLOBALLOADER_CACHE_LIMIT"
@@ -101,6 +105,8 @@ HELD_WAIT = 1.0
 # An entry downloaded ahead and not read yet: its access time this far in the future (eviction takes
 # it after every entry read), until a reader opens it, or for at most this long if none does.
 AHEAD_CLAIM = 3600 * 10**9  # ns
+READERS = "readers"  # the folder's sub-folder where reading processes register their hold (see `room_ahead`)
+_READERS_RECOUNT = 0.1  # seconds between two sums of the machine's readers' holds
 _TOUCH_EVERY = 10**9  # ns: an open sets the access time (the LRU clock) if older than this
 _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the cache's size
 # Seconds a download waits for the counters' lock to reserve its bytes (held for a few system calls
@@ -498,12 +504,26 @@ class ObjectCache:
         self._downloads = _DownloadLocks(self._locks)
         # What the cache can hold: its limit, or its disk if smaller.
         self.room = min(self.limit, disk.f_blocks * disk.f_frsize)
-        self.hold = self.room // HOLD_SHARE  # bytes this handle's readers keep open besides those read now
+        self._keep = self.room // HOLD_SHARE  # see `hold`
         self._reset_held()
         reset_in_forked_children(self)
         _CACHES.add(self)
 
+    @property
+    def hold(self) -> int:
+        """Bytes this handle's readers keep open besides those read now; registered, once this
+        process reads, among the machine's readers (`room_ahead` leaves them their room)."""
+        return self._keep
+
+    @hold.setter
+    def hold(self, size: int) -> None:
+        if self._registered is not None:
+            self._registered.add(size - self._keep)
+        self._keep = size
+
     def _reset_held(self) -> None:
+        self._registered: Registration | None = None  # this process's, once it added its hold
+        self._readers_hold, self._readers_counted = 0, 0.0
         self._held: OrderedDict[CachedFile, int] = OrderedDict()  # open entries, least recently read first
         self._held_bytes = 0
         self._held_lock = threading.Lock()
@@ -551,18 +571,19 @@ class ObjectCache:
         return len(raw) == _FETCHED_AT.size and _FETCHED_AT.unpack(raw)[0] >= since
 
     @contextlib.contextmanager
-    def claim(self, entry: Entry) -> Iterator[Callable[[bytes], None] | None]:
-        """For a download ahead of the reads, which must not wait on a lock: yields
-        `fill(data)`, which writes the entry whole, when it is missing and no process of the
-        machine is downloading it (its download lock is held until the block ends, so each entry
-        is still downloaded once); else None (the entry is there, or on its way). `fill` does disk
+    def claim(self, entry: Entry, since: float) -> Iterator[Callable[[bytes], None] | None]:
+        """For a download ahead of the reads (asked for at time.time() `since`), which must not
+        wait on a lock: yields `fill(data)`, which writes the entry whole, when it is missing, no
+        process of the machine is downloading it (its download lock is held until the block
+        ends, so each entry is still downloaded once) and no reader fetched it since
+        (`fetched_since`); else None (the entry is there, on its way, or read already). `fill` does disk
         work: call it off an event loop's thread."""
         path = self.root / entry.name()
         if self.found_ahead(entry):
             yield None
             return
         with self._download_lock(path, entry, wait=False) as held:
-            if not held or path.exists():
+            if not held or path.exists() or self.fetched_since(entry, since):
                 yield None
                 return
 
@@ -657,8 +678,9 @@ class ObjectCache:
     def room_ahead(self, size: int, under_way: int = 0) -> bool:
         """Whether a download ahead of `size` bytes may start: the entries this handle downloaded
         ahead that no reader opened yet, the caller's downloads ahead under way (`under_way`
-        bytes) and it fit in the room the readers' `hold` leaves (any one alone may), so that
-        with what is being read none is evicted before it is read; and it fits under the limit
+        bytes) and it fit in the room the holds of the machine's reading processes leave (any
+        one alone may; `_readers_keep`), so that with what is being read none is evicted before
+        it is read; and it fits under the limit
         beside every entry and reservation of the machine (`_room_on_machine`; those under way
         reserve their bytes when they write, evicting then what the reads have left, not sooner:
         an entry one worker has read may still be read by another): the read-ahead waits for the
@@ -695,7 +717,16 @@ class ObjectCache:
 
     def _fits_ahead(self, size: int, under_way: int) -> bool:
         taken = self._ahead_bytes + under_way
-        return not taken or taken + stored_size(size) <= self.room - self.hold
+        return not taken or taken + stored_size(size) <= self.room - self._readers_keep()
+
+    def _readers_keep(self) -> int:
+        """What the readers of the machine may keep open: the holds of every process that reads
+        through this folder (each worker keeps its own windows; counted again every
+        _READERS_RECOUNT seconds), this handle's at least. Called under `_held_lock`."""
+        now = time.monotonic()
+        if now - self._readers_counted > _READERS_RECOUNT:
+            self._readers_hold, self._readers_counted = sum(live(self.root / READERS)), now
+        return max(self._keep, self._readers_hold)
 
     def _hit(self, found: _Opened) -> _Opened:
         try:
@@ -943,6 +974,9 @@ class ObjectCache:
         with self._held_lock:
             self._held[handle] = handle.length
             self._held_bytes += handle.length
+            if self._registered is None:
+                self._registered = Registration.of(self._locks.parent / READERS)
+                self._registered.add(self._keep)
         _release_when_this_process_ends()
 
     def _unhold(self, handle: CachedFile) -> None:

@@ -15,7 +15,7 @@ while the objects fetched and not read yet leave room for it, see `ObjectCache.r
 asked again every ROOM_POLL seconds while it has none). Memory stays flat over an epoch: what is fetched goes to disk.
 
 The machine's budget is shared, not multiplied: each pool registers in the cache folder
-(`fetchers/`, one file per process under an flock held while it lives) and takes
+(`fetchers/`, see `storage.registry`) and takes
 `concurrency // live pools`, counted again every `RECOUNT` seconds; a process that dies releases
 its lock, so its share returns to the others. Workers of a job never run a pool: they read what
 the pool fetched, or fetch one object themselves when they get there first.
@@ -40,8 +40,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
-import contextlib
-import fcntl
 import os
 import pathlib
 import threading
@@ -50,12 +48,12 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from globalloader import _paths
 from globalloader.errors import ArgumentError
 from globalloader.storage import retry
 from globalloader.storage._fs import is_throttling, is_transient
 from globalloader.storage.cache import parse_size
 from globalloader.storage.prefetch import DEPTH
+from globalloader.storage.registry import Registration, live
 
 CONCURRENCY_ENV = "GLOBALLOADER_FETCH_CONCURRENCY"
 MEMORY_ENV = "GLOBALLOADER_FETCH_MEMORY"
@@ -101,64 +99,6 @@ class _AIMD:
         self.ceiling = ceiling
         self.value = min(self.value, float(ceiling))
         self.lowest = min(self.lowest, int(self.value))
-
-
-class _MachineShare:
-    """This process's registration among the processes of the machine that fetch ahead (see the
-    module doc): one per process and folder (`of`), whatever the number of its pools (an flock
-    conflicts with the same process's other descriptors of the file)."""
-
-    def __init__(self, folder: pathlib.Path) -> None:
-        self.folder = folder
-        _paths.make_folder(folder)
-        self._fd = _paths.open_file(folder / str(os.getpid()), os.O_RDWR | os.O_CREAT, _paths.file_mode())[0]
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-    @classmethod
-    def of(cls, folder: pathlib.Path) -> _MachineShare:
-        with _SHARES_LOCK:
-            share = _SHARES.get(folder)
-            if share is None:
-                share = _SHARES[folder] = cls(folder)
-            return share
-
-    def live(self) -> int:
-        """Processes fetching ahead on the machine, this one among them; files of dead ones are
-        removed."""
-        count = 1
-        for path in self.folder.iterdir():
-            if path.name == str(os.getpid()):
-                continue
-            try:
-                fd = _paths.open_file(path, os.O_RDONLY)[0]
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                count += 1
-            else:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            finally:
-                os.close(fd)
-        return count
-
-
-_SHARES: dict[pathlib.Path, _MachineShare] = {}
-_SHARES_LOCK = threading.Lock()
-
-
-def _forget_shares_in_child() -> None:
-    """A forked child is another process: the parent's registration is not its own."""
-    global _SHARES_LOCK
-    for share in _SHARES.values():
-        os.close(share._fd)  # the parent's descriptor of the file keeps the parent's lock
-    _SHARES.clear()
-    _SHARES_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_shares_in_child)
 
 
 class DiskWork:
@@ -242,7 +182,7 @@ class FetchAhead:
         self._fetch, self._loop, self._policy, self._room = fetch, loop, policy, room
         self._room_poll: asyncio.TimerHandle | None = None
         self.concurrency, self.memory, self.depth = concurrency, memory, depth
-        self._share = _MachineShare.of(share) if share is not None else None
+        self._share = Registration.of(share) if share is not None else None
         self.disk = DiskWork(loop)  # for `fetch`'s disk work
         self._limit = _AIMD(self._ceiling())
         self._counted_at = time.monotonic()
@@ -277,7 +217,7 @@ class FetchAhead:
             time.sleep(0.005)
 
     def _ceiling(self) -> int:
-        shared_by = self._share.live() if self._share is not None else 1
+        shared_by = len(live(self._share.folder)) if self._share is not None else 1
         return max(1, self.concurrency // shared_by)
 
     def request(self, objects: Iterable[tuple[str, int, Any]]) -> None:

@@ -390,7 +390,7 @@ class Store(ProcessLocal):
             self._wanted.update((url, (stat, now)) for url, stat in large)
         if small:
             assert self._fetch_ahead is not None
-            self._fetch_ahead.request((url, stat.size, stat) for url, stat in small)
+            self._fetch_ahead.request((url, stat.size, (stat, now)) for url, stat in small)
         if large:
             assert self._prefetcher is not None
             self._prefetcher.request((url, stat.size) for url, stat in large)
@@ -406,12 +406,14 @@ class Store(ProcessLocal):
         small = stat.size <= min(self.block_size, self.whole_max)
         return scheme_of(url) in S3_SCHEMES and _pinned(url, stat) and small
 
-    async def _fetch_small(self, url: str, stat: FileStat) -> None:
-        """One object of the pool: nothing if the cache holds it or another process is
-        downloading it, else one GET with If-Match, checked against its checksums, written into
+    async def _fetch_small(self, url: str, asked: tuple[FileStat, float]) -> None:
+        """One object of the pool (asked for at time.time() `asked[1]`): nothing if the cache
+        holds it, another process is downloading it or the reads overtook it (a reader fetched it
+        since: read, and maybe evicted since), else one GET with If-Match, checked against its checksums, written into
         the cache under the entry's download lock (the disk work off the loop, batched: see
         `fetch_ahead.DiskWork`)."""
-        with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0)) as fill:
+        stat, since = asked
+        with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0), since) as fill:
             if fill is not None:
                 fs, path = self.filesystem(url)
                 answer = await CONDITIONAL[scheme_of(url)].get(fs, path, None, stat.version)
