@@ -32,8 +32,8 @@ every process and job of the user. Properties, each relied on elsewhere:
 - An entry downloaded ahead of its reads (`ahead`) is claimed: its access time is set AHEAD_CLAIM
   in the future, so eviction takes every entry already read before it, and the first reader's
   open makes it an ordinary entry. A download ahead starts only while the entries claimed ahead
-  fit in the room the holds of every reading process of the machine leave (each registers its
-  hold in `readers/`, see `storage.registry`: the workers of a job read the same windows at
+  fit in the room the holds set (a windowed shuffle's) of every reading process of the machine
+  leave (each registers its hold in `readers/`, see `storage.registry`: the workers of a job read the same windows at
   different moments, and a worker that released an entry another has still to read must not see
   it evicted for the read-ahead) and the machine's cache has room for it
   (`room_ahead`), and gives up when its reservation finds none: it never takes the reads' room.
@@ -505,21 +505,24 @@ class ObjectCache:
         # What the cache can hold: its limit, or its disk if smaller.
         self.room = min(self.limit, disk.f_blocks * disk.f_frsize)
         self._keep = self.room // HOLD_SHARE  # see `hold`
+        self._keep_set = 0  # the hold set by `hold = ...`, registered once this process reads
         self._reset_held()
         reset_in_forked_children(self)
         _CACHES.add(self)
 
     @property
     def hold(self) -> int:
-        """Bytes this handle's readers keep open besides those read now; registered, once this
-        process reads, among the machine's readers (`room_ahead` leaves them their room)."""
+        """Bytes this handle's readers keep open besides those read now: 1/HOLD_SHARE of the
+        cache's room, a bound, unless set to what they need (a windowed shuffle's two windows,
+        `Store.keep_open`). A hold set is registered among the machine's readers once this
+        process reads, and `room_ahead` leaves every registered hold its room."""
         return self._keep
 
     @hold.setter
     def hold(self, size: int) -> None:
         if self._registered is not None:
-            self._registered.add(size - self._keep)
-        self._keep = size
+            self._registered.add(size - self._keep_set)
+        self._keep = self._keep_set = size
 
     def _reset_held(self) -> None:
         self._registered: Registration | None = None  # this process's, once it added its hold
@@ -720,8 +723,8 @@ class ObjectCache:
         return not taken or taken + stored_size(size) <= self.room - self._readers_keep()
 
     def _readers_keep(self) -> int:
-        """What the readers of the machine may keep open: the holds of every process that reads
-        through this folder (each worker keeps its own windows; counted again every
+        """What the readers of the machine may keep open: the holds set of every process that
+        reads through this folder (each worker keeps its own windows; counted again every
         _READERS_RECOUNT seconds), this handle's at least. Called under `_held_lock`."""
         now = time.monotonic()
         if now - self._readers_counted > _READERS_RECOUNT:
@@ -975,8 +978,8 @@ class ObjectCache:
             self._held[handle] = handle.length
             self._held_bytes += handle.length
             if self._registered is None:
-                self._registered = Registration.of(self._locks.parent / READERS)
-                self._registered.add(self._keep)
+                self._registered = Registration.of(self.root / READERS)
+                self._registered.add(self._keep_set)
         _release_when_this_process_ends()
 
     def _unhold(self, handle: CachedFile) -> None:
