@@ -33,10 +33,10 @@ every process and job of the user. Properties, each relied on elsewhere:
   in the future, so eviction takes every entry already read before it, and the first reader's
   open makes it an ordinary entry. A download ahead starts only while the entries claimed ahead
   fit in the room the holds set (a windowed shuffle's) of every reading process of the machine
-  leave (each registers its hold in `readers/`, see `storage.registry`: the workers of a job read the same windows at
-  different moments, and a worker that released an entry another has still to read must not see
-  it evicted for the read-ahead) and the machine's cache has room for it
-  (`room_ahead`), and gives up when its reservation finds none: it never takes the reads' room.
+  leave (each registers its hold in `readers/`, see `storage.registry`: the workers of a job
+  read the same windows at different moments, and a worker that released an entry another has
+  still to read must not see it evicted for the read-ahead) and the machine's cache has room for
+  it (`room_ahead`), and gives up when its reservation finds none: it never takes the reads' room.
   Only a read with no other room, or a full disk, evicts a claimed entry: nothing is evicted
   before it is read, nothing downloaded twice in an epoch, while what the readers of the machine
   use at once fits their holds (a windowed shuffle sets it to two windows per process, see
