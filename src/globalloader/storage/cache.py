@@ -504,8 +504,7 @@ class ObjectCache:
         self._downloads = _DownloadLocks(self._locks)
         # What the cache can hold: its limit, or its disk if smaller.
         self.room = min(self.limit, disk.f_blocks * disk.f_frsize)
-        self._keep = self.room // HOLD_SHARE  # see `hold`
-        self._keep_set = 0  # the hold set by `hold = ...`, registered once this process reads
+        self._keep_set = 0  # the hold set by `hold = ...` (0: none), registered once this process reads
         self._reset_held()
         reset_in_forked_children(self)
         _CACHES.add(self)
@@ -516,13 +515,13 @@ class ObjectCache:
         cache's room, a bound, unless set to what they need (a windowed shuffle's two windows,
         `Store.keep_open`). A hold set is registered among the machine's readers once this
         process reads, and `room_ahead` leaves every registered hold its room."""
-        return self._keep
+        return self._keep_set or self.room // HOLD_SHARE
 
     @hold.setter
     def hold(self, size: int) -> None:
         if self._registered is not None:
             self._registered.add(size - self._keep_set)
-        self._keep = self._keep_set = size
+        self._keep_set = size
 
     def _reset_held(self) -> None:
         self._registered: Registration | None = None  # this process's, once it added its hold
@@ -729,7 +728,7 @@ class ObjectCache:
         now = time.monotonic()
         if now - self._readers_counted > _READERS_RECOUNT:
             self._readers_hold, self._readers_counted = sum(live(self.root / READERS)), now
-        return max(self._keep, self._readers_hold)
+        return max(self.hold, self._readers_hold)
 
     def _hit(self, found: _Opened) -> _Opened:
         try:

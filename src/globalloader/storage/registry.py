@@ -28,8 +28,8 @@ class Registration:
     """This process's registration in `folder` (one per process and folder, `of`: an flock
     conflicts with the same process's other descriptors of the file)."""
 
-    def __init__(self, folder: pathlib.Path, value: int) -> None:
-        self.folder, self.value = folder, value
+    def __init__(self, folder: pathlib.Path) -> None:
+        self.folder, self.value = folder, 0
         _paths.make_folder(folder)
         _paths.check_folder(folder)
         temporary = folder / f".{os.getpid()}.tmp"
@@ -37,16 +37,16 @@ class Registration:
             os.unlink(temporary)  # left by a killed process of the same pid
         self._fd = _paths.create_file(temporary, os.O_RDWR, _paths.file_mode())
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.pwrite(self._fd, _VALUE.pack(value), 0)
+        os.pwrite(self._fd, _VALUE.pack(0), 0)
         os.rename(temporary, folder / str(os.getpid()))
 
     @classmethod
-    def of(cls, folder: pathlib.Path, value: int = 0) -> Registration:
-        """This process's registration in `folder`, made with `value` if there is none yet."""
+    def of(cls, folder: pathlib.Path) -> Registration:
+        """This process's registration in `folder` (made with the number 0 if there is none yet)."""
         with _LOCK:
             registration = _REGISTERED.get(folder)
             if registration is None:
-                registration = _REGISTERED[folder] = cls(folder, value)
+                registration = _REGISTERED[folder] = cls(folder)
             return registration
 
     def add(self, change: int) -> None:

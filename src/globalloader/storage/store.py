@@ -409,8 +409,8 @@ class Store(ProcessLocal):
     async def _fetch_small(self, url: str, asked: tuple[FileStat, float]) -> None:
         """One object of the pool (asked for at time.time() `asked[1]`): nothing if the cache
         holds it, another process is downloading it or the reads overtook it (a reader fetched it
-        since: read, and maybe evicted since), else one GET with If-Match, checked against its checksums, written into
-        the cache under the entry's download lock (the disk work off the loop, batched: see
+        since: read, and maybe evicted since), else one GET with If-Match, checked against its
+        checksums, written into the cache under the entry's download lock (the disk work off the loop, batched: see
         `fetch_ahead.DiskWork`)."""
         stat, since = asked
         with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0), since) as fill:
