@@ -140,3 +140,46 @@ def test_a_download_ahead_the_reads_overtook_is_not_made(tmp_path: Any) -> None:
         assert fill is None
     with cache.claim(entry, time.time()) as fill:
         assert fill is not None
+
+
+# Holds the counters' lock for 1.5 s: a fill that waited for it would get it and write.
+_HOLD_COUNTERS = """
+import sys, time
+from globalloader.storage.cache import ObjectCache
+with ObjectCache(sys.argv[1]).stats.locked():
+    print("held", flush=True)
+    time.sleep(1.5)
+"""
+
+
+def test_a_download_ahead_told_not_to_wait_writes_only_what_fits_at_once(tmp_path: Any) -> None:
+    """`fill(data, wait=False)`, what the pool's event loop calls for a small object: while
+    another process holds the counters' lock, or the entry does not fit under the limit, it writes
+    nothing and says so (the loop hands the object to a thread that may wait), never past the
+    limit; with room, the entry is written whole, counted, and read back by another handle."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "cache"
+    cache = ObjectCache(folder, limit=10_000)
+    first, second = Entry("s3://b/first.bin", 6000, "v"), Entry("s3://b/second.bin", 6000, "v")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_COUNTERS, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with cache.claim(first, time.time()) as fill:
+            assert fill is not None and fill(b"a" * 6000, False) is False
+    finally:
+        holder.communicate(timeout=30)
+    assert cache.entries() == []
+    with cache.claim(first, time.time()) as fill:
+        assert fill is not None and fill(b"a" * 6000, False) is True
+    with cache.claim(second, time.time()) as fill:  # 12000 bytes > the limit: it would have to evict
+        assert fill is not None and fill(b"b" * 6000, False) is False
+    assert [size for _, size, _ in cache.entries()] == [cache.on_disk()]
+    assert cache.status()["reserved"] == 0 and cache.status()["entries"] == 1
+    other = ObjectCache(folder, limit=10_000)
+    handle = other.open(first, lambda write: write(b"not this"))
+    try:
+        assert handle.pread(0, 6000) == b"a" * 6000
+    finally:
+        handle.close()

@@ -112,6 +112,7 @@ _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the
 # Seconds a download waits for the counters' lock to reserve its bytes (held for a few system calls
 # at a time): longer only if a process holding it is stopped, and then it evicts without reserving.
 _RESERVE_WAIT = 2.0
+_HEADROOM_TTL = 0.05  # seconds the read-ahead starts GETs on one read of the record (`_room_on_machine`)
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
 _SLOT = struct.Struct("<I")  # one block's CRC-32 in the table between the data and the trailer
 _MAGIC = b"GLC2"  # GLC1 entries had no table: they read as damaged and are fetched again
@@ -533,6 +534,7 @@ class ObjectCache:
         self._ahead: collections.deque[tuple[pathlib.Path, int]] = collections.deque()
         self._ahead_bytes = 0
         self._ahead_pruned = 0  # time.time_ns() of the last look at every one (see `room_ahead`)
+        self._headroom = (0, 0.0)  # bytes granted without a read of the record, until (`_room_on_machine`)
 
     def open(self, entry: Entry, download: Download, ahead: bool = False) -> CachedFile:
         """The entry, opened; downloaded first if missing (a damaged one is fetched again when a
@@ -573,13 +575,16 @@ class ObjectCache:
         return len(raw) == _FETCHED_AT.size and _FETCHED_AT.unpack(raw)[0] >= since
 
     @contextlib.contextmanager
-    def claim(self, entry: Entry, since: float) -> Iterator[Callable[[bytes], None] | None]:
+    def claim(self, entry: Entry, since: float) -> Iterator[Callable[[bytes, bool], bool] | None]:
         """For a download ahead of the reads (asked for at time.time() `since`), which must not
-        wait on a lock: yields `fill(data)`, which writes the entry whole, when it is missing, no
+        wait on a lock: yields `fill(data, wait)`, which writes the entry whole, when it is missing, no
         process of the machine is downloading it (its download lock is held until the block
         ends, so each entry is still downloaded once) and no reader fetched it since
-        (`fetched_since`); else None (the entry is there, on its way, or read already). `fill` does disk
-        work: call it off an event loop's thread."""
+        (`fetched_since`); else None (the entry is there, on its way, or read already). `fill`
+        does disk work, and with `wait` may wait for room (eviction, readers, a full disk): call it
+        off an event loop's thread then. Without `wait` it never sleeps: it writes the entry if
+        room is there at once and returns True, else does nothing and returns False (call it again
+        with `wait`); a small object is written so on the loop, without a thread hop."""
         path = self.root / entry.name()
         if self.found_ahead(entry):
             yield None
@@ -589,11 +594,18 @@ class ObjectCache:
                 yield None
                 return
 
-            def fill(data: bytes) -> None:
+            def fill(data: bytes, wait: bool = True) -> bool:
+                if not wait:
+                    try:
+                        self._write_now(path, entry, data)
+                    except _WouldWait:
+                        return False
+                    return True
                 self._make_room(entry.data_size())
                 with self._room_for(entry, ahead=True) as reservation:
                     if reservation is not None:  # else dropped: its reader fetches it
                         self._write(path, entry, lambda write: write(data), reservation, opened=False, ahead=True)
+                return True
 
             yield fill
 
@@ -677,6 +689,25 @@ class ObjectCache:
             )
         return _Reservation(incoming)
 
+    def _write_now(self, path: pathlib.Path, entry: Entry, data: bytes) -> None:
+        """Write `data`, the entry downloaded ahead, if it fits under the limit at once: the
+        counters' lock free, nothing to evict, the disk not full; else _WouldWait. Reserved,
+        written and counted under one hold of the counters' lock (one lock a small object, not
+        two: no process counts the folder meanwhile, so the temporary file is never seen beyond
+        the limit); never a sleep, so an event loop may call it."""
+        incoming = stored_size(entry.data_size())
+        with contextlib.ExitStack() as stack:
+            try:
+                record = stack.enter_context(self.stats.locked(0.0))
+            except StorageError:  # the lock is busy
+                raise _WouldWait from None
+            taken = record["bytes"] + record["reserved"]
+            if taken and taken + incoming > self.limit:
+                raise _WouldWait
+            record["reserved"] += incoming
+            whole = _Reservation(incoming)
+            self._write(path, entry, lambda write: write(data), whole, opened=False, ahead=True, record=record)
+
     def room_ahead(self, size: int, under_way: int = 0) -> bool:
         """Whether a download ahead of `size` bytes may start: the entries this handle downloaded
         ahead that no reader opened yet, the caller's downloads ahead under way (`under_way`
@@ -704,7 +735,17 @@ class ObjectCache:
 
     def _room_on_machine(self, needed: int) -> bool:
         """Whether `needed` bytes fit under the limit beside the machine's entries and downloads
-        under way (the record), entries no reader holds or claimed evicted first when they do not."""
+        under way (the record), entries no reader holds or claimed evicted first when they do not.
+        A read of the record grants half the room it found for _HEADROOM_TTL seconds without
+        another (a read per GET cost the pool of small objects a tenth of its CPU): a GET whose
+        room the other processes took meanwhile waits for room when it writes, as one that raced
+        them always did."""
+        now = time.monotonic()
+        with self._held_lock:
+            left, until = self._headroom
+            if now < until and needed <= left:
+                self._headroom = (left - needed, until)
+                return True
         for evicted in (False, True):
             try:
                 record = self.stats.read(_RECORD_WAIT)
@@ -712,6 +753,8 @@ class ObjectCache:
                 return True
             taken = record["bytes"] + record["reserved"]
             if not taken or taken + needed <= self.limit:
+                with self._held_lock:
+                    self._headroom = ((self.limit - taken - needed) // 2, now + _HEADROOM_TTL)
                 return True
             if evicted or not self.evict(max(0, self.limit - record["reserved"] - needed)):
                 return False
@@ -820,14 +863,19 @@ class ObjectCache:
         *,
         opened: bool = True,
         ahead: bool = False,
+        record: dict[str, int] | None = None,
     ) -> _Opened | None:
+        """`_write_once`, waiting for room after a full disk (`_wait_for_room`); with the
+        counters' `record` its caller holds the lock of, _WouldWait then (it may not wait)."""
         deadline = time.monotonic() + FULL_WAIT
         while True:
             try:
-                return self._write_once(path, download, reservation, opened, ahead)
+                return self._write_once(path, download, reservation, opened, ahead, record)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
+                if record is not None:
+                    raise _WouldWait from None
                 self._wait_for_room(entry, exc, deadline)
 
     def _wait_for_room(self, entry: Entry, exc: OSError, deadline: float) -> None:
@@ -861,7 +909,13 @@ class ObjectCache:
         return set()
 
     def _write_once(
-        self, path: pathlib.Path, download: Download, reservation: _Reservation, opened: bool, ahead: bool
+        self,
+        path: pathlib.Path,
+        download: Download,
+        reservation: _Reservation,
+        opened: bool,
+        ahead: bool,
+        record: dict[str, int] | None,
     ) -> _Opened | None:
         """Download into a temporary file (as large as its `reservation` from the start, so that the
         temporary of a process killed midway says what it had reserved, see
@@ -872,7 +926,7 @@ class ObjectCache:
         appears claimed (see the module doc). Not synced to
         disk: an entry a crash of the machine left empty or cut short fails its trailer or block
         CRCs at the next read and is fetched again, so an fsync per object (milliseconds, on every
-        small object) buys nothing."""
+        small object) buys nothing. `record`: the counters, when the caller holds their lock."""
         sums = _Checksums()
         fd = -1
         try:
@@ -893,18 +947,18 @@ class ObjectCache:
                 if opened:
                     fd = _paths.open_file(out.temporary, os.O_RDONLY)[0]
                     fcntl.flock(fd, fcntl.LOCK_SH)
-                with self.stats.update() as record:
+                with self.stats.update() if record is None else contextlib.nullcontext(record) as counted:
                     with contextlib.suppress(FileNotFoundError):
                         old = os.lstat(path)  # a damaged entry nobody could delete: replaced
-                        record["bytes"] -= old.st_size
-                        record["entries"] -= 1
+                        counted["bytes"] -= old.st_size
+                        counted["entries"] -= 1
                     out.commit()
-                    record["reserved"] -= reservation.size
+                    counted["reserved"] -= reservation.size
                     reservation.size = 0
-                    record["bytes"] += stored_size(sums.length)
-                    record["entries"] += 1
-                    record["misses"] += 1
-                    record["downloaded_bytes"] += sums.length
+                    counted["bytes"] += stored_size(sums.length)
+                    counted["entries"] += 1
+                    counted["misses"] += 1
+                    counted["downloaded_bytes"] += sums.length
             if ahead:
                 with self._held_lock:
                     self._ahead.append((path, stored_size(sums.length)))
@@ -1112,6 +1166,10 @@ def _claimed(path: pathlib.Path, now: int) -> bool:
         return os.stat(path, follow_symlinks=False).st_atime_ns > now
     except FileNotFoundError:
         return False
+
+
+class _WouldWait(Exception):
+    """A download ahead told not to wait (`claim`'s `fill`) found no room at once."""
 
 
 class _Reservation:

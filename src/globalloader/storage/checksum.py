@@ -86,6 +86,13 @@ class Digest:
         if self.crc32 is not None:
             self._crc = zlib.crc32(data, self._crc)
 
+    def matches(self) -> bool:
+        """Whether the try's bytes match every known checksum, asking nothing (`check` may ask
+        the store, with a HEAD, whether the ETag is an MD5): False means `check` decides."""
+        return (self._md5 is None or self._md5.hexdigest() == self.md5) and (
+            self.crc32 is None or self._crc == self.crc32
+        )
+
     def check(self) -> None:
         """Nothing if the try's bytes match every known checksum; else a TransferCorrupted, or
         a SourceError when an earlier try had the same wrong bytes."""

@@ -24,11 +24,12 @@ Throttling (503 SlowDown, 429) halves the limit at once, at most once per round 
 under it (a burst of refusals to one round is one signal), and each success adds 1/limit (one
 request per round): AIMD, as TCP does, so a store that asks for less gets less.
 
-The disk work of the downloads (`disk.run`: the cache write) runs off the event loop in
-batches: one task of the loop's executor writes every answer that arrived meanwhile, in order,
-so a small object costs one queue append, not a thread hop and a future of its own (a hop per
-object, with the executor's threads contending for the interpreter, cost more CPU than the
-write itself). A refused or
+The disk work of the downloads (`disk.run`: the cache write) that may wait (for room, for a HEAD)
+or is large runs off the event loop in batches: one task of the loop's executor writes every
+answer that arrived meanwhile, in order, so an object costs one queue append, not a thread hop and
+a future of its own (a hop per object, with the executor's threads contending for the
+interpreter, cost more CPU than the write itself). A small object that fits at once is written on
+the loop itself, with no hop at all (`Store._fetch_small`). A refused or
 transient fault is tried again after `RetryPolicy.delay`, within the policy's attempts and
 deadline; a permanent one (403, 404, a changed object) is never tried again: it is counted and
 named in `errors`, and the read that needs the object raises it. Every GET has the policy's

@@ -49,6 +49,10 @@ from globalloader.storage.prefetch import Prefetcher
 
 INFO_TTL = 10.0  # seconds an object's size and version are reused without asking again
 BLOCK_SIZE = 8 << 20  # bytes per cached block, and per request of a whole download
+# An object downloaded ahead up to this size is checked and written on the event loop itself when
+# that needs no wait (`_fetch_small`): a hop to a thread and back costs a small object more CPU
+# than its write; a larger one's hashing and write would hold the loop up (a millisecond a MiB).
+_ON_THE_LOOP = 256 << 10
 # fsspec `info()` fields that change when an object's content changes, most specific first.
 _VERSION_FIELDS = ("ETag", "etag", "md5", "generation", "mtime", "LastModified", "last_modified", "updated", "created")
 
@@ -410,8 +414,8 @@ class Store(ProcessLocal):
         """One object of the pool (asked for at time.time() `asked[1]`): nothing if the cache
         holds it, another process is downloading it or the reads overtook it (a reader fetched it
         since: read, and maybe evicted since), else one GET with If-Match, checked against its
-        checksums, written into the cache under the entry's download lock (the disk work off the loop, batched: see
-        `fetch_ahead.DiskWork`)."""
+        checksums, written into the cache under the entry's download lock: on the loop when it is
+        small, matches and has room at once, else off the loop, batched (`fetch_ahead.DiskWork`)."""
         stat, since = asked
         with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0), since) as fill:
             if fill is not None:
@@ -423,12 +427,18 @@ class Store(ProcessLocal):
                     raise _changed(url, f"{len(answer.data)} bytes, its listing said {stat.size}")
                 digest = self._digest(url, stat)
                 digest.restart(answer.md5)
+                fed = len(answer.data) <= _ON_THE_LOOP
+                if fed:  # checked and written here when that needs no HEAD nor wait
+                    digest.update(answer.data)
+                    if digest.matches() and fill(answer.data, False):
+                        return
 
                 def check_and_fill(data: bytes) -> None:
-                    # off the loop: the hashing, and the HEAD a mismatch may ask (`_digest`)
-                    digest.update(data)
+                    # off the loop: the hashing, the HEAD a mismatch may ask (`_digest`), the waits
+                    if not fed:
+                        digest.update(data)
                     digest.check()
-                    fill(data)
+                    fill(data, True)
 
                 assert self._fetch_ahead is not None  # the pool running this
                 await self._fetch_ahead.disk.run(check_and_fill, answer.data)
