@@ -644,6 +644,10 @@ def _digest(runs: dict[str, list[Any]], formats: dict[str, Any], limit: dict[str
                 "cold_samples_per_s": _summary([e["samples"] / e["seconds"] for e in cold]),
                 "warm_samples_per_s": _summary([e["samples"] / e["seconds"] for e in warm]),
                 "first_batch_s": _summary([e["first_batch"] for e in cold]),
+                # The epochs alone (from the first batch asked for): a first epoch also starts the workers.
+                "first_vs_second_epoch": _summary(
+                    [c["epoch_s"] / w["epoch_s"] for c, w in zip(cold, warm, strict=True)]
+                ),
                 "cold_bytes_x": _summary([e["bytes"] / size for e in cold]) if system != "gl-local" else None,
                 "warm_bytes_x": _summary([e["bytes"] / size for e in warm]) if system != "gl-local" else None,
                 "samples": sorted({e["samples"] for e in cold + warm}),
@@ -814,6 +818,10 @@ def _print(digest: dict[str, Any], latency: float) -> None:
                 f"({ratio} of the unlimited cold epoch), "
                 f"cache peak {_fmt(e['cache_peak_x_limit'], 'x', 3)} of the limit"
             )
+    for name, d in digest.items():
+        if d.get("first_vs_second_epoch"):
+            ratio = _fmt(d["first_vs_second_epoch"], "x", 2)
+            print(f"{name}: first epoch / second epoch, each from its first batch asked for: {ratio}")
     print("ratios:", json.dumps({k: round(v, 3) for k, v in digest.get("ratios", {}).items()}))
 
 
