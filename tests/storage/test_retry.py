@@ -118,19 +118,21 @@ def test_a_try_s_deadline_grows_with_its_bytes() -> None:
 
 # The GETs of object data (obstore's) answer as s3fs's calls do: 5xx and throttling retried as the
 # policy says, 403 and 404 named after one request; whole objects, ranges and the pool ahead alike.
+# The object's name holds "429", as a client's message (its URL) does: it is no throttling status
+# (a 500 or a 403 counted as throttling once its message held "429" by chance, a timing in it).
 @pytest.mark.parametrize("status", [500, 503, 403, 404])
 @pytest.mark.parametrize("read", ["whole", "range", "ahead"])
 def test_a_get_answered_with_an_error_status_is_retried_or_named_by_its_status(
     s3: dict[str, Any], isolated_cache: pathlib.Path, status: int, read: str
 ) -> None:
-    url, key = f"s3://{s3['bucket']}/obj.bin", f"/{s3['bucket']}/obj.bin"
+    url, key = f"s3://{s3['bucket']}/obj-429.bin", f"/{s3['bucket']}/obj-429.bin"
     with storage.Store(s3["options"]).open_write(url) as out:
         out.write(b"x" * 3000)
     policy = storage.RetryPolicy(attempts=3, base=0.01, cap=0.02, deadline=30.0)
     store = storage.Store(s3["options"], retry_policy=policy, cache=read == "ahead")
     stat = store.stat(url)
     proxy = s3["proxy"]
-    proxy.forced["obj.bin"] = status
+    proxy.forced["obj-429.bin"] = status
     transient = status >= 500
     if read == "ahead":
         store.prefetch([(url, stat)])
@@ -146,3 +148,15 @@ def test_a_get_answered_with_an_error_status_is_retried_or_named_by_its_status(
             store.read_range(url, start, end, stat)
         assert url in str(info.value)
     assert proxy.count("GET", key) == (3 if transient else 1)
+
+
+def test_only_a_429_status_is_throttling_not_a_429_anywhere_in_a_message() -> None:
+    """The texts the S3 clients give: botocore's code of a bodiless 429 answer and obstore's status
+    line are throttling; a 500 whose message holds 429 in its timing or URL is not."""
+    from globalloader.storage._fs import is_throttling
+
+    assert is_throttling(OSError(5, "An error occurred (429) when calling the GetObject operation: Too"))
+    assert is_throttling(OSError(5, "Server returned non-2xx status code: 429 Too Many Requests: "))
+    timing = "Error performing GET http://127.0.0.1:4290/b/k-429 in 429.605µs - Server returned non-2xx"
+    assert not is_throttling(OSError(121, f"{timing} status code: 500 Internal Server Error"))
+    assert not is_throttling(PermissionError(13, f"{timing} status code: 403 Forbidden"))

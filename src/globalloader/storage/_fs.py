@@ -100,6 +100,7 @@ _TRANSIENT_NAMES = frozenset(
 # them with the status; s3fs maps them to the errnos above).
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _THROTTLING = ("SlowDown", "reduce your request rate", "Throttl", "ServiceUnavailable", "InternalError")
+_STATUS_429 = re.compile(r"\(429\)|status(?: code)?:? 429\b")  # a 429 written as a status (`is_throttling`)
 
 
 def import_clients() -> None:
@@ -476,11 +477,17 @@ def read_if_version(
 
 
 def is_throttling(exc: BaseException) -> bool:
-    """Whether a failed call is the store asking for fewer requests (503 SlowDown, 429)."""
+    """Whether a failed call is the store asking for fewer requests (503 SlowDown, 429). A 429 in
+    the text counts only as a status ("(429)", botocore's code of a bodiless answer; "status code:
+    429"): a message also holds URLs, bucket names and timings ("in 429.1µs"), which are not one."""
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs's translation of 503 SlowDown
         return True
+    if http_status(exc) == 429:
+        return True
     text = str(exc)
-    return any(mark in text for mark in _THROTTLING[:4]) or "429" in text or "Too Many Requests" in text
+    return (
+        any(mark in text for mark in _THROTTLING[:4]) or "Too Many Requests" in text or bool(_STATUS_429.search(text))
+    )
 
 
 def bounded(fs: Any, timeout: float) -> dict[str, float]:
