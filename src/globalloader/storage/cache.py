@@ -112,7 +112,6 @@ _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the
 # Seconds a download waits for the counters' lock to reserve its bytes (held for a few system calls
 # at a time): longer only if a process holding it is stopped, and then it evicts without reserving.
 _RESERVE_WAIT = 2.0
-_HEADROOM_TTL = 0.05  # seconds the read-ahead starts GETs on one read of the record (`_room_on_machine`)
 _TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32 of the data, data length
 _SLOT = struct.Struct("<I")  # one block's CRC-32 in the table between the data and the trailer
 _MAGIC = b"GLC2"  # GLC1 entries had no table: they read as damaged and are fetched again
@@ -534,7 +533,6 @@ class ObjectCache:
         self._ahead: collections.deque[tuple[pathlib.Path, int]] = collections.deque()
         self._ahead_bytes = 0
         self._ahead_pruned = 0  # time.time_ns() of the last look at every one (see `room_ahead`)
-        self._headroom = (0, 0.0)  # bytes granted without a read of the record, until (`_room_on_machine`)
 
     def open(self, entry: Entry, download: Download, ahead: bool = False) -> CachedFile:
         """The entry, opened; downloaded first if missing (a damaged one is fetched again when a
@@ -735,17 +733,7 @@ class ObjectCache:
 
     def _room_on_machine(self, needed: int) -> bool:
         """Whether `needed` bytes fit under the limit beside the machine's entries and downloads
-        under way (the record), entries no reader holds or claimed evicted first when they do not.
-        A read of the record grants half the room it found for _HEADROOM_TTL seconds without
-        another (a read per GET cost the pool of small objects a tenth of its CPU): a GET whose
-        room the other processes took meanwhile waits for room when it writes, as one that raced
-        them always did."""
-        now = time.monotonic()
-        with self._held_lock:
-            left, until = self._headroom
-            if now < until and needed <= left:
-                self._headroom = (left - needed, until)
-                return True
+        under way (the record), entries no reader holds or claimed evicted first when they do not."""
         for evicted in (False, True):
             try:
                 record = self.stats.read(_RECORD_WAIT)
@@ -753,8 +741,6 @@ class ObjectCache:
                 return True
             taken = record["bytes"] + record["reserved"]
             if not taken or taken + needed <= self.limit:
-                with self._held_lock:
-                    self._headroom = ((self.limit - taken - needed) // 2, now + _HEADROOM_TTL)
                 return True
             if evicted or not self.evict(max(0, self.limit - record["reserved"] - needed)):
                 return False
