@@ -100,7 +100,6 @@ _TRANSIENT_NAMES = frozenset(
 # them with the status; s3fs maps them to the errnos above).
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _THROTTLING = ("SlowDown", "reduce your request rate", "Throttl", "ServiceUnavailable", "InternalError")
-_STATUS_429 = re.compile(r"\(429\)|status(?: code)?:? 429\b")  # a 429 written as a status (`is_throttling`)
 
 
 def import_clients() -> None:
@@ -486,7 +485,10 @@ def is_throttling(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return (
-        any(mark in text for mark in _THROTTLING[:4]) or "Too Many Requests" in text or bool(_STATUS_429.search(text))
+        any(mark in text for mark in _THROTTLING[:4])
+        or "Too Many Requests" in text
+        or "(429)" in text
+        or any(status == "429" for status in _STATUS.findall(text))
     )
 
 

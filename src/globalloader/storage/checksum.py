@@ -96,6 +96,8 @@ class Digest:
     def check(self) -> None:
         """Nothing if the try's bytes match every known checksum; else a TransferCorrupted, or
         a SourceError when an earlier try had the same wrong bytes."""
+        if self.matches():
+            return
         md5 = self._md5.hexdigest() if self._md5 is not None else ""
         if md5 != (self.md5 or "") and self.etag_is_md5 is not None and not self.etag_is_md5():
             md5 = ""  # an encrypted object's ETag: no MD5 to check
