@@ -11,7 +11,10 @@ whole with If-Match on its ETag (the conditional read `storage._fs` makes of eve
   GET globalloader makes (its store made from the storage_options, its errors translated);
 - boto3: a thread pool of `--in-flight` threads over one client with as many pooled connections;
 - gl-pool: globalloader's own pool of downloads ahead (`Files.prefetch` into the machine cache:
-  the GET, its checks and the cache write), the figure issue 40 bounds at 0.5 ms per object.
+  the GET, its checks and the cache write), the figure issue 40 bounds at 0.5 ms per object;
+- cache-file: what the kernel alone takes to make one cache file of that size (create, write,
+  close, rename) in the folder the pool just filled, timed after it in the same process: with
+  obstore's GET, the floor of a cache with one file per object (`gl_pool_vs_floor`).
 
 The figure is the client process's CPU time (user + system, all its threads) over the reads,
 divided by the objects, after a warm-up of `--in-flight` reads that opens the connections; the
@@ -139,9 +142,26 @@ def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, 
     src.prefetch(np.arange(len(src)))
     while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(src):
         time.sleep(0.002)
+    used = _cpu() - cpu
     if c["failed"]:
         raise RuntimeError(f"the pool failed {c['failed']} GETs: {src.store.fetch_counters()}")
-    return _cpu() - cpu, (len(src) - len(warm)) * spec["size"]
+    return used, (len(src) - len(warm)) * spec["size"]
+
+
+def _cache_file(folder: Path, size: int, count: int = 300) -> float:
+    """CPU ms the kernel takes to make one file of `size` bytes in `folder` as the cache makes
+    an entry (create exclusively, write, close, rename): the floor of one file per object."""
+    body = os.urandom(size)
+    cpu = _cpu()
+    for i in range(count):
+        fd = os.open(folder / f"floor-{i}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, body)
+        os.close(fd)
+        os.rename(folder / f"floor-{i}.tmp", folder / f"floor-{i}")
+    used = _cpu() - cpu
+    for i in range(count):
+        os.unlink(folder / f"floor-{i}")
+    return 1e3 * used / count
 
 
 def _job(spec: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +172,10 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     objects = len(keys) - (spec["in_flight"] if spec["client"] == "gl-pool" else 0)
     if got != objects * spec["size"]:
         raise RuntimeError(f"{spec['client']} read {got} bytes, expected {objects * spec['size']}")
-    return {"objects": objects, "cpu_s": cpu, "seconds": time.perf_counter() - t0}
+    result = {"objects": objects, "cpu_s": cpu, "seconds": time.perf_counter() - t0}
+    if spec["client"] == "gl-pool":  # in the folder the pool wrote its entries to, after it
+        result["cache_file_ms"] = _cache_file(Path(os.environ["GLOBALLOADER_CACHE_DIR"]), spec["size"])
+    return result
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -203,6 +226,8 @@ def main() -> None:
                     continue
                 result = json.loads(lines[-1])
                 per_object.setdefault(client, []).append(1e3 * result["cpu_s"] / result["objects"])
+                if "cache_file_ms" in result:
+                    per_object.setdefault("cache-file", []).append(result["cache_file_ms"])
         report = {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True},
             "objects": args.objects,
@@ -211,9 +236,17 @@ def main() -> None:
             "rounds": args.rounds,
             "client_cpu_ms_per_object": {c: _summary(v) for c, v in per_object.items()},
         }
+        paired = [per_object.get(c, []) for c in ("gl-pool", "obstore", "cache-file")]
+        if paired[0] and len({len(v) for v in paired}) == 1:  # every round of the three measured
+            # The floor of one cache file per object: obstore's GET and the kernel's file, round by round.
+            ratios = [p / (o + f) for p, o, f in zip(*paired, strict=True)]
+            report["gl_pool_vs_floor"] = _summary(ratios)
         print(f"client CPU per {args.size}-byte GET ({args.in_flight} in flight), median [min, max]:")
         for client, s in report["client_cpu_ms_per_object"].items():
             print(f"  {client:12} {s['median']:.3f} ms [{s['min']:.3f}, {s['max']:.3f}]")
+        if "gl_pool_vs_floor" in report:
+            s = report["gl_pool_vs_floor"]
+            print(f"gl-pool / (obstore + cache-file), by round: {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]")
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
         print(f"results: {args.output}")
