@@ -69,6 +69,22 @@ def test_parquet_files_on_s3_with_storage_options_are_shuffled_once_per_epoch(s3
     assert epoch_keys(gl.Dataset(source), "key", columns=["key"]) == epochs
 
 
+def test_columns_of_parquet_files_on_s3_download_only_the_blocks_they_are_in(s3: dict[str, Any], monkeypatch) -> None:
+    """`columns=` reaches the files' source: a key column beside a 40 MiB payload downloads the
+    footer's and the key's blocks of the cache (8 MiB each: 16 MiB of 40), not the payload's."""
+    monkeypatch.setenv("GLOBALLOADER_CACHE_DIR", str(s3["cache"]))  # the machine's cache, as Ray's tasks have it
+    local = s3["tmp"] / "wide.parquet"
+    payload = [np.random.default_rng(i).bytes(1 << 20) for i in range(40)]
+    pq.write_table(pa.table({"key": np.arange(40), "payload": payload}), local, row_group_size=40)
+    url = f"s3://{s3['bucket']}/wide.parquet"
+    storage.Store(s3["options"]).filesystem(url)[0].put_file(str(local), url)
+    before = s3["proxy"].total_bytes(f"/{s3['bucket']}/wide.parquet")
+    epochs = epoch_keys([url], "key", columns=["key"], storage_options=s3["options"])
+    assert all(sorted(keys) == list(range(40)) for keys in epochs)
+    downloaded = s3["proxy"].total_bytes(f"/{s3['bucket']}/wide.parquet") - before
+    assert 0 < downloaded < local.stat().st_size / 2  # every column: the whole file
+
+
 def test_tar_shards_on_s3_are_read_through_the_cache_once(s3: dict[str, Any], monkeypatch) -> None:
     monkeypatch.setenv("GLOBALLOADER_CACHE_DIR", str(s3["cache"]))  # the machine's cache, as Ray's tasks have it
     urls = write_shards(s3["bucket"], s3["options"], n=30, per_shard=8, size=300)

@@ -74,17 +74,20 @@ class Part:
 def parts_of(data: Any, columns: Sequence[str] | None, storage_options: dict[str, Any] | None) -> list[Part]:
     """The parts of `data` (see the module doc), in order; ArgumentError naming an operator
     that Ray cannot run per record."""
-    return [part for source, chain in _sources(data, storage_options) for part in _split(source, chain)]
+    return [part for source, chain in _sources(data, columns, storage_options) for part in _split(source, chain)]
 
 
-def _sources(data: Any, storage_options: dict[str, Any] | None) -> list[tuple[Any, IndexPlan | None]]:
-    """The sources to read, each with the chain whose maps run on its records (None: none)."""
+def _sources(
+    data: Any, columns: Sequence[str] | None, storage_options: dict[str, Any] | None
+) -> list[tuple[Any, IndexPlan | None]]:
+    """The sources to read, each with the chain whose maps run on its records (None: none);
+    files of a columnar format read `columns` only."""
     named = isinstance(data, (str, os.PathLike)) or (
         isinstance(data, (list, tuple)) and all(isinstance(f, (str, os.PathLike)) for f in data)
     )
     if named:
         files = [data] if isinstance(data, (str, os.PathLike)) else data
-        return [(open_source(f, storage_options)[1], None) for f in files]
+        return [(open_source(f, storage_options, columns)[1], None) for f in files]
     if storage_options is not None:
         raise ArgumentError("storage_options= is for files; give it to the source itself")
     if isinstance(data, Dataset):

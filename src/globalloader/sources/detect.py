@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any, NamedTuple
 
@@ -84,7 +84,7 @@ class Location:
 class Kind(NamedTuple):
     name: str
     matches: Callable[[Location], bool]
-    make: Callable[[Location], Source]
+    make: Callable[[Location, list[str] | None], Source]  # with the columns to read, where the format has columns
 
 
 def _index(at: Location, *keys: str) -> bool:
@@ -99,21 +99,25 @@ def _mds(at: Location) -> bool:
 
 
 KINDS: list[Kind] = [
-    Kind("Mosaic MDS", _mds, lambda at: MDS(at.url, **_remote(at))),
-    Kind("LitData chunks", lambda at: _index(at, "chunks", "config"), lambda at: LitData(at.url, **_remote(at))),
+    Kind("Mosaic MDS", _mds, lambda at, _: MDS(at.url, **_remote(at))),
+    Kind("LitData chunks", lambda at: _index(at, "chunks", "config"), lambda at, _: LitData(at.url, **_remote(at))),
     # save_to_disk's folder (a DatasetDict's too: HFDataset names its splits); local only.
     Kind(
         "Hugging Face dataset",
         lambda at: {"state.json", "dataset_info.json"} <= at.names or "dataset_dict.json" in at.names,
-        lambda at: HFDataset(at.url),
+        lambda at, _: HFDataset(at.url),
     ),
     Kind(
         "tar shards",
         lambda at: any(at.holds(suffix) for suffix in _TAR_SUFFIXES),
-        lambda at: TarShards(at.files(next(s for s in _TAR_SUFFIXES if at.holds(s))), **_remote(at)),
+        lambda at, _: TarShards(at.files(next(s for s in _TAR_SUFFIXES if at.holds(s))), **_remote(at)),
     ),
-    Kind("Parquet files", lambda at: at.holds(".parquet"), lambda at: Parquet(at.files(".parquet"), **_remote(at))),
-    Kind("image folder", lambda at: at.is_folder, lambda at: ImageFolder(at.url, **_remote(at))),
+    Kind(
+        "Parquet files",
+        lambda at: at.holds(".parquet"),
+        lambda at, columns: Parquet(at.files(".parquet"), columns=columns, **_remote(at)),
+    ),
+    Kind("image folder", lambda at: at.is_folder, lambda at, _: ImageFolder(at.url, **_remote(at))),
 ]
 
 
@@ -121,14 +125,17 @@ def _remote(at: Location) -> dict[str, Any]:
     return {"storage_options": at.storage_options}
 
 
-def open_source(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> tuple[str, Source]:
+def open_source(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, columns: Sequence[str] | None = None
+) -> tuple[str, Source]:
     """The kind of dataset at `url` (a row of `KINDS`) and the source that reads it as it is;
-    SourceError naming `url` when no row matches."""
+    SourceError naming `url` when no row matches. `columns`: only these are read where the
+    format stores columns apart (Parquet: a remote file downloads the blocks they are in)."""
     if not isinstance(url, (str, os.PathLike)):
         raise ArgumentError(f"source must be a path or URL, got {type(url).__name__}")
     at = Location(os.fspath(url), storage_options)
     for kind in KINDS:
         if kind.matches(at):
-            return kind.name, kind.make(at)
+            return kind.name, kind.make(at, list(columns) if columns is not None else None)
     known = ", ".join(kind.name for kind in KINDS)
     raise SourceError(f"{url}: no dataset globalloader can read is there (it reads {known})")
