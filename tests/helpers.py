@@ -120,11 +120,58 @@ def _gone(pid: int) -> bool:
     """True once `pid` has exited (reaping it if it is our child, as an auto-started server is)."""
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
+    return _stat_fields(pid)[:1] in ([], ["Z"], ["X"])
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: [state, ppid, ...] ([] once the process is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process under `pid` now: its children, theirs, and so on."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        fields = _stat_fields(int(entry))
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        new = [child for child in children.get(todo.pop(), []) if child not in found]
+        found.update(new)
+        todo.extend(new)
+    return found
+
+
+def stop_ray(then: Callable[[], None] | None = None, timeout: float = 10.0) -> None:
+    """ray.shutdown() (and `then`, a local Cluster's shutdown), leaving no process of the local
+    Ray behind: an actor's worker can outlive its raylet (a BatchQueue was found running 20
+    minutes after its tests), so the Ray processes under this one, taken before the shutdown,
+    that still run `timeout` seconds after it are killed."""
+    import ray
+
+    def command(pid: int) -> bytes:
+        with contextlib.suppress(OSError):
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b""
+
+    started = {pid: _stat_fields(pid)[19:20] for pid in _descendants(os.getpid()) if b"ray" in command(pid)}
+    ray.shutdown()
+    if then is not None:
+        then()
+    deadline = time.monotonic() + timeout
+    while True:  # the same process (its start time), not a new one that took its pid
+        left = [pid for pid, start in started.items() if not _gone(pid) and _stat_fields(pid)[19:20] == start]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def stop_server(path: Path, pid: int | None = None, timeout: float = 20.0) -> int | None:

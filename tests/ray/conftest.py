@@ -9,6 +9,8 @@ import pytest
 import ray
 import ray.cloudpickle
 
+from helpers import stop_ray
+
 
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
@@ -23,4 +25,4 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         runtime_env={"env_vars": {"GLOBALLOADER_CACHE_DIR": str(cache)}},
     )
     yield
-    ray.shutdown()
+    stop_ray()

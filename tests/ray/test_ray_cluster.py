@@ -25,6 +25,7 @@ import globalloader as gl
 from globalloader.errors import ArgumentTypeError, GlobalLoaderError
 from globalloader.ray import ShufflingDataset
 from globalloader.ray.dataset import NAMESPACE
+from helpers import stop_ray
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +95,7 @@ def one_node(files, tmp_path_factory) -> list[Keys]:
     try:
         return read_in_process(files, ARGS)
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 def start_cluster(nodes: dict[str, int], cache: Any) -> tuple[Cluster, dict[str, Any]]:
@@ -128,8 +129,7 @@ def start_cluster(nodes: dict[str, int], cache: Any) -> tuple[Cluster, dict[str,
 
 
 def stop_cluster(cluster: Cluster) -> None:
-    ray.shutdown()
-    cluster.shutdown()
+    stop_ray(cluster.shutdown)
 
 
 class Trainer:

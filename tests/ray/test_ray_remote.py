@@ -20,6 +20,7 @@ import globalloader as gl
 from globalloader import storage
 from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options, write_shards
 from globalloader.ray import ShufflingDataset
+from helpers import stop_ray
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +46,7 @@ def s3(tmp_path_factory) -> Iterator[dict[str, Any]]:
         "tmp": cache.parent,
         "cache": cache,
     }
-    ray.shutdown()
+    stop_ray()
     proxy.stop()
     server.stop()
 
