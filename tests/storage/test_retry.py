@@ -157,6 +157,7 @@ def test_only_a_429_status_is_throttling_not_a_429_anywhere_in_a_message() -> No
 
     assert is_throttling(OSError(5, "An error occurred (429) when calling the GetObject operation: Too"))
     assert is_throttling(OSError(5, "Server returned non-2xx status code: 429 Too Many Requests: "))
+    assert is_throttling(OSError(5, "Server returned non-2xx status code: 429"))  # the status line alone
     timing = "Error performing GET http://127.0.0.1:4290/b/k-429 in 429.605µs - Server returned non-2xx"
     assert not is_throttling(OSError(121, f"{timing} status code: 500 Internal Server Error"))
     assert not is_throttling(PermissionError(13, f"{timing} status code: 403 Forbidden"))
