@@ -3,14 +3,17 @@ processes, whatever happens to the writer."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import pathlib
+import resource
 import signal
+from typing import Any
 
 import pytest
 
-from globalloader._paths import temporary_writer, write_atomic
+from globalloader._paths import temporary_writer, write_atomic, write_whole
 from globalloader._pids import alive
 
 _FORK = multiprocessing.get_context("fork")
@@ -116,3 +119,32 @@ def test_an_exact_mode_ignores_the_umask_and_no_link_is_followed(tmp_path: pathl
     with write_atomic(path) as out:  # the link is replaced by the file, never written through
         out.write(b"y")
     assert not target.exists() and not path.is_symlink() and path.read_bytes() == b"y"
+
+
+def _write_whole_under_a_size_limit(path: pathlib.Path, limit: int, out: Any) -> None:
+    """In a child: files of this process may not grow beyond `limit` bytes (the kernel refuses
+    the write midway, EFBIG, as a full disk would); what `write_whole` of more raises."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a signal that kills
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        write_whole(path, b"n" * (4 * limit), mode=0o600)
+    except OSError as exc:
+        out.put(exc.errno)
+    else:
+        out.put(None)
+
+
+def test_write_whole_puts_the_bytes_and_times_at_once_and_a_refused_write_leaves_the_old_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "entry"
+    write_whole(path, b"old", mode=0o640, times=(2 * 10**18, 10**18))
+    st = path.stat()
+    assert path.read_bytes() == b"old" and st.st_mode & 0o777 == 0o640
+    assert (st.st_atime_ns, st.st_mtime_ns) == (2 * 10**18, 10**18)
+    out = _FORK.Queue()
+    child = _FORK.Process(target=_write_whole_under_a_size_limit, args=(path, 4096, out))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and out.get(timeout=10) == errno.EFBIG
+    assert path.read_bytes() == b"old" and list(tmp_path.iterdir()) == [path]  # no temporary left

@@ -282,9 +282,7 @@ def write_atomic(
     may check what it wrote). OSErrors pass.
     """
     target = pathlib.Path(path)
-    owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{os.urandom(4).hex()}.tmp"
-    name = os.fsencode(target.name)[: _NAME_MAX - len(owner) - 2].decode(errors="ignore")
-    temporary = target.with_name(f".{name}.{owner}")
+    temporary = _temporary_for(target)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = create_file(temporary, os.O_RDWR, mode) if mode is not None else os.open(temporary, flags, 0o666)
     # Closed by `commit`, or below without raising over the block's own exception.
@@ -299,6 +297,39 @@ def write_atomic(
         if not write.committed:
             temporary.unlink(missing_ok=True)
         raise
+
+
+def write_whole(path: pathlib.Path, data: bytes, *, mode: int, times: tuple[int, int] | None = None) -> None:
+    """`write_atomic` for bytes already in memory: one write of a temporary file, its access and
+    modification `times` (ns) set, renamed over `path`; no file object, so a small file costs its
+    system calls alone (the object cache writes one per small object). Not durable."""
+    temporary = _temporary_for(path)
+    fd = create_file(temporary, os.O_WRONLY, mode)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            wrote = os.write(fd, view[done:])
+            if not wrote:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(temporary))
+            done += wrote
+        if times is not None:
+            os.utime(fd, ns=times)
+        os.close(fd)
+        fd = -1
+        os.replace(temporary, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _temporary_for(target: pathlib.Path) -> pathlib.Path:
+    """A new temporary file name beside `target`, naming its writer (see `temporary_writer`)."""
+    owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{os.urandom(4).hex()}.tmp"
+    name = os.fsencode(target.name)[: _NAME_MAX - len(owner) - 2].decode(errors="ignore")
+    return target.with_name(f".{name}.{owner}")
 
 
 def temporary_writer(name: str) -> int | None:

@@ -65,6 +65,45 @@ def test_counters_are_exact_with_processes_updating_at_once(tmp_path: pathlib.Pa
     assert counts["limit"] == cache.limit and counts["dir"] == str(root)
 
 
+def _fill_ahead(root: str, worker: int, count: int, start: Any) -> None:
+    cache = ObjectCache(root)
+    start.wait(60)
+    for i in range(count):  # as the pool writes: at once when it can, else waiting for room
+        with cache.claim(Entry(f"s3://bucket/ahead-{worker}-{i}", 100 + i, "v1"), time.time()) as fill:
+            assert fill is not None
+            data = bytes([worker]) * (100 + i)
+            if not fill(data, False):
+                fill(data, True)
+        cache.open(SHARED, lambda write: write(b"s" * 100)).close()  # readers update the record meanwhile
+
+
+def test_entries_written_ahead_at_once_by_processes_keep_the_counters_exact(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "objects"
+    ObjectCache(root).open(SHARED, lambda write: write(b"s" * 100)).close()
+    procs, count = 4, 60
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(procs)
+    workers = [ctx.Process(target=_fill_ahead, args=(str(root), w, count, start)) for w in range(procs)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(120)
+        assert p.exitcode == 0
+    cache = ObjectCache(root)
+    counts = cache.status()
+    written = procs * sum(100 + i for i in range(count))
+    assert counts["misses"] == 1 + procs * count and counts["downloaded_bytes"] == 100 + written
+    assert counts["reserved"] == 0 and counts["hits"] == procs * count
+    on_disk = stored_size(100) + procs * sum(stored_size(100 + i) for i in range(count))
+    assert (counts["bytes"], counts["entries"]) == _scan(cache) == (on_disk, 1 + procs * count)
+    for w in range(procs):  # each whole, its own bytes, read without a download
+        for i in (0, count - 1):
+            entry = Entry(f"s3://bucket/ahead-{w}-{i}", 100 + i, "v1")
+            handle = cache.open(entry, lambda write: pytest.fail("downloaded again"))
+            assert handle.pread(0, 100 + i) == bytes([w]) * (100 + i)
+            handle.close()
+
+
 def test_eviction_and_clear_keep_size_and_entries_true(tmp_path: pathlib.Path) -> None:
     cache = ObjectCache(tmp_path / "objects", limit=3000)
     # Held by another reader: this cache's own readers would release it to keep within their share.

@@ -560,10 +560,14 @@ class ObjectCache:
             # Only an entry's owner may set its times (see `_open_existing`); gone meanwhile: fetched.
             with contextlib.suppress(PermissionError, FileNotFoundError):
                 os.utime(path, ns=(now + AHEAD_CLAIM, st.st_mtime_ns), follow_symlinks=False)
-                with self._held_lock:
-                    self._ahead.append((path, st.st_size))
-                    self._ahead_bytes += st.st_size
+                self._note_ahead(path, st.st_size)
         return True
+
+    def _note_ahead(self, path: pathlib.Path, stored: int) -> None:
+        """The entry at `path` (`stored` bytes on disk) is claimed ahead by this handle (`room_ahead`)."""
+        with self._held_lock:
+            self._ahead.append((path, stored))
+            self._ahead_bytes += stored
 
     def fetched_since(self, entry: Entry, since: float) -> bool:
         """Whether a reader fetched the entry (or waited for its download) after `since` (a
@@ -689,22 +693,33 @@ class ObjectCache:
 
     def _write_now(self, path: pathlib.Path, entry: Entry, data: bytes) -> None:
         """Write `data`, the entry downloaded ahead, if it fits under the limit at once: the
-        counters' lock free, nothing to evict, the disk not full; else _WouldWait. Reserved,
-        written and counted under one hold of the counters' lock (one lock a small object, not
-        two: no process counts the folder meanwhile, so the temporary file is never seen beyond
-        the limit); never a sleep, so an event loop may call it."""
-        incoming = stored_size(entry.data_size())
+        counters' lock free, nothing to evict, the disk not full; else _WouldWait. Checked,
+        written whole (`_paths.write_whole`: one write, no file object) and counted under one
+        hold of the counters' lock (one lock a small object, not two, and no reservation: no
+        process counts the folder meanwhile, so the temporary file is never seen beyond the
+        limit, and one killed midway changed no record); never a sleep, so an event loop may
+        call it."""
+        sums = _Checksums()
+        sums.add(data)
+        stored = stored_size(sums.length)
         with contextlib.ExitStack() as stack:
             try:
                 record = stack.enter_context(self.stats.locked(0.0))
             except StorageError:  # the lock is busy
                 raise _WouldWait from None
             taken = record["bytes"] + record["reserved"]
-            if taken and taken + incoming > self.limit:
+            if taken and taken + stored > self.limit:
                 raise _WouldWait
-            record["reserved"] += incoming
-            whole = _Reservation(incoming)
-            self._write(path, entry, lambda write: write(data), whole, opened=False, ahead=True, record=record)
+            _count_out_replaced(record, path)
+            now = time.time_ns()
+            try:
+                _paths.write_whole(path, data + sums.tail(), mode=_paths.file_mode(), times=(now + AHEAD_CLAIM, now))
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise _WouldWait from None
+                raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
+            _count_in(record, sums.length)
+        self._note_ahead(path, stored)
 
     def room_ahead(self, size: int, under_way: int = 0) -> bool:
         """Whether a download ahead of `size` bytes may start: the entries this handle downloaded
@@ -849,19 +864,15 @@ class ObjectCache:
         *,
         opened: bool = True,
         ahead: bool = False,
-        record: dict[str, int] | None = None,
     ) -> _Opened | None:
-        """`_write_once`, waiting for room after a full disk (`_wait_for_room`); with the
-        counters' `record` its caller holds the lock of, _WouldWait then (it may not wait)."""
+        """`_write_once`, waiting for room after a full disk (`_wait_for_room`)."""
         deadline = time.monotonic() + FULL_WAIT
         while True:
             try:
-                return self._write_once(path, download, reservation, opened, ahead, record)
+                return self._write_once(path, download, reservation, opened, ahead)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageError(f"cannot write {entry.url} into the cache {self.root}: {exc}") from None
-                if record is not None:
-                    raise _WouldWait from None
                 self._wait_for_room(entry, exc, deadline)
 
     def _wait_for_room(self, entry: Entry, exc: OSError, deadline: float) -> None:
@@ -901,7 +912,6 @@ class ObjectCache:
         reservation: _Reservation,
         opened: bool,
         ahead: bool,
-        record: dict[str, int] | None,
     ) -> _Opened | None:
         """Download into a temporary file (as large as its `reservation` from the start, so that the
         temporary of a process killed midway says what it had reserved, see
@@ -912,7 +922,7 @@ class ObjectCache:
         appears claimed (see the module doc). Not synced to
         disk: an entry a crash of the machine left empty or cut short fails its trailer or block
         CRCs at the next read and is fetched again, so an fsync per object (milliseconds, on every
-        small object) buys nothing. `record`: the counters, when the caller holds their lock."""
+        small object) buys nothing."""
         sums = _Checksums()
         fd = -1
         try:
@@ -933,22 +943,14 @@ class ObjectCache:
                 if opened:
                     fd = _paths.open_file(out.temporary, os.O_RDONLY)[0]
                     fcntl.flock(fd, fcntl.LOCK_SH)
-                with self.stats.update() if record is None else contextlib.nullcontext(record) as counted:
-                    with contextlib.suppress(FileNotFoundError):
-                        old = os.lstat(path)  # a damaged entry nobody could delete: replaced
-                        counted["bytes"] -= old.st_size
-                        counted["entries"] -= 1
+                with self.stats.update() as counted:
+                    _count_out_replaced(counted, path)
                     out.commit()
                     counted["reserved"] -= reservation.size
                     reservation.size = 0
-                    counted["bytes"] += stored_size(sums.length)
-                    counted["entries"] += 1
-                    counted["misses"] += 1
-                    counted["downloaded_bytes"] += sums.length
+                    _count_in(counted, sums.length)
             if ahead:
-                with self._held_lock:
-                    self._ahead.append((path, stored_size(sums.length)))
-                    self._ahead_bytes += stored_size(sums.length)
+                self._note_ahead(path, stored_size(sums.length))
             return _Opened(fd, sums.crc, _stamp(os.fstat(fd))) if opened else None
         except BaseException:
             if fd >= 0:
@@ -1143,6 +1145,23 @@ class ObjectCache:
             record["bytes"] -= st.st_size
             record["entries"] -= 1
             return True
+
+
+def _count_out_replaced(record: dict[str, int], path: pathlib.Path) -> None:
+    """Before an entry is renamed into place: the one there, if any (a damaged entry nobody could
+    delete), counted out of the record it replaces."""
+    with contextlib.suppress(FileNotFoundError):
+        old = os.lstat(path)
+        record["bytes"] -= old.st_size
+        record["entries"] -= 1
+
+
+def _count_in(record: dict[str, int], length: int) -> None:
+    """An entry of `length` bytes of data downloaded and put in place, counted in the record."""
+    record["bytes"] += stored_size(length)
+    record["entries"] += 1
+    record["misses"] += 1
+    record["downloaded_bytes"] += length
 
 
 def _claimed(path: pathlib.Path, now: int) -> bool:
