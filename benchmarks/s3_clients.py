@@ -12,9 +12,12 @@ whole with If-Match on its ETag (the conditional read `storage._fs` makes of eve
 - boto3: a thread pool of `--in-flight` threads over one client with as many pooled connections;
 - gl-pool: globalloader's own pool of downloads ahead (`Files.prefetch` into the machine cache:
   the GET, its checks and the cache write), the figure issue 40 bounds at 0.5 ms per object;
-- cache-file: what the kernel alone takes to make one cache file of that size (create, write,
-  close, rename) in the folder the pool just filled, timed after it in the same process: with
-  obstore's GET, the floor of a cache with one file per object (`gl_pool_vs_floor`).
+- cache-entry: the floor of one entry of a machine-wide cache, timed after the pool in the same
+  process, in the folder it just filled, with no Python beyond the calls themselves: the check
+  (the MD5 of the bytes), the stat that finds it missing, its download lock (a byte of a lock
+  file, taken and released), the counters' record (flock, read, write, unlock) and the file
+  (create exclusively, write, close, rename). With obstore's GET, the pool's floor
+  (`gl_pool_vs_floor`): what remains above it is the pool's bookkeeping in Python.
 
 The figure is the client process's CPU time (user + system, all its threads) over the reads,
 divided by the objects, after a warm-up of `--in-flight` reads that opens the connections; the
@@ -148,21 +151,39 @@ def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, 
     return used, (len(src) - len(warm)) * spec["size"]
 
 
-def _cache_file(folder: Path, size: int, count: int = 300) -> float:
-    """CPU ms the kernel takes to make one file of `size` bytes in `folder` as the cache makes
-    an entry (create exclusively, write, close, rename): the floor of one file per object. The
-    calling thread's CPU time alone: the process's would count its other threads (the storage
-    client's runtime, the event loop) while they wind down after the pool's run."""
+def _cache_entry(folder: Path, size: int, count: int = 300) -> float:
+    """CPU ms of the floor of one cache entry (see the module doc), the calling thread's alone:
+    the process's would count its other threads (the storage client's runtime, the event loop)
+    while they wind down after the pool's run."""
+    import fcntl
+    import hashlib
+    import struct
+
     body = os.urandom(size)
+    lock_fd = os.open(folder / "floor-locks", os.O_RDWR | os.O_CREAT, 0o600)
+    record_fd = os.open(folder / "floor-record", os.O_RDWR | os.O_CREAT, 0o600)
+    os.pwrite(record_fd, bytes(60), 0)
+    flock = struct.Struct("hhqqi4x")
     cpu = time.thread_time()
     for i in range(count):
-        fd = os.open(folder / f"floor-{i}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        hashlib.md5(body, usedforsecurity=False).hexdigest()
+        path, temporary = folder / f"floor-{i}", folder / f"floor-{i}.tmp"
+        os.path.lexists(path)
+        fcntl.fcntl(lock_fd, fcntl.F_OFD_SETLK, flock.pack(fcntl.F_WRLCK, os.SEEK_SET, i, 1, 0))
+        fcntl.flock(record_fd, fcntl.LOCK_EX)
+        record = os.pread(record_fd, 60, 0)
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, body)
         os.close(fd)
-        os.rename(folder / f"floor-{i}.tmp", folder / f"floor-{i}")
+        os.rename(temporary, path)
+        os.pwrite(record_fd, record, 0)
+        fcntl.flock(record_fd, fcntl.LOCK_UN)
+        fcntl.fcntl(lock_fd, fcntl.F_OFD_SETLK, flock.pack(fcntl.F_UNLCK, os.SEEK_SET, i, 1, 0))
     used = time.thread_time() - cpu
     for i in range(count):
         os.unlink(folder / f"floor-{i}")
+    for fd in (lock_fd, record_fd):
+        os.close(fd)
     return 1e3 * used / count
 
 
@@ -176,7 +197,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"{spec['client']} read {got} bytes, expected {objects * spec['size']}")
     result = {"objects": objects, "cpu_s": cpu, "seconds": time.perf_counter() - t0}
     if spec["client"] == "gl-pool":  # in the folder the pool wrote its entries to, after it
-        result["cache_file_ms"] = _cache_file(Path(os.environ["GLOBALLOADER_CACHE_DIR"]), spec["size"])
+        result["cache_entry_ms"] = _cache_entry(Path(os.environ["GLOBALLOADER_CACHE_DIR"]) / "objects", spec["size"])
     return result
 
 
@@ -212,7 +233,10 @@ def main() -> None:
         spec = {"bucket": bucket, "endpoint": proxy.url, "keys": keys, "size": args.size, "in_flight": args.in_flight}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         per_object: dict[str, list[float]] = {}
+        by_round: list[dict[str, float]] = []  # each round's figures, to pair the floor round by round
+        failed: dict[str, list[str]] = {}
         for r in range(args.rounds):
+            by_round.append({})
             for client in [c for c in args.only.split(",") if c]:
                 env["GLOBALLOADER_CACHE_DIR"] = str(scratch / f"{client}-{r}")
                 proc = subprocess.run(
@@ -224,12 +248,17 @@ def main() -> None:
                 )
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 if proc.returncode != 0 or not lines:
-                    print(f"{client} failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
+                    why = f"round {r}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"
+                    print(f"{client} failed, {why}")
+                    failed.setdefault(client, []).append(why)
                     continue
                 result = json.loads(lines[-1])
-                per_object.setdefault(client, []).append(1e3 * result["cpu_s"] / result["objects"])
-                if "cache_file_ms" in result:
-                    per_object.setdefault("cache-file", []).append(result["cache_file_ms"])
+                by_round[r][client] = 1e3 * result["cpu_s"] / result["objects"]
+                if "cache_entry_ms" in result:
+                    by_round[r]["cache-entry"] = result["cache_entry_ms"]
+                for name in (client, "cache-entry"):
+                    if name in by_round[r]:
+                        per_object.setdefault(name, []).append(by_round[r][name])
         report = {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True},
             "objects": args.objects,
@@ -237,18 +266,22 @@ def main() -> None:
             "in_flight": args.in_flight,
             "rounds": args.rounds,
             "client_cpu_ms_per_object": {c: _summary(v) for c, v in per_object.items()},
+            "failed": failed,
         }
-        paired = [per_object.get(c, []) for c in ("gl-pool", "obstore", "cache-file")]
-        if paired[0] and len({len(v) for v in paired}) == 1:  # every round of the three measured
-            # The floor of one cache file per object: obstore's GET and the kernel's file, round by round.
-            ratios = [p / (o + f) for p, o, f in zip(*paired, strict=True)]
+        # The pool's floor: obstore's GET and one cache entry's own work, in the rounds that have all three.
+        ratios = [
+            f["gl-pool"] / (f["obstore"] + f["cache-entry"])
+            for f in by_round
+            if {"gl-pool", "obstore", "cache-entry"} <= f.keys()
+        ]
+        if ratios:
             report["gl_pool_vs_floor"] = _summary(ratios)
         print(f"client CPU per {args.size}-byte GET ({args.in_flight} in flight), median [min, max]:")
         for client, s in report["client_cpu_ms_per_object"].items():
             print(f"  {client:12} {s['median']:.3f} ms [{s['min']:.3f}, {s['max']:.3f}]")
         if "gl_pool_vs_floor" in report:
             s = report["gl_pool_vs_floor"]
-            print(f"gl-pool / (obstore + cache-file), by round: {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]")
+            print(f"gl-pool / (obstore + cache-entry), by round: {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]")
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
         print(f"results: {args.output}")
