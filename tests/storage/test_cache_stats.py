@@ -42,18 +42,24 @@ def _hammer(root: str, worker: int, opens: int, downloads: int, start: Any) -> N
             cache.open(Entry(f"s3://bucket/{worker}-{i}.bin", 10 + i, "v1"), lambda w, n=10 + i: w(b"x" * n)).close()
 
 
-def test_counters_are_exact_with_processes_updating_at_once(tmp_path: pathlib.Path) -> None:
-    root = tmp_path / "objects"
-    ObjectCache(root).open(SHARED, lambda write: write(b"s" * 100)).close()  # one miss
-    procs, opens, downloads = 4, 400, 25
+def _all_at_once(procs: int, target: Any, root: str, *args: int) -> None:
+    """`target(root, worker, *args, barrier)` in `procs` new processes that start together; each
+    must end well."""
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Barrier(procs)
-    workers = [ctx.Process(target=_hammer, args=(str(root), w, opens, downloads, start)) for w in range(procs)]
+    workers = [ctx.Process(target=target, args=(root, w, *args, start)) for w in range(procs)]
     for p in workers:
         p.start()
     for p in workers:
         p.join(120)
         assert p.exitcode == 0
+
+
+def test_counters_are_exact_with_processes_updating_at_once(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "objects"
+    ObjectCache(root).open(SHARED, lambda write: write(b"s" * 100)).close()  # one miss
+    procs, opens, downloads = 4, 400, 25
+    _all_at_once(procs, _hammer, str(root), opens, downloads)
     cache = ObjectCache(root)
     counts = cache.status()
     new_bytes = procs * sum(10 + i for i in range(downloads))
@@ -81,14 +87,7 @@ def test_entries_written_ahead_at_once_by_processes_keep_the_counters_exact(tmp_
     root = tmp_path / "objects"
     ObjectCache(root).open(SHARED, lambda write: write(b"s" * 100)).close()
     procs, count = 4, 60
-    ctx = multiprocessing.get_context("spawn")
-    start = ctx.Barrier(procs)
-    workers = [ctx.Process(target=_fill_ahead, args=(str(root), w, count, start)) for w in range(procs)]
-    for p in workers:
-        p.start()
-    for p in workers:
-        p.join(120)
-        assert p.exitcode == 0
+    _all_at_once(procs, _fill_ahead, str(root), count)
     cache = ObjectCache(root)
     counts = cache.status()
     written = procs * sum(100 + i for i in range(count))
