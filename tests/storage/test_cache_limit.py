@@ -5,6 +5,7 @@ it before."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pathlib
@@ -25,9 +26,10 @@ from globalloader import storage
 from globalloader.demo.s3 import write_shards
 from globalloader.errors import RemoteAccessError, RemoteReadError, SourceError, StorageError
 from globalloader.sources import TarShards
-from globalloader.storage.cache import Entry, ObjectCache, stored_size
+from globalloader.storage.cache import READERS, Entry, ObjectCache, stored_size
 from globalloader.storage.cache_stats import try_until
 from globalloader.storage.prefetch import IN_FLIGHT
+from globalloader.storage.registry import live
 from helpers import at_once, small_filesystem
 
 _JOB = """
@@ -151,6 +153,40 @@ def test_the_read_ahead_leaves_every_reading_process_the_room_it_keeps_open(tmp_
         for reader in readers:
             reader.kill()
             reader.wait(60)
+
+
+def test_a_dropped_cache_handle_gives_its_hold_back_while_its_process_goes_on(tmp_path: pathlib.Path) -> None:
+    """Each source's handle adds its hold to its process's registration once it reads; a source
+    the process drops (collected) stops counting, the others of the process still count."""
+    root = tmp_path / "objects"
+    kept, dropped = ObjectCache(root), ObjectCache(root)
+    kept.hold, dropped.hold = 3000, 5000
+    kept.open(Entry("s3://b/0", 100, "v"), lambda write: write(b"x" * 100)).close()
+    dropped.open(Entry("s3://b/1", 100, "v"), lambda write: write(b"x" * 100)).close()
+    assert sum(live(root / READERS)) == 8000
+    dropped.hold = 6000  # changed after it registered: the registration follows
+    assert sum(live(root / READERS)) == 9000
+    del dropped
+    gc.collect()
+    assert sum(live(root / READERS)) == 3000
+    assert kept.room_ahead(100)
+    # A forked child dropping its copy of the handle takes nothing from the parent's registration.
+    handles = [kept]
+    del kept  # the child's copy of this frame must not keep the handle
+    child = multiprocessing.get_context("fork").Process(target=_drop_and_collect, args=(handles, tmp_path))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and sum(live(root / READERS)) == 3000
+
+
+def _drop_and_collect(handles: list[ObjectCache], scratch: pathlib.Path) -> None:
+    """In a forked child: files opened first take the descriptors the fork closed (the parent's
+    registration's among them); dropping the handle must write none of them."""
+    files = [os.open(scratch / str(i), os.O_RDWR | os.O_CREAT, 0o600) for i in range(8)]
+    handles.clear()
+    gc.collect()
+    if any(os.fstat(fd).st_size for fd in files):
+        raise SystemExit(1)
 
 
 @pytest.fixture

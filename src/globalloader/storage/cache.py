@@ -81,7 +81,7 @@ from globalloader.errors import ArgumentError, CacheFullError, GlobalLoaderError
 from globalloader.storage._fork import reset_in_forked_children
 from globalloader.storage.cache_stats import CacheStats, try_until
 from globalloader.storage.checksum import etag_md5
-from globalloader.storage.registry import Registration, live
+from globalloader.storage.registry import Registration, Share, live
 
 DEFAULT_LIMIT = 20 * 10**9  # bytes, when neither cache_limit= nor GLOBALLOADER_CACHE_LIMIT says
 LIMIT_ENV = "GLOBALLOADER_CACHE_LIMIT"
@@ -514,7 +514,8 @@ class ObjectCache:
         """Bytes this handle's readers keep open besides those read now: 1/HOLD_SHARE of the
         cache's room, a bound, unless set to what they need (a windowed shuffle's two windows,
         `Store.keep_open`). A hold set is registered among the machine's readers once this
-        process reads, and `room_ahead` leaves every registered hold its room."""
+        process reads, and `room_ahead` leaves every registered hold its room, until the
+        process ends or drops the handle (its source)."""
         return self._keep_set or self.room // HOLD_SHARE
 
     @hold.setter
@@ -524,7 +525,7 @@ class ObjectCache:
         self._keep_set = size
 
     def _reset_held(self) -> None:
-        self._registered: Registration | None = None  # this process's, once it added its hold
+        self._registered: Share | None = None  # its part of this process's registration, once it read
         self._readers_hold, self._readers_counted = 0, 0.0
         self._held: OrderedDict[CachedFile, int] = OrderedDict()  # open entries, least recently read first
         self._held_bytes = 0
@@ -1019,8 +1020,9 @@ class ObjectCache:
             self._held[handle] = handle.length
             self._held_bytes += handle.length
             if self._registered is None:
-                self._registered = Registration.of(self.root / READERS)
+                self._registered = Share(Registration.of(self.root / READERS))
                 self._registered.add(self._keep_set)
+                weakref.finalize(self, self._registered.withdraw)  # a handle dropped gives its hold back
         _release_when_this_process_ends()
 
     def _unhold(self, handle: CachedFile) -> None:

@@ -39,6 +39,7 @@ class Registration:
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.pwrite(self._fd, _VALUE.pack(0), 0)
         os.rename(temporary, folder / str(os.getpid()))
+        self._lock = threading.Lock()  # `add` from any thread, and from a `Share`'s finalizer
 
     @classmethod
     def of(cls, folder: pathlib.Path) -> Registration:
@@ -52,8 +53,27 @@ class Registration:
     def add(self, change: int) -> None:
         """Change this process's number by `change` (one write)."""
         if change:
-            self.value += change
-            os.pwrite(self._fd, _VALUE.pack(self.value), 0)
+            with self._lock:
+                self.value += change
+                os.pwrite(self._fd, _VALUE.pack(self.value), 0)
+
+
+class Share:
+    """One owner's part of this process's number in a registration (several sources of a process
+    each add their own), given back by `withdraw`: called when its owner is collected
+    (`weakref.finalize`), so a source a process dropped stops counting while the process goes on."""
+
+    def __init__(self, registration: Registration) -> None:
+        self.registration, self.value, self._pid = registration, 0, os.getpid()
+
+    def add(self, change: int) -> None:
+        self.value += change
+        self.registration.add(change)
+
+    def withdraw(self) -> None:
+        if os.getpid() == self._pid:  # a forked child's copy: the parent's registration, not its own
+            self.registration.add(-self.value)
+            self.value = 0
 
 
 def live(folder: pathlib.Path) -> list[int]:
