@@ -231,6 +231,7 @@ def host_tag() -> str:
 
 _HOST = host_tag()  # with the pid, names whose temporary files they are (see `temporary_writer`)
 _NAME_MAX = 255  # bytes of one file name on Linux file systems
+_TOKEN = 4  # random bytes in a temporary file's name
 
 
 class AtomicWrite:
@@ -299,11 +300,14 @@ def write_atomic(
         raise
 
 
-def write_whole(path: pathlib.Path, data: bytes, *, mode: int, times: tuple[int, int] | None = None) -> None:
+def write_whole(
+    path: pathlib.Path, data: bytes, *, mode: int, times: tuple[int, int] | None = None, mark: str = ""
+) -> None:
     """`write_atomic` for bytes already in memory: one write of a temporary file, its access and
     modification `times` (ns) set, renamed over `path`; no file object, so a small file costs its
-    system calls alone (the object cache writes one per small object). Not durable."""
-    temporary = _temporary_for(path)
+    system calls alone (the object cache writes one per small object). Not durable. `mark`: a
+    kind of temporary a cleaner tells apart (`temporary_mark`)."""
+    temporary = _temporary_for(path, mark)
     fd = create_file(temporary, os.O_WRONLY, mode)
     try:
         view, done = memoryview(data), 0
@@ -325,11 +329,20 @@ def write_whole(path: pathlib.Path, data: bytes, *, mode: int, times: tuple[int,
         raise
 
 
-def _temporary_for(target: pathlib.Path) -> pathlib.Path:
-    """A new temporary file name beside `target`, naming its writer (see `temporary_writer`)."""
-    owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{os.urandom(4).hex()}.tmp"
+def _temporary_for(target: pathlib.Path, mark: str = "") -> pathlib.Path:
+    """A new temporary file name beside `target`, naming its writer (see `temporary_writer`) and
+    carrying `mark` (letters, see `temporary_mark`) before its random token."""
+    owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{mark}{os.urandom(_TOKEN).hex()}.tmp"
     name = os.fsencode(target.name)[: _NAME_MAX - len(owner) - 2].decode(errors="ignore")
     return target.with_name(f".{name}.{owner}")
+
+
+def temporary_mark(name: str) -> str:
+    """The mark `write_whole` gave the temporary file `name` ("" if none, or not a temporary)."""
+    if temporary_writer(name) is None:
+        return ""
+    token = name.rpartition(".tmp")[0].rsplit(".", 1)[-1]
+    return token[: -2 * _TOKEN]
 
 
 def temporary_writer(name: str) -> int | None:

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from globalloader import storage
+from globalloader import _paths, storage
 from globalloader.demo.s3 import write_shards
 from globalloader.service.launcher import status
 from globalloader.sources import TarShards
-from globalloader.storage.cache import STATS_NAME, Entry, ObjectCache, stored_size
+from globalloader.storage.cache import _UNRESERVED, STATS_NAME, Entry, ObjectCache, stored_size
 from helpers import Dashboard, Server
 
 SHARED = Entry("s3://bucket/shared.bin", 100, "v1")
@@ -101,6 +101,28 @@ def test_entries_written_ahead_at_once_by_processes_keep_the_counters_exact(tmp_
             handle = cache.open(entry, lambda write: pytest.fail("downloaded again"))
             assert handle.pread(0, 100 + i) == bytes([w]) * (100 + i)
             handle.close()
+
+
+def _leave_temporaries(root: pathlib.Path) -> None:
+    """In a child that then dies: a temporary of a download with a reservation (its size) and one
+    of an entry written under the counters' lock with none, as a kill mid-write leaves them."""
+    reserved = _paths._temporary_for(root / ("a" * 40))
+    reserved.write_bytes(b"r" * 300)
+    unreserved = _paths._temporary_for(root / ("b" * 40), _UNRESERVED)
+    unreserved.write_bytes(b"u" * 500)
+    os._exit(0)
+
+
+def test_a_dead_writers_temporaries_give_back_only_what_they_reserved(tmp_path: pathlib.Path) -> None:
+    cache = ObjectCache(tmp_path / "objects")
+    with cache.stats.update() as record:
+        record["reserved"] += 1000 + 300  # another download's 1000, and the dead one's 300
+    child = multiprocessing.get_context("fork").Process(target=_leave_temporaries, args=(cache.root,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and len(list(cache.root.glob(".*.tmp"))) == 2
+    assert cache.evict() == 800  # both removed
+    assert not list(cache.root.glob(".*.tmp")) and cache.status()["reserved"] == 1000
 
 
 def test_eviction_and_clear_keep_size_and_entries_true(tmp_path: pathlib.Path) -> None:

@@ -237,6 +237,9 @@ def _fetched_slot(byte: int) -> int:
     return (byte % FETCHED_SLOTS) * _FETCHED_AT.size
 
 
+# The mark of the temporary files of entries written under the counters' lock with no reservation
+# (`_write_now`): a dead writer's is removed without taking its size from the reservations.
+_UNRESERVED = "u"
 _FLOCK = struct.Struct("hhqqi4x")  # Linux's struct flock: type, whence, start, length, pid (0)
 
 
@@ -698,8 +701,9 @@ class ObjectCache:
         written whole (`_paths.write_whole`: one write, no file object) and counted under one
         hold of the counters' lock (one lock a small object, not two, and no reservation: no
         process counts the folder meanwhile, so the temporary file is never seen beyond the
-        limit, and one killed midway changed no record); never a sleep, so an event loop may
-        call it."""
+        limit; one killed midway changed no record, and its temporary, marked _UNRESERVED, is
+        removed without giving back a reservation it never made); never a sleep, so an event
+        loop may call it."""
         sums = _Checksums()
         sums.add(data)
         stored = stored_size(sums.length)
@@ -714,7 +718,9 @@ class ObjectCache:
             _count_out_replaced(record, path)
             now = time.time_ns()
             try:
-                _paths.write_whole(path, data + sums.tail(), mode=_paths.file_mode(), times=(now + AHEAD_CLAIM, now))
+                _paths.write_whole(
+                    path, data + sums.tail(), mode=_paths.file_mode(), times=(now + AHEAD_CLAIM, now), mark=_UNRESERVED
+                )
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise _WouldWait from None
@@ -1094,7 +1100,7 @@ class ObjectCache:
 
     def _remove_dead_temporaries(self) -> int:
         """Remove the temporary files of dead downloads, with the bytes they had reserved (their
-        size: see `_write_once`); returns those bytes."""
+        size: see `_write_once`; none for one marked _UNRESERVED); returns the bytes removed."""
         freed = 0
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
             for item in it:
@@ -1103,8 +1109,9 @@ class ObjectCache:
                     with contextlib.suppress(OSError):
                         size = item.stat(follow_symlinks=False).st_size
                         os.unlink(item.path)
-                        with self.stats.update() as record:
-                            record["reserved"] -= size
+                        if _paths.temporary_mark(item.name) != _UNRESERVED:
+                            with self.stats.update() as record:
+                                record["reserved"] -= size
                         freed += size
         return freed
 
