@@ -232,7 +232,6 @@ def main() -> None:
         keys = [(f"objects/{i:07d}.bin", fs.info(f"{bucket}/objects/{i:07d}.bin")["ETag"]) for i in range(args.objects)]
         spec = {"bucket": bucket, "endpoint": proxy.url, "keys": keys, "size": args.size, "in_flight": args.in_flight}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        per_object: dict[str, list[float]] = {}
         by_round: list[dict[str, float]] = []  # each round's figures, to pair the floor round by round
         failed: dict[str, list[str]] = {}
         for r in range(args.rounds):
@@ -256,16 +255,15 @@ def main() -> None:
                 by_round[r][client] = 1e3 * result["cpu_s"] / result["objects"]
                 if "cache_entry_ms" in result:
                     by_round[r]["cache-entry"] = result["cache_entry_ms"]
-                for name in (client, "cache-entry"):
-                    if name in by_round[r]:
-                        per_object.setdefault(name, []).append(by_round[r][name])
+        names = list(dict.fromkeys(name for figures in by_round for name in figures))
         report = {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True},
             "objects": args.objects,
             "size": args.size,
             "in_flight": args.in_flight,
             "rounds": args.rounds,
-            "client_cpu_ms_per_object": {c: _summary(v) for c, v in per_object.items()},
+            "client_cpu_ms_per_object": {n: _summary([f[n] for f in by_round if n in f]) for n in names},
+            "by_round": by_round,
             "failed": failed,
         }
         # The pool's floor: obstore's GET and one cache entry's own work, in the rounds that have all three.

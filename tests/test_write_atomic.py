@@ -127,7 +127,8 @@ def _write_whole_under_a_size_limit(path: pathlib.Path, limit: int, out: Any) ->
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a signal that kills
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     try:
-        write_whole(path, b"n" * (4 * limit), mode=0o600)
+        # The kernel takes `limit` bytes of the first part (a short write), then refuses the rest.
+        write_whole(path, (b"n" * (limit + 100), b"t" * limit), mode=0o600)
     except OSError as exc:
         out.put(exc.errno)
     else:
@@ -138,7 +139,7 @@ def test_write_whole_puts_the_bytes_and_times_at_once_and_a_refused_write_leaves
     tmp_path: pathlib.Path,
 ) -> None:
     path = tmp_path / "entry"
-    write_whole(path, b"old", mode=0o640, times=(2 * 10**18, 10**18))
+    write_whole(path, (b"o", b"", b"ld"), mode=0o640, times=(2 * 10**18, 10**18))  # parts in order
     st = path.stat()
     assert path.read_bytes() == b"old" and st.st_mode & 0o777 == 0o640
     assert (st.st_atime_ns, st.st_mtime_ns) == (2 * 10**18, 10**18)

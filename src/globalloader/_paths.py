@@ -27,7 +27,7 @@ import re
 import socket
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from globalloader.errors import ArgumentError, StorageError
@@ -301,21 +301,30 @@ def write_atomic(
 
 
 def write_whole(
-    path: pathlib.Path, data: bytes, *, mode: int, times: tuple[int, int] | None = None, mark: str = ""
+    path: pathlib.Path,
+    parts: Sequence[bytes],
+    *,
+    mode: int,
+    times: tuple[int, int] | None = None,
+    mark: str = "",
 ) -> None:
-    """`write_atomic` for bytes already in memory: one write of a temporary file, its access and
-    modification `times` (ns) set, renamed over `path`; no file object, so a small file costs its
-    system calls alone (the object cache writes one per small object). Not durable. `mark`: a
-    kind of temporary a cleaner tells apart (`temporary_mark`)."""
+    """`write_atomic` for bytes already in memory: `parts` written in order by `writev` (not
+    joined: no copy of them) to a temporary file, its access and modification `times` (ns) set,
+    renamed over `path`; no file object, so a small file costs its system calls alone (the
+    object cache writes one per small object). Not durable. `mark`: a kind of temporary a
+    cleaner tells apart (`temporary_mark`)."""
     temporary = _temporary_for(path, mark)
     fd = create_file(temporary, os.O_WRONLY, mode)
     try:
-        view, done = memoryview(data), 0
-        while done < len(view):
-            wrote = os.write(fd, view[done:])
+        left = [memoryview(part) for part in parts if len(part)]
+        while left:
+            wrote = os.writev(fd, left)
             if not wrote:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(temporary))
-            done += wrote
+            while left and wrote >= len(left[0]):
+                wrote -= len(left.pop(0))
+            if wrote:
+                left[0] = left[0][wrote:]
         if times is not None:
             os.utime(fd, ns=times)
         os.close(fd)

@@ -698,12 +698,12 @@ class ObjectCache:
     def _write_now(self, path: pathlib.Path, entry: Entry, data: bytes) -> None:
         """Write `data`, the entry downloaded ahead, if it fits under the limit at once: the
         counters' lock free, nothing to evict, the disk not full; else _WouldWait. Checked,
-        written whole (`_paths.write_whole`: one write, no file object) and counted under one
-        hold of the counters' lock (one lock a small object, not two, and no reservation: no
-        process counts the folder meanwhile, so the temporary file is never seen beyond the
-        limit; one killed midway changed no record, and its temporary, marked _UNRESERVED, is
-        removed without giving back a reservation it never made); never a sleep, so an event
-        loop may call it."""
+        written whole (`_paths.write_whole`: one writev of the data and its tail, no copy of
+        them, no file object) and counted under one hold of the counters' lock (one lock a small
+        object, not two, and no reservation: no process counts the folder meanwhile, so the
+        temporary file is never seen beyond the limit; one killed midway changed no record, and
+        its temporary, marked _UNRESERVED, is removed without giving back a reservation it never
+        made); never a sleep, so an event loop may call it."""
         sums = _Checksums()
         sums.add(data)
         stored = stored_size(sums.length)
@@ -719,7 +719,7 @@ class ObjectCache:
             now = time.time_ns()
             try:
                 _paths.write_whole(
-                    path, data + sums.tail(), mode=_paths.file_mode(), times=(now + AHEAD_CLAIM, now), mark=_UNRESERVED
+                    path, (data, sums.tail()), mode=_paths.file_mode(), times=(now + AHEAD_CLAIM, now), mark=_UNRESERVED
                 )
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
