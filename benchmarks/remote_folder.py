@@ -6,9 +6,11 @@ same folder on local disk. Every system runs a random resized crop (112 px) per 
 of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
 
 - gl: `gl.Dataset(gl.ImageFolder("s3://...")).shuffle(seed=0).map(crop).batch(32)` in
-  `gl.Loader`: cold epoch (samples/s from constructing the source), warm epoch (the next, same
-  process), time to first batch, bytes downloaded / folder size, the peak of GETs in flight (at
-  the proxy, and the pool's own counter);
+  `gl.Loader`: cold epoch (samples/s from the job's start: its imports, the listing and the
+  loader count), warm epoch (the next, same process), time to first batch, bytes downloaded /
+  folder size, the peak of GETs in flight (at the proxy, and the pool's own counter), and its
+  startup (`startup_s`: the job's start to the loader made, before the first GET) with the
+  cold epoch's rate after it, against moto alone;
 - gl-local: the same chain over the local folder, the first ceiling;
 - server: the rate moto serves those objects with 64 GETs in flight and no decode (aiobotocore
   through s3fs's async calls), the second ceiling; the goal is measured against the lower;
@@ -24,8 +26,10 @@ of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
 Each latency has the same rows; gl's cold epoch is compared with the ceiling (goal: 0.8 of it at
 20 ms, 0.7 at 50 ms) and with each peer (goal: 1.4x s3torchconnector with 16 workers). A peer that
 does not import or fails is run no further and its row says why (`failed` in the JSON), never
-dropped. Median of `--rounds` (3) with min and max; JSON in benchmarks/results/remote_folder.json;
-at the end, the table of docs/remote.md (a row per figure, a column per latency).
+dropped. The torch peers' startup is timed the same way (imports, listing, DataLoader made).
+globalloader's bytecode is written first (`_write_bytecode`), as an install has it. Median of
+`--rounds` (3) with min and max; JSON in benchmarks/results/remote_folder.json; at the end, the
+table of docs/remote.md (a row per figure, a column per latency).
 
     python benchmarks/remote.py --mode folder [--samples 1000] [--rounds 3] [--latency 0.02 0.05]
 """
@@ -144,7 +148,8 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         )
         chain = gl.Dataset(src).shuffle(seed=0).map(crop).batch(BATCH)
         with gl.Loader(chain, workers=workers) as loader:
-            result: dict[str, Any] = {"epochs": _epochs(loader, start, 2, proxy)}
+            ready = time.perf_counter() - start
+            result: dict[str, Any] = {"epochs": _epochs(loader, start, 2, proxy), "startup_s": ready}
         result["pool"] = src.store.fetch_counters()
         return result
     if system == "gl-fetch":
@@ -170,7 +175,8 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
             persistent_workers=True,
             multiprocessing_context="fork",
         )
-        return {"epochs": _epochs(loader, start, 2, proxy)}
+        ready = time.perf_counter() - start
+        return {"epochs": _epochs(loader, start, 2, proxy), "startup_s": ready}
     if system == "ray":
         return _ray(spec, start)
     raise SystemExit(f"unknown system {system}")
@@ -277,6 +283,18 @@ def _ray(spec: dict[str, Any], start: float) -> dict[str, Any]:
 
 
 # -- the session ---------------------------------------------------------------------------------
+def _write_bytecode() -> None:
+    """globalloader's bytecode written beside its source, as installing it writes it: every run
+    starts a fresh process, timed from its start, and one that compiles the package from source
+    (a source checkout where bytecode is not written: PYTHONDONTWRITEBYTECODE) would count
+    about 0.1 s of compiling that an installed library never pays; the peers are installed."""
+    import compileall
+
+    import globalloader
+
+    compileall.compile_dir(Path(globalloader.__file__).parent, quiet=1)
+
+
 def _available(system: str) -> str | None:
     """Why a peer cannot run here, or None."""
     module = {"s3torch": "s3torchconnector", "ray": "ray.data"}.get(system.split("-")[0])
@@ -345,6 +363,11 @@ def _digest(runs: dict[str, list[Any]], data: dict[str, Any], latency: float) ->
                 "proxy_peak_in_flight": _summary([r["proxy_peak_in_flight"] for r in ok]),
                 "exact": all(e["samples"] == data["samples"] for r in ok for e in r["epochs"]),
             }
+            if all("startup_s" in r for r in ok):  # not Ray's (it lists once it runs)
+                out[system]["startup_s"] = _summary([r["startup_s"] for r in ok])
+                out[system]["after_startup_samples_per_s"] = _summary(
+                    [e["samples"] / (e["seconds"] - r["startup_s"]) for r, e in zip(ok, cold, strict=True)]
+                )
             if system == "gl":
                 out[system]["pool_peak_in_flight"] = _summary([r["pool"].get("peak_in_flight") for r in ok])
             if system == "ray":
@@ -358,6 +381,9 @@ def _digest(runs: dict[str, list[Any]], data: dict[str, Any], latency: float) ->
     if ceilings and gl_cold:
         out["ceiling_samples_per_s"] = min(ceilings)
         out["gl_cold_vs_ceiling"] = gl_cold["median"] / min(ceilings)
+    after = out.get("gl", {}).get("after_startup_samples_per_s")
+    if after and server:
+        out["gl_after_startup_vs_server"] = after["median"] / server["median"]
     if gl_cold:
         out["gl_cold_vs_peer"] = {
             peer: gl_cold["median"] / row["cold_samples_per_s"]["median"]
@@ -400,20 +426,24 @@ def _table(report: dict[str, Any]) -> list[str]:
     row("ceiling: local disk, same chain, samples/s", figure("gl-local", "cold_samples_per_s"))
     row(f"ceiling: moto, {SERVER_IN_FLIGHT} GETs in flight, objects/s", figure("server", "objects_per_s"))
     row("gl cold / ceiling", lambda d: _ratio(d.get("gl_cold_vs_ceiling"), d["goals"]["cold_vs_ceiling"]))
+    row("gl startup (imports, listing, loader made), s", figure("gl", "startup_s", 2))
+    row("gl cold after its startup, samples/s", figure("gl", "after_startup_samples_per_s"))
+    row("gl cold after its startup / moto alone", lambda d: _ratio(d.get("gl_after_startup_vs_server")))
     row("client CPU per object (pool alone), ms", figure("gl-fetch", "client_cpu_ms_per_object", 2))
-    lines += ["", "| system | latency | cold samples/s | gl cold / it | peak GETs in flight | bytes cold / warm (x) |"]
-    lines.append("|---" * 6 + "|")
+    heads = ["system", "latency", "cold samples/s", "gl cold / it", "startup, s", "peak GETs in flight"]
+    lines += ["", "| " + " | ".join([*heads, "bytes cold / warm (x)"]) + " |", "|---" * 7 + "|"]
     for system, label in {"gl": f"globalloader, {report['workers']} workers", **PEERS}.items():
         for name, digest in columns:
             got = digest.get(system)
             if got is None:
                 continue  # not asked for (--only)
             if "cold_samples_per_s" not in got:
-                lines.append(f"| {label} | {name} | not run: {got['failed'][0]} | | | |")
+                lines.append(f"| {label} | {name} | not run: {got['failed'][0]} | | | | |")
                 continue
             goal = GOALS["gl_vs_s3torch-16"] if system == "s3torch-16" else None
             ratio = "" if system == "gl" else _ratio(digest.get("gl_cold_vs_peer", {}).get(system), goal)
-            cells = [_cell(got["cold_samples_per_s"]), ratio, _cell(got["proxy_peak_in_flight"]), _bytes(got)]
+            startup = _cell(got.get("startup_s"), 2)
+            cells = [_cell(got["cold_samples_per_s"]), ratio, startup, _cell(got["proxy_peak_in_flight"]), _bytes(got)]
             lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -437,6 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.job:
         print(json.dumps(_job(json.loads(args.job))), flush=True)
         return
+    _write_bytecode()
     wanted = [s for s in args.only.split(",") if s]
     skipped = {s: why for s in wanted if (why := _available(s)) is not None}
     for system, why in skipped.items():

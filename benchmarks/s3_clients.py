@@ -21,8 +21,10 @@ whole with If-Match on its ETag (the conditional read `storage._fs` makes of eve
 
 The figure is the client process's CPU time (user + system, all its threads) over the reads,
 divided by the objects, after a warm-up of `--in-flight` reads that opens the connections; the
-server runs in this process, so its CPU is not counted. Median of `--rounds` (3) with min and
-max; JSON in benchmarks/results/s3_clients.json.
+server runs in this process, so its CPU is not counted. For obstore and gl-pool, the rows
+`<client> runtime` give the part of it spent by the threads of obstore's Rust runtime (tokio's:
+the HTTP itself), the rest being Python's. Median of `--rounds` (3) with min and max; JSON in
+benchmarks/results/s3_clients.json.
 
     python benchmarks/s3_clients.py [--objects 1000] [--size 15000] [--in-flight 64] [--rounds 3]
 """
@@ -51,9 +53,23 @@ CLIENTS = ("aiobotocore", "obstore", "boto3", "gl-pool")
 KEY, SECRET, REGION = "testing", "testing", "us-east-1"
 
 
-def _cpu() -> float:
+def _cpu() -> tuple[float, float]:
+    """CPU seconds of this process, and of the threads of obstore's runtime (tokio's, Rust) in it."""
     own = resource.getrusage(resource.RUSAGE_SELF)
-    return own.ru_utime + own.ru_stime
+    runtime = 0.0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().startswith("tokio"):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                runtime += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return own.ru_utime + own.ru_stime, runtime
+
+
+def _since(before: tuple[float, float]) -> tuple[float, float]:
+    now = _cpu()
+    return now[0] - before[0], now[1] - before[1]
 
 
 async def _gather(read: Any, keys: list[tuple[str, str]], in_flight: int) -> int:
@@ -67,7 +83,7 @@ async def _gather(read: Any, keys: list[tuple[str, str]], in_flight: int) -> int
     return sum(await asyncio.gather(*(one(k, e) for k, e in keys)))
 
 
-def _aiobotocore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+def _aiobotocore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[float, float], int]:
     from fsspec.asyn import sync
 
     from globalloader.storage._fs import _get_s3_s3fs, filesystem
@@ -82,10 +98,10 @@ def _aiobotocore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[flo
     sync(fs.loop, _gather, read, keys[: spec["in_flight"]], spec["in_flight"])  # warm-up
     cpu = _cpu()
     got = sync(fs.loop, _gather, read, keys, spec["in_flight"])
-    return _cpu() - cpu, got
+    return _since(cpu), got
 
 
-def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[float, float], int]:
     from fsspec.asyn import sync
 
     from globalloader.storage._fs import _get_s3, filesystem
@@ -102,10 +118,10 @@ def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, 
     sync(fs.loop, _gather, read, keys[: spec["in_flight"]], spec["in_flight"])  # warm-up
     cpu = _cpu()
     got = sync(fs.loop, _gather, read, keys, spec["in_flight"])
-    return _cpu() - cpu, got
+    return _since(cpu), got
 
 
-def _boto3(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+def _boto3(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[float, float], int]:
     from concurrent.futures import ThreadPoolExecutor
 
     import boto3
@@ -128,10 +144,10 @@ def _boto3(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, in
         sum(pool.map(read, keys[: spec["in_flight"]]))  # warm-up
         cpu = _cpu()
         got = sum(pool.map(read, keys))
-        return _cpu() - cpu, got
+        return _since(cpu), got
 
 
-def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, int]:
+def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[float, float], int]:
     import numpy as np
 
     import globalloader as gl
@@ -145,7 +161,7 @@ def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[float, 
     src.prefetch(np.arange(len(src)))
     while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(src):
         time.sleep(0.002)
-    used = _cpu() - cpu
+    used = _since(cpu)
     if c["failed"]:
         raise RuntimeError(f"the pool failed {c['failed']} GETs: {src.store.fetch_counters()}")
     return used, (len(src) - len(warm)) * spec["size"]
@@ -191,11 +207,11 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     keys = [(k, e) for k, e in spec["keys"]]
     run = {"aiobotocore": _aiobotocore, "obstore": _obstore, "boto3": _boto3, "gl-pool": _gl_pool}[spec["client"]]
     t0 = time.perf_counter()
-    cpu, got = run(spec, keys)
+    (cpu, runtime), got = run(spec, keys)
     objects = len(keys) - (spec["in_flight"] if spec["client"] == "gl-pool" else 0)
     if got != objects * spec["size"]:
         raise RuntimeError(f"{spec['client']} read {got} bytes, expected {objects * spec['size']}")
-    result = {"objects": objects, "cpu_s": cpu, "seconds": time.perf_counter() - t0}
+    result = {"objects": objects, "cpu_s": cpu, "runtime_cpu_s": runtime, "seconds": time.perf_counter() - t0}
     if spec["client"] == "gl-pool":  # in the folder the pool wrote its entries to, after it
         result["cache_entry_ms"] = _cache_entry(Path(os.environ["GLOBALLOADER_CACHE_DIR"]) / "objects", spec["size"])
     return result
@@ -253,6 +269,8 @@ def main() -> None:
                     continue
                 result = json.loads(lines[-1])
                 by_round[r][client] = 1e3 * result["cpu_s"] / result["objects"]
+                if result["runtime_cpu_s"]:  # obstore's: its Rust runtime's share of that
+                    by_round[r][f"{client} runtime"] = 1e3 * result["runtime_cpu_s"] / result["objects"]
                 if "cache_entry_ms" in result:
                     by_round[r]["cache-entry"] = result["cache_entry_ms"]
         names = list(dict.fromkeys(name for figures in by_round for name in figures))
@@ -276,7 +294,7 @@ def main() -> None:
             report["gl_pool_vs_floor"] = _summary(ratios)
         print(f"client CPU per {args.size}-byte GET ({args.in_flight} in flight), median [min, max]:")
         for client, s in report["client_cpu_ms_per_object"].items():
-            print(f"  {client:12} {s['median']:.3f} ms [{s['min']:.3f}, {s['max']:.3f}]")
+            print(f"  {client:16} {s['median']:.3f} ms [{s['min']:.3f}, {s['max']:.3f}]")
         if "gl_pool_vs_floor" in report:
             s = report["gl_pool_vs_floor"]
             print(f"gl-pool / (obstore + cache-entry), by round: {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]")
