@@ -26,10 +26,12 @@ of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
 Each latency has the same rows; gl's cold epoch is compared with the ceiling (goal: 0.8 of it at
 20 ms, 0.7 at 50 ms) and with each peer (goal: 1.4x s3torchconnector with 16 workers). A peer that
 does not import or fails is run no further and its row says why (`failed` in the JSON), never
-dropped. The torch peers' startup is timed the same way (imports, listing, DataLoader made).
-globalloader's bytecode is written first (`_write_bytecode`), as an install has it. Median of
-`--rounds` (3) with min and max; JSON in benchmarks/results/remote_folder.json; at the end, the
-table of docs/remote.md (a row per figure, a column per latency).
+dropped. The torch peers' startup is timed the same way (imports, listing, DataLoader made), and
+gl is also compared with them timed from after `import torch` (`torch_import_s`: a training job
+imports torch whatever its loader, and gl's job never does). globalloader's bytecode is written
+first (`_write_bytecode`), as an install has it. Median of `--rounds` (3) with min and max; JSON
+in benchmarks/results/remote_folder.json; at the end, the table of docs/remote.md (a row per
+figure, a column per latency).
 
     python benchmarks/remote.py --mode folder [--samples 1000] [--rounds 3] [--latency 0.02 0.05]
 """
@@ -166,6 +168,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     if system.startswith(("torch-s3fs", "s3torch")):
         import torch
 
+        torch_import = time.perf_counter() - start  # a training job pays it whatever its loader
         dataset = _S3fsImages(spec) if system.startswith("torch-s3fs") else _s3torch(spec)
         loader = torch.utils.data.DataLoader(
             dataset,
@@ -176,7 +179,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
             multiprocessing_context="fork",
         )
         ready = time.perf_counter() - start
-        return {"epochs": _epochs(loader, start, 2, proxy), "startup_s": ready}
+        return {"epochs": _epochs(loader, start, 2, proxy), "startup_s": ready, "torch_import_s": torch_import}
     if system == "ray":
         return _ray(spec, start)
     raise SystemExit(f"unknown system {system}")
@@ -368,6 +371,11 @@ def _digest(runs: dict[str, list[Any]], data: dict[str, Any], latency: float) ->
                 out[system]["after_startup_samples_per_s"] = _summary(
                     [e["samples"] / (e["seconds"] - r["startup_s"]) for r, e in zip(ok, cold, strict=True)]
                 )
+            if all("torch_import_s" in r for r in ok):
+                out[system]["torch_import_s"] = _summary([r["torch_import_s"] for r in ok])
+                out[system]["cold_without_torch_import_samples_per_s"] = _summary(
+                    [e["samples"] / (e["seconds"] - r["torch_import_s"]) for r, e in zip(ok, cold, strict=True)]
+                )
             if system == "gl":
                 out[system]["pool_peak_in_flight"] = _summary([r["pool"].get("peak_in_flight") for r in ok])
             if system == "ray":
@@ -389,6 +397,12 @@ def _digest(runs: dict[str, list[Any]], data: dict[str, Any], latency: float) ->
             peer: gl_cold["median"] / row["cold_samples_per_s"]["median"]
             for peer in PEERS
             if (row := out.get(peer, {})).get("cold_samples_per_s")
+        }
+        # The same, the torch peers timed from after `import torch` (gl's job never imports it).
+        out["gl_cold_vs_peer_without_torch_import"] = {
+            peer: gl_cold["median"] / row["cold_without_torch_import_samples_per_s"]["median"]
+            for peer in PEERS
+            if (row := out.get(peer, {})).get("cold_without_torch_import_samples_per_s")
         }
     return out
 
@@ -430,20 +444,26 @@ def _table(report: dict[str, Any]) -> list[str]:
     row("gl cold after its startup, samples/s", figure("gl", "after_startup_samples_per_s"))
     row("gl cold after its startup / moto alone", lambda d: _ratio(d.get("gl_after_startup_vs_server")))
     row("client CPU per object (pool alone), ms", figure("gl-fetch", "client_cpu_ms_per_object", 2))
-    heads = ["system", "latency", "cold samples/s", "gl cold / it", "startup, s", "peak GETs in flight"]
-    lines += ["", "| " + " | ".join([*heads, "bytes cold / warm (x)"]) + " |", "|---" * 7 + "|"]
+    heads = ["system", "latency", "cold samples/s", "gl cold / it", "the same, its torch import apart", "startup, s"]
+    lines += ["", "| " + " | ".join([*heads, "peak GETs in flight", "bytes cold / warm (x)"]) + " |", "|---" * 8 + "|"]
     for system, label in {"gl": f"globalloader, {report['workers']} workers", **PEERS}.items():
         for name, digest in columns:
             got = digest.get(system)
             if got is None:
                 continue  # not asked for (--only)
             if "cold_samples_per_s" not in got:
-                lines.append(f"| {label} | {name} | not run: {got['failed'][0]} | | | | |")
+                lines.append(f"| {label} | {name} | not run: {got['failed'][0]} | | | | | |")
                 continue
             goal = GOALS["gl_vs_s3torch-16"] if system == "s3torch-16" else None
             ratio = "" if system == "gl" else _ratio(digest.get("gl_cold_vs_peer", {}).get(system), goal)
-            startup = _cell(got.get("startup_s"), 2)
-            cells = [_cell(got["cold_samples_per_s"]), ratio, startup, _cell(got["proxy_peak_in_flight"]), _bytes(got)]
+            apart = digest.get("gl_cold_vs_peer_without_torch_import", {}).get(system)
+            cells = [
+                _cell(got["cold_samples_per_s"]),
+                ratio,
+                _ratio(apart) if apart else "",
+                _cell(got.get("startup_s"), 2),
+            ]
+            cells += [_cell(got["proxy_peak_in_flight"]), _bytes(got)]
             lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
     return lines
 
