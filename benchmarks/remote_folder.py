@@ -6,8 +6,9 @@ same folder on local disk. Every system runs a random resized crop (112 px) per 
 of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
 
 - gl: `gl.Dataset(gl.ImageFolder("s3://...")).shuffle(seed=0).map(crop).batch(32)` in
-  `gl.Loader`: cold epoch (samples/s from the job's start: its imports, the listing and the
-  loader count), warm epoch (the next, same process), time to first batch, bytes downloaded /
+  `gl.Loader`: cold epoch (samples/s from the start of the job: the imports it makes then, the
+  listing and the loader count; globalloader itself is imported before, by this module, in every
+  system's process), warm epoch (the next, same process), time to first batch, bytes downloaded /
   folder size, the peak of GETs in flight (at the proxy, and the pool's own counter), and its
   startup (`startup_s`: the job's start to the loader made, before the first GET) with the
   cold epoch's rate after it, against moto alone;
@@ -287,10 +288,10 @@ def _ray(spec: dict[str, Any], start: float) -> dict[str, Any]:
 
 # -- the session ---------------------------------------------------------------------------------
 def _write_bytecode() -> None:
-    """globalloader's bytecode written beside its source, as installing it writes it: every run
-    starts a fresh process, timed from its start, and one that compiles the package from source
-    (a source checkout where bytecode is not written: PYTHONDONTWRITEBYTECODE) would count
-    about 0.1 s of compiling that an installed library never pays; the peers are installed."""
+    """globalloader's bytecode written beside its source, as installing it writes it: in a source
+    checkout where bytecode is not written (PYTHONDONTWRITEBYTECODE), every process would compile
+    the modules it imports, those imported within a timed job too (the storage client's, the
+    decode path's in each worker), which an installed library never does; the peers are installed."""
     import compileall
 
     import globalloader
