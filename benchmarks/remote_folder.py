@@ -367,16 +367,14 @@ def _digest(runs: dict[str, list[Any]], data: dict[str, Any], latency: float) ->
                 "proxy_peak_in_flight": _summary([r["proxy_peak_in_flight"] for r in ok]),
                 "exact": all(e["samples"] == data["samples"] for r in ok for e in r["epochs"]),
             }
-            if all("startup_s" in r for r in ok):  # not Ray's (it lists once it runs)
-                out[system]["startup_s"] = _summary([r["startup_s"] for r in ok])
-                out[system]["after_startup_samples_per_s"] = _summary(
-                    [e["samples"] / (e["seconds"] - r["startup_s"]) for r, e in zip(ok, cold, strict=True)]
-                )
-            if all("torch_import_s" in r for r in ok):
-                out[system]["torch_import_s"] = _summary([r["torch_import_s"] for r in ok])
-                out[system]["cold_without_torch_import_samples_per_s"] = _summary(
-                    [e["samples"] / (e["seconds"] - r["torch_import_s"]) for r, e in zip(ok, cold, strict=True)]
-                )
+            # The cold epoch timed from after its startup (not Ray's: it lists once it runs), and
+            # a torch peer's from after `import torch`.
+            for part, rate in (("startup_s", "after_startup"), ("torch_import_s", "cold_without_torch_import")):
+                if all(part in r for r in ok):
+                    out[system][part] = _summary([r[part] for r in ok])
+                    out[system][f"{rate}_samples_per_s"] = _summary(
+                        [e["samples"] / (e["seconds"] - r[part]) for r, e in zip(ok, cold, strict=True)]
+                    )
             if system == "gl":
                 out[system]["pool_peak_in_flight"] = _summary([r["pool"].get("peak_in_flight") for r in ok])
             if system == "ray":

@@ -149,3 +149,25 @@ def test_write_whole_puts_the_bytes_and_times_at_once_and_a_refused_write_leaves
     child.join(60)
     assert child.exitcode == 0 and out.get(timeout=10) == errno.EFBIG
     assert path.read_bytes() == b"old" and list(tmp_path.iterdir()) == [path]  # no temporary left
+
+
+def test_write_whole_goes_on_after_short_writes_within_and_across_its_parts(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A regular file takes fewer bytes than asked only at a limit (a full disk, a size limit) or
+    when a signal interrupts a long write, which no test can time; so the kernel's writev is made
+    to take at most 3 bytes a call (through the real call), and every byte must land once, in order."""
+    real = os.writev
+
+    def three_bytes_at_most(fd: int, buffers: Any) -> int:
+        taken, left = [], 3
+        for buffer in buffers:
+            if left:
+                taken.append(buffer[:left])
+                left -= len(taken[-1])
+        return real(fd, taken)
+
+    monkeypatch.setattr(os, "writev", three_bytes_at_most)
+    path = tmp_path / "entry"
+    write_whole(path, (b"abcde", b"", b"f", b"ghijklm"), mode=0o600)
+    assert path.read_bytes() == b"abcdefghijklm"
