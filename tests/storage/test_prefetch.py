@@ -110,3 +110,28 @@ def test_the_waiting_requests_stay_within_their_count() -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert fetched == ["a", "b", "c", "e", "f", "g"]
+
+
+def test_an_object_asked_for_again_while_it_downloads_is_fetched_again_after() -> None:
+    """A new epoch may ask for the last object of the one before while its download, visible
+    already, is still finishing: that request is queued, not taken as served by the download
+    (which the reads of the epoch before used). Requests waiting are still queued once."""
+    started, release, fetched = threading.Event(), threading.Event(), []
+
+    def fetch(url: str) -> None:
+        fetched.append(url)
+        if len(fetched) == 1:
+            started.set()
+            assert release.wait(20)
+
+    prefetcher = Prefetcher(fetch, threads=1)
+    prefetcher.request([("last", 1)])
+    assert started.wait(20)
+    prefetcher.request([("first", 1), ("last", 1), ("last", 1)])  # the next epoch, while "last" finishes
+    release.set()
+    deadline = time.monotonic() + 20
+    while len(fetched) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert fetched == ["last", "first", "last"]

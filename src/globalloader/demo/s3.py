@@ -71,7 +71,8 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
     `trickle` maps a key substring to the seconds between the bytes of its GET bodies, each sent
     alone. `opaque_etags` holds key substrings whose ETags are shown as no MD5 (as S3 shows those
     of objects encrypted with KMS; moto's are the MD5 still): another hex in answers, mapped back
-    in If-Match. `bytes_sent[key]` counts the body bytes of successful GETs; GET /__stats__ answers
+    in If-Match. `bytes_sent[key]` counts the body bytes of successful GETs (before they are
+    sent, so a client that has them sees them counted); GET /__stats__ answers
     their total and the count of GETs as JSON, for other processes.
     """
 
@@ -220,10 +221,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if pause is not None:
                 self._trickle(data, pause)
                 return
-        self.wfile.write(data)
-        if ok:
+        if ok:  # counted before it is sent: a client holding the body sees it counted
             with proxy.lock:
                 proxy.bytes_sent[path] += len(data)
+        try:
+            self.wfile.write(data)
+        except OSError:
+            if ok:  # not sent whole: not counted
+                with proxy.lock:
+                    proxy.bytes_sent[path] -= len(data)
+            raise
 
     def _corrupted(self, path: str, data: bytes) -> bytes:
         """`data` with one byte flipped, if `corrupt` still asks it for `path`: another byte each

@@ -1,7 +1,9 @@
 """Background downloads into the machine cache, ahead of the reads that will need them.
 
-A few daemon threads per process take URL requests in order, skip ones already queued or
-downloading, and fetch each into the cache (an object already there costs an open, no request);
+A few daemon threads per process take URL requests in order, skip ones already queued, and
+fetch each into the cache (an object already there costs an open, no request). One asked for again
+while it downloads is queued again: the request may follow a read of it (a new epoch's: the
+download made it visible before its thread was done), so its turn finds it cached or fetches it;
 at most `depth` requests wait in the queue (the newest requests beyond are dropped: the readers
 fetch them themselves when they get there). With `room(bytes, in_flight)`, the next request starts
 only once it says there is room for it beside the downloads under way (the cache's room for
@@ -27,8 +29,8 @@ ROOM_POLL = 0.005  # seconds between two asks for room while there is none
 
 
 class Prefetcher:
-    """Runs `fetch(url)` for requested (URL, bytes) on `threads` daemon threads, each URL once, in
-    order as `room` allows; the requests waiting hold at most `depth` URLs."""
+    """Runs `fetch(url)` for requested (URL, bytes) on `threads` daemon threads, in order as
+    `room` allows, each URL queued once at a time; the requests waiting hold at most `depth` URLs."""
 
     def __init__(
         self,
@@ -39,21 +41,21 @@ class Prefetcher:
     ) -> None:
         self._fetch, self._threads, self._depth, self._room = fetch, threads, depth, room
         self._queue: collections.deque[tuple[str, int]] = collections.deque()  # (url, bytes)
-        self._asked: set[str] = set()  # queued or downloading
+        self._queued: set[str] = set()
         self._in_flight = 0  # bytes downloading
         self._cond = threading.Condition()
         self._started = False
         self.failures = 0  # prefetches that failed (the reads then fetch and report)
 
     def request(self, objects: Iterable[tuple[str, int]]) -> None:
-        """Queue these (URL, bytes) (first to be needed first); already requested ones are skipped."""
+        """Queue these (URL, bytes) (first to be needed first); ones queued already are skipped."""
         with self._cond:
             for url, size in objects:
-                if url not in self._asked:
-                    self._asked.add(url)
+                if url not in self._queued:
+                    self._queued.add(url)
                     self._queue.append((url, size))
             while len(self._queue) > self._depth:
-                self._asked.discard(self._queue.pop()[0])
+                self._queued.discard(self._queue.pop()[0])
             if not self._started:
                 self._started = True
                 for n in range(self._threads):
@@ -68,6 +70,7 @@ class Prefetcher:
                 ):
                     self._cond.wait(ROOM_POLL if self._queue else None)
                 url, size = self._queue.popleft()
+                self._queued.discard(url)
                 self._in_flight += size
             try:
                 self._fetch(url)
@@ -75,6 +78,5 @@ class Prefetcher:
                 self.failures += 1
             finally:
                 with self._cond:
-                    self._asked.discard(url)
                     self._in_flight -= size
                     self._cond.notify_all()
