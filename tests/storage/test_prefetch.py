@@ -99,17 +99,9 @@ def test_the_waiting_requests_stay_within_their_count() -> None:
     prefetcher.request([("b", 1), ("c", 1), ("b", 1)])  # asked twice: queued once
     prefetcher.request([("e", 1), ("f", 1), ("g", 1)])  # 3 waiting at most: f and g dropped
     release.set()
-    deadline = time.monotonic() + 20
-    while len(fetched) < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.1)
-    assert fetched == ["a", "b", "c", "e"]
+    assert _fetched(fetched, 4) == ["a", "b", "c", "e"]
     prefetcher.request([("f", 1), ("g", 1)])  # dropped ones may be asked for again
-    while len(fetched) < 6:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert fetched == ["a", "b", "c", "e", "f", "g"]
+    assert _fetched(fetched, 6) == ["a", "b", "c", "e", "f", "g"]
 
 
 def test_an_object_asked_for_again_while_it_downloads_is_fetched_again_after() -> None:
@@ -129,9 +121,14 @@ def test_an_object_asked_for_again_while_it_downloads_is_fetched_again_after() -
     assert started.wait(20)
     prefetcher.request([("first", 1), ("last", 1), ("last", 1)])  # the next epoch, while "last" finishes
     release.set()
+    assert _fetched(fetched, 3) == ["last", "first", "last"]
+
+
+def _fetched(fetched: list[str], count: int) -> list[str]:
+    """`fetched` once it holds `count` URLs (within 20 s), and a while after: none more comes."""
     deadline = time.monotonic() + 20
-    while len(fetched) < 3:
-        assert time.monotonic() < deadline
+    while len(fetched) < count:
+        assert time.monotonic() < deadline, f"only {fetched} fetched"
         time.sleep(0.01)
     time.sleep(0.1)
-    assert fetched == ["last", "first", "last"]
+    return list(fetched)
