@@ -11,7 +11,8 @@ of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
   system's process), warm epoch (the next, same process), time to first batch, bytes downloaded /
   folder size, the peak of GETs in flight (at the proxy, and the pool's own counter), and its
   startup (`startup_s`: the job's start to the loader made, before the first GET) with the
-  cold epoch's rate after it, against moto alone;
+  cold epoch's rate after it, against moto alone; the CPU per sample of the loader's process and
+  of its workers over the cold epoch after its startup (read from /proc; the torch peers too);
 - gl-local: the same chain over the local folder, the first ceiling;
 - server: the rate moto serves those objects with 64 GETs in flight and no decode (aiobotocore
   through s3fs's async calls), the second ceiling; the goal is measured against the lower;
@@ -115,6 +116,21 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _tree_cpu() -> tuple[float, float]:
+    """CPU seconds so far of this process (the loader's: its pool, its main thread) and of its
+    live children (the loader's workers), read from /proc."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    tick, kids = os.sysconf("SC_CLK_TCK"), 0.0
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:  # utime and stime: fields 14 and 15, counted after the command's closing parenthesis
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended meanwhile
+                continue
+            kids += (int(fields[11]) + int(fields[12])) / tick
+    return own.ru_utime + own.ru_stime, kids
+
+
 def _stats(proxy: str) -> dict[str, int]:
     import urllib.request
 
@@ -125,15 +141,22 @@ def _stats(proxy: str) -> dict[str, int]:
 def _epochs(loader: Any, start: float, epochs: int, proxy: str) -> list[dict[str, Any]]:
     out, begin = [], _stats(proxy)
     for epoch in range(epochs):
-        t0, first, samples = time.perf_counter(), None, 0
+        t0, first, samples, cpu = time.perf_counter(), None, 0, _tree_cpu()
         for batch in loader:
             if first is None:
                 first = time.perf_counter() - (start if epoch == 0 else t0)
             samples += len(batch["label"])
+        used = [after - before for after, before in zip(_tree_cpu(), cpu, strict=True)]
         now = _stats(proxy)
         seconds = time.perf_counter() - (start if epoch == 0 else t0)
         out.append(
-            {"samples": samples, "seconds": seconds, "first_batch": first, "bytes": now["bytes"] - begin["bytes"]}
+            {
+                "samples": samples,
+                "seconds": seconds,
+                "first_batch": first,
+                "bytes": now["bytes"] - begin["bytes"],
+                "cpu_s": {"loader": used[0], "workers": used[1]},
+            }
         )
         begin = now
     return out
@@ -365,6 +388,11 @@ def _digest(runs: dict[str, list[Any]], data: dict[str, Any], latency: float) ->
                 "cold_bytes_x": _summary([e["bytes"] / data["bytes"] for e in cold]),
                 "warm_bytes_x": _summary([e["bytes"] / data["bytes"] for e in warm]),
                 "proxy_peak_in_flight": _summary([r["proxy_peak_in_flight"] for r in ok]),
+                # The client's CPU per sample over the cold epoch after its startup, by process.
+                "cold_cpu_ms_per_sample": {
+                    part: _summary([1e3 * e["cpu_s"][part] / e["samples"] for e in cold if "cpu_s" in e])
+                    for part in ("loader", "workers")
+                },
                 "exact": all(e["samples"] == data["samples"] for r in ok for e in r["epochs"]),
             }
             # The cold epoch timed from after its startup (not Ray's: it lists once it runs), and
@@ -443,6 +471,14 @@ def _table(report: dict[str, Any]) -> list[str]:
     row("gl cold after its startup, samples/s", figure("gl", "after_startup_samples_per_s"))
     row("gl cold after its startup / moto alone", lambda d: _ratio(d.get("gl_after_startup_vs_server")))
     row("client CPU per object (pool alone), ms", figure("gl-fetch", "client_cpu_ms_per_object", 2))
+    for system in ("gl", "gl-local"):
+        for part, who in (("loader", "its process"), ("workers", "its workers")):
+            row(
+                f"{system} cold after its startup, CPU per sample of {who}, ms",
+                lambda d, system=system, part=part: _cell(
+                    d.get(system, {}).get("cold_cpu_ms_per_sample", {}).get(part), 2
+                ),
+            )
     heads = ["system", "latency", "cold samples/s", "gl cold / it", "the same, its torch import apart", "startup, s"]
     lines += ["", "| " + " | ".join([*heads, "peak GETs in flight", "bytes cold / warm (x)"]) + " |", "|---" * 8 + "|"]
     for system, label in {"gl": f"globalloader, {report['workers']} workers", **PEERS}.items():
