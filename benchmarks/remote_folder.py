@@ -111,11 +111,6 @@ def _write(root: Path, samples: int, proxy: str, bucket: str) -> dict[str, Any]:
 
 
 # -- one job (a child process) -------------------------------------------------------------------
-def _cpu() -> float:
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def _tree_cpu() -> tuple[float, float]:
     """CPU seconds so far of this process (the loader's: its pool, its main thread) and of its
     live children (the loader's workers), read from /proc."""
@@ -182,11 +177,11 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         import globalloader as gl
 
         src = gl.Files(spec["url"], "*.jpg", storage_options=options(proxy))
-        cpu0, t0 = _cpu(), time.perf_counter()
+        cpu0, t0 = sum(_tree_cpu()), time.perf_counter()
         src.prefetch(np.arange(len(src)))
         while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(src):
             time.sleep(0.005)
-        return {"objects": len(src), "seconds": time.perf_counter() - t0, "cpu_s": _cpu() - cpu0, "pool": c}
+        return {"objects": len(src), "seconds": time.perf_counter() - t0, "cpu_s": sum(_tree_cpu()) - cpu0, "pool": c}
     if system == "server":
         return _server_rate(spec)
     if system.startswith(("torch-s3fs", "s3torch")):
