@@ -12,7 +12,7 @@ of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
   folder size, the peak of GETs in flight (at the proxy, and the pool's own counter), and its
   startup (`startup_s`: the job's start to the loader made, before the first GET) with the
   cold epoch's rate after it, against moto alone; the CPU per sample of the loader's process and
-  of its workers over the cold epoch after its startup (read from /proc; the torch peers too);
+  of its workers over the cold epoch after its startup (`_tree_cpu`; the torch peers too);
 - gl-local: the same chain over the local folder, the first ceiling;
 - server: the rate moto serves those objects with 64 GETs in flight and no decode (aiobotocore
   through s3fs's async calls), the second ceiling; the goal is measured against the lower;
@@ -46,7 +46,6 @@ import io
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from remote import _cpu_seconds, _jpeg  # beside this file
 from tqdm.auto import tqdm
 
 from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
@@ -93,8 +93,6 @@ def crop(sample: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 
 
 def _write(root: Path, samples: int, proxy: str, bucket: str) -> dict[str, Any]:
-    from remote import _jpeg
-
     from globalloader import storage
 
     local = root / "folder"
@@ -113,17 +111,12 @@ def _write(root: Path, samples: int, proxy: str, bucket: str) -> dict[str, Any]:
 # -- one job (a child process) -------------------------------------------------------------------
 def _tree_cpu() -> tuple[float, float]:
     """CPU seconds so far of this process (the loader's: its pool, its main thread) and of its
-    live children (the loader's workers), read from /proc."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    tick, kids = os.sysconf("SC_CLK_TCK"), 0.0
-    for task in Path("/proc/self/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:  # utime and stime: fields 14 and 15, counted after the command's closing parenthesis
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # ended meanwhile
-                continue
-            kids += (int(fields[11]) + int(fields[12])) / tick
-    return own.ru_utime + own.ru_stime, kids
+    descendants (the loader's workers), as remote.py's `_cpu_seconds` counts the whole tree."""
+    own = os.times()
+    tree = _cpu_seconds()
+    if tree is None:
+        raise RuntimeError("this benchmark reads the workers' CPU from /proc, which lists no children here")
+    return own.user + own.system, tree - own.user - own.system
 
 
 def _stats(proxy: str) -> dict[str, int]:

@@ -221,15 +221,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if pause is not None:
                 self._trickle(data, pause)
                 return
-        if ok:  # counted before it is sent: a client holding the body sees it counted
-            with proxy.lock:
-                proxy.bytes_sent[path] += len(data)
+        if not ok:
+            self.wfile.write(data)
+            return
+        with proxy.lock:  # counted before it is sent: a client holding the body sees it counted
+            proxy.bytes_sent[path] += len(data)
         try:
             self.wfile.write(data)
-        except OSError:
-            if ok:  # not sent whole: not counted
-                with proxy.lock:
-                    proxy.bytes_sent[path] -= len(data)
+        except OSError:  # not sent whole: not counted
+            with proxy.lock:
+                proxy.bytes_sent[path] -= len(data)
             raise
 
     def _corrupted(self, path: str, data: bytes) -> bytes:
