@@ -5,6 +5,7 @@ checksums, retries, conditional reads."""
 
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
 from typing import Any
@@ -174,6 +175,22 @@ def test_throttling_5xx_and_resets_are_retried_and_the_records_stay_exact(cloud:
             break
         assert _records(sources[1]) == expected
     assert proxy.faults["503"] > 0 and proxy.faults["reset"] > 0  # the faults did happen
+
+
+def test_a_stat_is_one_request_and_names_a_folder_or_a_missing_object(cloud: dict[str, Any]) -> None:
+    """gcsfs's own `info` also lists the name as a folder (a pricier request), and GETs the object
+    a second time when that listing answers first: a request that could reach the store after
+    `stat` returned, counted against whatever came next."""
+    url = _put(cloud, "dir/one.bin", b"x" * 100)
+    proxy = cloud["proxy"]
+    before = collections.Counter(proxy.requests)
+    assert storage.Store(cloud["options"]).stat(url).size == 100
+    sent = collections.Counter(proxy.requests) - before
+    assert len(sent) == 1 and sum(sent.values()) == 1 and next(iter(sent)).endswith("one.bin"), sent
+    with pytest.raises(SourceError, match=r"not a regular file: .*/dir$"):
+        storage.Store(cloud["options"]).stat(f"{cloud['root']}/dir")
+    with pytest.raises(RemoteAccessError, match=r"file not found: .*/dir/none\.bin"):
+        storage.Store(cloud["options"]).stat(f"{cloud['root']}/dir/none.bin")
 
 
 @pytest.mark.parametrize("status", [403, 404])

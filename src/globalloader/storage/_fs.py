@@ -475,6 +475,23 @@ def read_if_version(
     return answer
 
 
+def file_info(fs: Any, url: str, path: str, timeout: float) -> dict[str, Any]:
+    """The client's `info()` of the object at `path`, cancelled after `timeout` seconds.
+
+    On GCS, one GET of the object: gcsfs's `info` also lists the name as a folder at the same
+    time (a request billed as a pricier class-A operation), and when that listing answers first
+    it GETs the object a second time, a request still on its way when `info` returns. Only a
+    name that is no object is asked again the client's way, to tell a folder from nothing.
+    """
+    if scheme_of(url) in GCS_SCHEMES:
+        from fsspec.asyn import sync
+
+        with contextlib.suppress(FileNotFoundError):
+            info: dict[str, Any] = sync(fs.loop, fs._get_object, path, timeout=timeout)
+            return info
+    return dict(fs.info(path, **bounded(fs, timeout)))
+
+
 def is_throttling(exc: BaseException) -> bool:
     """Whether a failed call is the store asking for fewer requests (503 SlowDown, 429). A 429 in
     the text counts only as a status ("(429)", botocore's code of a bodiless answer; "status code:

@@ -36,6 +36,7 @@ from globalloader.storage._fs import (
     bounded,
     can_read_if_version,
     etag_is_md5,
+    file_info,
     filesystem,
     local_errors,
     read_if_version,
@@ -180,7 +181,7 @@ class Store(ProcessLocal):
         # Asked of the store itself, not of the client's listing cache (one client per process holds
         # the listing that expanded a pattern): a changed object must show as changed.
         fs.invalidate_cache(path)
-        info = retry.call(lambda seconds: fs.info(path, **bounded(fs, seconds)), url, "stat", self.retry_policy)
+        info = retry.call(lambda seconds: file_info(fs, url, path, seconds), url, "stat", self.retry_policy)
         if info.get("type", "file") != "file":
             raise SourceError(f"not a regular file: {url}")
         stat = _file_stat(url, info)
