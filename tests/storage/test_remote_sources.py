@@ -3,6 +3,7 @@ reads by cached blocks, and no traceback from the S3 client at exit in any mode.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import pathlib
 import re
@@ -209,6 +210,28 @@ def test_sizes_and_versions_come_from_the_listing_else_one_request_each(s3: dict
     assert proxy.count("HEAD", prefix) == 3  # the listing answered every shard
     assert listed.shards == urls and listed._stats == asked
     assert all(st.size > 0 and st.version for st in asked)
+
+
+def test_listed_times_are_the_instants_botocore_s_own_parser_reads(s3: dict[str, Any]) -> None:
+    """The S3 client reads an ISO 8601 time in UTC (each listed object's LastModified) with the
+    standard library, not botocore's dateutil parse (most of a LIST's client CPU); any other form
+    is still botocore's, errors included."""
+    from botocore.utils import parse_timestamp
+
+    for value in ("2026-11-30T06:01:02.000Z", "2026-11-30T06:01:02.123456Z", "2024-02-29T23:59:59Z"):
+        assert _fs._timestamp(value) == parse_timestamp(value) and _fs._timestamp(value).utcoffset() == dt.timedelta(0)
+    for value in ("Mon, 30 Nov 2026 06:01:02 GMT", "2026-11-30T06:01:02+01:00", "1764482462", 1764482462):
+        assert _fs._timestamp(value) == parse_timestamp(value)
+    with pytest.raises(ValueError, match="2026-02-29T00:00:00Z"):
+        _fs._timestamp("2026-02-29T00:00:00Z")  # no such day: botocore's own error
+    [url] = write_shards(s3["bucket"], s3["options"], n=1, per_shard=2, size=100)
+    fs, path = storage.Store(s3["options"]).filesystem(url)
+    listed = fs.ls(s3["bucket"], detail=True, refresh=True)[0]["LastModified"]  # ISO 8601, from a LIST
+    fs.invalidate_cache()
+    headed = fs.info(path)["LastModified"]  # RFC 1123, from a HEAD
+    assert listed == headed and listed.utcoffset() == dt.timedelta(0)
+    parser = _fs._SESSION[0].get_component("response_parser_factory").create_parser("rest-xml")
+    assert parser._timestamp_parser is _fs._timestamp  # the session the S3 clients share reads them so
 
 
 def test_publish_puts_a_file_another_process_wrote_at_its_url_whole(tmp_path: pathlib.Path, s3: dict[str, Any]) -> None:

@@ -577,9 +577,25 @@ def _s3_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
                 import aiobotocore.session  # type: ignore[import-untyped]
             except ImportError:  # no s3fs either: url_to_fs names the missing package
                 return kwargs
-            _SESSION.append(aiobotocore.session.AioSession())
+            session = aiobotocore.session.AioSession()
+            session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_timestamp)
+            _SESSION.append(session)
         kwargs["session"] = _SESSION[0]
     return kwargs
+
+
+def _timestamp(value: Any) -> datetime.datetime:
+    """botocore's timestamps, an ISO 8601 one in UTC (each listed object's LastModified) read by
+    the standard library: botocore's own parser goes through dateutil, which was most of the
+    client's CPU in a LIST (about 0.1 ms a key). Others are left to botocore's."""
+    from botocore.utils import parse_timestamp  # type: ignore[import-untyped]
+    from dateutil.tz import tzutc  # type: ignore[import-untyped]
+
+    if isinstance(value, str) and value.endswith("Z"):
+        with contextlib.suppress(ValueError):
+            return datetime.datetime.fromisoformat(value[:-1]).replace(tzinfo=tzutc())
+    parsed: datetime.datetime = parse_timestamp(value)
+    return parsed
 
 
 def _forget_inherited_clients() -> None:
