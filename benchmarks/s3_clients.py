@@ -12,6 +12,11 @@ whole with If-Match on its ETag (the conditional read `storage._fs` makes of eve
 - boto3: a thread pool of `--in-flight` threads over one client with as many pooled connections;
 - gl-pool: globalloader's own pool of downloads ahead (`Files.prefetch` into the machine cache:
   the GET, its checks and the cache write), the figure issue 40 bounds at 0.5 ms per object;
+- list-botocore, list-gl: one listing of the folder by `Store.find` (s3fs's LIST, botocore's XML
+  parse), after one that made the client; the CPU is divided by the objects listed. list-gl is
+  the session globalloader gives s3fs (`_fs._timestamp` reads each object's LastModified);
+  list-botocore is a session of the user's own (`storage_options={"session": ...}`), which keeps
+  botocore's own parser (dateutil), as s3fs alone has it. `list_gl_vs_botocore`: their ratio;
 - cache-entry: the floor of one entry of a machine-wide cache, timed after the pool in the same
   process, in the folder it just filled, with no Python beyond the calls themselves: the check
   (the MD5 of the bytes), the stat that finds it missing, its download lock (a byte of a lock
@@ -49,7 +54,7 @@ from typing import Any
 from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
 
 RESULTS = Path(__file__).parent / "results" / "s3_clients.json"
-CLIENTS = ("aiobotocore", "obstore", "boto3", "gl-pool")
+CLIENTS = ("aiobotocore", "obstore", "boto3", "gl-pool", "list-botocore", "list-gl")
 KEY, SECRET, REGION = "testing", "testing", "us-east-1"
 
 
@@ -167,6 +172,21 @@ def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[f
     return used, (len(src) - len(warm)) * spec["size"]
 
 
+def _listing(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[float, float], int]:
+    import aiobotocore.session
+
+    from globalloader.storage import Store
+
+    opts = options(spec["endpoint"])
+    if spec["client"] == "list-botocore":  # a session of the user's own: botocore's parser kept
+        opts["session"] = aiobotocore.session.AioSession()
+    store, root = Store(opts, cache=False), f"s3://{spec['bucket']}/objects"
+    store.find(root, remember=False)  # the client made, its connection open
+    cpu = _cpu()
+    found = store.find(root, remember=False)
+    return _since(cpu), sum(stat.size for stat in found.values())
+
+
 def _cache_entry(folder: Path, size: int, count: int = 300) -> float:
     """CPU ms of the floor of one cache entry (see the module doc), the calling thread's alone:
     the process's would count its other threads (the storage client's runtime, the event loop)
@@ -205,7 +225,8 @@ def _cache_entry(folder: Path, size: int, count: int = 300) -> float:
 
 def _job(spec: dict[str, Any]) -> dict[str, Any]:
     keys = [(k, e) for k, e in spec["keys"]]
-    run = {"aiobotocore": _aiobotocore, "obstore": _obstore, "boto3": _boto3, "gl-pool": _gl_pool}[spec["client"]]
+    clients = {"aiobotocore": _aiobotocore, "obstore": _obstore, "boto3": _boto3, "gl-pool": _gl_pool}
+    run = clients.get(spec["client"], _listing)
     t0 = time.perf_counter()
     (cpu, runtime), got = run(spec, keys)
     objects = len(keys) - (spec["in_flight"] if spec["client"] == "gl-pool" else 0)
@@ -292,12 +313,19 @@ def main() -> None:
         ]
         if ratios:
             report["gl_pool_vs_floor"] = _summary(ratios)
-        print(f"client CPU per {args.size}-byte GET ({args.in_flight} in flight), median [min, max]:")
+        ratios = [f["list-gl"] / f["list-botocore"] for f in by_round if {"list-gl", "list-botocore"} <= f.keys()]
+        if ratios:
+            report["list_gl_vs_botocore"] = _summary(ratios)
+        per = f"{args.size}-byte GET ({args.in_flight} in flight; list-*: per object listed)"
+        print(f"client CPU per {per}, median [min, max]:")
         for client, s in report["client_cpu_ms_per_object"].items():
             print(f"  {client:16} {s['median']:.3f} ms [{s['min']:.3f}, {s['max']:.3f}]")
         if "gl_pool_vs_floor" in report:
             s = report["gl_pool_vs_floor"]
             print(f"gl-pool / (obstore + cache-entry), by round: {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]")
+        if "list_gl_vs_botocore" in report:
+            s = report["list_gl_vs_botocore"]
+            print(f"list-gl / list-botocore, by round: {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]")
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
         print(f"results: {args.output}")
