@@ -80,6 +80,27 @@ def test_throttling_lowers_the_limit_and_successes_raise_it_again(s3: dict[str, 
     assert all(src[i]["bytes"] == objects[src.relative_path(i)] for i in range(len(src)))
 
 
+def test_the_first_gets_are_answered_before_more_join_them_then_the_limit_doubles(s3: dict[str, Any]) -> None:
+    """A slow start: the first SLOW_START GETs (the first batch's objects) are not answered
+    alongside a hundred others that a slow store or link serves at the same time; each answer
+    then raises the limit by one, so it doubles every round trip up to the ceiling."""
+    _folder(s3, 100, size=100)
+    proxy = s3["proxy"]
+    proxy.latency = 1.0  # a round trip far longer than sending a round's GETs
+    src = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"], fetch_concurrency=128)
+    proxy.most_in_flight = 0
+    src.prefetch(np.arange(100))
+    deadline = time.monotonic() + 10
+    while proxy.in_flight < fetch_ahead.SLOW_START:
+        assert time.monotonic() < deadline, f"{proxy.in_flight} GETs in flight"
+        time.sleep(0.01)
+    time.sleep(0.3)  # no answer yet: no GET more
+    assert proxy.in_flight == proxy.most_in_flight == fetch_ahead.SLOW_START
+    counters = _wait_for(src.store, 100)
+    assert counters["peak_in_flight"] >= 2 * fetch_ahead.SLOW_START and counters["limit"] == 128
+    assert counters["fetched"] == 100 and proxy.count("GET", f"/{s3['bucket']}/images/") == 100
+
+
 def test_in_flight_requests_memory_and_bytes_ahead_are_bounded(s3: dict[str, Any]) -> None:
     _folder(s3, 40, size=1000)
     proxy = s3["proxy"]

@@ -64,6 +64,7 @@ FETCHERS = "fetchers"  # the cache folder's sub-folder where pools register
 RECOUNT = 1.0  # seconds between counts of the pools sharing the machine's budget
 ROOM_POLL = 0.005  # seconds between two asks for room in the cache while there is none
 STARTS_PER_TURN = 8  # GETs started per turn of the event loop (see `_pump`)
+SLOW_START = 32  # the first limit of requests in flight (see `_AIMD`)
 EXIT_WAIT = 10.0  # seconds a process ending waits for its GETs in flight (see `FetchAhead.close`)
 _ERRORS_KEPT = 64  # the latest permanent failures named in `errors`
 
@@ -79,22 +80,27 @@ def resolve(value: int | str | None, env: str, default: int, what: str) -> int:
 
 
 class _AIMD:
-    """The limit of requests in flight: halved on throttling once per round, +1 per round of successes."""
+    """The limit of requests in flight: from SLOW_START, +1 per success (doubled each round) up to
+    the ceiling or the first throttling; then halved on throttling once per round, +1 per round
+    of successes."""
 
     def __init__(self, ceiling: int) -> None:
         self.ceiling = ceiling
-        self.value = float(ceiling)
+        self.value = float(min(ceiling, SLOW_START))
+        self.starting = self.value < ceiling
         self.round = 0  # bumped at each halving: requests sent before it do not halve again
         self.lowest = ceiling
 
     def throttled(self, sent_in_round: int) -> None:
+        self.starting = False
         if sent_in_round == self.round:
             self.value = max(1.0, self.value / 2)
             self.round += 1
             self.lowest = min(self.lowest, int(self.value))
 
     def succeeded(self) -> None:
-        self.value = min(float(self.ceiling), self.value + 1.0 / self.value)
+        self.value = min(float(self.ceiling), self.value + (1.0 if self.starting else 1.0 / self.value))
+        self.starting = self.starting and self.value < self.ceiling
 
     def set_ceiling(self, ceiling: int) -> None:
         self.ceiling = ceiling
