@@ -89,7 +89,7 @@ class _AIMD:
         self.value = float(min(ceiling, SLOW_START))
         self.starting = self.value < ceiling
         self.round = 0  # bumped at each halving: requests sent before it do not halve again
-        self.lowest = ceiling
+        self.lowest = ceiling  # the lowest throttling took it to
 
     def throttled(self, sent_in_round: int) -> None:
         self.starting = False
