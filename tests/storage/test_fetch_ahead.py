@@ -97,7 +97,7 @@ def test_the_first_gets_are_answered_before_more_join_them_then_the_limit_double
     time.sleep(0.3)  # no answer yet: no GET more
     assert proxy.in_flight == proxy.most_in_flight == fetch_ahead.SLOW_START
     counters = _wait_for(src.store, 100)
-    assert counters["peak_in_flight"] >= 2 * fetch_ahead.SLOW_START and counters["limit"] == 128
+    assert counters["peak_in_flight"] >= 2 * fetch_ahead.SLOW_START and counters["limit"] == counters["ceiling"] == 128
     assert counters["fetched"] == 100 and proxy.count("GET", f"/{s3['bucket']}/images/") == 100
 
 

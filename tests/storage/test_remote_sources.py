@@ -214,7 +214,7 @@ def test_sizes_and_versions_come_from_the_listing_else_one_request_each(s3: dict
 
 def test_listed_times_are_the_instants_botocore_s_own_parser_reads(s3: dict[str, Any]) -> None:
     """The S3 client reads an ISO 8601 time in UTC (each listed object's LastModified) with the
-    standard library, not botocore's dateutil parse (most of a LIST's client CPU); any other form
+    standard library, not botocore's dateutil parse (a third of a LIST's client CPU); any other form
     is still botocore's, errors included."""
     from botocore.utils import parse_timestamp
 
