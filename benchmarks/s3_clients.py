@@ -173,12 +173,12 @@ def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[f
 
 
 def _listing(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[float, float], int]:
-    import aiobotocore.session
-
     from globalloader.storage import Store
 
     opts = options(spec["endpoint"])
     if spec["client"] == "list-botocore":  # a session of the user's own: botocore's parser kept
+        import aiobotocore.session
+
         opts["session"] = aiobotocore.session.AioSession()
     store, root = Store(opts, cache=False), f"s3://{spec['bucket']}/objects"
     store.find(root, remember=False)  # the client made, its connection open
@@ -225,8 +225,14 @@ def _cache_entry(folder: Path, size: int, count: int = 300) -> float:
 
 def _job(spec: dict[str, Any]) -> dict[str, Any]:
     keys = [(k, e) for k, e in spec["keys"]]
-    clients = {"aiobotocore": _aiobotocore, "obstore": _obstore, "boto3": _boto3, "gl-pool": _gl_pool}
-    run = clients.get(spec["client"], _listing)
+    run = {
+        "aiobotocore": _aiobotocore,
+        "obstore": _obstore,
+        "boto3": _boto3,
+        "gl-pool": _gl_pool,
+        "list-botocore": _listing,
+        "list-gl": _listing,
+    }[spec["client"]]
     t0 = time.perf_counter()
     (cpu, runtime), got = run(spec, keys)
     objects = len(keys) - (spec["in_flight"] if spec["client"] == "gl-pool" else 0)

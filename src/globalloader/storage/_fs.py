@@ -489,7 +489,8 @@ def file_info(fs: Any, url: str, path: str, timeout: float) -> dict[str, Any]:
         with contextlib.suppress(FileNotFoundError):
             info: dict[str, Any] = sync(fs.loop, fs._get_object, path, timeout=timeout)
             return info
-    return dict(fs.info(path, **bounded(fs, timeout)))
+    found: dict[str, Any] = fs.info(path, **bounded(fs, timeout))
+    return found
 
 
 def is_throttling(exc: BaseException) -> bool:
@@ -588,12 +589,11 @@ def _timestamp(value: Any) -> datetime.datetime:
     """botocore's timestamps, an ISO 8601 one in UTC (each listed object's LastModified) read by
     the standard library: botocore's own parser goes through dateutil, a third of the client's
     CPU in a LIST (benchmarks/s3_clients.py). Others are left to botocore's."""
-    from botocore.utils import parse_timestamp  # type: ignore[import-untyped]
-    from dateutil.tz import tzutc  # type: ignore[import-untyped]
-
     if isinstance(value, str) and value.endswith("Z"):
         with contextlib.suppress(ValueError):
-            return datetime.datetime.fromisoformat(value[:-1]).replace(tzinfo=tzutc())
+            return datetime.datetime.fromisoformat(value[:-1]).replace(tzinfo=datetime.UTC)
+    from botocore.utils import parse_timestamp  # type: ignore[import-untyped]
+
     parsed: datetime.datetime = parse_timestamp(value)
     return parsed
 

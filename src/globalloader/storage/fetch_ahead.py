@@ -87,7 +87,7 @@ class _AIMD:
     def __init__(self, ceiling: int) -> None:
         self.ceiling = ceiling
         self.value = float(min(ceiling, SLOW_START))
-        self.starting = self.value < ceiling
+        self.starting = True  # until the first throttling
         self.round = 0  # bumped at each halving: requests sent before it do not halve again
         self.lowest = ceiling  # the lowest throttling took it to
 
@@ -100,7 +100,6 @@ class _AIMD:
 
     def succeeded(self) -> None:
         self.value = min(float(self.ceiling), self.value + (1.0 if self.starting else 1.0 / self.value))
-        self.starting = self.starting and self.value < self.ceiling
 
     def set_ceiling(self, ceiling: int) -> None:
         self.ceiling = ceiling
