@@ -2,13 +2,17 @@
 
 `--objects` (1,000) objects of `--size` (15 KB, a JPEG of remote.py's) on a moto server behind
 the benchmarks' proxy (kept-alive connections, as a real store; no added latency), each read
-whole with If-Match on its ETag (the conditional read `storage._fs` makes of every object) by
+whole for one version (with If-Match on its ETag, or its bytes checked against the ETag's MD5) by
 `--in-flight` (64) requests at once, in a fresh process per client and round:
 
 - aiobotocore: s3fs's async client (`_fs._get_s3_s3fs`: the GET globalloader made before it
   moved to obstore, and still makes in a process forked after its parent's first obstore GET);
-- obstore: the Rust object_store client (`get_async` with `if_match`) through `_fs._get_s3`, the
-  GET globalloader makes (its store made from the storage_options, its errors translated);
+- obstore-if-match: the Rust object_store client (`get_async` with `if_match`, then the body)
+  through `_fs._get_s3`, the GET globalloader makes of a large object or in a worker (its store
+  made from the storage_options, its errors translated);
+- obstore: the GET the pool makes of a small object whose ETag is an MD5
+  (`_fs.get_s3_whole_unchecked`: one ranged call without a condition) and the MD5 check that pins
+  its version;
 - boto3: a thread pool of `--in-flight` threads over one client with as many pooled connections;
 - gl-pool: globalloader's own pool of downloads ahead (`Files.prefetch` into the machine cache:
   the GET, its checks and the cache write), the figure issue 40 bounds at 0.5 ms per object;
@@ -26,7 +30,7 @@ whole with If-Match on its ETag (the conditional read `storage._fs` makes of eve
 
 The figure is the client process's CPU time (user + system, all its threads) over the reads,
 divided by the objects, after a warm-up of `--in-flight` reads that opens the connections; the
-server runs in this process, so its CPU is not counted. For obstore and gl-pool, the rows
+server runs in this process, so its CPU is not counted. For obstore's rows and gl-pool, the rows
 `<client> runtime` give the part of it spent by the threads of obstore's Rust runtime (tokio's:
 the HTTP itself), the rest being Python's. Median of `--rounds` (3) with min and max; JSON in
 benchmarks/results/s3_clients.json.
@@ -54,7 +58,7 @@ from typing import Any
 from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
 
 RESULTS = Path(__file__).parent / "results" / "s3_clients.json"
-CLIENTS = ("aiobotocore", "obstore", "boto3", "gl-pool", "list-botocore", "list-gl")
+CLIENTS = ("aiobotocore", "obstore-if-match", "obstore", "boto3", "gl-pool", "list-botocore", "list-gl")
 KEY, SECRET, REGION = "testing", "testing", "us-east-1"
 
 
@@ -107,17 +111,26 @@ def _aiobotocore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tup
 
 
 def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[float, float], int]:
+    import hashlib
+
     from fsspec.asyn import sync
 
-    from globalloader.storage._fs import _get_s3, filesystem
+    from globalloader.storage._fs import _get_s3, filesystem, get_s3_whole_unchecked
+    from globalloader.storage.checksum import etag_md5
 
     fs, _ = filesystem(f"s3://{spec['bucket']}", options(spec["endpoint"]))
 
-    async def read(key: str, etag: str) -> bytes:
+    async def conditional(key: str, etag: str) -> bytes:
         answer = await _get_s3(fs, f"{spec['bucket']}/{key}", None, etag)
         assert answer is not None
         return answer.data
 
+    async def unchecked(key: str, etag: str) -> bytes:
+        data = await get_s3_whole_unchecked(fs, f"{spec['bucket']}/{key}", spec["size"])
+        assert data is not None and hashlib.md5(data, usedforsecurity=False).hexdigest() == etag_md5(etag)
+        return data
+
+    read = conditional if spec["client"] == "obstore-if-match" else unchecked
     # On the storage clients' own event loop, as globalloader runs it (a loop closed by
     # asyncio.run under obstore's runtime made the process abort at exit in a third of rounds).
     sync(fs.loop, _gather, read, keys[: spec["in_flight"]], spec["in_flight"])  # warm-up
@@ -227,6 +240,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     keys = [(k, e) for k, e in spec["keys"]]
     run = {
         "aiobotocore": _aiobotocore,
+        "obstore-if-match": _obstore,
         "obstore": _obstore,
         "boto3": _boto3,
         "gl-pool": _gl_pool,

@@ -151,4 +151,17 @@ def test_an_encrypted_object_whose_etag_is_no_md5_is_read_and_a_corrupted_plain_
     assert store.read_object(secret, secret_stat) == secret_data
     assert store.read_object(plain, plain_stat) == plain_data
     assert proxy.faults["corrupt"] == 1  # caught, fetched again
-    assert proxy.count("GET", suffix="plain.bin") == 2 and proxy.count("GET", suffix="secret.bin") == 1
+    ahead = path == "downloaded ahead"
+    # Ahead, a small object is read without a condition first: the encrypted one's bytes differ
+    # from its ETag, so it is read again with If-Match, as every small object of its bucket after it.
+    assert proxy.count("GET", suffix="plain.bin") == 2
+    assert proxy.count("GET", suffix="secret.bin") == (2 if ahead else 1)
+    if ahead:
+        other, other_data = _kms_object(s3, "2-secret.bin", 3000)
+        other_stat = store.stat(other)
+        store.prefetch([(other, other_stat)])
+        while store.fetch_counters()["fetched"] + store.fetch_counters()["failed"] < 3:
+            assert time.monotonic() < deadline, store.fetch_counters()
+            time.sleep(0.02)
+        assert store.read_object(other, other_stat) == other_data
+        assert proxy.count("GET", suffix="2-secret.bin") == 1 == proxy.count_conditional("GET", "2-secret.bin")

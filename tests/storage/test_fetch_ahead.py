@@ -148,20 +148,42 @@ def counters_errors(src: gl.Files) -> str:
     return "\n".join(pool.errors)
 
 
-def test_an_object_rewritten_after_the_listing_is_never_served_under_the_old_version(s3: dict[str, Any]) -> None:
+@pytest.mark.parametrize("rewrite", ["same size", "larger", "shorter", "empty"])
+def test_an_object_rewritten_after_the_listing_is_never_served_under_the_old_version(
+    s3: dict[str, Any], rewrite: str
+) -> None:
     objects = _folder(s3, 12, size=500)
     src = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
     key = src.relative_path(3)
     url = f"s3://{s3['bucket']}/images/{key}"
-    new = bytes(reversed(objects[key]))  # same size, other bytes
+    old = objects[key]
+    new = {"same size": old[::-1], "larger": old + b"x", "shorter": old[:-1], "empty": b""}[rewrite]
     src.store.filesystem(url)[0].pipe_file(url, new)
     src.prefetch(np.arange(len(src)))
     counters = _wait_for(src.store, len(src))
-    assert counters["failed"] == 1 and url in counters_errors(src)
+    assert counters["failed"] == 1 and f"{url} changed since the source was made" in counters_errors(src)
     with pytest.raises(SourceError, match=f"{url} changed since the source was made"):
         src[3]
     again = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
     assert again[3]["bytes"] == new  # listed again: the new version
+
+
+def test_a_small_object_ahead_is_one_read_without_a_condition_checked_against_its_etag(s3: dict[str, Any]) -> None:
+    """The pool reads a small object whose ETag is an MD5 in one GET without If-Match (its bytes'
+    MD5 pins the version); bytes corrupted on the way are read again with If-Match, the other
+    objects still without."""
+    objects = _folder(s3, 12, size=700)
+    proxy = s3["proxy"]
+    src = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"])
+    damaged = src.relative_path(4)
+    proxy.corrupt[damaged] = 1
+    src.prefetch(np.arange(len(src)))
+    assert _wait_for(src.store, len(src))["failed"] == 0
+    assert proxy.faults["corrupt"] == 1
+    assert proxy.count("GET", f"/{s3['bucket']}/images/", ".jpg") == 13  # one each, the damaged one twice
+    assert proxy.count_conditional("GET", ".jpg") == 1 == proxy.count_conditional("GET", damaged)
+    assert [src[i]["bytes"] for i in range(len(src))] == [objects[src.relative_path(i)] for i in range(len(src))]
+    assert proxy.count("GET", f"/{s3['bucket']}/images/", ".jpg") == 13  # served from the cache
 
 
 def test_processes_fetching_ahead_share_the_machine_budget(tmp_path: pathlib.Path) -> None:

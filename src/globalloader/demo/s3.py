@@ -100,6 +100,7 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.lock = threading.Lock()
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.requests: collections.Counter[str] = collections.Counter()  # "GET /bucket/key" -> count
+        self.conditional: collections.Counter[str] = collections.Counter()  # the same, those with If-Match
         self.faults: collections.Counter[str] = collections.Counter()  # kind -> count
         self.in_flight = self.most_in_flight = 0  # GETs being answered at once
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
@@ -120,6 +121,11 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
             return sum(
                 n for key, n in self.requests.items() if key.startswith(f"{method} {prefix}") and key.endswith(suffix)
             )
+
+    def count_conditional(self, method: str, suffix: str = "") -> int:
+        """Requests of `method` that carried If-Match, on keys ending with `suffix`."""
+        with self.lock:
+            return sum(n for key, n in self.conditional.items() if key.startswith(method) and key.endswith(suffix))
 
     def stop(self) -> None:
         self.shutdown()
@@ -151,6 +157,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else b""
         with proxy.lock:
             proxy.requests[f"{method} {path}"] += 1
+            if "If-Match" in self.headers:
+                proxy.conditional[f"{method} {path}"] += 1
             draw = proxy.rng.random()
             cut = proxy.rng.random()
             if method == "GET":

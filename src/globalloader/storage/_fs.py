@@ -8,7 +8,9 @@ its retries off and the same timeouts, its errors translated as s3fs translates 
 (see `_obstore_error`); listing, HEAD and writes stay on s3fs. Two cases read through s3fs
 still: a whole object whose ETag is no MD5 (the store's checksum headers, which obstore does not
 return, are all that checks it), and any GET of a process forked after its parent's first
-obstore GET (obstore's runtime does not survive a fork; see `_obstore_usable`). GCS's
+obstore GET (obstore's runtime does not survive a fork; see `_obstore_usable`). The pool of
+small downloads ahead reads an object whose ETag is an MD5 without a condition
+(`get_s3_whole_unchecked`) and checks the bytes against it instead. GCS's
 (gcsfs) and Azure's (adlfs over the Azure SDK) with their retry loops off too. Reads of one
 version of an object (If-Match on S3's and Azure's ETag, `ifGenerationMatch` on GCS) are made
 per store from one table, `CONDITIONAL`. Options from the caller (`storage_options=`: endpoint,
@@ -226,6 +228,37 @@ async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, vers
             return None
         raise translated from exc
     return Answer(body, etag_md5(result.meta.get("e_tag") or ""))
+
+
+async def get_s3_whole_unchecked(fs: Any, path: str, size: int) -> bytes | None:
+    """The bytes of a whole S3 object of `size` bytes in one call of obstore's (a range from 0:
+    one future, where a conditional GET's answer and body are two; a third less of the client's
+    CPU per small object), with no condition: the caller compares them with the MD5 the listed
+    ETag is, which pins the version as If-Match on that ETag does (an object with those bytes has
+    that ETag). The range asks for a byte more than `size`, so an object grown since is seen (more
+    bytes come back) and never taken for its first `size` bytes. None when this read cannot tell,
+    so the caller reads conditionally (and that read names what changed): obstore unusable in
+    this process, a version of a versioned bucket asked for, an empty object, an answer of another
+    length, or a refusal other than a missing object, a denial or a transient fault (a range the
+    object, rewritten empty, no longer has)."""
+    bucket, key, version_id = fs.split_path(path)
+    if version_id or size < 1 or not _obstore_usable():
+        return None
+    store = _object_store(fs, bucket)
+    import obstore
+
+    if not _OBSTORE_PID:
+        _OBSTORE_PID.append(os.getpid())
+    try:
+        body = bytes(await obstore.get_range_async(store, key, start=0, end=size + 1))
+    except Exception as exc:  # obstore's, translated
+        translated = _obstore_error(exc, path)
+        if translated is None or not (
+            isinstance(translated, FileNotFoundError) or is_denied(translated) or is_transient(translated)
+        ):
+            return None
+        raise translated from exc
+    return body if len(body) == size else None
 
 
 def _obstore_usable() -> bool:
