@@ -232,10 +232,10 @@ async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, vers
 
 async def get_s3_whole_unchecked(fs: Any, path: str, size: int) -> bytes | None:
     """The bytes of a whole S3 object of `size` bytes in one call of obstore's (a range from 0:
-    one future, where a conditional GET's answer and body are two; a third less of the client's
-    CPU per small object), with no condition: the caller compares them with the MD5 the listed
-    ETag is, which pins the version as If-Match on that ETag does (an object with those bytes has
-    that ETag). The range asks for a byte more than `size`, so an object grown since is seen (more
+    one future, where a conditional GET's answer and body are two; a quarter less of the
+    client's CPU per small object), with no condition: the caller compares them with the MD5 the
+    listed ETag is, which pins the version as If-Match on that ETag does (an object with those
+    bytes has that ETag). The range asks for a byte more than `size`, so an object grown since is seen (more
     bytes come back) and never taken for its first `size` bytes. None when this read cannot tell,
     so the caller reads conditionally (and that read names what changed): obstore unusable in
     this process, a version of a versioned bucket asked for, an empty object, an answer of another
