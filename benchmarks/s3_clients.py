@@ -126,7 +126,7 @@ def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[f
         return answer.data
 
     async def unchecked(key: str, etag: str) -> bytes:
-        data = await get_s3_whole_unchecked(fs, f"{spec['bucket']}/{key}", spec["size"])
+        data = await get_s3_whole_unchecked(fs, spec["bucket"], key, spec["size"])
         assert data is not None and hashlib.md5(data, usedforsecurity=False).hexdigest() == etag_md5(etag)
         return data
 

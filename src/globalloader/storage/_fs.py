@@ -217,8 +217,6 @@ async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, vers
         options["range"] = span
     if version_id:
         options["version"] = version_id
-    if not _OBSTORE_PID:
-        _OBSTORE_PID.append(os.getpid())
     try:
         result = await obstore.get_async(store, key, options=options)
         body = bytes(await result.bytes_async())
@@ -230,29 +228,26 @@ async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, vers
     return Answer(body, etag_md5(result.meta.get("e_tag") or ""))
 
 
-async def get_s3_whole_unchecked(fs: Any, path: str, size: int) -> bytes | None:
-    """The bytes of a whole S3 object of `size` bytes in one call of obstore's (a range from 0:
-    one future, where a conditional GET's answer and body are two; a quarter less of the
-    client's CPU per small object), with no condition: the caller compares them with the MD5 the
-    listed ETag is, which pins the version as If-Match on that ETag does (an object with those
-    bytes has that ETag). The range asks for a byte more than `size`, so an object grown since is seen (more
-    bytes come back) and never taken for its first `size` bytes. None when this read cannot tell,
-    so the caller reads conditionally (and that read names what changed): obstore unusable in
-    this process, a version of a versioned bucket asked for, an empty object, an answer of another
-    length, or a refusal other than a missing object, a denial or a transient fault (a range the
-    object, rewritten empty, no longer has)."""
-    bucket, key, version_id = fs.split_path(path)
-    if version_id or size < 1 or not _obstore_usable():
+async def get_s3_whole_unchecked(fs: Any, bucket: str, key: str, size: int) -> bytes | None:
+    """The bytes of a whole S3 object of `size` bytes (its current version: the caller splits a
+    versioned path itself) in one call of obstore's (a range from 0: one future, where a
+    conditional GET's answer and body are two; a quarter less of the client's CPU per small
+    object), with no condition: the caller compares them with the MD5 the listed ETag is, which
+    pins the version as If-Match on that ETag does (an object with those bytes has that ETag).
+    The range asks for a byte more than `size`, so an object grown since is seen (more bytes come
+    back) and never taken for its first `size` bytes. None when this read cannot tell, so the
+    caller reads conditionally (and that read names what changed): obstore unusable in this
+    process, an empty object, an answer of another length, or a refusal other than a missing
+    object, a denial or a transient fault (a range the object, rewritten empty, no longer has)."""
+    if size < 1 or not _obstore_usable():
         return None
     store = _object_store(fs, bucket)
     import obstore
 
-    if not _OBSTORE_PID:
-        _OBSTORE_PID.append(os.getpid())
     try:
         body = bytes(await obstore.get_range_async(store, key, start=0, end=size + 1))
-    except Exception as exc:  # obstore's, translated
-        translated = _obstore_error(exc, path)
+    except Exception as exc:  # obstore's, translated (no condition: never a refused one)
+        translated = _obstore_error(exc, f"{bucket}/{key}")
         if translated is None or not (
             isinstance(translated, FileNotFoundError) or is_denied(translated) or is_transient(translated)
         ):
@@ -269,7 +264,8 @@ def _obstore_usable() -> bool:
 
 
 def _object_store(fs: Any, bucket: str) -> Any:
-    """The obstore S3Store of `bucket`, made once per filesystem from its `storage_options`."""
+    """The obstore S3Store of `bucket`, made once per filesystem from its `storage_options`, for a
+    call about to start obstore's runtime: this process is recorded as the one running it."""
     key = (id(fs), bucket)
     store = _OBJECT_STORES.get(key)
     if store is None:
@@ -277,6 +273,8 @@ def _object_store(fs: Any, bucket: str) -> Any:
             store = _OBJECT_STORES.get(key)
             if store is None:
                 store = _OBJECT_STORES[key] = _make_object_store(fs.storage_options, bucket)
+    if not _OBSTORE_PID:
+        _OBSTORE_PID.append(os.getpid())
     return store
 
 

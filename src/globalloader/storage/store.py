@@ -448,10 +448,10 @@ class Store(ProcessLocal):
         (no MD5: encrypted with KMS) is read with If-Match alone from then on."""
         fs, path = self.filesystem(url)
         md5 = etag_md5(stat.version)
-        bucket = fs.split_path(path)[0]
+        bucket, key, version_id = fs.split_path(path)
         missed = False
-        if md5 is not None and stat.size <= _ON_THE_LOOP and bucket not in self._etags_not_md5:
-            data = await get_s3_whole_unchecked(fs, path, stat.size)
+        if md5 is not None and not version_id and stat.size <= _ON_THE_LOOP and bucket not in self._etags_not_md5:
+            data = await get_s3_whole_unchecked(fs, bucket, key, stat.size)
             if data is not None:
                 digest.restart(md5)
                 digest.update(data)
