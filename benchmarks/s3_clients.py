@@ -21,6 +21,11 @@ whole for one version (with If-Match on its ETag, or its bytes checked against t
   the session globalloader gives s3fs (`_fs._timestamp` reads each object's LastModified);
   list-botocore is a session of the user's own (`storage_options={"session": ...}`), which keeps
   botocore's own parser (dateutil), as s3fs alone has it. `list_gl_vs_botocore`: their ratio;
+- first-list-gl, first-list-obstore: wall seconds from a fresh process with no storage client
+  imported to the folder's listing: globalloader's (`Store.find`: importing s3fs, botocore and
+  aiohttp, making botocore's client, its LIST) against obstore's (importing it, making its
+  S3Store, its LIST); the part of a job's startup a listing through obstore would save
+  (`first_listing_s` in the JSON);
 - cache-entry: the floor of one entry of a machine-wide cache, timed after the pool in the same
   process, in the folder it just filled, with no Python beyond the calls themselves: the check
   (the MD5 of the bytes), the stat that finds it missing, its download lock (a byte of a lock
@@ -58,7 +63,17 @@ from typing import Any
 from globalloader.demo.s3 import FaultProxy, MotoServer, new_bucket, options
 
 RESULTS = Path(__file__).parent / "results" / "s3_clients.json"
-CLIENTS = ("aiobotocore", "obstore-if-match", "obstore", "boto3", "gl-pool", "list-botocore", "list-gl")
+CLIENTS = (
+    "aiobotocore",
+    "obstore-if-match",
+    "obstore",
+    "boto3",
+    "gl-pool",
+    "list-botocore",
+    "list-gl",
+    "first-list-gl",
+    "first-list-obstore",
+)
 KEY, SECRET, REGION = "testing", "testing", "us-east-1"
 
 
@@ -200,6 +215,34 @@ def _listing(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[f
     return _since(cpu), sum(stat.size for stat in found.values())
 
 
+def _first_listing(spec: dict[str, Any]) -> dict[str, Any]:
+    """Seconds (wall) from a process without a storage client to the
+    folder's listing: globalloader's (`Store.find`: importing s3fs with botocore and aiohttp,
+    making botocore's client, the LIST through it) or obstore's (importing it, its S3Store, the
+    LIST through it)."""
+    root = f"s3://{spec['bucket']}/objects"
+    assert not {"s3fs", "botocore", "obstore"} & sys.modules.keys()  # the clock starts before any import
+    start = time.perf_counter()
+    if spec["client"] == "first-list-gl":
+        from globalloader.storage import Store
+
+        sizes = [stat.size for stat in Store(options(spec["endpoint"]), cache=False).find(root).values()]
+    else:
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(
+            spec["bucket"],
+            endpoint=spec["endpoint"],
+            access_key_id=KEY,
+            secret_access_key=SECRET,
+            region=REGION,
+            client_options={"allow_http": True},
+        )
+        sizes = [item["size"] for page in obstore.list(store, prefix="objects/") for item in page]
+    return {"objects": len(sizes), "bytes": sum(sizes), "seconds": time.perf_counter() - start}
+
+
 def _cache_entry(folder: Path, size: int, count: int = 300) -> float:
     """CPU ms of the floor of one cache entry (see the module doc), the calling thread's alone:
     the process's would count its other threads (the storage client's runtime, the event loop)
@@ -237,6 +280,8 @@ def _cache_entry(folder: Path, size: int, count: int = 300) -> float:
 
 
 def _job(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["client"].startswith("first-list"):
+        return _first_listing(spec)
     keys = [(k, e) for k, e in spec["keys"]]
     run = {
         "aiobotocore": _aiobotocore,
@@ -291,8 +336,10 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         by_round: list[dict[str, float]] = []  # each round's figures, to pair the floor round by round
         failed: dict[str, list[str]] = {}
+        first: list[dict[str, float]] = []  # seconds to the first listing, by client
         for r in range(args.rounds):
             by_round.append({})
+            first.append({})
             for client in [c for c in args.only.split(",") if c]:
                 env["GLOBALLOADER_CACHE_DIR"] = str(scratch / f"{client}-{r}")
                 proc = subprocess.run(
@@ -309,6 +356,11 @@ def main() -> None:
                     failed.setdefault(client, []).append(why)
                     continue
                 result = json.loads(lines[-1])
+                if client.startswith("first-list"):
+                    if result["bytes"] != args.objects * args.size:  # the whole folder, or no figure
+                        raise RuntimeError(f"{client} listed {result['bytes']} bytes of {args.objects * args.size}")
+                    first[r][client] = result["seconds"]
+                    continue
                 by_round[r][client] = 1e3 * result["cpu_s"] / result["objects"]
                 if result["runtime_cpu_s"]:  # obstore's: its Rust runtime's share of that
                     by_round[r][f"{client} runtime"] = 1e3 * result["runtime_cpu_s"] / result["objects"]
@@ -325,6 +377,9 @@ def main() -> None:
             "by_round": by_round,
             "failed": failed,
         }
+        listed = list(dict.fromkeys(name for figures in first for name in figures))
+        if listed:
+            report["first_listing_s"] = {n: _summary([f[n] for f in first if n in f]) for n in listed}
         # The pool's floor: obstore's GET and one cache entry's own work, in the rounds that have all three.
         ratios = [
             f["gl-pool"] / (f["obstore"] + f["cache-entry"])
@@ -346,6 +401,8 @@ def main() -> None:
         if "list_gl_vs_botocore" in report:
             s = report["list_gl_vs_botocore"]
             print(f"list-gl / list-botocore, by round: {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]")
+        for client, s in report.get("first_listing_s", {}).items():
+            print(f"  {client:16} {s['median']:.3f} s [{s['min']:.3f}, {s['max']:.3f}] to the first listing")
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
         print(f"results: {args.output}")
