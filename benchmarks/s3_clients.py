@@ -16,8 +16,9 @@ whole for one version (with If-Match on its ETag, or its bytes checked against t
 - boto3: a thread pool of `--in-flight` threads over one client with as many pooled connections;
 - gl-pool: globalloader's own pool of downloads ahead (`Files.prefetch` into the machine cache:
   the GET, its checks and the cache write), the figure issue 40 bounds at 0.5 ms per object;
-- list-botocore, list-gl: one listing of the folder by `Store.find` (s3fs's LIST, botocore's XML
-  parse), after one that made the client; the CPU is divided by the objects listed. list-gl is
+- list-botocore, list-gl: one listing of the folder by s3fs's `find` (its LIST, botocore's XML
+  parse: what `Store.find` falls back to where obstore cannot list a folder), after one that made
+  the client; the CPU is divided by the objects listed. list-gl is
   the session globalloader gives s3fs (`_fs._timestamp` reads each object's LastModified);
   list-botocore is a session of the user's own (`storage_options={"session": ...}`), which keeps
   botocore's own parser (dateutil), as s3fs alone has it. `list_gl_vs_botocore`: their ratio;
@@ -141,7 +142,7 @@ def _obstore(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[f
         return answer.data
 
     async def unchecked(key: str, etag: str) -> bytes:
-        data = await get_s3_whole_unchecked(fs, spec["bucket"], key, spec["size"])
+        data = await get_s3_whole_unchecked(fs.storage_options, spec["bucket"], key, spec["size"])
         assert data is not None and hashlib.md5(data, usedforsecurity=False).hexdigest() == etag_md5(etag)
         return data
 
@@ -208,11 +209,12 @@ def _listing(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[f
         import aiobotocore.session
 
         opts["session"] = aiobotocore.session.AioSession()
-    store, root = Store(opts, cache=False), f"s3://{spec['bucket']}/objects"
-    store.find(root, remember=False)  # the client made, its connection open
+    fs, path = Store(opts, cache=False).filesystem(f"s3://{spec['bucket']}/objects")
+    fs.find(path, detail=True)  # the client made, its connection open
+    fs.invalidate_cache()
     cpu = _cpu()
-    found = store.find(root, remember=False)
-    return _since(cpu), sum(stat.size for stat in found.values())
+    found = fs.find(path, detail=True)
+    return _since(cpu), sum(info["size"] for info in found.values())
 
 
 def _first_listing(spec: dict[str, Any]) -> dict[str, Any]:

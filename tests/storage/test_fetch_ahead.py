@@ -88,7 +88,7 @@ def test_the_first_gets_are_answered_before_more_join_them_then_the_limit_double
     proxy = s3["proxy"]
     proxy.latency = 1.0  # a round trip far longer than sending a round's GETs
     src = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"], fetch_concurrency=128)
-    proxy.most_in_flight = 0
+    proxy.count_peak_afresh()
     src.prefetch(np.arange(100))
     deadline = time.monotonic() + 10
     while proxy.in_flight < fetch_ahead.SLOW_START:
@@ -112,7 +112,7 @@ def test_in_flight_requests_memory_and_bytes_ahead_are_bounded(s3: dict[str, Any
         fetch_memory=5000,  # five answers of 1,000 bytes
         cache_limit=40_000,  # fetched and not read yet: half of it, 19 entries of 1,020 bytes
     )
-    proxy.most_in_flight = 0
+    proxy.count_peak_afresh()
     src.prefetch(np.arange(40))
     counters = _wait_for(src.store, 19)
     time.sleep(0.2)  # the others wait for the reads, however long

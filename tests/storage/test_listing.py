@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -143,3 +145,100 @@ def test_jobs_starting_together_list_a_folder_once_and_their_workers_map_it(
         assert count == 2500 and len(rows) == 5
         assert all(row["pid"] != pid for row in rows)  # read in the job's worker processes
         assert all(row["mapped"] == kept for row in rows)  # which map the one kept listing
+
+
+def _s3fs_listing(s3: dict[str, Any], root: str) -> dict[str, storage.FileStat]:
+    """What s3fs's own listing names below `root`: URL -> (size, ETag)."""
+    fs = storage.Store(s3["options"]).filesystem(root)[0]
+    found = fs.find(root, detail=True, refresh=True)
+    return {f"s3://{name}": storage.FileStat(info["size"], info["ETag"]) for name, info in found.items()}
+
+
+def _put_keys(s3: dict[str, Any], keys: dict[str, bytes]) -> None:
+    """Objects under these exact keys (boto3: no client-side normalising of the names)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3["options"]["endpoint_url"], **_boto3_credentials(s3))
+    for key, body in keys.items():
+        client.put_object(Bucket=s3["bucket"], Key=key, Body=body)
+
+
+def _boto3_credentials(s3: dict[str, Any]) -> dict[str, str]:
+    options = s3["options"]
+    return {
+        "aws_access_key_id": options["key"],
+        "aws_secret_access_key": options["secret"],
+        "region_name": options["client_kwargs"]["region_name"],
+    }
+
+
+def test_an_s3_folder_listed_through_obstore_names_what_s3fs_names(s3: dict[str, Any]) -> None:
+    """A folder of S3 is listed through obstore (no s3fs import, no botocore client): the same
+    URLs, sizes and ETags as s3fs's listing, over more than one page of the store's answers."""
+    keys = {f"f/c{i % 3}/{i:04d}.jpg": b"x" * (1 + i % 7) for i in range(1005)}
+    keys |= {"f/sp ace.jpg": b"sp", "f/ünï.jpg": b"u", "f/%41.jpg": b"pct", "f/q?x=1.jpg": b"q", "g/other.jpg": b"o"}
+    _put_keys(s3, keys)
+    root = f"s3://{s3['bucket']}/f"
+    quick = storage._fs.list_s3_quickly(s3["options"], s3["bucket"], "f/")
+    assert quick is not None and len(quick) == len(keys) - 1  # every page, not g/
+    expected = _s3fs_listing(s3, root)
+    assert {f"s3://{s3['bucket']}/{key}": storage.FileStat(size, etag) for key, size, etag in quick} == expected
+    assert storage.Store(s3["options"]).find(root) == expected
+    assert storage.Store(s3["options"]).find(root + "/") == expected
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"f/x//y.jpg": b"empty segment"},
+        {"f/./d.jpg": b"dot"},
+        {"f/../e.jpg": b"dot dot"},
+        {"f/t\tab.jpg": b"control character"},
+        {"f/dir/": b""},  # a folder marker: obstore would name it f/dir
+        {"f/dir/": b"", "f/dir": b"a file of the marker's name"},
+        {"f/empty.json": b""},  # no telling a zero-byte object from a marker
+    ],
+    ids=["empty-segment", "dot", "dot-dot", "control", "marker", "marker-and-file", "zero-bytes"],
+)
+def test_keys_obstore_cannot_name_as_they_are_go_through_s3fs(s3: dict[str, Any], odd: dict[str, bytes]) -> None:
+    _put_keys(s3, {"f/a.jpg": b"a", "f/b/c.jpg": b"c", **odd})
+    root = f"s3://{s3['bucket']}/f"
+    assert storage._fs.list_s3_quickly(s3["options"], s3["bucket"], "f/") is None
+    found = storage.Store(s3["options"]).find(root)
+    assert found == _s3fs_listing(s3, root) and {f"{root}/a.jpg", f"{root}/b/c.jpg"} <= found.keys()
+
+
+def test_a_bucket_is_listed_whole_through_s3fs_and_an_object_asked_as_a_folder_too(s3: dict[str, Any]) -> None:
+    """A bucket's whole listing never goes through obstore, which drops a key's leading "/"
+    (`/lead.jpg` would be named as `lead.jpg`, another object); nor does a URL that is an object
+    (s3fs lists it as itself)."""
+    _put_keys(s3, {"/lead.jpg": b"lead", "top.jpg": b"top", "f/a.jpg": b"a"})
+    bucket = f"s3://{s3['bucket']}"
+    found = storage.Store(s3["options"]).find(bucket)
+    assert found == _s3fs_listing(s3, bucket) and f"{bucket}//lead.jpg" in found and f"{bucket}/lead.jpg" not in found
+    assert storage.Store(s3["options"]).find(f"{bucket}/top.jpg") == _s3fs_listing(s3, f"{bucket}/top.jpg")
+
+
+_NO_S3FS = """
+import sys, time, numpy as np, globalloader as gl
+src = gl.Files(sys.argv[1], "*.bin", storage_options={options!r})
+src.prefetch(np.arange(len(src)))
+while src.store.fetch_counters()["fetched"] + src.store.fetch_counters()["failed"] < len(src):
+    time.sleep(0.01)  # each read then a hit: a reader that gets to an object first fetches it itself
+got = [bytes(src[i]["bytes"]) for i in range(len(src))]
+print(len(got), sum(map(len, got)), src.store.fetch_counters()["fetched"], "s3fs" in sys.modules)
+"""
+
+
+def test_a_job_reading_an_s3_folder_ahead_never_imports_s3fs(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """Importing s3fs (with botocore and aiohttp) is most of a job's time to its first GET: a
+    folder listed through obstore and read by the pool ahead never needs it (a reader's own GET
+    of an object the pool has not fetched yet still goes through s3fs's filesystem)."""
+    _put_keys(s3, {f"o/{i:03d}.bin": bytes([i]) * 100 for i in range(40)})
+    env = dict(os.environ, GLOBALLOADER_CACHE_DIR=str(tmp_path / "cache"))
+    script = _NO_S3FS.format(options=s3["options"])
+    done = subprocess.run(
+        [sys.executable, "-c", script, f"s3://{s3['bucket']}/o"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["40", "4000", "40", "False"]

@@ -46,7 +46,8 @@ def test_a_loader_downloads_ahead_of_its_workers(s3: dict[str, Any], tmp_path: p
     first.store.cache.clear()
     src = TarShards(urls, storage_options=s3["options"], index_dir=indexes)  # indexes known, objects not
     assert len(src) == 48 and src.scanned == 0 and src.remote
-    proxy.latency, proxy.most_in_flight = 0.05, 0
+    proxy.count_peak_afresh()
+    proxy.latency = 0.05
     before = proxy.count("GET", prefix)
     with gl.Loader(gl.Dataset(src).shuffle(seed=1, window=2).batch(4), workers=1) as loader:
         keys = [k for batch in loader for k in batch["__key__"]]

@@ -127,6 +127,17 @@ class FaultProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
         with self.lock:
             return sum(n for key, n in self.conditional.items() if key.startswith(method) and key.endswith(suffix))
 
+    def count_peak_afresh(self, timeout: float = 10.0) -> None:
+        """Start `most_in_flight` again from the GETs answered from now on, once those being
+        answered end: a client may read a whole answer (a listing's) before its handler here
+        counts it done."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.in_flight} GETs still being answered by the proxy after {timeout} s")
+            time.sleep(0.005)
+        self.most_in_flight = 0
+
     def stop(self) -> None:
         self.shutdown()
         self.server_close()

@@ -5,7 +5,9 @@ client (s3fs over aiobotocore) is made with one attempt per call in both of its 
 (s3fs's `retries` and botocore's `total_max_attempts`), a connect and a read timeout; S3 GETs of
 object data go through obstore (Rust's object_store: a third of aiobotocore's CPU per GET) with
 its retries off and the same timeouts, its errors translated as s3fs translates botocore's
-(see `_obstore_error`); listing, HEAD and writes stay on s3fs. Two cases read through s3fs
+(see `_obstore_error`); so does the listing of a folder where obstore names every key as it is
+(`list_s3_quickly`), so that a job that only lists and reads ahead never imports s3fs; other
+listings, HEAD and writes stay on s3fs. Two cases read through s3fs
 still: a whole object whose ETag is no MD5 (the store's checksum headers, which obstore does not
 return, are all that checks it), and any GET of a process forked after its parent's first
 obstore GET (obstore's runtime does not survive a fork; see `_obstore_usable`). The pool of
@@ -209,7 +211,7 @@ async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, vers
     """`_get_s3` through obstore. Its answers carry no encryption headers, so the MD5 is the
     ETag's when it looks like one: a mismatch asks `etag_is_md5` before it counts as corrupted."""
     bucket, key, version_id = fs.split_path(path)
-    store = _object_store(fs, bucket)  # a MissingExtraError without obstore
+    store = _object_store(fs.storage_options, bucket)  # a MissingExtraError without obstore
     import obstore
 
     options: GetOptions = {"if_match": version}
@@ -228,7 +230,7 @@ async def _get_s3_obstore(fs: Any, path: str, span: tuple[int, int] | None, vers
     return Answer(body, etag_md5(result.meta.get("e_tag") or ""))
 
 
-async def get_s3_whole_unchecked(fs: Any, bucket: str, key: str, size: int) -> bytes | None:
+async def get_s3_whole_unchecked(options: dict[str, Any], bucket: str, key: str, size: int) -> bytes | None:
     """The bytes of a whole S3 object of `size` bytes (its current version: the caller splits a
     versioned path itself) in one call of obstore's (a range from 0: one future, where a
     conditional GET's answer and body are two; a quarter less of the client's CPU per small
@@ -241,7 +243,7 @@ async def get_s3_whole_unchecked(fs: Any, bucket: str, key: str, size: int) -> b
     object, a denial or a transient fault (a range the object, rewritten empty, no longer has)."""
     if size < 1 or not _obstore_usable():
         return None
-    store = _object_store(fs, bucket)
+    store = _object_store(options, bucket)
     import obstore
 
     try:
@@ -256,6 +258,41 @@ async def get_s3_whole_unchecked(fs: Any, bucket: str, key: str, size: int) -> b
     return body if len(body) == size else None
 
 
+def s3_bucket_and_key(url: str) -> tuple[str, str] | None:
+    """The bucket and key of an S3 URL, split without s3fs (whose import is most of a job's time
+    to its first GET); None where s3fs's own split says more: an access point's ARN, a version
+    (`?versionId=`)."""
+    bucket, _, key = url.partition("://")[2].partition("/")
+    if not bucket or bucket.startswith("arn:") or "?versionId=" in key:
+        return None
+    return bucket, key
+
+
+def list_s3_quickly(options: dict[str, Any], bucket: str, prefix: str) -> list[tuple[str, int, str]] | None:
+    """(key, size, ETag) of every object under `prefix` (a folder: not empty, ending in "/"),
+    listed through obstore: from a process without an S3 client, a third of the time s3fs takes
+    (most of that is importing s3fs, botocore and aiohttp; benchmarks/s3_clients.py). None where
+    this listing may not name every key as it is, so that the caller lists through s3fs: obstore
+    missing or unusable in this process, any error (obstore refuses keys its paths cannot hold:
+    an empty, `.` or `..` segment, a control character; s3fs names the others), a zero-byte
+    object (a folder marker `dir/`, which obstore names `dir`), a key named twice, an object
+    without an ETag, or nothing (the URL may be an object itself). Never a bucket's whole
+    listing: there obstore drops a key's leading `/`."""
+    if not prefix.endswith("/") or not prefix.strip("/") or options.get("version_aware") or not _obstore_usable():
+        return None
+    try:
+        store = _object_store(options, bucket)
+        import obstore
+
+        pages = obstore.list(store, prefix=prefix)
+        found = [(meta["path"], meta["size"], meta["e_tag"]) for page in pages for meta in page]
+    except Exception:  # noqa: BLE001 - s3fs lists again, and names the fault
+        return None
+    if not found or any(not size or not etag for _, size, etag in found) or len({k for k, _, _ in found}) < len(found):
+        return None
+    return [(key, size, str(etag)) for key, size, etag in found]
+
+
 def _obstore_usable() -> bool:
     """Whether obstore's runtime (tokio's threads) runs in this process: not in a child forked
     after its parent made a GET through it, where every call would hang (obstore is not fork-safe,
@@ -263,16 +300,19 @@ def _obstore_usable() -> bool:
     return not _OBSTORE_PID or _OBSTORE_PID[0] == os.getpid()
 
 
-def _object_store(fs: Any, bucket: str) -> Any:
-    """The obstore S3Store of `bucket`, made once per filesystem from its `storage_options`, for a
-    call about to start obstore's runtime: this process is recorded as the one running it."""
-    key = (id(fs), bucket)
+def _object_store(options: dict[str, Any], bucket: str) -> Any:
+    """The obstore S3Store of `bucket`, made once per process from these storage options (the
+    user's, or those of an s3fs filesystem made from them: the same store), for a call about to
+    start obstore's runtime: this process is recorded as the one running it."""
+    # Not the aiobotocore session s3fs is given (`_s3_defaults`): the store makes no use of it.
+    settings = {name: value for name, value in _s3_config(options).items() if name != "session"}
+    key = (os.getpid(), json.dumps(settings, sort_keys=True, default=repr), bucket)
     store = _OBJECT_STORES.get(key)
     if store is None:
         with _INSTANCES_LOCK:
             store = _OBJECT_STORES.get(key)
             if store is None:
-                store = _OBJECT_STORES[key] = _make_object_store(fs.storage_options, bucket)
+                store = _OBJECT_STORES[key] = _make_object_store(options, bucket)
     if not _OBSTORE_PID:
         _OBSTORE_PID.append(os.getpid())
     return store
@@ -586,8 +626,8 @@ def _make(url: str, scheme: str, kwargs: dict[str, Any]) -> Any:
 
 
 _INSTANCES: dict[tuple[int, str, str], Any] = {}  # (pid, scheme, options) -> filesystem
-_OBJECT_STORES: dict[tuple[int, str], Any] = {}  # (id of an S3 filesystem, bucket) -> obstore S3Store
-_OBSTORE_PID: list[int] = []  # the process that started obstore's runtime (its first GET)
+_OBJECT_STORES: dict[tuple[int, str, str], Any] = {}  # (pid, options, bucket) -> obstore S3Store
+_OBSTORE_PID: list[int] = []  # the process that started obstore's runtime (its first GET or listing)
 _ETAG_IS_MD5: dict[tuple[str, str], bool] = {}  # (path, ETag) -> whether the ETag is the MD5
 _ETAG_IS_MD5_KEPT = 65536  # answers kept, the oldest dropped first
 _INSTANCES_LOCK = threading.Lock()
@@ -596,13 +636,19 @@ _SESSION: list[Any] = []  # the aiobotocore session S3 clients share (made once,
 _SESSION_OPTIONS = frozenset({"session", "profile", "session_vars", "event_hooks"})
 
 
-def _s3_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
-    config = dict(kwargs.get("config_kwargs") or {})
+def _s3_config(options: dict[str, Any]) -> dict[str, Any]:
+    """The options with botocore's config completed: one attempt per call, the timeouts, the
+    connections (what `_make_object_store` reads of it too)."""
+    config = dict(options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
     config.setdefault("connect_timeout", CONNECT_TIMEOUT)
     config.setdefault("read_timeout", READ_TIMEOUT)
     config.setdefault("max_pool_connections", MAX_CONNECTIONS)
-    kwargs["config_kwargs"] = config
+    return {**options, "config_kwargs": config}
+
+
+def _s3_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs = _s3_config(kwargs)
     if _SESSION_OPTIONS.isdisjoint(kwargs):
         if not _SESSION:
             try:

@@ -39,8 +39,10 @@ from globalloader.storage._fs import (
     file_info,
     filesystem,
     get_s3_whole_unchecked,
+    list_s3_quickly,
     local_errors,
     read_if_version,
+    s3_bucket_and_key,
     scheme_of,
     version_field,
 )
@@ -215,29 +217,49 @@ class Store(ProcessLocal):
         found = retry.call(
             lambda seconds: fs.glob(path, detail=True, **bounded(fs, seconds)), pattern, "list", self.retry_policy, None
         )
-        self._remember(pattern, fs, found)
+        self._remember(_files(pattern, fs, found))
         return sorted(_as_asked(pattern, fs, name) for name in found)
 
     def find(self, root: str, remember: bool = True) -> dict[str, FileStat]:
         """Every file below a remote folder with its size and version, from one listing (which
         also fills the per-process memo of `stat`, unless `remember` is false: a listing of a
-        million files kept elsewhere, see `storage.listing`)."""
-        fs, path = self.filesystem(root)
-        found = retry.call(
-            lambda seconds: fs.find(path, detail=True, **bounded(fs, seconds)), root, "list", self.retry_policy, None
-        )
-        if not remember:
-            fs.invalidate_cache()  # the client's own copy of the listing is not kept either
-            return _files(root, fs, found)
-        return self._remember(root, fs, found)
+        million files kept elsewhere, see `storage.listing`). An S3 folder is listed through
+        obstore where it names every key as it is (`_s3_listed`), else through fsspec."""
+        found = self._s3_listed(root)
+        if found is None:
+            fs, path = self.filesystem(root)
+            listing = retry.call(
+                lambda seconds: fs.find(path, detail=True, **bounded(fs, seconds)),
+                root,
+                "list",
+                self.retry_policy,
+                None,
+            )
+            if not remember:
+                fs.invalidate_cache()  # the client's own copy of the listing is not kept either
+            found = _files(root, fs, listing)
+        return self._remember(found) if remember else found
 
-    def _remember(self, asked: str, fs: Any, listing: dict[str, dict[str, Any]]) -> dict[str, FileStat]:
-        """The files of a detailed listing with their size and version, also kept in the
-        per-process memo of `stat` (a listing answers what a HEAD per file would)."""
-        now, out = time.monotonic(), _files(asked, fs, listing)
+    def _s3_listed(self, root: str) -> dict[str, FileStat] | None:
+        """The files below an S3 folder listed through obstore (`_fs.list_s3_quickly`: no s3fs
+        imported or client made for it), or None."""
+        where = s3_bucket_and_key(root) if scheme_of(root) in S3_SCHEMES else None
+        if where is None:
+            return None
+        bucket, key = where
+        listed = list_s3_quickly(self.storage_options, bucket, key.rstrip("/") + "/")
+        if listed is None:
+            return None
+        scheme = scheme_of(root)
+        return {f"{scheme}://{bucket}/{name}": FileStat(size, etag) for name, size, etag in listed}
+
+    def _remember(self, files: dict[str, FileStat]) -> dict[str, FileStat]:
+        """The files of a listing, also kept in the per-process memo of `stat` (a listing answers
+        what a HEAD per file would)."""
+        now = time.monotonic()
         with self._lock:
-            self._infos.update((url, (now, stat)) for url, stat in out.items())
-        return out
+            self._infos.update((url, (now, stat)) for url, stat in files.items())
+        return files
 
     def read_range(self, url: str, start: int, end: int, stat: FileStat | None = None) -> bytes:
         """Bytes [start, end) of a remote object, straight from the store (retried).
@@ -446,18 +468,19 @@ class Store(ProcessLocal):
         have that MD5; else (changed, corrupted, an encrypted object's ETag) it is read again with
         If-Match, which tells which. A bucket where even that version's bytes differ from its ETag
         (no MD5: encrypted with KMS) is read with If-Match alone from then on."""
-        fs, path = self.filesystem(url)
         md5 = etag_md5(stat.version)
-        bucket, key, version_id = fs.split_path(path)
+        # Split without s3fs: a job whose listing went through obstore never imports it here.
+        where = s3_bucket_and_key(url)
         missed = False
-        if md5 is not None and not version_id and stat.size <= _ON_THE_LOOP and bucket not in self._etags_not_md5:
-            data = await get_s3_whole_unchecked(fs, bucket, key, stat.size)
+        if md5 is not None and where is not None and stat.size <= _ON_THE_LOOP and where[0] not in self._etags_not_md5:
+            data = await get_s3_whole_unchecked(self.storage_options, *where, stat.size)
             if data is not None:
                 digest.restart(md5)
                 digest.update(data)
                 if digest.matches():
                     return data, True
                 missed = True
+        fs, path = self.filesystem(url)
         answer = await CONDITIONAL[scheme_of(url)].get(fs, path, None, stat.version)
         if answer is None:
             raise _changed(url, f"its ETag is no longer {stat.version}")
@@ -467,8 +490,8 @@ class Store(ProcessLocal):
         fed = len(answer.data) <= _ON_THE_LOOP
         if fed:
             digest.update(answer.data)
-            if missed and not digest.matches():
-                self._etags_not_md5.add(bucket)
+            if missed and where is not None and not digest.matches():
+                self._etags_not_md5.add(where[0])
         return answer.data, fed
 
     def _prefetch_one(self, url: str) -> None:
