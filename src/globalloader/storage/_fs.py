@@ -6,11 +6,12 @@ client (s3fs over aiobotocore) is made with one attempt per call in both of its 
 object data go through obstore (Rust's object_store: a third of aiobotocore's CPU per GET) with
 its retries off and the same timeouts, its errors translated as s3fs translates botocore's
 (see `_obstore_error`); so does the listing of a folder where obstore names every key as it is
-(`list_s3_quickly`), so that a job that only lists and reads ahead never imports s3fs; other
-listings, HEAD and writes stay on s3fs. Two cases read through s3fs
-still: a whole object whose ETag is no MD5 (the store's checksum headers, which obstore does not
-return, are all that checks it), and any GET of a process forked after its parent's first
-obstore GET (obstore's runtime does not survive a fork; see `_obstore_usable`). The pool of
+(`list_s3_quickly`), so that a job that only lists and reads ahead makes no s3fs client and
+waits for no import of it (`_import_s3fs_meanwhile`); other listings, HEAD and writes stay on
+s3fs. Two cases read through s3fs still: a whole object whose ETag is no MD5 (the store's
+checksum headers, which obstore does not return, are all that checks it), and any GET of a
+process forked after its parent's first obstore call, a GET or a listing (obstore's runtime
+does not survive a fork; see `_obstore_usable`). The pool of
 small downloads ahead reads an object whose ETag is an MD5 without a condition
 (`get_s3_whole_unchecked`) and checks the bytes against it instead. GCS's
 (gcsfs) and Azure's (adlfs over the Azure SDK) with their retry loops off too. Reads of one

@@ -242,7 +242,7 @@ class Store(ProcessLocal):
 
     def _s3_listed(self, root: str) -> dict[str, FileStat] | None:
         """The files below an S3 folder listed through obstore (`_fs.list_s3_quickly`: no s3fs
-        imported or client made for it), or None."""
+        client made for it, nor its import waited for), or None."""
         where = s3_bucket_and_key(root) if scheme_of(root) in S3_SCHEMES else None
         if where is None:
             return None
@@ -469,7 +469,7 @@ class Store(ProcessLocal):
         If-Match, which tells which. A bucket where even that version's bytes differ from its ETag
         (no MD5: encrypted with KMS) is read with If-Match alone from then on."""
         md5 = etag_md5(stat.version)
-        # Split without s3fs: a job whose listing went through obstore never imports it here.
+        # Split without s3fs: the pool's GETs make no s3fs client (a job's first GET waits for none).
         where = s3_bucket_and_key(url)
         missed = False
         if md5 is not None and where is not None and stat.size <= _ON_THE_LOOP and where[0] not in self._etags_not_md5:
