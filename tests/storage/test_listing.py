@@ -245,3 +245,36 @@ def test_a_job_reading_an_s3_folder_ahead_makes_no_s3fs_client(s3: dict[str, Any
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["40", "4000", "40", "[]"]
+
+
+_FORK_AFTER_LISTING = """
+import multiprocessing, sys
+from globalloader import storage
+store = storage.Store({options!r})
+assert store.find(sys.argv[1])  # through obstore: s3fs is being imported meanwhile
+
+def child(url):
+    stat = store.stat(url)  # a HEAD through s3fs: obstore cannot serve a process forked after its use
+    print(stat.size, storage.Store({options!r}).read_range(url, 0, stat.size) == b"x" * stat.size, flush=True)
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("fork").Process(target=child, args=(sys.argv[1] + "/0.bin",))
+    process.start()
+    process.join(60)
+    print(process.exitcode)
+"""
+
+
+def test_a_process_forked_while_s3fs_is_imported_after_a_listing_reads_through_it(
+    s3: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    """A fork right after a listing through obstore waits for the import of s3fs under way (a
+    child forked in the middle of it would inherit the module half made and hang or fail)."""
+    _put_keys(s3, {"k/0.bin": b"x" * 10, "k/1.bin": b"x" * 20})
+    env = dict(os.environ, GLOBALLOADER_CACHE_DIR=str(tmp_path / "cache"))
+    script = _FORK_AFTER_LISTING.format(options=s3["options"])
+    command = [sys.executable, "-c", script, f"s3://{s3['bucket']}/k"]
+    for _ in range(3):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["10", "True", "0"]

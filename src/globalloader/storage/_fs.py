@@ -309,7 +309,8 @@ def _import_s3fs_meanwhile() -> None:
 
 
 def _import_s3fs() -> None:
-    with contextlib.suppress(ImportError):  # without it, the reads that need it name the extra
+    # A head start only: what fails here (s3fs missing, say) fails again, named, where it is needed.
+    with contextlib.suppress(Exception):
         importlib.import_module("s3fs")
         session = _s3_defaults({}).get("session")
         if session is not None:  # S3's service model parsed once, here: a client is then quick to make
