@@ -300,7 +300,7 @@ def _import_s3fs_meanwhile() -> None:
     of its own while obstore lists (the listing waits on the store): once a process has used
     obstore, the workers it forks cannot (`_obstore_usable`), and a worker that reaches an object
     before the pool does fetches it through s3fs; importing it and parsing the model there would
-    cost that worker a third of a second and hold up its batch. Forked later, they inherit both:
+    hold up that worker's batch. Forked later, they inherit both:
     a fork waits for this thread to end (`_finish_import_before_fork`), since a child forked in
     the middle of an import would inherit the module half made."""
     if "s3fs" not in sys.modules and not _S3FS_IMPORT:
