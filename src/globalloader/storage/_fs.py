@@ -335,9 +335,12 @@ def _object_store(options: dict[str, Any], bucket: str) -> Any:
     """The obstore S3Store of `bucket`, made once per process from these storage options (the
     user's, or those of an s3fs filesystem made from them: the same store), for a call about to
     start obstore's runtime: this process is recorded as the one running it."""
-    # Not the aiobotocore session s3fs is given (`_s3_defaults`): the store makes no use of it.
-    settings = {name: value for name, value in _s3_config(options).items() if name != "session"}
-    key = (os.getpid(), json.dumps(settings, sort_keys=True, default=repr), bucket)
+    known = _STORE_SETTINGS.get(id(options))
+    if known is None or known[0] is not options:  # worked out once per options dict (a GET each object)
+        # Not the aiobotocore session s3fs is given (`_s3_defaults`): the store makes no use of it.
+        settings = {name: value for name, value in _s3_config(options).items() if name != "session"}
+        known = _STORE_SETTINGS[id(options)] = (options, json.dumps(settings, sort_keys=True, default=repr))
+    key = (os.getpid(), known[1], bucket)
     store = _OBJECT_STORES.get(key)
     if store is None:
         with _INSTANCES_LOCK:
@@ -658,6 +661,8 @@ def _make(url: str, scheme: str, kwargs: dict[str, Any]) -> Any:
 
 _INSTANCES: dict[tuple[int, str, str], Any] = {}  # (pid, scheme, options) -> filesystem
 _OBJECT_STORES: dict[tuple[int, str, str], Any] = {}  # (pid, options, bucket) -> obstore S3Store
+# id of an options dict -> (the dict, kept so its id is never another's; what of it decides a store)
+_STORE_SETTINGS: dict[int, tuple[dict[str, Any], str]] = {}
 _OBSTORE_PID: list[int] = []  # the process that started obstore's runtime (its first GET or listing)
 _ETAG_IS_MD5: dict[tuple[str, str], bool] = {}  # (path, ETag) -> whether the ETag is the MD5
 _ETAG_IS_MD5_KEPT = 65536  # answers kept, the oldest dropped first
