@@ -301,7 +301,7 @@ def _import_s3fs_meanwhile() -> None:
     obstore, the workers it forks cannot (`_obstore_usable`), and a worker that reaches an object
     before the pool does fetches it through s3fs; importing it and parsing the model there would
     hold up that worker's batch. Forked later, they inherit both:
-    a fork waits for this thread to end (`_finish_import_before_fork`), since a child forked in
+    a fork waits for this thread to end (`finish_s3fs_import`), since a child forked in
     the middle of an import would inherit the module half made."""
     if "s3fs" not in sys.modules and not _S3FS_IMPORT:
         _S3FS_IMPORT.append(threading.Thread(target=_import_s3fs, name="globalloader-import-s3fs", daemon=True))
@@ -319,7 +319,9 @@ def _import_s3fs() -> None:
                 loader.load_service_model("s3", kind)
 
 
-def _finish_import_before_fork() -> None:
+def finish_s3fs_import() -> None:
+    """Wait (IMPORT_WAIT at most) for the import `_import_s3fs_meanwhile` started, if any: before
+    a fork, and before a benchmark's clock (a one-off of the job's start, not of its objects)."""
     if _S3FS_IMPORT:
         _S3FS_IMPORT[0].join(IMPORT_WAIT)
 
@@ -737,4 +739,4 @@ _S3FS_IMPORT: list[threading.Thread] = []  # the thread importing s3fs (`_import
 IMPORT_WAIT = 60.0  # seconds a fork waits for that import
 
 
-os.register_at_fork(before=_finish_import_before_fork, after_in_child=_forget_inherited_clients)
+os.register_at_fork(before=finish_s3fs_import, after_in_child=_forget_inherited_clients)
