@@ -10,11 +10,13 @@ import multiprocessing
 import os
 import pathlib
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Iterator
 from typing import Any, Self
 
@@ -26,7 +28,8 @@ from globalloader import storage
 from globalloader.demo.s3 import write_shards
 from globalloader.errors import RemoteAccessError, RemoteReadError, SourceError, StorageError
 from globalloader.sources import TarShards
-from globalloader.storage.cache import READERS, Entry, ObjectCache, stored_size
+from globalloader.storage import cache as cache_module
+from globalloader.storage.cache import CHECK_BLOCK, READERS, Entry, ObjectCache, _Checksums, stored_size
 from globalloader.storage.cache_stats import try_until
 from globalloader.storage.prefetch import IN_FLIGHT
 from globalloader.storage.registry import live
@@ -443,3 +446,42 @@ def test_the_read_ahead_fetches_every_shard_of_every_epoch_as_the_reads_make_roo
             ]
         assert sum(proxy.bytes_sent[key] for key in keys) - before <= sum(st.size for st in src._stats)
     src.close()
+
+
+def test_the_read_ahead_spends_half_the_room_a_record_read_left_then_reads_it_again(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download ahead does not read the machine's record for each small object: a read that
+    left room R lends this handle R/2 for a short while. Another process taking every byte
+    meanwhile costs at most that half: once it is spent, the record is read again and says no;
+    room given back is seen at the next read."""
+    monkeypatch.setattr(cache_module, "_ROOM_REREAD", 60.0)  # the lend outlives the test: its bytes end it
+    unit = stored_size(10_000)
+    root = tmp_path / "objects"
+    ahead, other = ObjectCache(root, limit=100 * unit), ObjectCache(root, limit=100 * unit)
+    assert ahead.room_ahead(10_000)  # read: 100 units free, this one taken, half the other 99 lent
+    with other.stats.update() as record:
+        record["reserved"] += 100 * unit  # another process takes the whole limit
+    granted = 0
+    while ahead.room_ahead(10_000) and granted < 100:
+        granted += 1
+    assert granted == 49
+    assert not ahead.room_ahead(10_000)  # read again: still full
+    with other.stats.update() as record:
+        record["reserved"] -= 100 * unit
+    assert ahead.room_ahead(10_000)
+
+
+@pytest.mark.parametrize("size", [0, 1, CHECK_BLOCK - 1, CHECK_BLOCK, CHECK_BLOCK + 1, 3 * CHECK_BLOCK + 7])
+def test_an_entrys_checksums_do_not_depend_on_how_its_bytes_arrive(size: int) -> None:
+    """The CRC of the data and of each CHECK_BLOCK, whole or in chunks of any size (the first
+    block's CRC is the data's while the data fits in it: computed once then)."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    blocks = [data[i : i + CHECK_BLOCK] for i in range(0, size, CHECK_BLOCK)]
+    table = b"".join(struct.pack("<I", zlib.crc32(block)) for block in blocks)
+    for chunk in (1, 1000, CHECK_BLOCK - 1, CHECK_BLOCK, size or 1):
+        sums = _Checksums()
+        for start in range(0, size, chunk):
+            sums.add(data[start : start + chunk])
+        assert (sums.crc, sums.length) == (zlib.crc32(data), size)
+        assert sums.tail()[: len(table)] == table and len(sums.tail()) == len(table) + 16

@@ -107,6 +107,7 @@ HELD_WAIT = 1.0
 AHEAD_CLAIM = 3600 * 10**9  # ns
 READERS = "readers"  # the folder's sub-folder where reading processes register their hold (see `room_ahead`)
 _READERS_RECOUNT = 0.1  # seconds between two sums of the machine's readers' holds
+_ROOM_REREAD = 0.05  # seconds a record read lends its room to `_room_on_machine` (see there)
 _TOUCH_EVERY = 10**9  # ns: an open sets the access time (the LRU clock) if older than this
 _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the cache's size
 # Seconds a download waits for the counters' lock to reserve its bytes (held for a few system calls
@@ -537,6 +538,7 @@ class ObjectCache:
         self._ahead: collections.deque[tuple[pathlib.Path, int]] = collections.deque()
         self._ahead_bytes = 0
         self._ahead_pruned = 0  # time.time_ns() of the last look at every one (see `room_ahead`)
+        self._machine_room = (0.0, 0)  # until when (monotonic) and how many bytes `_room_on_machine` may give unread
 
     def open(self, entry: Entry, download: Download, ahead: bool = False) -> CachedFile:
         """The entry, opened; downloaded first if missing (a damaged one is fetched again when a
@@ -755,7 +757,17 @@ class ObjectCache:
 
     def _room_on_machine(self, needed: int) -> bool:
         """Whether `needed` bytes fit under the limit beside the machine's entries and downloads
-        under way (the record), entries no reader holds or claimed evicted first when they do not."""
+        under way (the record), entries no reader holds or claimed evicted first when they do not.
+        A record read that left room leaves this handle half of it for _ROOM_REREAD seconds (the
+        other half for the other processes meanwhile): a download ahead of many small objects
+        reads it once per many, not once each. A guess only: the write checks the limit again,
+        under the record's lock."""
+        now = time.monotonic()
+        with self._held_lock:
+            until, budget = self._machine_room
+            if now < until and budget >= needed:
+                self._machine_room = (until, budget - needed)
+                return True
         for evicted in (False, True):
             try:
                 record = self.stats.read(_RECORD_WAIT)
@@ -763,6 +775,8 @@ class ObjectCache:
                 return True
             taken = record["bytes"] + record["reserved"]
             if not taken or taken + needed <= self.limit:
+                with self._held_lock:
+                    self._machine_room = (now + _ROOM_REREAD, (self.limit - taken - needed) // 2)
                 return True
             if evicted or not self.evict(max(0, self.limit - record["reserved"] - needed)):
                 return False
@@ -1203,6 +1217,11 @@ class _Checksums:
         self._table = bytearray()
 
     def add(self, chunk: bytes) -> None:
+        if self.length + len(chunk) < CHECK_BLOCK:  # all in the first block: its CRC is the data's
+            self.crc = self._block_crc = zlib.crc32(chunk, self.crc)
+            self.length += len(chunk)
+            self._block_fill = self.length
+            return
         self.crc = zlib.crc32(chunk, self.crc)
         self.length += len(chunk)
         view = memoryview(chunk)

@@ -34,6 +34,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from multiprocessing import util as _mp_util
+from typing import Any
 
 from globalloader import _paths
 from globalloader.errors import StorageError
@@ -74,38 +75,13 @@ class CacheStats:
         """The record for the block: change its values to update it (written when the block ends
         without an exception). Changes of the folder's entries belong inside. When the lock is
         busy (see the module doc) the block gets zeros instead, and its changes are deferred."""
-        with self._held(0.0 if _DEFERRED.has(self.path) else BUSY_WAIT) as fd:
-            if fd is None:
+        with _Locked(self, 0.0 if _DEFERRED.has(self.path) else BUSY_WAIT, or_none=True) as record:
+            if record is None:
                 changes = dict.fromkeys(FIELDS, 0)
                 yield changes
                 _DEFERRED.add(self, changes)
                 return
-            with self._locked_record(fd) as record:
-                yield record
-
-    @contextlib.contextmanager
-    def _held(self, timeout: float) -> Iterator[int | None]:
-        """The record's descriptor under its flock, or None when not got within `timeout` seconds.
-        One descriptor per handle, kept open (an open, a check and a close fewer per update: one
-        per cache entry written or read); a flock does not exclude the threads sharing a
-        descriptor, so a thread lock does."""
-        deadline = time.monotonic() + timeout
-        if not self._guard.acquire(timeout=timeout):
-            yield None
-            return
-        try:
-            fd = self._descriptor()
-            if not _try_lock(fd, max(0.0, deadline - time.monotonic())):
-                yield None
-                return
-            try:
-                yield fd
-            finally:
-                # Unlock explicitly: a child forked by another thread meanwhile holds a copy of the
-                # descriptor, and a flock lasts until every copy is closed or one unlocks it.
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            self._guard.release()
+            yield record
 
     def _descriptor(self) -> int:
         """The open record (opened again when its file was removed: `rm -rf` of the cache)."""
@@ -119,9 +95,9 @@ class CacheStats:
         self._closer = weakref.finalize(self, _close_quietly, self._fd)
         return self._fd
 
-    @contextlib.contextmanager
-    def _locked_record(self, fd: int) -> Iterator[dict[str, int]]:
-        """The record of `fd` (locked), with this process's deferred changes added."""
+    def _read_locked(self, fd: int) -> tuple[dict[str, int], dict[str, int] | None, dict[str, int]]:
+        """The record of `fd` (locked) with this process's deferred changes added, the record as
+        read (None: new or damaged), and those changes."""
         record = _unpack(os.pread(fd, _RECORD.size + _CRC.size, 0))
         before = dict(record) if record is not None else None
         deferred = _DEFERRED.take(self.path)
@@ -131,31 +107,17 @@ class CacheStats:
             deferred |= {"bytes": 0, "entries": 0}  # the walk has counted them
         for field, change in deferred.items():
             record[field] += change
-        try:
-            yield record
-        except BaseException:
-            _DEFERRED.add(self, deferred)  # not written: kept for the next update
-            raise
-        if record != before:
-            os.pwrite(fd, _pack(record), 0)
+        return record, before, deferred
 
     def write_deferred(self, timeout: float) -> None:
         """Add this process's deferred changes to the record if the lock is free within `timeout`."""
         with contextlib.suppress(StorageError), self.locked(timeout):
             pass
 
-    @contextlib.contextmanager
-    def locked(self, timeout: float = LOCK_TIMEOUT) -> Iterator[dict[str, int]]:
+    def locked(self, timeout: float = LOCK_TIMEOUT) -> _Locked:
         """The record for the block, like `update` but waiting for the lock up to `timeout` seconds
         (else a StorageError): to read it, or to set values rather than add to them."""
-        with self._held(timeout) as fd:
-            if fd is None:
-                raise StorageError(
-                    f"waited {timeout:.0f} s for the lock of the cache's counters {self.path}; "
-                    "a process holding it is stopped or hung"
-                )
-            with self._locked_record(fd) as record:
-                yield record
+        return _Locked(self, timeout)
 
     def read(self, timeout: float = LOCK_TIMEOUT) -> dict[str, int]:
         with self.locked(timeout) as record:
@@ -171,6 +133,66 @@ class CacheStats:
                 return _paths.open_file(self.path, os.O_RDWR, mode)[0]
         except OSError as exc:
             raise StorageError(f"cannot open the cache's counters {self.path}: {exc.strerror}") from None
+
+
+class _Locked:
+    """The record under its lock for a `with` block (`CacheStats.locked`, `update`): its descriptor
+    under the flock, the record read with this process's deferred changes added, written back
+    when the block ends without an exception and changed it. One descriptor per handle, kept open
+    (an open, a check and a close fewer per update: one per cache entry written or read); a flock
+    does not exclude the threads sharing a descriptor, so a thread lock does. Not within `timeout`
+    seconds: a StorageError, or the block gets None (`or_none`). A class, not a generator:
+    it runs about twice per object a download ahead writes."""
+
+    __slots__ = ("_before", "_deferred", "_fd", "_or_none", "_record", "_stats", "_timeout")
+
+    def __init__(self, stats: CacheStats, timeout: float, or_none: bool = False) -> None:
+        self._stats, self._timeout, self._or_none, self._fd = stats, timeout, or_none, -1
+
+    def __enter__(self) -> Any:
+        stats = self._stats
+        deadline = time.monotonic() + self._timeout
+        if not stats._guard.acquire(timeout=self._timeout):
+            return self._not_got()
+        locked = False
+        try:
+            fd = stats._descriptor()
+            locked = _try_lock(fd, max(0.0, deadline - time.monotonic()))
+            if locked:
+                self._record, self._before, self._deferred = stats._read_locked(fd)
+        except BaseException:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            stats._guard.release()
+            raise
+        if not locked:
+            stats._guard.release()
+            return self._not_got()
+        self._fd = fd
+        return self._record
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if self._fd < 0:  # not got: nothing held
+            return
+        try:
+            if kind is not None:
+                _DEFERRED.add(self._stats, self._deferred)  # not written: kept for the next update
+            elif self._record != self._before:
+                os.pwrite(self._fd, _pack(self._record), 0)
+        finally:
+            # Unlock explicitly: a child forked by another thread meanwhile holds a copy of the
+            # descriptor, and a flock lasts until every copy is closed or one unlocks it.
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._fd = -1
+            self._stats._guard.release()
+
+    def _not_got(self) -> None:
+        if self._or_none:
+            return
+        raise StorageError(
+            f"waited {self._timeout:.0f} s for the lock of the cache's counters {self._stats.path}; "
+            "a process holding it is stopped or hung"
+        )
 
 
 class _Deferred:
