@@ -322,9 +322,14 @@ def _available(system: str) -> str | None:
     return None if probe.returncode == 0 else f"{module} does not import: {probe.stderr.strip().splitlines()[-1:]}"
 
 
-def _run(system: str, data: dict[str, Any], proxy: FaultProxy, workers: int) -> dict[str, Any]:
-    """One round of `system` in a fresh process: its figures, or {"error": why it failed}."""
+def _run(system: str, data: dict[str, Any], proxy: FaultProxy, workers: int, left: list[Path]) -> dict[str, Any]:
+    """One round of `system` in a fresh process: its figures, or {"error": why it failed}. Its
+    scratch folder (gl's cache) joins `left`, removed at the end of the benchmark: on ext4 without
+    a journal, creating a file skips one by one the inodes freed in the last 30 s
+    (dirty_expire_centisecs), so a gl run after another run's 1,000 entries were removed paid up to
+    a millisecond of kernel CPU per entry it wrote (the peers write none)."""
     scratch = Path(tempfile.mkdtemp(prefix="gl-folder-bench-"))
+    left.append(scratch)
     env = dict(os.environ, GLOBALLOADER_CACHE_DIR=str(scratch / "gl-cache"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     spec = {"system": system, "proxy": proxy.url, "workers": workers, **data}
@@ -346,8 +351,6 @@ def _run(system: str, data: dict[str, Any], proxy: FaultProxy, workers: int) -> 
         return result
     except subprocess.TimeoutExpired:
         return {"error": "no result within 1800 s"}
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _summary(values: list[float | None]) -> dict[str, float] | None:
@@ -521,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     server = MotoServer()
     proxy = FaultProxy(server.port)
     root = Path(tempfile.mkdtemp(prefix="gl-folder-data-"))
+    left: list[Path] = []  # the runs' scratch folders (see `_run`)
     try:
         data = _write(root, args.samples, proxy.url, new_bucket(proxy.url))
         report: dict[str, Any] = {
@@ -539,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
             with tqdm(total=args.rounds * len(systems), desc=f"latency {latency * 1e3:.0f} ms") as bar:
                 for _ in range(args.rounds):
                     for system in systems:
-                        runs.setdefault(system, []).append(_run(system, data, proxy, args.workers))
+                        runs.setdefault(system, []).append(_run(system, data, proxy, args.workers, left))
                         bar.update()
             report["latency"][f"{latency * 1e3:.0f} ms"] = _digest(runs, data, latency)
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -549,7 +553,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         proxy.stop()
         server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        for folder in [root, *left]:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
