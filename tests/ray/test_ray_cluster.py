@@ -416,11 +416,12 @@ def lose_a_worker_mid_epoch(loss_cluster: tuple[Cluster, dict[str, Any]], data: 
         out = ray.get(reads, timeout=120)
         assert all(isinstance(rank, list) for rank in out), out
         assert_same(out, reference)  # Ray made the lost outputs again, from the same seeds
-        # Trainers' nodes have no CPU: every output is pulled from another node. An output of epoch 1
-        # lost with its node lives nowhere while Ray makes it again, so the count may miss it there.
+        # Trainers' nodes have no CPU: every output is pulled from another node. An output lost with
+        # its node (one of epoch 1, made ahead, or one of epoch 0 the trainer had not reached) lives
+        # nowhere while Ray makes it again, so the count may miss it (as `OutputPrefetcher` says).
         for stats in ray.get([t.stats.remote() for t in trainers]):
-            assert stats[0]["pulled_outputs"] == 2 and stats[0]["pulled_bytes"] > 0, stats
-            assert 1 <= stats[1]["pulled_outputs"] <= 2 and stats[1]["pulled_bytes"] > 0, stats
+            for epoch in (0, 1):
+                assert 1 <= stats[epoch]["pulled_outputs"] <= 2 and stats[epoch]["pulled_bytes"] > 0, stats
         close_all(trainers)
         return out
     finally:
