@@ -248,12 +248,13 @@ def test_a_job_reading_an_s3_folder_ahead_makes_no_s3fs_client(s3: dict[str, Any
 
 
 _FORK_AFTER_LISTING = """
-import multiprocessing, sys
+import faulthandler, multiprocessing, os, signal, sys, time
 from globalloader import storage
 store = storage.Store({options!r})
 assert store.find(sys.argv[1])  # through obstore: s3fs is being imported meanwhile
 
 def child(url):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung child's stacks, on the parent's ask
     stat = store.stat(url)  # a HEAD through s3fs: obstore cannot serve a process forked after its use
     print(stat.size, storage.Store({options!r}).read_range(url, 0, stat.size) == b"x" * stat.size, flush=True)
 
@@ -261,6 +262,12 @@ if __name__ == "__main__":
     process = multiprocessing.get_context("fork").Process(target=child, args=(sys.argv[1] + "/0.bin",))
     process.start()
     process.join(60)
+    if process.exitcode is None:  # hung: its stacks on stderr, then ended (else the exit would wait for it)
+        os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(2)
+        process.kill()
+        process.join(10)
+        print("hung")
     print(process.exitcode)
 """
 
@@ -277,4 +284,4 @@ def test_a_process_forked_while_s3fs_is_imported_after_a_listing_reads_through_i
     for _ in range(3):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.split() == ["10", "True", "0"]
+        assert done.stdout.split() == ["10", "True", "0"], done.stderr[-6000:]  # a hung child's stacks
