@@ -466,6 +466,9 @@ def test_the_read_ahead_spends_half_the_room_a_record_read_left_then_reads_it_ag
     while ahead.room_ahead(10_000) and granted < 100:
         granted += 1
     assert granted == 49
+    with ahead.claim(Entry("s3://b/lent", 10_000, "v"), time.time()) as fill:
+        assert fill is not None and not fill(b"a" * 10_000, False)  # the write checks under the lock
+    assert not (root / Entry("s3://b/lent", 10_000, "v").name()).exists()
     assert not ahead.room_ahead(10_000)  # read again: still full
     with other.stats.update() as record:
         record["reserved"] -= 100 * unit
