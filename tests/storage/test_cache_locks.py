@@ -142,6 +142,29 @@ def test_a_download_ahead_the_reads_overtook_is_not_made(tmp_path: Any) -> None:
         assert fill is not None
 
 
+def test_a_fetch_overtakes_only_its_own_entry_not_others_of_its_slot(tmp_path: Any) -> None:
+    """Two entries whose fetch times share a slot of the lock file: a reader's fetch of one makes
+    the pool skip that one only. The other, asked for before that fetch and never read, is still
+    downloaded ahead (with the time alone in the slot, its reader had to fetch it itself)."""
+    from globalloader.storage.cache import _fetched_slot
+
+    cache = ObjectCache(tmp_path / "cache")
+    by_slot: dict[int, Entry] = {}
+    for i in range(100_000):
+        entry = Entry(f"s3://b/{i}.bin", 5, "v")
+        slot, tag = _fetched_slot(entry.name())
+        other = by_slot.setdefault(slot, entry)
+        if other is not entry and _fetched_slot(other.name())[1] != tag:
+            break
+    asked = time.time()
+    cache.open(entry, lambda write: write(b"abcde")).close()
+    assert cache.evict(target=0) > 0
+    with cache.claim(entry, asked) as fill:
+        assert fill is None  # read since it was asked for: not downloaded twice
+    with cache.claim(other, asked) as fill:
+        assert fill is not None  # not read: downloaded ahead
+
+
 # Holds the counters' lock for 1.5 s: a fill that waited for it would get it and write.
 _HOLD_COUNTERS = """
 import sys, time

@@ -101,6 +101,32 @@ def test_the_first_gets_are_answered_before_more_join_them_then_the_limit_double
     assert counters["fetched"] == 100 and proxy.count("GET", f"/{s3['bucket']}/images/") == 100
 
 
+def test_a_reader_waits_for_the_pools_get_of_an_object_the_slow_start_holds_back(s3: dict[str, Any]) -> None:
+    """The pool claims the objects it queued up to its ceiling, not only those the slow start lets
+    in flight: a reader that gets to one of the others first (another handle on the machine's
+    cache, as a worker is) waits for the pool's GET instead of making its own. Before, at every
+    job's start, a worker whose first batch was past the slow start's GETs fetched one itself."""
+    objects = _folder(s3, 100, size=100)
+    proxy = s3["proxy"]
+    src = gl.Files(f"s3://{s3['bucket']}/images", storage_options=s3["options"], fetch_concurrency=128)
+    key = src.relative_path(50)  # to be claimed, its GET not started
+    url = f"s3://{s3['bucket']}/images/{key}"
+    reader = storage.Store(s3["options"])
+    stat = reader.stat(url)
+    proxy.latency = 0.5  # the first round's answers come after the read below starts
+    src.prefetch(np.arange(100))
+    deadline = time.monotonic() + 10
+    while proxy.in_flight < fetch_ahead.SLOW_START:
+        assert time.monotonic() < deadline, f"{proxy.in_flight} GETs in flight"
+        time.sleep(0.01)
+    assert src.store.fetch_counters()["claimed"] == 100 - fetch_ahead.SLOW_START
+    assert reader.read_object(url, stat) == objects[key]
+    counters = _wait_for(src.store, 100)
+    assert counters["fetched"] == 100 and counters["claimed"] == 0
+    assert counters["skipped"] == 0  # the pool made every GET: none was overtaken by the reader's own
+    assert proxy.count("GET", f"/{s3['bucket']}/images/") == 100
+
+
 def test_in_flight_requests_memory_and_bytes_ahead_are_bounded(s3: dict[str, Any]) -> None:
     _folder(s3, 40, size=1000)
     proxy = s3["proxy"]
@@ -241,6 +267,35 @@ def test_the_first_answers_are_read_before_a_whole_limit_of_requests_is_sent() -
         loop.close()
     assert events.index(("done", 0)) < events.index(("sent", 63))
     assert sorted(number for kind, number in events if kind == "done") == list(range(64))  # each once
+
+
+def test_closing_the_pool_releases_the_claims_its_gets_never_started() -> None:
+    """Objects claimed ahead of their GETs (the slow start holds them back) are released when the
+    pool closes, so their readers fetch them instead of waiting for a GET that never comes; those
+    in flight are released when their GETs end."""
+    released: list[int] = []
+    answer = asyncio.Event()
+
+    async def fetch(url: str, number: int) -> None:
+        await answer.wait()
+
+    loop = asyncio.new_event_loop()
+    try:
+        pool = fetch_ahead.FetchAhead(
+            fetch, loop, concurrency=64, memory=1 << 20, claim=lambda url, i: (i, lambda: released.append(i))
+        )
+        pool.request((f"s3://b/{i}", 1, i) for i in range(100))
+        loop.run_until_complete(asyncio.sleep(0.05))
+        counters = pool.counters()
+        assert counters["in_flight"] == fetch_ahead.SLOW_START and counters["claimed"] == 64 - fetch_ahead.SLOW_START
+        pool.close(timeout=0)
+        assert sorted(released) == list(range(fetch_ahead.SLOW_START, 64))
+        assert pool.counters()["dropped"] == 100 - fetch_ahead.SLOW_START and pool.counters()["claimed"] == 0
+        answer.set()
+        loop.run_until_complete(asyncio.sleep(0.05))
+    finally:
+        loop.close()
+    assert sorted(released) == list(range(64))  # each once
 
 
 def test_disk_work_runs_calls_in_order_off_the_loop_and_hands_back_their_errors() -> None:

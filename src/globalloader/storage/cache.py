@@ -228,14 +228,20 @@ def _pieces(fd: int, end: int) -> Iterator[bytes]:
 # dies, and the folder holds one file however many entries the cache has.
 _DOWNLOADS = "downloads"
 # The first FETCHED_SLOTS * 8 bytes of that file: when a reader last fetched an entry of each slot
-# (the entry's lock byte modulo the slots). Two entries may share a slot: a download ahead then
-# skips an entry not yet read, which its reader fetches itself; never a wrong read.
+# (the entry's lock byte modulo the slots), in microseconds, above 12 more bits of the entry's name
+# (its tag). With the time alone, a reader's fetch of one entry made a download ahead skip any other
+# entry of its slot not read yet (with the 4096 a loader asks ahead, one fetch in 16 did), and its
+# reader fetched it itself. Now two entries are mistaken only when slot and tag agree (one pair in
+# 2**28), and never into a wrong read: a skipped download is its reader's fetch; a fetch
+# overwritten by another entry's may let a download ahead fetch again an entry read and evicted.
 FETCHED_SLOTS = 1 << 16
-_FETCHED_AT = struct.Struct("<d")
+_FETCHED_AT = struct.Struct("<Q")
+_TAG_BITS = 12
 
 
-def _fetched_slot(byte: int) -> int:
-    return (byte % FETCHED_SLOTS) * _FETCHED_AT.size
+def _fetched_slot(name: str) -> tuple[int, int]:
+    """The entry's slot (an offset in the lock file) and tag (bits of its name not in the slot)."""
+    return (_lock_byte_of(name) % FETCHED_SLOTS) * _FETCHED_AT.size, int(name[15:18], 16)
 
 
 # The mark of the temporary files of entries written under the counters' lock with no reservation
@@ -579,8 +585,12 @@ class ObjectCache:
         """Whether a reader fetched the entry (or waited for its download) after `since` (a
         time.time()): a download ahead asked for before that was overtaken by the reads, and the
         entry, gone now, was read and evicted; fetched again it would be downloaded twice."""
-        raw = self._downloads.pread(_FETCHED_AT.size, _fetched_slot(_lock_byte_of(entry.name())))
-        return len(raw) == _FETCHED_AT.size and _FETCHED_AT.unpack(raw)[0] >= since
+        offset, tag = _fetched_slot(entry.name())
+        raw = self._downloads.pread(_FETCHED_AT.size, offset)
+        if len(raw) != _FETCHED_AT.size:
+            return False
+        (value,) = _FETCHED_AT.unpack(raw)
+        return value & ((1 << _TAG_BITS) - 1) == tag and (value >> _TAG_BITS) >= since * 1e6
 
     @contextlib.contextmanager
     def claim(self, entry: Entry, since: float) -> Iterator[Callable[[bytes, bool], bool] | None]:
@@ -870,8 +880,9 @@ class ObjectCache:
             return
         try:
             if wait:
-                # When a reader last fetched an entry of this slot (see `fetched_since`).
-                locks.pwrite(_FETCHED_AT.pack(time.time()), _fetched_slot(byte))
+                # When a reader last fetched an entry of this slot, and which (see `fetched_since`).
+                offset, tag = _fetched_slot(path.name)
+                locks.pwrite(_FETCHED_AT.pack(time.time_ns() // 1000 << _TAG_BITS | tag), offset)
             yield True
         finally:
             locks.unlock(byte)

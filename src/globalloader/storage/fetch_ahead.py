@@ -18,7 +18,9 @@ The machine's budget is shared, not multiplied: each pool registers in the cache
 (`fetchers/`, see `storage.registry`) and takes
 `concurrency // live pools`, counted again every `RECOUNT` seconds; a process that dies releases
 its lock, so its share returns to the others. Workers of a job never run a pool: they read what
-the pool fetched, or fetch one object themselves when they get there first.
+the pool fetched, or fetch one object themselves when they get there before the pool claimed it.
+The pool claims (`claim`: the object's download lock) what it queued up to its ceiling of
+requests in flight, ahead of the GETs the limit lets start, so a worker waits for those.
 
 Throttling (503 SlowDown, 429) halves the limit at once, at most once per round of requests sent
 under it (a burst of refusals to one round is one signal), and each success adds 1/limit (one
@@ -64,9 +66,12 @@ FETCHERS = "fetchers"  # the cache folder's sub-folder where pools register
 RECOUNT = 1.0  # seconds between counts of the pools sharing the machine's budget
 ROOM_POLL = 0.005  # seconds between two asks for room in the cache while there is none
 STARTS_PER_TURN = 8  # GETs started per turn of the event loop (see `_pump`)
+CLAIMS_PER_TURN = 64  # objects claimed per turn of the event loop (see `_claim_ahead`)
 SLOW_START = 32  # the first limit of requests in flight (see `_AIMD`)
 EXIT_WAIT = 10.0  # seconds a process ending waits for its GETs in flight (see `FetchAhead.close`)
 _ERRORS_KEPT = 64  # the latest permanent failures named in `errors`
+# An object asked for: url, bytes, what `fetch` is given with it, tries so far, time of the first.
+_Item = tuple[str, int, Any, int, float]
 
 
 def resolve(value: int | str | None, env: str, default: int, what: str) -> int:
@@ -171,7 +176,13 @@ class FetchAhead:
     """Runs `fetch(url, what)` (a coroutine) for requested URLs on `loop`, each URL once, at most
     `limit` at a time (AIMD under `concurrency`) and `memory` bytes of answers at once; the
     requests waiting are at most `depth`, and start as `room` allows. Thread-safe: `request` is called from any
-    thread; counters are read with `counters()`."""
+    thread; counters are read with `counters()`.
+
+    `claim(url, what)`, when given, is called on the loop before the GET, for the objects next in
+    the queue up to the ceiling of requests in flight (those the slow start or throttling hold
+    back included): it returns what `fetch` is given (the object claimed: its readers wait for
+    this pool's GET rather than make their own) and the call that releases the claim once the GET
+    is done or dropped, or None when there is nothing to fetch (counted as fetched)."""
 
     def __init__(
         self,
@@ -184,8 +195,10 @@ class FetchAhead:
         policy: retry.RetryPolicy = retry.DEFAULT,
         share: pathlib.Path | None = None,
         room: Callable[[int, int], bool] | None = None,
+        claim: Callable[[str, Any], tuple[Any, Callable[[], None]] | None] | None = None,
     ) -> None:
         self._fetch, self._loop, self._policy, self._room = fetch, loop, policy, room
+        self._claim = claim
         self._room_poll: asyncio.TimerHandle | None = None
         self.concurrency, self.memory, self.depth = concurrency, memory, depth
         self._share = Registration.of(share) if share is not None else None
@@ -193,15 +206,20 @@ class FetchAhead:
         self._limit = _AIMD(self._ceiling())
         self._counted_at = time.monotonic()
         self._lock = threading.Lock()
-        # url, bytes, what `fetch` is given with it, tries so far, time of the first
-        self._queue: collections.deque[tuple[str, int, Any, int, float]] = collections.deque()
+        self._queue: collections.deque[_Item] = collections.deque()
         self._queued_bytes = 0
+        # Claimed, waiting for the limit to start their GETs: url, bytes, what, tries, time of the
+        # first, what `fetch` is given, the claim's release.
+        self._held: collections.deque[tuple[str, int, Any, int, float, Any, Callable[[], None]]]
+        self._held = collections.deque()
+        self._held_bytes = 0
         # Queued or waiting to be tried again; not in flight: an object asked for again while its
         # GET is under way (a new epoch's) is queued again, and skipped then if it is still cached.
         self._asked: set[str] = set()
         self.in_flight = self.in_flight_bytes = 0
         self.peak_in_flight = self.peak_memory = 0
         self.fetched = self.bytes = self.throttled = self.retried = self.failed = self.dropped = 0
+        self.skipped = 0  # of the fetched, those with nothing to fetch (see `claim`)
         self.errors: collections.deque[str] = collections.deque(maxlen=_ERRORS_KEPT)
         self._closed, self._pid = False, os.getpid()
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -214,10 +232,13 @@ class FetchAhead:
             return
         with self._lock:
             self._closed = True
-            self.dropped += len(self._queue)
+            self.dropped += len(self._queue) + len(self._held)
             self._queue.clear()
             self._asked.clear()
-            self._queued_bytes = 0
+            self._queued_bytes = self._held_bytes = 0
+            held, self._held = self._held, collections.deque()
+        for *_, release in held:
+            release()
         deadline = time.monotonic() + timeout
         while self.in_flight and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -245,7 +266,9 @@ class FetchAhead:
 
     def counters(self) -> dict[str, int]:
         """What the pool did and holds: requests in flight now and at most, its limit now and at
-        its lowest, objects and bytes fetched, throttling answers, retries, failures, queue."""
+        its lowest, objects and bytes fetched (those found with nothing to fetch among them:
+        `skipped`), throttling answers, retries, failures, queue, objects claimed ahead of their
+        GETs."""
         with self._lock:
             return {
                 "in_flight": self.in_flight,
@@ -256,6 +279,7 @@ class FetchAhead:
                 "memory": self.in_flight_bytes,
                 "peak_memory": self.peak_memory,
                 "fetched": self.fetched,
+                "skipped": self.skipped,
                 "bytes": self.bytes,
                 "throttled": self.throttled,
                 "retried": self.retried,
@@ -263,11 +287,13 @@ class FetchAhead:
                 "dropped": self.dropped,
                 "queued": len(self._queue),
                 "queued_bytes": self._queued_bytes,
+                "claimed": len(self._held),
             }
 
     def _pump(self) -> None:
-        """Start GETs while the limits allow (on the loop's thread), STARTS_PER_TURN per turn of
-        the loop: preparing a request costs the client about a millisecond of CPU, so starting a
+        """Claim what the queue holds up to the ceiling (`_claim_ahead`), then start GETs of the
+        claimed while the limits allow (on the loop's thread), STARTS_PER_TURN per turn of the
+        loop: preparing a request costs the client about a millisecond of CPU, so starting a
         whole limit's worth at once would keep the answers to the first ones (those the first
         batch waits for) unread for as long as it takes to send the last."""
         now = time.monotonic()
@@ -277,38 +303,74 @@ class FetchAhead:
             if self._share is not None and now - self._counted_at > RECOUNT:
                 self._counted_at = now
                 self._limit.set_ceiling(self._ceiling())
+            failed, more = self._claim_ahead(now)
             started = 0
-            while self._queue and self.in_flight < int(self._limit.value):
+            while self._held and self.in_flight < int(self._limit.value):
                 if started == STARTS_PER_TURN:
-                    self._loop.call_soon(self._pump)  # after the answers that arrived meanwhile
+                    more = True
                     break
-                started += 1
-                url, size, what, tries, since = self._queue[0]
+                url, size, what, tries, since, given, release = self._held[0]
                 if self.in_flight and self.in_flight_bytes + size > self.memory:
                     break
-                if self._room is not None and not self._room(size, self.in_flight_bytes):
-                    if self._room_poll is None:  # the readers make room, not an answer: ask again
-                        self._room_poll = self._loop.call_later(ROOM_POLL, self._poll_room)
-                    break
-                self._queue.popleft()
-                self._asked.discard(url)
-                self._queued_bytes -= size
+                started += 1
+                self._held.popleft()
+                self._held_bytes -= size
                 self.in_flight += 1
                 self.in_flight_bytes += size
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                 self.peak_memory = max(self.peak_memory, self.in_flight_bytes)
-                self._loop.create_task(self._one(url, size, what, tries, since or now, self._limit.round))
+                item = (url, size, what, tries, since)
+                self._loop.create_task(self._one(item, given, release, self._limit.round))
+            if more:
+                self._loop.call_soon(self._pump)  # after the answers that arrived meanwhile
+        for exc, item in failed:
+            self._failed(exc, item, self._limit.round)
+
+    def _claim_ahead(self, now: float) -> tuple[list[tuple[Exception, _Item]], bool]:
+        """Claim objects of the queue (`claim`) while the claimed and those in flight are fewer
+        than the ceiling and `room` allows (their bytes counted as under way): a reader that gets
+        to one before its GET starts waits for it, instead of making one of its own (a worker's
+        first batch, which the slow start holds back, did so at every job's start). At most
+        CLAIMS_PER_TURN (each is disk work on the loop). Under the pool's lock; returns the claims
+        that failed, for `_failed`, and whether more are to be made."""
+        failed: list[tuple[Exception, _Item]] = []
+        for _ in range(CLAIMS_PER_TURN):
+            if not self._queue or len(self._held) + self.in_flight >= self._limit.ceiling:
+                return failed, False
+            url, size, what, tries, since = self._queue[0]
+            if self._room is not None and not self._room(size, self.in_flight_bytes + self._held_bytes):
+                if self._room_poll is None:  # the readers make room, not an answer: ask again
+                    self._room_poll = self._loop.call_later(ROOM_POLL, self._poll_room)
+                return failed, False
+            self._queue.popleft()
+            self._asked.discard(url)
+            self._queued_bytes -= size
+            try:
+                got = self._claim(url, what) if self._claim is not None else (what, _unclaimed)
+            except Exception as exc:  # noqa: BLE001 - counted and named as a failed GET is
+                failed.append((exc, (url, size, what, tries, since or now)))
+                continue
+            if got is None:  # nothing to fetch: cached, downloaded by another, read already
+                self._limit.succeeded()
+                self.fetched += 1
+                self.skipped += 1
+                self.bytes += size
+                continue
+            self._held.append((url, size, what, tries, since or now, *got))
+            self._held_bytes += size
+        return failed, bool(self._queue)
 
     def _poll_room(self) -> None:
         self._room_poll = None
         self._pump()
 
-    async def _one(self, url: str, size: int, what: Any, tries: int, since: float, sent_in_round: int) -> None:
+    async def _one(self, item: _Item, given: Any, release: Callable[[], None], sent_in_round: int) -> None:
+        url, size = item[:2]
         try:
             async with asyncio.timeout(self._policy.attempt_deadline(size)):  # no task of its own, as wait_for's
-                await self._fetch(url, what)
+                await self._fetch(url, given)
         except Exception as exc:  # noqa: BLE001 - counted and named; the read that needs it raises it
-            self._failed(exc, (url, size, what, tries, since), sent_in_round)
+            self._failed(exc, item, sent_in_round)
         else:
             with self._lock:
                 self._limit.succeeded()
@@ -318,9 +380,12 @@ class FetchAhead:
             with self._lock:
                 self.in_flight -= 1
                 self.in_flight_bytes -= size
-            self._pump()
+            try:
+                release()
+            finally:
+                self._pump()
 
-    def _failed(self, exc: Exception, item: tuple[str, int, Any, int, float], sent_in_round: int) -> None:
+    def _failed(self, exc: Exception, item: _Item, sent_in_round: int) -> None:
         """Count a failed GET; try it again later if it is a transient fault within the policy's
         attempts and deadline."""
         url, size, what, tries, since = item
@@ -341,7 +406,7 @@ class FetchAhead:
             self.failed += 1
             self.errors.append(f"{url}: {type(exc).__name__}: {exc}")
 
-    def _again(self, item: tuple[str, int, Any, int, float]) -> None:
+    def _again(self, item: _Item) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -349,6 +414,10 @@ class FetchAhead:
             self._asked.add(item[0])
             self._queued_bytes += item[1]
         self._pump()
+
+
+def _unclaimed() -> None:
+    """The release of an object a pool without `claim` fetches: nothing was claimed."""
 
 
 def _close_at_exit(pool: weakref.ref[FetchAhead]) -> None:

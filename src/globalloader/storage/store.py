@@ -22,6 +22,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -416,6 +417,7 @@ class Store(ProcessLocal):
                     policy=self.retry_policy,
                     share=self.cache.root / fetch_ahead.FETCHERS,
                     room=self.cache.room_ahead,
+                    claim=self._claim_small,
                 )
             now = time.time()
             self._wanted.update((url, (stat, now)) for url, stat in large)
@@ -437,29 +439,38 @@ class Store(ProcessLocal):
         small = stat.size <= min(self.block_size, self.whole_max)
         return scheme_of(url) in S3_SCHEMES and _pinned(url, stat) and small
 
-    async def _fetch_small(self, url: str, asked: tuple[FileStat, float]) -> None:
-        """One object of the pool (asked for at time.time() `asked[1]`): nothing if the cache
+    def _claim_small(self, url: str, asked: tuple[FileStat, float]) -> tuple[Any, Callable[[], None]] | None:
+        """An object of the pool (asked for at time.time() `asked[1]`) claimed in the cache
+        (`ObjectCache.claim`): its stat and `fill`, and the claim's release; None if the cache
         holds it, another process is downloading it or the reads overtook it (a reader fetched it
-        since: read, and maybe evicted since), else one GET (`_answer`), checked against its
-        checksums, written into the cache under the entry's download lock: on the loop when it is
-        small, matches and has room at once, else off the loop, batched (`fetch_ahead.DiskWork`)."""
+        since: read, and maybe evicted since)."""
         stat, since = asked
-        with self.cache.claim(Entry(url, stat.size, stat.version, -1, 0), since) as fill:
-            if fill is not None:
-                digest = self._digest(url, stat)
-                data, fed = await self._answer(url, stat, digest)
-                if fed and digest.matches() and fill(data, False):
-                    return
+        claim = contextlib.ExitStack()
+        fill = claim.enter_context(self.cache.claim(Entry(url, stat.size, stat.version, -1, 0), since))
+        if fill is None:
+            claim.close()
+            return None
+        return (stat, fill), claim.close
 
-                def check_and_fill(data: bytes) -> None:
-                    # off the loop: the hashing, the HEAD a mismatch may ask (`_digest`), the waits
-                    if not fed:
-                        digest.update(data)
-                    digest.check()
-                    fill(data, True)
+    async def _fetch_small(self, url: str, claimed: tuple[FileStat, Callable[[bytes, bool], bool]]) -> None:
+        """One object of the pool, claimed (`_claim_small`): one GET (`_answer`), checked against
+        its checksums, written into the cache under the entry's download lock: on the loop when it
+        is small, matches and has room at once, else off the loop, batched (`fetch_ahead.DiskWork`)."""
+        stat, fill = claimed
+        digest = self._digest(url, stat)
+        data, fed = await self._answer(url, stat, digest)
+        if fed and digest.matches() and fill(data, False):
+            return
 
-                assert self._fetch_ahead is not None  # the pool running this
-                await self._fetch_ahead.disk.run(check_and_fill, data)
+        def check_and_fill(data: bytes) -> None:
+            # off the loop: the hashing, the HEAD a mismatch may ask (`_digest`), the waits
+            if not fed:
+                digest.update(data)
+            digest.check()
+            fill(data, True)
+
+        assert self._fetch_ahead is not None  # the pool running this
+        await self._fetch_ahead.disk.run(check_and_fill, data)
 
     async def _answer(self, url: str, stat: FileStat, digest: Digest) -> tuple[bytes, bool]:
         """The bytes of a whole object of the pool at `stat`, and whether `digest` was fed them
