@@ -17,8 +17,7 @@ of 32, `--workers` (2) workers, in a fresh process with an empty cache folder:
 - server: the rate moto serves those objects with 64 GETs in flight and no decode (aiobotocore
   through s3fs's async calls), the second ceiling; the goal is measured against the lower;
 - gl-fetch: the pool alone (`Files.prefetch` of every object, no decode): the client's CPU
-  seconds per object (its process's CPU time over the objects, from the end of the import of
-  s3fs its listing began in the background: a one-off of a job's start);
+  seconds per object (its process's CPU time over the objects, from the end of its listing);
 - torch-s3fs-2 / -16: a torch DataLoader (2 and 16 workers) whose dataset reads each object with
   s3fs `cat_file`;
 - s3torch-2 / -16: Amazon's s3torchconnector `S3MapDataset` in a torch DataLoader;
@@ -169,10 +168,8 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         return result
     if system == "gl-fetch":
         import globalloader as gl
-        from globalloader.storage import _fs
 
         src = gl.Files(spec["url"], "*.jpg", storage_options=options(proxy))
-        _fs.finish_s3fs_import()
         cpu0, t0 = sum(_tree_cpu()), time.perf_counter()
         src.prefetch(np.arange(len(src)))
         while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(src):

@@ -16,8 +16,8 @@ whole for one version (with If-Match on its ETag, or its bytes checked against t
 - boto3: a thread pool of `--in-flight` threads over one client with as many pooled connections;
 - gl-pool: globalloader's own pool of downloads ahead (`Files.prefetch` into the machine cache:
   the GET, its checks and the cache write), the figure issue 40 bounds at 0.5 ms per object;
-  its clock starts once the import of s3fs its listing began in the background has ended (a
-  one-off of a job's start), and the wait for the pool looks at its counters every POLL seconds;
+  its clock starts after its listing and a first round of GETs (their client made), and the wait
+  for the pool looks at its counters every POLL seconds;
 - list-botocore, list-gl: one listing of the folder by s3fs's `find` (its LIST, botocore's XML
   parse: what `Store.find` falls back to where obstore cannot list a folder), after one that made
   the client; the CPU is divided by the objects listed. list-gl is
@@ -188,14 +188,12 @@ def _gl_pool(spec: dict[str, Any], keys: list[tuple[str, str]]) -> tuple[tuple[f
     import numpy as np
 
     import globalloader as gl
-    from globalloader.storage import _fs
 
     src = gl.Files(f"s3://{spec['bucket']}/objects", "*.bin", storage_options=options(spec["endpoint"]))
     warm = np.arange(spec["in_flight"])
     src.prefetch(warm)
     while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(warm):
         time.sleep(0.002)
-    _fs.finish_s3fs_import()  # the job's start: what its listing began (s3fs for forked workers)
     cpu = _cpu()
     src.prefetch(np.arange(len(src)))
     while (c := src.store.fetch_counters())["fetched"] + c["failed"] < len(src):

@@ -285,7 +285,6 @@ def list_s3_quickly(options: dict[str, Any], bucket: str, prefix: str) -> list[t
         store = _object_store(options, bucket)
         import obstore
 
-        _import_s3fs_meanwhile()
         pages = obstore.list(store, prefix=prefix)
         found = [(meta["path"], meta["size"], meta["e_tag"]) for page in pages for meta in page]
     except Exception:  # noqa: BLE001 - s3fs lists again, and names the fault
@@ -293,37 +292,6 @@ def list_s3_quickly(options: dict[str, Any], bucket: str, prefix: str) -> list[t
     if not found or any(not size or not etag for _, size, etag in found) or len({k for k, _, _ in found}) < len(found):
         return None
     return [(key, size, str(etag)) for key, size, etag in found]
-
-
-def _import_s3fs_meanwhile() -> None:
-    """Import s3fs, and parse S3's service model into the session its clients share, on a thread
-    of its own while obstore lists (the listing waits on the store): once a process has used
-    obstore, the workers it forks cannot (`_obstore_usable`), and a worker that reaches an object
-    before the pool does fetches it through s3fs; importing it and parsing the model there would
-    hold up that worker's batch. Forked later, they inherit both:
-    a fork waits for this thread to end (`finish_s3fs_import`), since a child forked in
-    the middle of an import would inherit the module half made."""
-    if "s3fs" not in sys.modules and not _S3FS_IMPORT:
-        _S3FS_IMPORT.append(threading.Thread(target=_import_s3fs, name="globalloader-import-s3fs", daemon=True))
-        _S3FS_IMPORT[0].start()
-
-
-def _import_s3fs() -> None:
-    # A head start only: what fails here (s3fs missing, say) fails again, named, where it is needed.
-    with contextlib.suppress(Exception):
-        importlib.import_module("s3fs")
-        session = _s3_defaults({}).get("session")
-        if session is not None:  # S3's service model parsed once, here: a client is then quick to make
-            loader = session.get_component("data_loader")
-            for kind in ("service-2", "endpoint-rule-set-1"):
-                loader.load_service_model("s3", kind)
-
-
-def finish_s3fs_import() -> None:
-    """Wait (IMPORT_WAIT at most) for the import `_import_s3fs_meanwhile` started, if any: before
-    a fork, and before a benchmark's clock (a one-off of the job's start, not of its objects)."""
-    if _S3FS_IMPORT:
-        _S3FS_IMPORT[0].join(IMPORT_WAIT)
 
 
 def _obstore_usable() -> bool:
@@ -735,8 +703,6 @@ def _forget_inherited_clients() -> None:
 
 
 _INHERITED: list[Any] = []  # the parent's S3 clients, kept so their __del__ never runs here
-_S3FS_IMPORT: list[threading.Thread] = []  # the thread importing s3fs (`_import_s3fs_meanwhile`), once
-IMPORT_WAIT = 60.0  # seconds a fork waits for that import
 
 
-os.register_at_fork(before=finish_s3fs_import, after_in_child=_forget_inherited_clients)
+os.register_at_fork(after_in_child=_forget_inherited_clients)
