@@ -298,6 +298,43 @@ def test_closing_the_pool_releases_the_claims_its_gets_never_started() -> None:
     assert sorted(released) == list(range(64))  # each once
 
 
+def test_an_object_whose_claim_fails_is_a_named_failure_and_the_others_are_fetched() -> None:
+    """The cache refusing a claim (its lock file unreadable, say) fails that object alone, named in
+    the pool's errors (its reader fetches it and reports what fails); one failing to tell its
+    room once (an I/O error: transient) has that object tried again. The pool goes on."""
+    fetched: list[int] = []
+    rooms: list[int] = []
+
+    def room(size: int, under_way: int) -> bool:
+        rooms.append(size)
+        if len(rooms) == 7:  # the object 6's
+            raise OSError(5, "Input/output error", "stats")
+        return True
+
+    def claim(url: str, i: int) -> tuple[int, Any]:
+        if i == 3:
+            raise PermissionError(13, "Permission denied", "locks/downloads")
+        return i, lambda: None
+
+    async def fetch(url: str, i: int) -> None:
+        fetched.append(i)
+
+    loop = asyncio.new_event_loop()
+    try:
+        pool = fetch_ahead.FetchAhead(fetch, loop, concurrency=8, memory=1 << 20, room=room, claim=claim)
+        pool.request((f"s3://b/{i}", 1, i) for i in range(10))
+        deadline = time.monotonic() + 30
+        while len(fetched) < 9 and time.monotonic() < deadline:  # the retry comes after a backoff
+            loop.run_until_complete(asyncio.sleep(0.05))
+    finally:
+        loop.close()
+    counters = pool.counters()
+    assert sorted(fetched) == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert counters["failed"] == 1 and counters["retried"] == 1 and counters["fetched"] == 9
+    assert counters["claimed"] == 0
+    assert list(pool.errors) == ["s3://b/3: PermissionError: [Errno 13] Permission denied: 'locks/downloads'"]
+
+
 def test_disk_work_runs_calls_in_order_off_the_loop_and_hands_back_their_errors() -> None:
     """The pool's disk work: each call once, in the order asked, on another thread than the
     loop's; a call's exception reaches the coroutine that awaits it; a call whose awaiting was
