@@ -322,9 +322,10 @@ def _available(system: str) -> str | None:
 def _run(system: str, data: dict[str, Any], proxy: FaultProxy, workers: int, left: list[Path]) -> dict[str, Any]:
     """One round of `system` in a fresh process: its figures, or {"error": why it failed}. Its
     scratch folder (gl's cache) joins `left`, removed at the end of the benchmark: on ext4 without
-    a journal, creating a file skips one by one the inodes freed in the last 30 s
-    (dirty_expire_centisecs), so a gl run after another run's 1,000 entries were removed paid up to
-    a millisecond of kernel CPU per entry it wrote (the peers write none)."""
+    a journal, creating a file skips one by one the inodes freed in the last minute (six while
+    their inode table's block is not written back: the kernel's RECENTCY_MIN and RECENTCY_DIRTY),
+    so a gl run after another run's 1,000 entries were removed paid up to a millisecond of kernel
+    CPU per entry it wrote (the peers write none)."""
     scratch = Path(tempfile.mkdtemp(prefix="gl-folder-bench-"))
     left.append(scratch)
     env = dict(os.environ, GLOBALLOADER_CACHE_DIR=str(scratch / "gl-cache"))
