@@ -338,17 +338,15 @@ class FetchAhead:
             if not self._queue or len(self._held) + self.in_flight >= self._limit.ceiling:
                 return failed, False
             url, size, what, tries, since = self._queue[0]
-            got: tuple[Any, Callable[[], None]] | Exception | None = None
+            got: tuple[Any, Callable[[], None]] | Exception | None
             try:
-                room = self._room is None or self._room(size, self.in_flight_bytes + self._held_bytes)
-                if room:
-                    got = self._claim(url, what) if self._claim is not None else (what, _unclaimed)
+                if self._room is not None and not self._room(size, self.in_flight_bytes + self._held_bytes):
+                    if self._room_poll is None:  # the readers make room, not an answer: ask again
+                        self._room_poll = self._loop.call_later(ROOM_POLL, self._poll_room)
+                    return failed, False
+                got = self._claim(url, what) if self._claim is not None else (what, _unclaimed)
             except Exception as exc:  # noqa: BLE001 - counted and named as a failed GET is; its reader fetches it
-                room, got = True, exc
-            if not room:
-                if self._room_poll is None:  # the readers make room, not an answer: ask again
-                    self._room_poll = self._loop.call_later(ROOM_POLL, self._poll_room)
-                return failed, False
+                got = exc
             self._queue.popleft()
             self._asked.discard(url)
             self._queued_bytes -= size
