@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import pathlib
+import random
 import re
 import socket
 import stat
@@ -283,7 +284,7 @@ def write_atomic(
     may check what it wrote). OSErrors pass.
     """
     target = pathlib.Path(path)
-    temporary = _temporary_for(target)
+    temporary = pathlib.Path(_temporary_for(target))
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = create_file(temporary, os.O_RDWR, mode) if mode is not None else os.open(temporary, flags, 0o666)
     # Closed by `commit`, or below without raising over the block's own exception.
@@ -301,7 +302,7 @@ def write_atomic(
 
 
 def write_whole(
-    path: pathlib.Path,
+    path: os.PathLike[str] | str,
     parts: Sequence[bytes],
     *,
     mode: int,
@@ -338,12 +339,15 @@ def write_whole(
         raise
 
 
-def _temporary_for(target: pathlib.Path, mark: str = "") -> pathlib.Path:
+def _temporary_for(target: os.PathLike[str] | str, mark: str = "") -> str:
     """A new temporary file name beside `target`, naming its writer (see `temporary_writer`) and
-    carrying `mark` (letters, see `temporary_mark`) before its random token."""
-    owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{mark}{os.urandom(_TOKEN).hex()}.tmp"
-    name = os.fsencode(target.name)[: _NAME_MAX - len(owner) - 2].decode(errors="ignore")
-    return target.with_name(f".{name}.{owner}")
+    carrying `mark` (letters, see `temporary_mark`) before its random token. Strings, not
+    pathlib: the object cache makes one per small object it writes."""
+    token = random.getrandbits(8 * _TOKEN)  # no system call (os.urandom's); reseeded in a forked child
+    owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{mark}{token:0{2 * _TOKEN}x}.tmp"
+    folder, name = os.path.split(os.fspath(target))
+    name = os.fsencode(name)[: _NAME_MAX - len(owner) - 2].decode(errors="ignore")
+    return os.path.join(folder, f".{name}.{owner}")
 
 
 def temporary_mark(name: str) -> str:

@@ -106,10 +106,8 @@ def test_entries_written_ahead_at_once_by_processes_keep_the_counters_exact(tmp_
 def _leave_temporaries(root: pathlib.Path) -> None:
     """In a child that then dies: a temporary of a download with a reservation (its size) and one
     of an entry written under the counters' lock with none, as a kill mid-write leaves them."""
-    reserved = _paths._temporary_for(root / ("a" * 40))
-    reserved.write_bytes(b"r" * 300)
-    unreserved = _paths._temporary_for(root / ("b" * 40), _UNRESERVED)
-    unreserved.write_bytes(b"u" * 500)
+    pathlib.Path(_paths._temporary_for(root / ("a" * 40))).write_bytes(b"r" * 300)
+    pathlib.Path(_paths._temporary_for(root / ("b" * 40), _UNRESERVED)).write_bytes(b"u" * 500)
     os._exit(0)
 
 

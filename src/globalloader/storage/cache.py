@@ -59,6 +59,7 @@ import collections
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import mmap
 import multiprocessing.util
@@ -108,6 +109,9 @@ AHEAD_CLAIM = 3600 * 10**9  # ns
 READERS = "readers"  # the folder's sub-folder where reading processes register their hold (see `room_ahead`)
 _READERS_RECOUNT = 0.1  # seconds between two sums of the machine's readers' holds
 _ROOM_REREAD = 0.05  # seconds a record read lends its room to `_room_on_machine` (see there)
+# Entries downloaded ahead that `room_ahead` counts without a look at whether they were read (their
+# memory stays bounded; past it, the oldest are looked at as before).
+_AHEAD_UNCHECKED = 1024
 _TOUCH_EVERY = 10**9  # ns: an open sets the access time (the LRU clock) if older than this
 _RECORD_WAIT = 0.1  # seconds a release waits for the counters' lock to read the cache's size
 # Seconds a download waits for the counters' lock to reserve its bytes (held for a few system calls
@@ -500,6 +504,7 @@ class ObjectCache:
 
     def __init__(self, root: str | os.PathLike[str] | None = None, limit: int | str | None = None) -> None:
         self.root = pathlib.Path(root) if root is not None else default_root()
+        self._folder = os.fspath(self.root)  # a string: an entry's path is joined per object ahead
         self.limit = resolve_limit(limit)
         self._locks = self.root / "locks"
         self.stats = CacheStats(self.root / STATS_NAME, self._scan)
@@ -541,7 +546,7 @@ class ObjectCache:
         self._held_bytes = 0
         self._held_lock = threading.Lock()
         # Entries this handle downloaded ahead, oldest first, with their bytes (see `room_ahead`).
-        self._ahead: collections.deque[tuple[pathlib.Path, int]] = collections.deque()
+        self._ahead: collections.deque[tuple[str | pathlib.Path, int]] = collections.deque()
         self._ahead_bytes = 0
         self._ahead_pruned = 0  # time.time_ns() of the last look at every one (see `room_ahead`)
         self._machine_room = (0.0, 0)  # until when (monotonic) and how many bytes `_room_on_machine` may give unread
@@ -562,7 +567,9 @@ class ObjectCache:
         """Whether the entry is in the folder now, for a download ahead that then skips it: if it
         is, it is claimed as one downloaded ahead (counted in `room_ahead`; eviction keeping the
         limit never takes it before a reader opens it), or left as it is when already claimed."""
-        path = self.root / entry.name()
+        return self._found_ahead(os.path.join(self._folder, entry.name()))
+
+    def _found_ahead(self, path: str) -> bool:
         try:
             st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
@@ -575,7 +582,7 @@ class ObjectCache:
                 self._note_ahead(path, st.st_size)
         return True
 
-    def _note_ahead(self, path: pathlib.Path, stored: int) -> None:
+    def _note_ahead(self, path: str | pathlib.Path, stored: int) -> None:
         """The entry at `path` (`stored` bytes on disk) is claimed ahead by this handle (`room_ahead`)."""
         with self._held_lock:
             self._ahead.append((path, stored))
@@ -585,47 +592,56 @@ class ObjectCache:
         """Whether a reader fetched the entry (or waited for its download) after `since` (a
         time.time()): a download ahead asked for before that was overtaken by the reads, and the
         entry, gone now, was read and evicted; fetched again it would be downloaded twice."""
-        offset, tag = _fetched_slot(entry.name())
+        return self._fetched_since(entry.name(), since)
+
+    def _fetched_since(self, name: str, since: float) -> bool:
+        offset, tag = _fetched_slot(name)
         raw = self._downloads.pread(_FETCHED_AT.size, offset)
         if len(raw) != _FETCHED_AT.size:
             return False
         (value,) = _FETCHED_AT.unpack(raw)
         return value & ((1 << _TAG_BITS) - 1) == tag and (value >> _TAG_BITS) >= since * 1e6
 
-    @contextlib.contextmanager
-    def claim(self, entry: Entry, since: float) -> Iterator[Callable[[bytes, bool], bool] | None]:
+    def claim(self, entry: Entry, since: float) -> Claim:
         """For a download ahead of the reads (asked for at time.time() `since`), which must not
-        wait on a lock: yields `fill(data, wait)`, which writes the entry whole, when it is missing, no
-        process of the machine is downloading it (its download lock is held until the block
-        ends, so each entry is still downloaded once) and no reader fetched it since
-        (`fetched_since`); else None (the entry is there, on its way, or read already). `fill`
-        does disk work, and with `wait` may wait for room (eviction, readers, a full disk): call it
-        off an event loop's thread then. Without `wait` it never sleeps: it writes the entry if
-        room is there at once and returns True, else does nothing and returns False (call it again
-        with `wait`); a small object is written so on the loop, without a thread hop."""
-        path = self.root / entry.name()
-        if self.found_ahead(entry):
-            yield None
-            return
-        with self._download_lock(path, entry, wait=False) as held:
-            if not held or path.exists() or self.fetched_since(entry, since):
-                yield None
-                return
+        wait on a lock: the entry claimed (`Claim.fill` set) when it is missing, no process of the
+        machine is downloading it (its download lock is held until `Claim.release`, so each entry
+        is still downloaded once) and no reader fetched it since (`fetched_since`); else
+        unclaimed (`fill` None: the entry is there, on its way, or read already). A plain object,
+        not a generator: a download ahead claims each small object it fetches."""
+        name = entry.name()
+        path = os.path.join(self._folder, name)
+        if self._found_ahead(path):
+            return Claim(None, None)
+        byte = _lock_byte_of(name)
+        if not self._downloads.try_lock(byte):
+            return Claim(None, None)
+        try:
+            if os.path.lexists(path) or self._fetched_since(name, since):
+                self._downloads.unlock(byte)
+                return Claim(None, None)
+        except BaseException:
+            self._downloads.unlock(byte)
+            raise
+        return Claim(functools.partial(self._fill, path, entry), functools.partial(self._downloads.unlock, byte))
 
-            def fill(data: bytes, wait: bool = True) -> bool:
-                if not wait:
-                    try:
-                        self._write_now(path, entry, data)
-                    except _WouldWait:
-                        return False
-                    return True
-                self._make_room(entry.data_size())
-                with self._room_for(entry, ahead=True) as reservation:
-                    if reservation is not None:  # else dropped: its reader fetches it
-                        self._write(path, entry, lambda write: write(data), reservation, opened=False, ahead=True)
-                return True
-
-            yield fill
+    def _fill(self, path: str, entry: Entry, data: bytes, wait: bool = True) -> bool:
+        """Write a claimed entry whole (`Claim.fill`). With `wait` it may wait for room (eviction,
+        readers, a full disk): call it off an event loop's thread then. Without `wait` it never
+        sleeps: it writes the entry if room is there at once and returns True, else does nothing
+        and returns False (call it again with `wait`); a small object is written so on the loop,
+        without a thread hop."""
+        if not wait:
+            try:
+                self._write_now(path, entry, data)
+            except _WouldWait:
+                return False
+            return True
+        self._make_room(entry.data_size())
+        with self._room_for(entry, ahead=True) as reservation:
+            if reservation is not None:  # else dropped: its reader fetches it
+                self._write(pathlib.Path(path), entry, lambda write: write(data), reservation, opened=False, ahead=True)
+        return True
 
     def _acquire(self, entry: Entry, download: Download, ahead: bool = False) -> _Opened:
         self._make_room(entry.data_size())
@@ -707,27 +723,26 @@ class ObjectCache:
             )
         return _Reservation(incoming)
 
-    def _write_now(self, path: pathlib.Path, entry: Entry, data: bytes) -> None:
-        """Write `data`, the entry downloaded ahead, if it fits under the limit at once: the
+    def _write_now(self, path: str, entry: Entry, data: bytes) -> None:
+        """Write `data`, the entry claimed ahead, if it fits under the limit at once: the
         counters' lock free, nothing to evict, the disk not full; else _WouldWait. Checked,
         written whole (`_paths.write_whole`: one writev of the data and its tail, no copy of
         them, no file object) and counted under one hold of the counters' lock (one lock a small
         object, not two, and no reservation: no process counts the folder meanwhile, so the
         temporary file is never seen beyond the limit; one killed midway changed no record, and
         its temporary, marked _UNRESERVED, is removed without giving back a reservation it never
-        made); never a sleep, so an event loop may call it."""
+        made); never a sleep, so an event loop may call it. No entry is there to count out (as
+        `_write_once` does): the claim found none under the download lock it holds, and only
+        its holder writes the entry."""
         sums = _Checksums()
         sums.add(data)
         stored = stored_size(sums.length)
-        with contextlib.ExitStack() as stack:
-            try:
-                record = stack.enter_context(self.stats.locked(0.0))
-            except StorageError:  # the lock is busy
-                raise _WouldWait from None
+        with self.stats.locked_now() as record:
+            if record is None:  # the lock is busy
+                raise _WouldWait
             taken = record["bytes"] + record["reserved"]
             if taken and taken + stored > self.limit:
                 raise _WouldWait
-            _count_out_replaced(record, path)
             now = time.time_ns()
             try:
                 _paths.write_whole(
@@ -749,15 +764,18 @@ class ObjectCache:
         beside every entry and reservation of the machine (`_room_on_machine`; those under way
         reserve their bytes when they write, evicting then what the reads have left, not sooner:
         an entry one worker has read may still be read by another): the read-ahead waits for the
-        reads, it never takes their room. A stat or two (their oldest first: they
-        are read in the order downloaded) and a read of the record, so an event loop may ask;
-        when there is no room, every one of them is looked at (once a second at most: one never
-        read, a job stopped mid-epoch, must not hold back the others)."""
+        reads, it never takes their room. No system call while the entries known ahead are few
+        and fit (those read since only make their count higher), else a stat or two (their
+        oldest first: they are read in the order downloaded); a read of the record now and
+        then, so an event loop may ask; when there is no room, every one of them is looked at
+        (once a second at most: one never read, a job stopped mid-epoch, must not hold back the
+        others)."""
         now = time.time_ns()
         with self._held_lock:
-            while self._ahead and not _claimed(self._ahead[0][0], now):
+            fits = len(self._ahead) <= _AHEAD_UNCHECKED and self._fits_ahead(size, under_way)
+            while not fits and self._ahead and not _claimed(self._ahead[0][0], now):
                 self._ahead_bytes -= self._ahead.popleft()[1]
-            fits = self._fits_ahead(size, under_way)
+            fits = fits or self._fits_ahead(size, under_way)
             if not fits and now - self._ahead_pruned > _TOUCH_EVERY:
                 self._ahead_pruned = now
                 self._ahead = collections.deque(item for item in self._ahead if _claimed(item[0], now))
@@ -1198,13 +1216,36 @@ def _count_in(record: dict[str, int], length: int) -> None:
     record["downloaded_bytes"] += length
 
 
-def _claimed(path: pathlib.Path, now: int) -> bool:
+def _claimed(path: str | pathlib.Path, now: int) -> bool:
     """Whether the entry at `path` is still claimed ahead (no reader opened it since; see the
     module doc): there, with its access time in the future."""
     try:
         return os.stat(path, follow_symlinks=False).st_atime_ns > now
     except FileNotFoundError:
         return False
+
+
+class Claim:
+    """An entry claimed for a download ahead (`ObjectCache.claim`): `fill(data, wait)` writes it
+    and `release()` lets the machine download it again; unclaimed, `fill` is None. In a `with`
+    block, `as` gives `fill` and the block's end releases."""
+
+    __slots__ = ("_release", "fill")
+
+    def __init__(self, fill: Callable[[bytes, bool], bool] | None, release: Callable[[], None] | None) -> None:
+        self.fill, self._release = fill, release
+
+    def release(self) -> None:
+        """Release the entry's download lock (once; nothing when unclaimed)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> Callable[[bytes, bool], bool] | None:
+        return self.fill
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class _WouldWait(Exception):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import operator
 import os
 import pathlib
 import struct
@@ -46,6 +47,7 @@ FIELDS = ("downloaded_bytes", "hits", "misses", "bytes", "entries", "reserved")
 LOCK_TIMEOUT = 30.0  # seconds `read` waits; the lock is held for a few system calls at a time
 BUSY_WAIT = 0.05  # seconds an update waits for the lock before it defers its changes
 EXIT_WAIT = 0.5  # seconds a process ending waits for the lock to write what it deferred
+_VALUES = operator.itemgetter(*FIELDS)  # a record's values in FIELDS order
 _RECORD = struct.Struct("<4s6Q")
 _CRC = struct.Struct("<I")
 _MAGIC = b"GLS2"  # GLS1 records had no `reserved`: they read as damaged and start again
@@ -118,6 +120,11 @@ class CacheStats:
         """The record for the block, like `update` but waiting for the lock up to `timeout` seconds
         (else a StorageError): to read it, or to set values rather than add to them."""
         return _Locked(self, timeout)
+
+    def locked_now(self) -> _Locked:
+        """The record for the block if its lock is free now, else None: for a caller that must
+        not wait (an event loop's)."""
+        return _Locked(self, 0.0, or_none=True)
 
     def read(self, timeout: float = LOCK_TIMEOUT) -> dict[str, int]:
         with self.locked(timeout) as record:
@@ -282,7 +289,7 @@ def _close_quietly(fd: int) -> None:
 
 
 def _pack(record: dict[str, int]) -> bytes:
-    body = _RECORD.pack(_MAGIC, *(max(0, record[f]) for f in FIELDS))
+    body = _RECORD.pack(_MAGIC, *[max(0, value) for value in _VALUES(record)])
     return body + _CRC.pack(zlib.crc32(body))
 
 

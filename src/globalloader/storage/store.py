@@ -445,12 +445,10 @@ class Store(ProcessLocal):
         holds it, another process is downloading it or the reads overtook it (a reader fetched it
         since: read, and maybe evicted since)."""
         stat, since = asked
-        claim = contextlib.ExitStack()
-        fill = claim.enter_context(self.cache.claim(Entry(url, stat.size, stat.version, -1, 0), since))
-        if fill is None:
-            claim.close()
+        claim = self.cache.claim(Entry(url, stat.size, stat.version, -1, 0), since)
+        if claim.fill is None:
             return None
-        return (stat, fill), claim.close
+        return (stat, claim.fill), claim.release
 
     async def _fetch_small(self, url: str, claimed: tuple[FileStat, Callable[[bytes, bool], bool]]) -> None:
         """One object of the pool, claimed (`_claim_small`): one GET (`_answer`), checked against
