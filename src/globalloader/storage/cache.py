@@ -331,9 +331,11 @@ class _DownloadLocks:
             if fd != self._fd and fd not in self._held.values():
                 os.close(fd)  # of a lock file removed since: its last byte is released
 
-    def pread(self, length: int, offset: int) -> bytes:
+    def pread(self, length: int, offset: int, held: int | None = None) -> bytes:
+        """Bytes of the lock file; through the descriptor the byte `held` is locked through, if
+        given (the file of that lock, with no check that it is still the folder's)."""
         with self._guard:
-            return os.pread(self.descriptor(), length, offset)
+            return os.pread(self._held[held] if held is not None else self.descriptor(), length, offset)
 
     def pwrite(self, data: bytes, offset: int) -> None:
         with self._guard:
@@ -594,9 +596,10 @@ class ObjectCache:
         entry, gone now, was read and evicted; fetched again it would be downloaded twice."""
         return self._fetched_since(entry.name(), since)
 
-    def _fetched_since(self, name: str, since: float) -> bool:
+    def _fetched_since(self, name: str, since: float, held: int | None = None) -> bool:
+        """`fetched_since`; `held`: the entry's lock byte, held (its lock file is read)."""
         offset, tag = _fetched_slot(name)
-        raw = self._downloads.pread(_FETCHED_AT.size, offset)
+        raw = self._downloads.pread(_FETCHED_AT.size, offset, held)
         if len(raw) != _FETCHED_AT.size:
             return False
         (value,) = _FETCHED_AT.unpack(raw)
@@ -617,7 +620,7 @@ class ObjectCache:
         if not self._downloads.try_lock(byte):
             return Claim(None, None)
         try:
-            if os.path.lexists(path) or self._fetched_since(name, since):
+            if os.path.lexists(path) or self._fetched_since(name, since, byte):
                 self._downloads.unlock(byte)
                 return Claim(None, None)
         except BaseException:
