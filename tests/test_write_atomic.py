@@ -7,12 +7,14 @@ import errno
 import multiprocessing
 import os
 import pathlib
+import random
 import resource
 import signal
 from typing import Any
 
 import pytest
 
+from globalloader import _paths
 from globalloader._paths import temporary_writer, write_atomic, write_whole
 from globalloader._pids import alive
 
@@ -171,3 +173,30 @@ def test_write_whole_goes_on_after_short_writes_within_and_across_its_parts(
     path = tmp_path / "entry"
     write_whole(path, (b"abcde", b"", b"f", b"ghijklm"), mode=0o600)
     assert path.read_bytes() == b"abcdefghijklm"
+
+
+def _token(path: str) -> str:
+    """The random token of a temporary file's name (see `temporary_mark`)."""
+    return path.rpartition(".tmp")[0].rsplit(".", 1)[-1]
+
+
+def _token_in_child(folder: pathlib.Path, out: Any) -> None:
+    out.put(_token(_paths._temporary_for(folder / "a")))
+
+
+def test_writing_files_leaves_random_alone_and_a_forked_child_draws_other_tokens(tmp_path: pathlib.Path) -> None:
+    """The temporary files' names take no bits of `random`'s generator (the user's: a seeded job's
+    sequence, a state a resume saved), and a forked child does not repeat its parent's tokens."""
+    random.seed(7)
+    state = random.getstate()
+    write_whole(tmp_path / "whole", (b"w",), mode=0o600)
+    with write_atomic(tmp_path / "atomic") as out:
+        out.write(b"a")
+    assert random.getstate() == state
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_token_in_child, args=(tmp_path, out))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert out.get(timeout=5) != _token(_paths._temporary_for(tmp_path / "a"))

@@ -233,6 +233,10 @@ def host_tag() -> str:
 _HOST = host_tag()  # with the pid, names whose temporary files they are (see `temporary_writer`)
 _NAME_MAX = 255  # bytes of one file name on Linux file systems
 _TOKEN = 4  # random bytes in a temporary file's name
+# Their source: no system call per file (os.urandom's), and not `random`'s own generator, whose
+# state is the user's (a seeded job's sequence, a resume's saved state); reseeded in a forked child.
+_TOKENS = random.Random()
+os.register_at_fork(after_in_child=_TOKENS.seed)
 
 
 class AtomicWrite:
@@ -343,7 +347,7 @@ def _temporary_for(target: os.PathLike[str] | str, mark: str = "") -> str:
     """A new temporary file name beside `target`, naming its writer (see `temporary_writer`) and
     carrying `mark` (letters, see `temporary_mark`) before its random token. Strings, not
     pathlib: the object cache makes one per small object it writes."""
-    token = random.getrandbits(8 * _TOKEN)  # no system call (os.urandom's); reseeded in a forked child
+    token = _TOKENS.getrandbits(8 * _TOKEN)
     owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{mark}{token:0{2 * _TOKEN}x}.tmp"
     folder, name = os.path.split(os.fspath(target))
     name = os.fsencode(name)[: _NAME_MAX - len(owner) - 2].decode(errors="ignore")
