@@ -158,6 +158,26 @@ def test_the_read_ahead_leaves_every_reading_process_the_room_it_keeps_open(tmp_
             reader.wait(60)
 
 
+def test_the_read_ahead_has_room_again_as_soon_as_its_oldest_entry_is_read(tmp_path: pathlib.Path) -> None:
+    """The read-ahead fills the room its process's hold leaves (5 entries of 10); once a reader
+    opens the oldest, the next ask finds room at once: it looks at its oldest entries when the
+    count does not fit, not only in its full look at every one (once a second at most, and one
+    was just made)."""
+    unit = stored_size(10_000)
+    cache = ObjectCache(tmp_path / "objects", limit=10 * unit)
+    cache.hold = 5 * unit
+    entries = [Entry(f"s3://b/ahead-{i}", 10_000, "v") for i in range(10)]
+    claimed = 0
+    while cache.room_ahead(10_000) and claimed < 10:
+        with cache.claim(entries[claimed], time.time()) as fill:
+            assert fill is not None
+            fill(b"a" * 10_000)
+        claimed += 1
+    assert claimed == 5 and not cache.room_ahead(10_000)  # that ask looked at every one
+    cache.open(entries[0], lambda write: write(b"a" * 10_000)).close()
+    assert cache.room_ahead(10_000)
+
+
 def test_a_dropped_cache_handle_gives_its_hold_back_while_its_process_goes_on(tmp_path: pathlib.Path) -> None:
     """Each source's handle adds its hold to its process's registration once it reads; a source
     the process drops (collected) stops counting, the others of the process still count."""

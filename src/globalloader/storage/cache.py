@@ -548,7 +548,7 @@ class ObjectCache:
         self._held_bytes = 0
         self._held_lock = threading.Lock()
         # Entries this handle downloaded ahead, oldest first, with their bytes (see `room_ahead`).
-        self._ahead: collections.deque[tuple[str | pathlib.Path, int]] = collections.deque()
+        self._ahead: collections.deque[tuple[str, int]] = collections.deque()
         self._ahead_bytes = 0
         self._ahead_pruned = 0  # time.time_ns() of the last look at every one (see `room_ahead`)
         self._machine_room = (0.0, 0)  # until when (monotonic) and how many bytes `_room_on_machine` may give unread
@@ -584,7 +584,7 @@ class ObjectCache:
                 self._note_ahead(path, st.st_size)
         return True
 
-    def _note_ahead(self, path: str | pathlib.Path, stored: int) -> None:
+    def _note_ahead(self, path: str, stored: int) -> None:
         """The entry at `path` (`stored` bytes on disk) is claimed ahead by this handle (`room_ahead`)."""
         with self._held_lock:
             self._ahead.append((path, stored))
@@ -775,10 +775,10 @@ class ObjectCache:
         others)."""
         now = time.time_ns()
         with self._held_lock:
-            fits = len(self._ahead) <= _AHEAD_UNCHECKED and self._fits_ahead(size, under_way)
-            while not fits and self._ahead and not _claimed(self._ahead[0][0], now):
-                self._ahead_bytes -= self._ahead.popleft()[1]
-            fits = fits or self._fits_ahead(size, under_way)
+            if len(self._ahead) > _AHEAD_UNCHECKED or not self._fits_ahead(size, under_way):
+                while self._ahead and not _claimed(self._ahead[0][0], now):
+                    self._ahead_bytes -= self._ahead.popleft()[1]
+            fits = self._fits_ahead(size, under_way)
             if not fits and now - self._ahead_pruned > _TOUCH_EVERY:
                 self._ahead_pruned = now
                 self._ahead = collections.deque(item for item in self._ahead if _claimed(item[0], now))
@@ -1003,7 +1003,7 @@ class ObjectCache:
                     reservation.size = 0
                     _count_in(counted, sums.length)
             if ahead:
-                self._note_ahead(path, stored_size(sums.length))
+                self._note_ahead(os.fspath(path), stored_size(sums.length))
             return _Opened(fd, sums.crc, _stamp(os.fstat(fd))) if opened else None
         except BaseException:
             if fd >= 0:
@@ -1219,7 +1219,7 @@ def _count_in(record: dict[str, int], length: int) -> None:
     record["downloaded_bytes"] += length
 
 
-def _claimed(path: str | pathlib.Path, now: int) -> bool:
+def _claimed(path: str, now: int) -> bool:
     """Whether the entry at `path` is still claimed ahead (no reader opened it since; see the
     module doc): there, with its access time in the future."""
     try:
