@@ -10,6 +10,7 @@ import pathlib
 import random
 import resource
 import signal
+import threading
 from typing import Any
 
 import pytest
@@ -181,12 +182,21 @@ def _token(path: str) -> str:
 
 
 def _token_in_child(folder: pathlib.Path, out: Any) -> None:
-    out.put(_token(_paths._temporary_for(folder / "a")))
+    name = os.path.basename(_paths._temporary_for(folder / "a"))
+    out.put((_token(name), _paths.temporary_writer(name), os.getpid()))
 
 
 def test_writing_files_leaves_random_alone_and_a_forked_child_draws_other_tokens(tmp_path: pathlib.Path) -> None:
     """The temporary files' names take no bits of `random`'s generator (the user's: a seeded job's
-    sequence, a state a resume saved), and a forked child does not repeat its parent's tokens."""
+    sequence, a state a resume saved), and a forked child does not repeat its parent's tokens
+    nor name its parent as their writer (a cleaner would judge the child's files by the parent's
+    pid); each thread names itself."""
+    threads: list[str] = []
+    worker = threading.Thread(target=lambda: threads.append(_paths._temporary_for(tmp_path / "a")))
+    worker.start()
+    worker.join()
+    assert f"-{os.getpid()}-{worker.native_id}." in threads[0]
+    assert f"-{os.getpid()}-{threading.get_native_id()}." in _paths._temporary_for(tmp_path / "a")
     random.seed(7)
     state = random.getstate()
     write_whole(tmp_path / "whole", (b"w",), mode=0o600)
@@ -199,4 +209,6 @@ def test_writing_files_leaves_random_alone_and_a_forked_child_draws_other_tokens
     child.start()
     child.join(60)
     assert child.exitcode == 0
-    assert out.get(timeout=5) != _token(_paths._temporary_for(tmp_path / "a"))
+    token, writer, pid = out.get(timeout=5)
+    assert token != _token(_paths._temporary_for(tmp_path / "a"))
+    assert writer == pid != os.getpid()

@@ -236,7 +236,17 @@ _TOKEN = 4  # random bytes in a temporary file's name
 # Their source: no system call per file (os.urandom's), and not `random`'s own generator, whose
 # state is the user's (a seeded job's sequence, a resume's saved state); reseeded in a forked child.
 _TOKENS = random.Random()
-os.register_at_fork(after_in_child=_TOKENS.seed)
+# Each thread's "host-pid-tid", made once per thread: getpid and gettid are system calls.
+_WRITER = threading.local()
+
+
+def _after_fork_in_child() -> None:
+    global _WRITER
+    _TOKENS.seed()
+    _WRITER = threading.local()  # the forking thread's holds the parent's pid
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class AtomicWrite:
@@ -348,7 +358,11 @@ def _temporary_for(target: os.PathLike[str] | str, mark: str = "") -> str:
     carrying `mark` (letters, see `temporary_mark`) before its random token. Strings, not
     pathlib: the object cache makes one per small object it writes."""
     token = _TOKENS.getrandbits(8 * _TOKEN)
-    owner = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}.{mark}{token:0{2 * _TOKEN}x}.tmp"
+    try:
+        writer = _WRITER.name
+    except AttributeError:
+        writer = _WRITER.name = f"{_HOST}-{os.getpid()}-{threading.get_native_id()}"
+    owner = f"{writer}.{mark}{token:0{2 * _TOKEN}x}.tmp"
     folder, name = os.path.split(os.fspath(target))
     name = os.fsencode(name)[: _NAME_MAX - len(owner) - 2].decode(errors="ignore")
     return os.path.join(folder, f".{name}.{owner}")

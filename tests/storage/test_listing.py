@@ -284,3 +284,14 @@ def test_a_process_forked_after_a_listing_through_obstore_reads_through_s3fs(
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.split() == ["10", "True", "0"], done.stderr[-6000:]  # a hung child's stacks
+
+
+def test_names_read_back_as_written_from_a_mapped_file_and_after_pickling(tmp_path: pathlib.Path) -> None:
+    names = ["a.jpg", "", "dir/é.png", os.fsdecode(b"raw-\xff.bin"), "x" * 300, "日本.npy"]
+    offsets, data = listing._Flat.encode(names)
+    (tmp_path / "names").write_bytes(data)
+    mapped = listing._Flat(offsets, np.memmap(tmp_path / "names", np.uint8, mode="r"))
+    assert [mapped[i] for i in range(len(names))] == names  # a lone surrogate too (surrogatepass)
+    in_memory = listing.flat_strings(names)
+    clone = pickle.loads(pickle.dumps(in_memory))  # a local folder's names go to workers this way
+    assert [clone[i] for i in range(len(names))] == names

@@ -55,10 +55,16 @@ _SECRET_PARTS = ("key", "secret", "token", "password", "credential")
 
 
 class _Flat:
-    """Strings as one byte buffer and the offsets of its items (reading them touches no object)."""
+    """Strings as one byte buffer and the offsets of its items (reading them touches no object).
+    An item is read through a memoryview of the buffer: a slice of a memmap runs numpy's Python
+    (`memmap.__array_finalize__`), four times the cost of the whole read, twice an object."""
 
     def __init__(self, offsets: np.ndarray, data: np.ndarray) -> None:
         self.offsets, self.data = offsets, data
+        self._bytes = data.data  # the array's buffer as a memoryview
+
+    def __reduce__(self) -> tuple[type[_Flat], tuple[np.ndarray, np.ndarray]]:
+        return _Flat, (self.offsets, self.data)  # a memoryview is not pickled: made again there
 
     @staticmethod
     def encode(items: list[str]) -> tuple[np.ndarray, bytes]:
@@ -68,8 +74,7 @@ class _Flat:
         return offsets, b"".join(encoded)
 
     def __getitem__(self, index: int) -> str:
-        raw = self.data[self.offsets.item(index) : self.offsets.item(index + 1)].tobytes()
-        return raw.decode("utf-8", "surrogatepass")
+        return str(self._bytes[self.offsets.item(index) : self.offsets.item(index + 1)], "utf-8", "surrogatepass")
 
 
 def flat_strings(items: list[str]) -> _Flat:
