@@ -775,10 +775,11 @@ class ObjectCache:
         others)."""
         now = time.time_ns()
         with self._held_lock:
-            if len(self._ahead) > _AHEAD_UNCHECKED or not self._fits_ahead(size, under_way):
+            fits = self._fits_ahead(size, under_way)
+            if not fits or len(self._ahead) > _AHEAD_UNCHECKED:  # the oldest read since give room back
                 while self._ahead and not _claimed(self._ahead[0][0], now):
                     self._ahead_bytes -= self._ahead.popleft()[1]
-            fits = self._fits_ahead(size, under_way)
+                fits = self._fits_ahead(size, under_way)
             if not fits and now - self._ahead_pruned > _TOUCH_EVERY:
                 self._ahead_pruned = now
                 self._ahead = collections.deque(item for item in self._ahead if _claimed(item[0], now))
